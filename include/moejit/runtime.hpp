@@ -1,0 +1,70 @@
+// libmoejit: the process-wide runtime: shape registry, kernel cache, prewarm.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moejit/kernel_spec.hpp"
+#include "moejit/shape.hpp"
+
+namespace moejit {
+
+enum class CacheMode {
+  kReadWrite,   // normal: load hits, publish compiles
+  kReadOnly,    // load hits, never write (a cache baked into an image)
+  kMemoryOnly,  // no disk at all
+};
+
+struct RuntimeConfig {
+  std::string cache_dir;          // "" = MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else ~/.cache/moejit
+  CacheMode cache_mode = CacheMode::kReadWrite;
+  std::string cuda_include_dir;   // "" = MOEJIT_CUDA_INCLUDE, CUDA_HOME/CUDA_PATH, the usual prefixes
+  bool allow_compile_during_capture = false;  // a miss during stream capture compiles instead of throwing
+
+  // The configuration the environment asks for (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
+  static RuntimeConfig from_environment();
+};
+
+// Replace the process runtime's configuration. Call before the first op; later calls throw
+// Error{kInvalidArgument} once kernels are loaded.
+void configure(const RuntimeConfig& config);
+const RuntimeConfig& config();
+
+// Shape registry: an engine registers shape files at run time; the CLI uses the same calls.
+// Registration is all-or-nothing per file; a name registered twice is refused.
+std::vector<std::string> register_shapes_file(const std::string& path);
+std::vector<std::string> register_shapes(const std::string& text, const std::string& source_name);
+ModelShape registered_shape(const std::string& name);  // throws Error{kInvalidArgument}
+std::vector<std::string> registered_shape_names();
+
+// The kernels a shape needs on `arch`, each with a reason when unsupported.
+std::vector<KernelSpec> plan_kernels(const ModelShape& shape, const Arch& arch);
+
+// How a kernel request was satisfied.
+enum class CacheOutcome { kMemoryHit, kDiskHit, kCompiled, kCompiledNotStored };
+
+struct BuildResult {
+  KernelSpec spec;
+  CacheOutcome outcome = CacheOutcome::kCompiled;
+  double milliseconds = 0;   // compile time when compiled, load time otherwise
+  std::string key;           // cache key (hex)
+  std::string error;         // non-empty when the build failed
+};
+
+// Compile (or find) every kernel `shapes` need for each arch, `jobs` at a time. Never throws for
+// one kernel's failure: it is reported in its BuildResult. `progress` is called after each.
+std::vector<BuildResult> prewarm(const std::vector<ModelShape>& shapes,
+                                 const std::vector<Arch>& archs, int jobs,
+                                 const std::function<void(const BuildResult&, std::size_t done,
+                                                          std::size_t total)>& progress = {});
+
+// Compile (or find) one kernel for one arch and return how; throws on failure.
+BuildResult build_kernel(const KernelSpec& spec);
+
+// The generated CUDA source of one kernel (what `moejit source` prints).
+std::string kernel_source(const KernelSpec& spec);
+
+}  // namespace moejit

@@ -1,0 +1,93 @@
+// Why: header-only xxHash, so the library carries no runtime dependency on libxxhash.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "common/hash.hpp"
+#include "common/log.hpp"
+#include "moejit/error.hpp"
+#include <spdlog/sinks/stdout_color_sinks.h>
+
+namespace moejit {
+
+const char* error_code_name(ErrorCode code) noexcept {
+  switch (code) {
+    case ErrorCode::kInvalidDescriptor: return "invalid descriptor";
+    case ErrorCode::kInvalidArgument: return "invalid argument";
+    case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kCompileFailed: return "compile failed";
+    case ErrorCode::kCacheCorrupt: return "cache corrupt";
+    case ErrorCode::kCache: return "cache";
+    case ErrorCode::kDriver: return "driver";
+    case ErrorCode::kCaptureMiss: return "compile during capture";
+    case ErrorCode::kIo: return "io";
+    case ErrorCode::kInternal: return "internal";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+void throw_error(ErrorCode code, const std::string& message) { throw Error(code, message); }
+
+std::optional<std::string> env(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+spdlog::logger& log() {
+  static std::shared_ptr<spdlog::logger> logger = [] {
+    auto existing = spdlog::get("moejit");
+    if (existing) return existing;
+    auto made = spdlog::stderr_color_mt("moejit");
+    made->set_pattern("[moejit %L] %v");
+    auto level = spdlog::level::warn;
+    if (auto text = env("MOEJIT_LOG_LEVEL")) level = spdlog::level::from_str(*text);
+    made->set_level(level);
+    return made;
+  }();
+  return *logger;
+}
+
+std::string Digest::hex() const {
+  char text[33];
+  std::snprintf(text, sizeof(text), "%016llx%016llx", static_cast<unsigned long long>(high),
+                static_cast<unsigned long long>(low));
+  return text;
+}
+
+Digest hash_bytes(const void* data, std::size_t size) {
+  XXH128_hash_t h = XXH3_128bits(data, size);
+  return Digest{h.high64, h.low64};
+}
+
+Hasher::Hasher() : state_(XXH3_createState()) {
+  if (state_ == nullptr) throw Error(ErrorCode::kInternal, "XXH3_createState failed (out of memory)");
+  XXH3_128bits_reset(static_cast<XXH3_state_t*>(state_));
+}
+Hasher::~Hasher() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+Hasher& Hasher::field(std::string_view bytes) {
+  field(static_cast<int64_t>(bytes.size()));
+  XXH3_128bits_update(static_cast<XXH3_state_t*>(state_), bytes.data(), bytes.size());
+  return *this;
+}
+
+Hasher& Hasher::field(int64_t value) {
+  XXH3_128bits_update(static_cast<XXH3_state_t*>(state_), &value, sizeof(value));
+  return *this;
+}
+
+Digest Hasher::digest() const {
+  XXH128_hash_t h = XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_));
+  return Digest{h.high64, h.low64};
+}
+
+}  // namespace detail
+}  // namespace moejit

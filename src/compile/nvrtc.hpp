@@ -1,0 +1,46 @@
+// NVRTC: compile a generated translation unit to a cubin for one arch.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "codegen/codegen.hpp"
+#include "common/hash.hpp"
+#include "moejit/kernel_spec.hpp"
+
+namespace moejit::detail {
+
+// The CUDA toolkit headers NVRTC needs (NVRTC 13 ships none of its own).
+struct ToolkitHeaders {
+  std::string include_dir;  // where cuda_bf16.h etc. were found
+  // Hash of the content of every toolkit header the kernels can reach from their includes
+  // (followed transitively), so a toolkit change changes every cache key.
+  Digest digest;
+};
+
+// Found from, in order: `configured` (RuntimeConfig::cuda_include_dir), MOEJIT_CUDA_INCLUDE,
+// $CUDA_HOME/include, $CUDA_PATH/include, /usr/local/cuda/include, /usr/local/cuda-*/include
+// (newest), /opt/cuda/include, /usr/include. Throws Error{kCompileFailed} listing every path
+// tried when none holds cuda_bf16.h. Memoized per configured value.
+const ToolkitHeaders& toolkit_headers(const std::string& configured);
+
+// "13.0" (nvrtcVersion).
+std::string nvrtc_version();
+
+// The full option list for `arch`, the include path excluded (it is machine-specific and does
+// not go into the cache key; the toolkit header digest does).
+std::vector<std::string> compile_options(const Arch& arch);
+
+struct CompiledKernel {
+  std::string cubin;          // the ELF image
+  std::string lowered_name;   // mangled name from nvrtcGetLoweredName
+  std::string log;            // NVRTC program log (with -Xptxas=-v: registers, spills)
+  double compile_ms = 0;
+};
+
+// Compile `src`. On failure throws CompileError naming the kernel and options, with the first
+// lines of the log in the message and the source saved under `failure_dir` (if non-empty).
+CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
+                       const ToolkitHeaders& toolkit, const std::string& failure_dir);
+
+}  // namespace moejit::detail

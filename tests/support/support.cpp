@@ -1,0 +1,62 @@
+#include "support/support.hpp"
+
+#include <stdlib.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+
+#include "driver/driver.hpp"
+
+namespace moejit::test {
+
+TempDir::TempDir() {
+  std::string pattern = (std::filesystem::temp_directory_path() / "moejit-test-XXXXXX").string();
+  if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  path_ = pattern;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  // Restore write permission on anything a test made read-only, then remove it all.
+  for (auto it = std::filesystem::recursive_directory_iterator(path_, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    std::filesystem::permissions(it->path(), std::filesystem::perms::owner_all,
+                                 std::filesystem::perm_options::add, ec);
+  }
+  std::filesystem::permissions(path_, std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::add, ec);
+  std::filesystem::remove_all(path_, ec);
+}
+
+bool gpu_available(std::string* why) {
+  const detail::DriverApi* api = detail::try_driver(why);
+  if (api == nullptr) return false;
+  int count = 0;
+  if (api->cuDeviceGetCount(&count) != CUDA_SUCCESS || count == 0) {
+    *why = "the driver reports no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+std::string shapes_dir() {
+  const char* dir = std::getenv("MOEJIT_TEST_SHAPES_DIR");
+  if (dir == nullptr) throw std::runtime_error("MOEJIT_TEST_SHAPES_DIR is not set (run via ctest)");
+  return dir;
+}
+
+int run_command(const std::string& command, std::string* output) {
+  std::string full = command + " 2>&1";
+  FILE* pipe = popen(full.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("popen failed: " + command);
+  std::array<char, 4096> buffer{};
+  output->clear();
+  size_t n = 0;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output->append(buffer.data(), n);
+  int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace moejit::test
