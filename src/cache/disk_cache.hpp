@@ -1,4 +1,25 @@
 // The on-disk cubin cache: one file per entry, published atomically, verified on load.
+//
+// Layout under the cache root `dir`:
+//   v<kCacheSchemaVersion>/<key[0:2]>/<key>.mjc        entries
+//   v<kCacheSchemaVersion>/<key[0:2]>/.<key>.*.tmp     writes in progress (never read)
+//   locks/<key>.lock                                   inter-process compile locks (flock)
+//   quarantine/<key>.mjc.<time>.<random>               entries that failed verification
+//
+// An entry file is a fixed 64-byte little-endian header (magic "moejitc\n", format version =
+// kCacheSchemaVersion, header size, manifest length, cubin length, XXH3-128 of the cubin,
+// XXH3-128 of the manifest), the Manifest as JSON, then the cubin bytes.
+//
+// Trust rule (a cache is code that will run on the GPU): a file or directory is trusted when it
+// is owned by the effective user or by root, and is neither group- nor world-writable.
+//  - An untrusted entry is ignored: logged at warn, reported as a miss, never deleted or moved.
+//  - An untrusted cache root (or v<N> dir) is used read-only, with a warning naming the fix:
+//    entries there are still loaded only when they are themselves trusted, and nothing is
+//    written where another user could swap files.
+// Why root counts as trusted: a cache baked into an image is typically root-owned and read by
+// an unprivileged service; root can replace the library itself anyway (the rule OpenSSH uses).
+//
+// All methods are const and safe to call from many threads and processes at once.
 #pragma once
 
 #include <cstdint>
@@ -21,9 +42,9 @@ struct Manifest {
   std::string library_version;
   double compile_ms = 0;
   std::string ptxas_info;     // register / spill report lines from the NVRTC log
-  uint64_t cubin_size = 0;
-  std::string cubin_hash;     // hex digest of the cubin
-  int64_t created_unix = 0;
+  uint64_t cubin_size = 0;    // filled by DiskCache::store from the cubin
+  std::string cubin_hash;     // hex XXH3-128 of the cubin, filled by DiskCache::store
+  int64_t created_unix = 0;   // filled by DiskCache::store when 0
 };
 
 struct Entry {
@@ -33,57 +54,101 @@ struct Entry {
 
 struct EntryInfo {
   std::string path;
-  Manifest manifest;
+  Manifest manifest;          // as far as it could be read (empty when the header is bad)
   uint64_t file_size = 0;
-  int64_t last_used_unix = 0;
-  std::string problem;        // non-empty when verification failed
+  int64_t last_used_unix = 0; // mtime: load() touches it
+  std::string problem;        // non-empty when verification failed or the entry is untrusted
 };
 
 struct GcReport {
-  uint64_t bytes_before = 0;
+  uint64_t bytes_before = 0;  // entries (every schema version) + quarantined files
   uint64_t bytes_after = 0;
-  int removed = 0;
+  int removed = 0;            // entries and quarantined files removed (stale temp files excluded)
+  int stale_temp_removed = 0; // leftovers of writers killed mid-publish
 };
+
+// The JSON text stored in an entry (stable field order), e.g. for `moejit cache list --json`.
+std::string manifest_to_json(const Manifest& manifest);
+
+// Whether `key` is a cache key: exactly 32 lowercase hex digits.
+bool is_cache_key(const std::string& key);
 
 class DiskCache {
  public:
-  // Opens (creating 0700 when writable) `dir`. In kReadWrite mode a dir that can't be created or
-  // written falls back to read-only (logged); kMemoryOnly never touches the disk.
+  // Opens `dir` (creating it and its parents 0700 when writable). Never throws for a directory
+  // that can't be used; it degrades instead, logged at info (warn for an untrusted dir):
+  //  - kReadWrite: a dir that exists but can't be written -> kReadOnly; one that doesn't exist
+  //    and can't be created (read-only parent, a path through a regular file) -> kMemoryOnly.
+  //  - kReadOnly: never creates, writes, touches or moves anything.
+  //  - kMemoryOnly: never touches the disk.
   DiskCache(std::string dir, CacheMode mode);
 
   const std::string& dir() const { return dir_; }
   CacheMode effective_mode() const { return mode_; }
+  // Why effective_mode() differs from the mode asked for ("" when it doesn't).
+  const std::string& mode_reason() const { return mode_reason_; }
+  // Where the entry for `key` lives (whether or not it exists). Throws Error{kInvalidArgument}
+  // for a malformed key.
+  std::string entry_path(const std::string& key) const;
 
   // The verified entry, or nullopt on a miss. An entry that fails verification (bad magic,
-  // truncated, hash mismatch, foreign owner, group/world writable) is quarantined (moved under
-  // quarantine/ when writable), logged at warn, and reported as a miss.
+  // lengths not matching the file size, hash mismatch, wrong key) is quarantined (moved under
+  // quarantine/ when writable, else left alone), logged at warn, and reported as a miss. An
+  // untrusted entry (foreign owner, group/world writable) is logged and reported as a miss. A
+  // hit touches the entry's mtime (LRU) unless the cache is read-only.
   std::optional<Entry> load(const std::string& key) const;
 
-  // Atomic publish: temp file in the same dir, write, fsync, rename, fsync dir. No-op unless
-  // writable. Returns whether it was stored.
+  // Atomic publish: temp file in the same dir (O_EXCL), write, fsync, rename, fsync dir. Returns
+  // whether it was stored: false when not writable, or when the write failed (logged at warn;
+  // the caller still has its cubin). Throws Error{kInvalidArgument} for a malformed key.
   bool store(const Entry& entry) const;
 
   // Inter-process lock for compiling `key` (flock on locks/<key>.lock). Returns a held lock, or
-  // an empty one when the cache is not writable. Released by the destructor.
+  // an empty one when the cache is not writable (or the lock file can't be opened: logged).
+  // Released by the destructor.
   class Lock {
    public:
     Lock() = default;
     explicit Lock(int fd) : fd_(fd) {}
     Lock(Lock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
     Lock& operator=(Lock&& other) noexcept;
+    Lock(const Lock&) = delete;
+    Lock& operator=(const Lock&) = delete;
     ~Lock();
+    bool held() const { return fd_ >= 0; }
+
    private:
     int fd_ = -1;
   };
   Lock lock(const std::string& key) const;
 
+  // Entries of this schema version, sorted by path. With `verify`, each is fully checked (cubin
+  // hash included) and a bad one is quarantined as load() would; without, only the header and
+  // manifest are read. Empty in kMemoryOnly mode.
   std::vector<EntryInfo> list(bool verify) const;
-  GcReport gc(uint64_t max_bytes) const;  // removes least recently used entries first
-  int clear() const;                      // removes every entry, returns how many
+
+  // Removes least recently used entries (all schema versions; quarantined files first) until the
+  // total is <= max_bytes; also removes temp files older than kStaleTempSeconds and quarantined
+  // files older than kQuarantineKeepSeconds. Files of other users are never removed. Throws
+  // Error{kCache} unless the cache is writable.
+  GcReport gc(uint64_t max_bytes) const;
+  // Removes every entry (all schema versions) and every quarantined file; returns how many.
+  // Throws Error{kCache} unless the cache is writable.
+  int clear() const;
+
+  static constexpr int64_t kStaleTempSeconds = 10 * 60;
+  static constexpr int64_t kQuarantineKeepSeconds = 7 * 24 * 3600;
 
  private:
+  void degrade(CacheMode to, const std::string& reason, bool warn);
+  // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
+  // where it went, or "" when it was left in place.
+  std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
+
   std::string dir_;
   CacheMode mode_;
+  std::string mode_reason_;
+  std::string version_dir_;  // dir_/v<kCacheSchemaVersion>
 };
 
 }  // namespace moejit::detail

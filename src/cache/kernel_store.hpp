@@ -15,17 +15,23 @@ namespace moejit::detail {
 
 class KernelStore {
  public:
-  explicit KernelStore(std::shared_ptr<const DiskCache> disk) : disk_(std::move(disk)) {}
+  // `disk` must not be null (use a kMemoryOnly DiskCache for no disk).
+  explicit KernelStore(std::shared_ptr<const DiskCache> disk);
 
   struct Result {
     std::shared_ptr<const Entry> entry;
-    CacheOutcome outcome;
-    double milliseconds;
+    CacheOutcome outcome = CacheOutcome::kMemoryHit;
+    double milliseconds = 0;  // the memory lookup, the disk load, or build() alone
   };
 
-  // The entry for `key`: memory, else disk, else `build()` under the in-process single-flight
-  // and the inter-process lock (the disk is checked again once the lock is held). No mutex is
-  // held while `build` runs. Concurrent callers of one key all get the one result (or error).
+  // The entry for `key`: memory, else (once per key at a time in this process) disk, else, under
+  // the inter-process lock, disk again (another process may have published it meanwhile), else
+  // `build()` and publish. No mutex is held while the disk is read or `build` runs. Callers that
+  // arrive while a key is in flight wait and get the leader's Result (same entry, outcome and
+  // time), or the leader's exception rethrown; a failed key is tried again on the next call.
+  // The entry `build` returns gets manifest.key = `key` when empty (another key is an
+  // Error{kInternal}); cubin_size, cubin_hash, created_unix and (when 0) compile_ms are filled.
+  // Throws Error{kInvalidArgument} for a malformed key, and whatever `build` throws.
   Result get(const std::string& key, const std::function<Entry()>& build);
 
   const DiskCache& disk() const { return *disk_; }

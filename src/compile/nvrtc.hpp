@@ -13,6 +13,12 @@ namespace moejit::detail {
 // The CUDA toolkit headers NVRTC needs (NVRTC 13 ships none of its own).
 struct ToolkitHeaders {
   std::string include_dir;  // where cuda_bf16.h etc. were found
+  // Every directory compile() passes as -I, in order: include_dir, then include_dir/cccl when the
+  // toolkit keeps CCCL (cuda/std/..., nv/target) there, as CUDA 13 does.
+  std::vector<std::string> include_dirs;
+  // The toolkit files the digest covers, as include names relative to their include directory
+  // (e.g. "cuda_bf16.h", "cuda/std/cstdint"), sorted.
+  std::vector<std::string> files;
   // Hash of the content of every toolkit header the kernels can reach from their includes
   // (followed transitively), so a toolkit change changes every cache key.
   Digest digest;
@@ -20,8 +26,13 @@ struct ToolkitHeaders {
 
 // Found from, in order: `configured` (RuntimeConfig::cuda_include_dir), MOEJIT_CUDA_INCLUDE,
 // $CUDA_HOME/include, $CUDA_PATH/include, /usr/local/cuda/include, /usr/local/cuda-*/include
-// (newest), /opt/cuda/include, /usr/include. Throws Error{kCompileFailed} listing every path
-// tried when none holds cuda_bf16.h. Memoized per configured value.
+// (newest), /opt/cuda/include, /usr/include. A directory qualifies when it holds cuda_bf16.h and
+// cuda/std/cstdint (itself or under cccl/). The explicit settings (`configured`, then
+// MOEJIT_CUDA_INCLUDE) are taken at their word: when set and not qualifying, Error{kCompileFailed}
+// names that setting and the path, with no fallback. Otherwise the first qualifying candidate
+// wins, and when none does, Error{kCompileFailed} lists every path tried and why each failed.
+// Memoized per (configured, MOEJIT_CUDA_INCLUDE, CUDA_HOME, CUDA_PATH), successes only; the
+// reference stays valid for the life of the process.
 const ToolkitHeaders& toolkit_headers(const std::string& configured);
 
 // "13.0" (nvrtcVersion).

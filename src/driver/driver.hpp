@@ -10,20 +10,25 @@
 
 namespace moejit::detail {
 
+// One pointer per entry point of driver_functions.inc, named as cuda.h names the call, so
+// `api.cuMemAlloc(...)` reads like the C API (cuda.h's macros rename both sides alike).
 struct DriverApi {
-#define MOEJIT_DRIVER_FN(name) decltype(&::name) name = nullptr;
+#define MOEJIT_DRIVER_FN(name, version) decltype(&::name) name = nullptr;
 #include "driver/driver_functions.inc"
 #undef MOEJIT_DRIVER_FN
+  int driver_version = 0;  // cuDriverGetVersion, e.g. 13000
 };
 
-// The loaded driver (cuInit done), or nullptr with `why` set when there is none.
+// The loaded driver (cuInit done), or nullptr with `why` set when there is none. Loads once per
+// process (thread safe); later calls are a load of a static.
 const DriverApi* try_driver(std::string* why = nullptr);
 // The loaded driver; throws Error{kDriver} saying why when there is none.
 const DriverApi& driver();
 
-// "CUDA_ERROR_INVALID_VALUE (invalid argument)".
+// "CUDA_ERROR_INVALID_VALUE (invalid argument)"; works even when cuInit failed.
 std::string describe(CUresult result);
 
+// Throws Error{kDriver}: "<call> failed at <file>:<line>: CUDA_ERROR_X (text)".
 [[noreturn]] void throw_driver_error(CUresult result, const char* call, const char* file, int line);
 
 }  // namespace moejit::detail

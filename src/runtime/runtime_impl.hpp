@@ -1,16 +1,22 @@
-// The process runtime: configuration, shape registry, kernel store, and the table of loaded
-// kernels the ops' hot path reads.
+// The process runtime: configuration, kernel store, and the table of loaded kernels the ops' hot
+// path reads. (The shape registry lives in registry.cpp.)
 #pragma once
 
 #include <cuda.h>
 
+#include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
+#include "cache/key.hpp"
 #include "cache/kernel_store.hpp"
+#include "codegen/codegen.hpp"
+#include "compile/nvrtc.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
 
@@ -20,34 +26,75 @@ struct KernelSpecHash {
   std::size_t operator()(const KernelSpec& s) const noexcept { return s.hash(); }
 };
 
+// The device bound to the calling thread's current context.
+struct CurrentDevice {
+  int ordinal = -1;  // CUdevice ordinal (what DLPack calls device_id)
+  Arch arch;         // its compile target: sm_<major><minor>, "a" from sm_90 on
+};
+
+// The key inputs of a rendered kernel: what Runtime::cache_key hashes.
+KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
+                          const ToolkitHeaders& toolkit);
+
 class Runtime {
  public:
   static Runtime& instance();
 
+  // Not synchronized with configure(): read it from one thread while nothing reconfigures.
   const RuntimeConfig& config() const { return config_; }
+  // Replaces the configuration (empty cache_dir = the environment's). Throws
+  // Error{kInvalidArgument} once a kernel has been loaded on a GPU.
   void configure(const RuntimeConfig& config);
 
-  // Build (memory / disk / compile) one kernel; never loads it on a GPU.
+  // Build (memory / disk / compile) one kernel; never loads it on a GPU. Throws on failure.
   BuildResult build(const KernelSpec& spec);
   // The cache key of `spec` (codegen + options + toolkit digest + NVRTC version + schema).
   std::string cache_key(const KernelSpec& spec);
+  // What cache_key() hashes for `spec`.
+  KeyInputs key_inputs(const KernelSpec& spec);
 
-  // Hot path. The arch of the device bound to the calling thread's current context.
-  Arch current_arch();
-  // Hot path. The loaded kernel for `spec` (spec.arch must be current_arch()). A miss builds and
-  // loads it, unless `stream` is capturing and compiling during capture is not allowed (then
-  // Error{kCaptureMiss}). The handle stays valid for the life of the process.
-  CUkernel kernel(const KernelSpec& spec, CUstream stream);
+  // Hot path: one driver call (cuCtxGetDevice) and a table read. Throws Error{kDriver} when no
+  // context is current on this thread (or there is no driver).
+  CurrentDevice current_device();
+  Arch current_arch() { return current_device().arch; }
 
+  // Hot path. The loaded kernel for `spec` (spec.arch must be the current device's arch). A hit
+  // is a shared lock and a hash lookup. A miss builds and loads it, unless `stream` is capturing
+  // and the kernel would have to be compiled (Error{kCaptureMiss}, unless the config allows it).
+  // The handle is context-independent and stays valid for the life of the process.
+  CUkernel kernel(const KernelSpec& spec, CUstream stream) {
+    {
+      std::shared_lock<std::shared_mutex> lock(loaded_mutex_);
+      auto it = loaded_.find(spec);
+      if (it != loaded_.end()) return it->second;
+    }
+    return load(spec, stream);
+  }
+
+  // The current store (created on first use). Stays valid after a reconfigure.
   KernelStore& store();
 
  private:
   Runtime();
+  std::shared_ptr<KernelStore> current_store(RuntimeConfig* config_out);
+  BuildResult build_impl(const KernelSpec& spec, bool may_compile, const char* capture_context,
+                         std::shared_ptr<const Entry>* entry_out);
+  CUkernel load(const KernelSpec& spec, CUstream stream);
+  CurrentDevice query_device(int ordinal);
+
   RuntimeConfig config_;
-  std::mutex setup_mutex_;
+  std::mutex setup_mutex_;                           // config_, store_, retired_stores_
   std::shared_ptr<KernelStore> store_;
-  std::shared_mutex loaded_mutex_;
+  std::vector<std::shared_ptr<KernelStore>> retired_stores_;  // keeps store() refs valid
+  std::atomic<bool> gpu_loaded_{false};
+
+  std::shared_mutex loaded_mutex_;                   // loaded_
   std::unordered_map<KernelSpec, CUkernel, KernelSpecHash> loaded_;
+  std::mutex load_mutex_;                            // one cuLibraryLoadData at a time
+
+  // Arch per device ordinal, encoded as sm * 2 + arch_specific + 1 (0 = not queried yet).
+  static constexpr int kMaxCachedDevices = 256;
+  std::array<std::atomic<int>, kMaxCachedDevices> device_arch_{};
 };
 
 }  // namespace moejit::detail

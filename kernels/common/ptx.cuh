@@ -1,0 +1,24 @@
+// Thin wrappers over PTX the kernels use, each compiled to nothing where the target lacks it.
+#pragma once
+
+namespace moejit::kern::ptx {
+
+// Programmatic dependent launch (sm_90+). When the grid was launched with the programmatic
+// stream serialization attribute, wait until the previous grid in the stream has completed and
+// its memory is visible; otherwise (or below sm_90) a no-op. Call before reading any input.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Programmatic dependent launch (sm_90+): let the next grid in the stream, if launched with the
+// attribute, start its prologue now. Safe anywhere: its own grid_dependency_wait() still waits
+// for this whole grid to finish. A no-op below sm_90 or without the attribute.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+}  // namespace moejit::kern::ptx

@@ -1,0 +1,422 @@
+// libmoejit kernels/moe: marlin_moe (family 3) grouped GEMM, MXFP4 weights x bf16 activations,
+// fp32 accumulate, with FC1's activation or FC2's bias / top-k weight fused into the epilogue.
+//
+// Structure (one template, used twice per MoE layer):
+// - Grid (x, y) = (M tiles of kBlockM weight rows, route blocks of kBlockN padded rows). A CTA
+//   whose block_expert is -1 (past the blocks route used) exits at once, so the grid is sized
+//   for the worst case (route_max_blocks) and the launch needs no host sync (CUDA-graph
+//   capturable). At small T every SM streams: M is split into many tiles of every touched
+//   expert.
+// - Pipeline: kStages-deep cp.async ring; a stage holds BlockM x BlockK weights (kernel layout,
+//   copied verbatim: BlockM/16 contiguous runs of BlockK/64 atoms, evict-first L2 policy), their
+//   scales, and BlockN gathered input rows (zero-filled for padding rows and past K, so a last
+//   partial K tile needs no special code and K only needs to be a multiple of 32).
+// - Warps: kWarpsM x kWarpsN x kWarpsK. Each warp owns kWarpAtomsM atoms along M and
+//   kWarpTilesN n8 tiles along N, and every kWarpsK-th atom column of each stage. Per atom a
+//   lane does one 16-byte shared load (four k16 steps of A), one 32-bit scale load, and per k16
+//   step one dequant (mxfp4.cuh) feeding kWarpTilesN mma.sync.m16n8k16; B comes by ldmatrix.x4.
+// - Epilogue: the kWarpsK partial sums are added in a fixed order through shared memory, so
+//   results are bitwise deterministic (no atomics, no split-K across CTAs). FC1 applies the
+//   activation to (gate, up) held by the same thread and writes inter bf16 [padded row][I];
+//   FC2 writes (acc + bias) * topk_weight to out2 [padded row][H]; combine sums a token's rows.
+// - PDL: kEarlyWeights issues the weight prologue before griddepcontrol.wait, so FC2 streams its
+//   weights while FC1 drains. Valid only when the previous kernel triggers its dependents after
+//   the route data it read was complete, which this kernel does (it triggers after its wait).
+//
+// Tile sizes, pipeline depth, warp split and the epilogue are template arguments chosen by the
+// planner from T and the shape; wgmma for large T is a later, separate path of the same traits.
+#pragma once
+
+#include <moejit/kern/common/ptx.cuh>
+#include <moejit/kern/moe/activation.cuh>
+#include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/mxfp4.cuh>
+#include <moejit/kern/moe/params.cuh>
+#include <moejit/kern/moe/ptx.cuh>
+
+namespace moejit::kern::moe {
+
+// FC1: W13 x hidden[token] -> + bias -> Act(gate, up) -> inter (bf16).
+template <class Act_, bool kHasBias_>
+struct Fc1Epilogue {
+  using Act = Act_;                            // gated activation functor (activation.cuh)
+  static constexpr bool kHasBias = kHasBias_;  // add bias [E][I][2] (gate, up) first
+  static constexpr bool kGatherTokens = true;  // input row = token = sorted id / top_k
+
+  // Token column h (0/1) of a lane's fragment c: rows g (gate j) and g + 8 (up j).
+  __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
+                                               i32 g, i64 row, i32 /*id*/, const float (&c)[4],
+                                               i32 h) {
+    const i32 j = m_atom * layout::kGateUpRows + g;
+    if (j >= p.out_features) return;
+    float gate = c[h] * mxfp4::kAccumulatorScale;
+    float up = c[2 + h] * mxfp4::kAccumulatorScale;
+    if constexpr (kHasBias) {
+      const u32 b = reinterpret_cast<const u32*>(p.bias)[static_cast<i64>(expert) * p.out_features + j];
+      gate += ptx::bf16_lo(b);
+      up += ptx::bf16_hi(b);
+    }
+    static_cast<u16*>(p.output)[row * p.ld_output + j] = ptx::to_bf16(Act::apply(gate, up));
+  }
+};
+
+// FC2: W2 x inter[row] -> (+ bias) * topk_weight -> out2 (fp32, or bf16 when kOutBf16).
+template <bool kOutBf16_, bool kHasBias_>
+struct Fc2Epilogue {
+  static constexpr bool kOutBf16 = kOutBf16_;   // out2 element type: bf16 (true) or fp32
+  static constexpr bool kHasBias = kHasBias_;   // add bias [E][H] before the top-k weight
+  static constexpr bool kGatherTokens = false;  // input row = the padded row itself
+
+  __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
+                                               i32 g, i64 row, i32 id, const float (&c)[4],
+                                               i32 h) {
+    const float weight = p.topk_weights[id];
+#pragma unroll
+    for (i32 r = 0; r < 2; ++r) {
+      const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
+      if (col >= p.out_features) continue;
+      float v = c[2 * r + h] * mxfp4::kAccumulatorScale;
+      if constexpr (kHasBias) {
+        v += __uint_as_float(static_cast<u32>(p.bias[static_cast<i64>(expert) * p.out_features + col]) << 16);
+      }
+      v *= weight;
+      if constexpr (kOutBf16) {
+        static_cast<u16*>(p.output)[row * p.ld_output + col] = ptx::to_bf16(v);
+      } else {
+        static_cast<float*>(p.output)[row * p.ld_output + col] = v;
+      }
+    }
+  }
+};
+
+template <int kBlockM_, int kBlockN_, int kBlockK_, int kStages_, int kWarpsM_, int kWarpsN_,
+          int kWarpsK_, int kMinBlocksPerSm_, bool kEarlyWeights_, class Epilogue_>
+struct MoeGemmTraits {
+  static constexpr int kBlockM = kBlockM_;  // weight rows per CTA (FC1: 8 gate/up pairs per 16)
+  static constexpr int kBlockN = kBlockN_;  // padded token rows per CTA = route block size
+  static constexpr int kBlockK = kBlockK_;  // K elements per pipeline stage
+  static constexpr int kStages = kStages_;  // cp.async pipeline depth
+  static constexpr int kWarpsM = kWarpsM_;  // warps splitting the CTA's rows
+  static constexpr int kWarpsN = kWarpsN_;  // warps splitting the CTA's token rows
+  static constexpr int kWarpsK = kWarpsK_;  // warps splitting each stage's K (fixed-order sum)
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
+  static constexpr bool kEarlyWeights = kEarlyWeights_;     // weight prologue before PDL wait
+  using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
+
+  static constexpr int kWarps = kWarpsM * kWarpsN * kWarpsK;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kAtomsM = kBlockM / layout::kAtomRows;
+  static constexpr int kAtomsK = kBlockK / layout::kAtomK;
+  static constexpr int kWarpAtomsM = kAtomsM / kWarpsM;
+  static constexpr int kWarpTilesN = kBlockN / 8 / kWarpsN;
+  static constexpr int kStageWeightBytes = kAtomsM * kAtomsK * layout::kAtomBytes;
+  static constexpr int kStageScaleBytes = kAtomsM * kAtomsK * layout::kAtomScaleBytes;
+  // Why +16: consecutive rows then start 16 bytes apart modulo 128, so ldmatrix is
+  // conflict-free without a swizzle.
+  static constexpr int kInputRowBytes = kBlockK * 2 + 16;
+  static constexpr int kStageInputBytes = kBlockN * kInputRowBytes;
+  static constexpr int kStageBytes = kStageWeightBytes + kStageScaleBytes + kStageInputBytes;
+  static constexpr int kAccRegs = kWarpAtomsM * kWarpTilesN * 4;
+  static constexpr int kReduceBytes = (kWarpsK - 1) * kWarpsM * kWarpsN * kAccRegs * 32 * 4;
+  static constexpr int kPipeBytes =
+      kStages * kStageBytes > kReduceBytes ? kStages * kStageBytes : kReduceBytes;
+  static constexpr int kSmemBytes = kPipeBytes + 2 * kBlockN * 4;  // + ids and input rows
+  static constexpr int kChunksWeights = kStageWeightBytes / 16;
+  static constexpr int kChunksScales = kStageScaleBytes / 16;
+  static constexpr int kChunksInput = kBlockN * kBlockK / 8;
+
+  static_assert(kBlockM % (layout::kAtomRows * kWarpsM) == 0,
+                "kBlockM must be a multiple of 16 * kWarpsM: each warp owns whole 16-row atoms");
+  static_assert(kBlockN % (8 * kWarpsN) == 0,
+                "kBlockN must be a multiple of 8 * kWarpsN: each warp owns whole n8 MMA tiles");
+  static_assert(kBlockK % (layout::kAtomK * kWarpsK) == 0,
+                "kBlockK must be a multiple of 64 * kWarpsK: each warp owns whole 64-wide atoms");
+  static_assert(kStages >= 2, "kStages must be >= 2 (one stage loads while one computes)");
+  static_assert(kThreads <= 1024, "at most 1024 threads: lower kWarpsM * kWarpsN * kWarpsK");
+  static_assert(kSmemBytes <= 227 * 1024,
+                "shared memory over the sm_90 limit (227 KB): lower kStages, kBlockK or kBlockN");
+  static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
+
+  // Launch geometry (host or device): grid.x = M tiles, grid.y = route blocks provisioned.
+  MOEJIT_HD static constexpr i32 m_tiles(i32 m_atoms) { return ceil_div(m_atoms, kAtomsM); }
+};
+
+// A compile-time bool passed to generic lambdas.
+template <bool kB>
+struct Flag {
+  static constexpr bool kValue = kB;
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    moe_gemm(const MoeGemmParams p) {
+  using T = Traits;
+  using Epi = typename Traits::Epilogue;
+  extern __shared__ __align__(128) u8 smem[];
+  i32* s_ids = reinterpret_cast<i32*>(smem + T::kPipeBytes);
+  i32* s_rows = s_ids + T::kBlockN;
+
+  const i32 tid = static_cast<i32>(threadIdx.x);
+  const i32 lane = tid & 31;
+  const i32 warp = tid >> 5;
+  const i32 wm = warp % T::kWarpsM;
+  const i32 wn = (warp / T::kWarpsM) % T::kWarpsN;
+  const i32 wk = warp / (T::kWarpsM * T::kWarpsN);
+  const i32 block = static_cast<i32>(blockIdx.y);
+  const i32 m_atom0 = static_cast<i32>(blockIdx.x) * T::kAtomsM;
+
+  if constexpr (!T::kEarlyWeights) {
+    ::moejit::kern::ptx::grid_dependency_wait();
+    ::moejit::kern::ptx::launch_dependents();
+  }
+  const i32 expert = p.block_expert[block];
+  if (expert < 0) return;
+  for (i32 n = tid; n < T::kBlockN; n += T::kThreads) {
+    const i32 id = p.sorted_rows[block * T::kBlockN + n];
+    s_ids[n] = id;
+    s_rows[n] = id < 0 ? -1 : (Epi::kGatherTokens ? id / p.top_k : block * T::kBlockN + n);
+  }
+
+  const i32 k_tiles = ceil_div(p.k_atoms, T::kAtomsK);
+  const layout::Dims dims{p.m_atoms, p.k_atoms};
+  const u64 policy = ptx::policy_evict_first();
+  const u32 smem_base = ptx::smem_u32(smem);
+
+  // Why precomputed: each thread copies the same chunk positions every k-tile, so their global
+  // addresses are a base plus kt * stride, and whether a chunk is padding (rows past m_atoms,
+  // padding token rows) is fixed: only the last, partial K tile needs per-copy bound checks.
+  constexpr i32 kNW = ceil_div(T::kChunksWeights, T::kThreads);
+  constexpr i32 kNS = ceil_div(T::kChunksScales, T::kThreads);
+  constexpr i32 kNI = ceil_div(T::kChunksInput, T::kThreads);
+  constexpr i32 kInputChunksPerRow = T::kBlockK / 8;
+  const u8* w_src[kNW];
+  u32 w_bytes[kNW];  // 16, or 0 for rows past m_atoms
+  i32 w_ka[kNW];     // k atom of the chunk inside a tile
+  const u8* s_src[kNS];
+  u32 s_bytes[kNS];
+  i32 s_ka[kNS];
+#pragma unroll
+  for (i32 i = 0; i < kNW; ++i) {
+    const i32 c = tid + i * T::kThreads;
+    const i32 ma = m_atom0 + c / (T::kAtomsK * 32);
+    w_ka[i] = (c / 32) % T::kAtomsK;
+    w_bytes[i] = ma < p.m_atoms ? 16u : 0u;
+    w_src[i] = p.weights + layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, w_ka[i]) *
+                               layout::kAtomBytes + (c % 32) * 16;
+  }
+#pragma unroll
+  for (i32 i = 0; i < kNS; ++i) {
+    const i32 c = tid + i * T::kThreads;
+    const i32 ma = m_atom0 + c / (T::kAtomsK * 2);
+    s_ka[i] = (c / 2) % T::kAtomsK;
+    s_bytes[i] = ma < p.m_atoms ? 16u : 0u;
+    s_src[i] = p.scales + layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, s_ka[i]) *
+                              layout::kAtomScaleBytes + (c % 2) * 16;
+  }
+  // kChecked: the tile may run past k_atoms (zero-fill those atoms).
+  auto load_weights = [&](i32 stage, i32 kt, auto checked) {
+    constexpr bool kChecked = decltype(checked)::kValue;
+    const u32 dst = smem_base + stage * T::kStageBytes;
+    const i32 ka0 = kt * T::kAtomsK;
+    const i64 w_step = static_cast<i64>(ka0) * layout::kAtomBytes;
+    const i64 s_step = static_cast<i64>(ka0) * layout::kAtomScaleBytes;
+#pragma unroll
+    for (i32 i = 0; i < kNW; ++i) {
+      const i32 c = tid + i * T::kThreads;
+      if (T::kChunksWeights % T::kThreads == 0 || c < T::kChunksWeights) {
+        if constexpr (kChecked) {
+          const bool ok = w_ka[i] + ka0 < p.k_atoms;
+          ptx::cp_async_16_stream(dst + c * 16, ok ? w_src[i] + w_step : p.weights,
+                                  ok ? w_bytes[i] : 0u, policy);
+        } else {
+          ptx::cp_async_16_stream(dst + c * 16, w_src[i] + w_step, w_bytes[i], policy);
+        }
+      }
+    }
+#pragma unroll
+    for (i32 i = 0; i < kNS; ++i) {
+      const i32 c = tid + i * T::kThreads;
+      if (T::kChunksScales % T::kThreads == 0 || c < T::kChunksScales) {
+        const u32 dst_s = dst + T::kStageWeightBytes + c * 16;
+        if constexpr (kChecked) {
+          const bool ok = s_ka[i] + ka0 < p.k_atoms;
+          ptx::cp_async_16_stream(dst_s, ok ? s_src[i] + s_step : p.scales, ok ? s_bytes[i] : 0u,
+                                  policy);
+        } else {
+          ptx::cp_async_16_stream(dst_s, s_src[i] + s_step, s_bytes[i], policy);
+        }
+      }
+    }
+  };
+  const u16* in_src[kNI];
+  u32 in_bytes[kNI];  // 16, or 0 for padding token rows
+  i32 in_k[kNI];      // K element of the chunk inside a tile
+  auto setup_inputs = [&] {
+#pragma unroll
+    for (i32 i = 0; i < kNI; ++i) {
+      const i32 c = tid + i * T::kThreads;
+      const i32 row = s_rows[(c / kInputChunksPerRow) % T::kBlockN];
+      in_k[i] = (c % kInputChunksPerRow) * 8;
+      in_bytes[i] = row >= 0 ? 16u : 0u;
+      in_src[i] = p.input + (row >= 0 ? static_cast<i64>(row) * p.ld_input : 0) + in_k[i];
+    }
+  };
+  auto load_inputs = [&](i32 stage, i32 kt, auto checked) {
+    constexpr bool kChecked = decltype(checked)::kValue;
+    const u32 dst = smem_base + stage * T::kStageBytes + T::kStageWeightBytes + T::kStageScaleBytes;
+    const i32 k0 = kt * T::kBlockK;
+#pragma unroll
+    for (i32 i = 0; i < kNI; ++i) {
+      const i32 c = tid + i * T::kThreads;
+      if (T::kChunksInput % T::kThreads == 0 || c < T::kChunksInput) {
+        const u32 dst_c = dst + (c / kInputChunksPerRow) * T::kInputRowBytes +
+                          (c % kInputChunksPerRow) * 16;
+        if constexpr (kChecked) {
+          const bool ok = in_k[i] + k0 < p.in_features;
+          ptx::cp_async_16(dst_c, ok ? in_src[i] + k0 : p.input, ok ? in_bytes[i] : 0u);
+        } else {
+          ptx::cp_async_16(dst_c, in_src[i] + k0, in_bytes[i]);
+        }
+      }
+    }
+  };
+  // A tile is "full" when no weight atom and no input chunk of it lies past K.
+  auto tile_full = [&](i32 kt) {
+    return (kt + 1) * T::kAtomsK <= p.k_atoms && (kt + 1) * T::kBlockK <= p.in_features;
+  };
+
+  // Prologue: weights first (they do not depend on the previous kernel), then inputs.
+#pragma unroll
+  for (i32 s = 0; s < T::kStages - 1; ++s) {
+    if (s < k_tiles) load_weights(s, s, Flag<true>{});
+  }
+  if constexpr (T::kEarlyWeights) {
+    ::moejit::kern::ptx::grid_dependency_wait();
+    ::moejit::kern::ptx::launch_dependents();
+  }
+  __syncthreads();  // s_rows visible to every thread
+  setup_inputs();
+#pragma unroll
+  for (i32 s = 0; s < T::kStages - 1; ++s) {
+    if (s < k_tiles) load_inputs(s, s, Flag<true>{});
+    ptx::cp_async_commit();
+  }
+
+  float acc[T::kWarpAtomsM][T::kWarpTilesN][4];
+#pragma unroll
+  for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi)
+#pragma unroll
+    for (i32 ni = 0; ni < T::kWarpTilesN; ++ni)
+#pragma unroll
+      for (i32 r = 0; r < 4; ++r) acc[mi][ni][r] = 0.0f;
+
+  const i32 g = lane >> 2;
+  // Per-lane shared-memory offsets inside a stage.
+  const u32 a_lane = static_cast<u32>((wm * T::kWarpAtomsM * T::kAtomsK) * layout::kAtomBytes + lane * 16);
+  const u32 s_lane = static_cast<u32>(T::kStageWeightBytes +
+                                      (wm * T::kWarpAtomsM * T::kAtomsK) * layout::kAtomScaleBytes + g * 4);
+  const u32 b_lane = static_cast<u32>(T::kStageWeightBytes + T::kStageScaleBytes +
+                                      (wn * T::kWarpTilesN * 8 + (lane & 7)) * T::kInputRowBytes +
+                                      (lane >> 3) * 16);
+
+  for (i32 kt = 0; kt < k_tiles; ++kt) {
+    ptx::cp_async_wait<T::kStages - 2>();
+    __syncthreads();
+    const i32 next = kt + T::kStages - 1;
+    if (next < k_tiles) {
+      if (tile_full(next)) {
+        load_weights(next % T::kStages, next, Flag<false>{});
+        load_inputs(next % T::kStages, next, Flag<false>{});
+      } else {
+        load_weights(next % T::kStages, next, Flag<true>{});
+        load_inputs(next % T::kStages, next, Flag<true>{});
+      }
+    }
+    ptx::cp_async_commit();
+
+    const u32 stage = smem_base + static_cast<u32>((kt % T::kStages) * T::kStageBytes);
+#pragma unroll
+    for (i32 i = 0; i < T::kAtomsK / T::kWarpsK; ++i) {
+      const i32 ki = i * T::kWarpsK + wk;
+      u32 w[T::kWarpAtomsM][4];
+      u32 sw[T::kWarpAtomsM];
+#pragma unroll
+      for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi) {
+        const u32 atom = static_cast<u32>(mi * T::kAtomsK + ki);
+        ptx::lds128(stage + a_lane + atom * layout::kAtomBytes, w[mi]);
+        sw[mi] = ptx::lds32(stage + s_lane + atom * layout::kAtomScaleBytes);
+      }
+#pragma unroll
+      for (i32 kg = 0; kg < 2; ++kg) {  // the two 32-wide scale groups of the atom
+        u32 b[T::kWarpTilesN][4];
+#pragma unroll
+        for (i32 ni = 0; ni < T::kWarpTilesN; ++ni) {
+          ptx::ldmatrix_x4(stage + b_lane + ni * 8 * T::kInputRowBytes + (ki * 64 + kg * 32) * 2,
+                           b[ni]);
+        }
+#pragma unroll
+        for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi) {
+          const u32 f_g = kg == 0 ? mxfp4::scale_factor<0>(sw[mi]) : mxfp4::scale_factor<1>(sw[mi]);
+          const u32 f_g8 = kg == 0 ? mxfp4::scale_factor<2>(sw[mi]) : mxfp4::scale_factor<3>(sw[mi]);
+#pragma unroll
+          for (i32 step = 0; step < 2; ++step) {
+            u32 a[4];
+            mxfp4::dequant_step(w[mi][2 * kg + step], f_g, f_g8, a);
+#pragma unroll
+            for (i32 ni = 0; ni < T::kWarpTilesN; ++ni) {
+              ptx::mma_bf16_16816(acc[mi][ni], a, b[ni][2 * step], b[ni][2 * step + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+  ptx::cp_async_wait<0>();
+
+  if constexpr (T::kWarpsK > 1) {
+    // Why fixed order: partial sums of warp slices wk = 1, 2, ... are added to wk = 0's in
+    // that order, so every run rounds identically.
+    __syncthreads();  // every warp is done with the pipeline buffers
+    float* red = reinterpret_cast<float*>(smem);
+    const i32 mn = warp % (T::kWarpsM * T::kWarpsN);
+    if (wk > 0) {
+      float* dst = red + ((wk - 1) * T::kWarpsM * T::kWarpsN + mn) * T::kAccRegs * 32 + lane;
+#pragma unroll
+      for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi)
+#pragma unroll
+        for (i32 ni = 0; ni < T::kWarpTilesN; ++ni)
+#pragma unroll
+          for (i32 r = 0; r < 4; ++r) dst[((mi * T::kWarpTilesN + ni) * 4 + r) * 32] = acc[mi][ni][r];
+    }
+    __syncthreads();
+    if (wk > 0) return;
+#pragma unroll 1
+    for (i32 q = 0; q < T::kWarpsK - 1; ++q) {
+      const float* src = red + (q * T::kWarpsM * T::kWarpsN + mn) * T::kAccRegs * 32 + lane;
+#pragma unroll
+      for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi)
+#pragma unroll
+        for (i32 ni = 0; ni < T::kWarpTilesN; ++ni)
+#pragma unroll
+          for (i32 r = 0; r < 4; ++r) acc[mi][ni][r] += src[((mi * T::kWarpTilesN + ni) * 4 + r) * 32];
+    }
+  }
+
+  const i32 t = lane & 3;
+#pragma unroll
+  for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi) {
+    const i32 m_atom = m_atom0 + wm * T::kWarpAtomsM + mi;
+#pragma unroll
+    for (i32 ni = 0; ni < T::kWarpTilesN; ++ni) {
+#pragma unroll
+      for (i32 h = 0; h < 2; ++h) {
+        const i32 n = (wn * T::kWarpTilesN + ni) * 8 + 2 * t + h;
+        const i32 id = s_ids[n];
+        if (id < 0) continue;
+        Epi::store(p, expert, m_atom, g, static_cast<i64>(block) * T::kBlockN + n, id, acc[mi][ni], h);
+      }
+    }
+  }
+}
+
+}  // namespace moejit::kern::moe

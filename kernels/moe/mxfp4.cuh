@@ -1,0 +1,72 @@
+// libmoejit kernels/moe: MXFP4 (E2M1 + E8M0) -> bf16 A fragments, for the kernel layout of
+// layout.cuh.
+//
+// Why this conversion: an E2M1 code s|e1 e0|m placed as a bf16 with its sign in bit 15, e1 e0 in
+// exponent bits 1..0 (bits 8..7) and m in the top mantissa bit (bit 6) has the value
+// v * 2^-126 for every code, the e = 0 codes included (0 and 0.5 become bf16 subnormals, which
+// bf16 arithmetic keeps). So one bf16x2 multiply per register applies the exponent bias and the
+// E8M0 scale 2^(s-127) together. A single factor 2^(s-1) would overflow bf16 for s >= 129
+// (scales above 2^1), so the factor is 2^(s - kScaleBias) (bf16 bits (s + 63) << 7, finite for
+// s <= 191) and the fp32 accumulator is multiplied by 2^(kScaleBias - 1) = 2^63 in the epilogue,
+// which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 5 shifts (on the FMA pipe) + 4 bf16x2
+// multiplies; per scale byte a permute and a multiply-add.
+#pragma once
+
+#include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/ptx.cuh>
+
+namespace moejit::kern::moe::mxfp4 {
+
+// The epilogue multiplies fp32 accumulators by this (2^63) to undo the bias of the factor.
+inline constexpr float kAccumulatorScale = 0x1p63f;
+static_assert(layout::kScaleBias == 64, "kAccumulatorScale is 2^(kScaleBias - 1)");
+
+// bf16x2 factor 2^(s - kScaleBias) in both halves, from byte kByte (0..3) of a scale word.
+template <int kByte>
+__device__ __forceinline__ u32 scale_factor(u32 scale_word) {
+  static_assert(kByte >= 0 && kByte < 4, "a scale word holds four bytes");
+  // 0x00ss00ss, then ((s + 127 - kScaleBias) << 7) in each half: exponent field of 2^(s - 64).
+  constexpr u32 kSelect = static_cast<u32>(kByte) | (4u << 4) | (static_cast<u32>(kByte) << 8) |
+                          (4u << 12);
+  constexpr u32 kBiasBits = static_cast<u32>(127 - layout::kScaleBias) << 7;
+  return ptx::prmt(scale_word, 0u, kSelect) * 128u + (kBiasBits | (kBiasBits << 16));
+}
+
+// Why multiplies: the integer ALU pipe (LOP3, SHF, PRMT) is the decode kernel's tightest
+// resource, while left shifts compile to IMAD.SHL on the FMA pipe; a right shift by s is the
+// high word of w * 2^(32 - s), an IMAD.HI on the FMA pipe too.
+template <int kShift>
+__device__ __forceinline__ u32 shift(u32 w) {
+  static_assert(kShift > -32 && kShift < 32, "shift out of range");
+  if constexpr (kShift > 0) {
+    return ptx::mul_hi(w, 1u << (32 - kShift));
+  } else if constexpr (kShift < 0) {
+    return w << -kShift;
+  } else {
+    return w;
+  }
+}
+
+// Register `kPair` of a word, as a bf16x2 of value code * 2^-126.
+template <int kPair>
+__device__ __forceinline__ u32 extract_pair(u32 w) {
+  constexpr u32 kMag = 0x01C001C0u;
+  constexpr u32 kSign = 0x80008000u;
+  constexpr int kMagShift = layout::mag_shift(kPair);
+  constexpr int kSignShift = layout::sign_shift(kPair);
+  if constexpr (kMagShift == kSignShift) {
+    return shift<kMagShift>(w) & (kMag | kSign);
+  } else {
+    return (shift<kMagShift>(w) & kMag) | (shift<kSignShift>(w) & kSign);
+  }
+}
+
+// The four A registers of one k16 step: a0, a2 hold row g (factor f_row_g), a1, a3 row g + 8.
+__device__ __forceinline__ void dequant_step(u32 w, u32 f_row_g, u32 f_row_g8, u32 (&a)[4]) {
+  a[0] = ptx::mul_bf16x2(extract_pair<0>(w), f_row_g);
+  a[1] = ptx::mul_bf16x2(extract_pair<1>(w), f_row_g8);
+  a[2] = ptx::mul_bf16x2(extract_pair<2>(w), f_row_g);
+  a[3] = ptx::mul_bf16x2(extract_pair<3>(w), f_row_g8);
+}
+
+}  // namespace moejit::kern::moe::mxfp4

@@ -1,0 +1,63 @@
+// libmoejit kernels/moe: kernel arguments of the marlin_moe family (repack and grouped GEMM).
+// Plain POD structs passed by value; this header compiles under NVRTC, nvcc and a host C++
+// compiler alike, so the ops layer fills exactly the struct the kernel reads.
+#pragma once
+
+#include <moejit/kern/moe/types.cuh>
+
+namespace moejit::kern::moe {
+
+// One MXFP4 source matrix in a checkpoint: row-major nibble bytes (low nibble = even K element)
+// and one E8M0 byte per 32 K elements. Strides are in bytes and let one struct describe
+// gpt-oss's interleaved w13 (gate = rows 2j, up = rows 2j+1: base + row_stride / 2 for up, row
+// stride doubled) as well as DeepSeek's separate w1 / w3 / w2.
+struct Mxfp4Source {
+  const u8* blocks;           // nibble bytes of expert 0, row 0
+  const u8* scales;           // scale bytes of expert 0, row 0
+  i64 blocks_row_stride;      // bytes from one row to the next
+  i64 blocks_expert_stride;   // bytes from one expert to the next
+  i64 scales_row_stride;      // bytes
+  i64 scales_expert_stride;   // bytes
+};
+
+// repack_mxfp4: checkpoint matrices -> kernel layout (layout.cuh), padding written.
+struct RepackParams {
+  Mxfp4Source src[2];  // FC1: [0] gate rows, [1] up rows (j = 0..inter-1); FC2: [0] = W2
+  u8* weights;         // kernel layout nibbles, [experts][m_atoms][k_atoms][512]
+  u8* scales;          // kernel layout scales, [experts][m_atoms][k_atoms][32]
+  i32 rows;            // source rows per matrix: FC1 inter, FC2 hidden
+  i32 k;               // source K (multiple of 32): FC1 hidden, FC2 inter
+  i32 m_atoms;         // layout::fc1_dims / fc2_dims of (inter, hidden)
+  i32 k_atoms;
+  i32 num_experts;     // experts in this call (source experts 0..num_experts-1)
+  i32 expert_offset;   // destination expert of source expert 0 (per-expert checkpoints)
+  i32* bad_scales;     // optional: += count of scale bytes outside [kScaleMin, kScaleMax]
+};
+
+// marlin_moe grouped GEMM, used twice: FC1 (W13 x hidden -> activation -> inter) and FC2
+// (W2 x inter -> + bias, * top-k weight -> out2). Rows come from route (route.cuh /
+// route_params.cuh) run with block size = the GEMM's kBlockN: sorted_rows holds token * top_k +
+// slot or -1 (padding), block_expert the local expert of each block and -1 for every
+// provisioned block past the last one used (those CTAs exit at once).
+struct MoeGemmParams {
+  const u8* weights;           // kernel layout nibbles of all local experts
+  const u8* scales;            // kernel layout scales
+  const u16* bias;             // optional bf16 bits; FC1 [E][inter][2] (gate, up: gpt-oss's
+                               // [E, 2I] as stored), FC2 [E][hidden]; nullptr when absent
+  const u16* input;            // bf16 bits; FC1: hidden [T][ld_input] gathered by token,
+                               // FC2: inter [padded rows][ld_input]
+  void* output;                // FC1: inter bf16 [padded rows][ld_output];
+                               // FC2: out2 [padded rows][ld_output] fp32 or bf16
+  const i32* sorted_rows;      // [blocks * BlockN] token * top_k + slot, or -1
+  const i32* block_expert;     // [grid.y] local expert of each block of BlockN rows, or -1
+  const float* topk_weights;   // FC2: [T * top_k] router weight of (token, slot)
+  i64 ld_input;                // elements between input rows (>= in_features, multiple of 8)
+  i64 ld_output;               // elements between output rows
+  i32 out_features;            // FC1: inter (gate/up pairs), FC2: hidden
+  i32 in_features;             // real K: FC1 hidden, FC2 inter (multiple of 32)
+  i32 m_atoms;                 // kernel layout dims of this matrix
+  i32 k_atoms;
+  i32 top_k;                   // slots per token (sorted id -> token)
+};
+
+}  // namespace moejit::kern::moe

@@ -1,0 +1,110 @@
+// libmoejit kernels/moe: thin PTX wrappers (async copies with cache hints, ldmatrix, mma.sync,
+// bf16x2 arithmetic, byte permute). Device-only, NVRTC-clean: no toolkit header is needed, bf16
+// values travel as raw 16-bit patterns. Programmatic dependent launch: common/ptx.cuh.
+#pragma once
+
+#include <moejit/kern/moe/types.cuh>
+
+namespace moejit::kern::moe::ptx {
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// L2 policy for data read once per step (weights): evict first, so activations stay in L2.
+__device__ __forceinline__ u64 policy_evict_first() {
+  u64 p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
+// 16-byte global -> shared copy that bypasses L1; reads src_bytes (16, or 0: no memory is read)
+// and zero-fills the rest. src must be a valid address either way.
+// Why .L2::256B: weight runs are >= 512 contiguous bytes, so the prefetch is never wasted.
+__device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32 src_bytes,
+                                                   u64 pol) {
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;" ::"r"(dst),
+      "l"(src), "r"(src_bytes), "l"(pol)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void lds128(u32 addr, u32 (&r)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 r;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a * b; m16n8k16, A row-major (4 bf16x2), B column-major (2 bf16x2), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bf16x2 product, round to nearest; subnormal inputs are kept (no flush for bf16).
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
+  return d;
+}
+
+// High 32 bits of the 64-bit product (IMAD.HI: runs on the FMA pipe, not the integer ALU).
+__device__ __forceinline__ u32 mul_hi(u32 a, u32 b) {
+  u32 d;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Byte permute: result byte i = byte sel[i] of the 8-byte value {b, a} (a = bytes 0..3).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Two floats -> bf16x2 (lo in bits 15..0), round to nearest even.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ u16 to_bf16(float x) {
+  u16 d;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(x));
+  return d;
+}
+__device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xFFFF0000u); }
+
+}  // namespace moejit::kern::moe::ptx

@@ -1,0 +1,918 @@
+#include "cache/disk_cache.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <system_error>
+#include <utility>
+
+#include "common/check.hpp"
+#include "common/hash.hpp"
+#include "common/log.hpp"
+#include "moejit/error.hpp"
+#include "moejit/version.hpp"
+
+namespace moejit::detail {
+namespace {
+
+constexpr unsigned char kMagic[8] = {'m', 'o', 'e', 'j', 'i', 't', 'c', '\n'};
+constexpr std::size_t kHeaderSize = 64;
+constexpr std::size_t kKeyLength = 32;
+constexpr const char* kEntrySuffix = ".mjc";
+constexpr const char* kTempSuffix = ".tmp";
+
+std::string errno_text(int error) {
+  return std::error_code(error, std::generic_category()).message();
+}
+
+int64_t now_unix() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+const char* mode_name(CacheMode mode) {
+  switch (mode) {
+    case CacheMode::kReadWrite: return "read-write";
+    case CacheMode::kReadOnly: return "read-only";
+    case CacheMode::kMemoryOnly: return "memory-only";
+  }
+  return "unknown";
+}
+
+// Owns one file descriptor.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  bool ok() const { return fd_ >= 0; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+int open_file(const std::string& path, int flags, mode_t mode = 0) {
+  int fd = -1;
+  do {
+    fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+// 0 when all `size` bytes were read at `offset`; -1 at an early end of file; else errno.
+int pread_all(int fd, char* data, std::size_t size, uint64_t offset) {
+  std::size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pread(fd, data + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return -1;
+    done += static_cast<std::size_t>(n);
+  }
+  return 0;
+}
+
+// 0 when all bytes were written; else errno.
+int write_all(int fd, const char* data, std::size_t size) {
+  std::size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::write(fd, data + done, size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return 0;
+}
+
+std::string random_hex() {
+  uint64_t value = 0;
+  if (::getrandom(&value, sizeof(value), GRND_NONBLOCK) != static_cast<ssize_t>(sizeof(value))) {
+    // Why: getrandom can only fail this early in boot; names must still differ between
+    // processes and threads, and O_EXCL catches any collision that remains.
+    static std::atomic<uint64_t> counter{0};
+    value = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+            (static_cast<uint64_t>(::getpid()) << 40) ^
+            (counter.fetch_add(1) * 0x9e3779b97f4a7c15ull);
+  }
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+bool is_lower_hex(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); }
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// "<32 hex>.mjc": sets *key.
+bool is_entry_name(const std::string& name, std::string* key) {
+  if (name.size() != kKeyLength + 4 || !ends_with(name, kEntrySuffix)) return false;
+  std::string k = name.substr(0, kKeyLength);
+  if (!is_cache_key(k)) return false;
+  *key = std::move(k);
+  return true;
+}
+
+// Writers' temp files (and the writability probe): ".<anything>.tmp".
+bool is_temp_name(const std::string& name) {
+  return name.size() > 5 && name[0] == '.' && ends_with(name, kTempSuffix);
+}
+
+bool is_shard_name(const std::string& name) {
+  return name.size() == 2 && is_lower_hex(name[0]) && is_lower_hex(name[1]);
+}
+
+bool is_version_name(const std::string& name) {
+  if (name.size() < 2 || name[0] != 'v') return false;
+  return std::all_of(name.begin() + 1, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::string octal_mode(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof(text), "%04o", static_cast<unsigned>(mode & 07777));
+  return text;
+}
+
+// "" when `st` may be trusted: owned by us or root, not writable by group or others.
+std::string distrust_reason(const struct stat& st) {
+  if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+    return "owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+           std::to_string(::geteuid()) + ") or root";
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return "writable by group or others (mode " + octal_mode(st.st_mode) + ")";
+  }
+  return "";
+}
+
+int64_t age_seconds(const struct stat& st, int64_t now) {
+  return now - static_cast<int64_t>(st.st_mtim.tv_sec);
+}
+
+// mkdir -p with 0700 for every directory created. 0, or errno with *failed naming the path.
+int make_dirs(const std::string& path, std::string* failed) {
+  std::size_t pos = 0;
+  while (true) {
+    std::size_t slash = path.find('/', pos);
+    std::string prefix = path.substr(0, slash);
+    if (!prefix.empty() && prefix.back() != '/') {
+      if (::mkdir(prefix.c_str(), 0700) != 0 && errno != EEXIST) {
+        *failed = prefix;
+        return errno;
+      }
+    }
+    if (slash == std::string::npos) return 0;
+    pos = slash + 1;
+  }
+}
+
+// 0 when `path` is (now) a directory; else errno.
+int ensure_dir(const std::string& path) {
+  if (::mkdir(path.c_str(), 0700) == 0) return 0;
+  if (errno != EEXIST) return errno;
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return errno;
+  return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+}
+
+struct DirEntry {
+  std::string name;
+  std::string path;
+  struct stat st {};
+};
+
+// The entries of `dir` (lstat: symlinks are reported as links, never followed). A missing dir
+// reads as empty; another failure sets *error.
+std::vector<DirEntry> read_dir(const std::string& dir, int* error) {
+  std::vector<DirEntry> out;
+  *error = 0;
+  DIR* handle = ::opendir(dir.c_str());
+  if (handle == nullptr) {
+    if (errno != ENOENT) *error = errno;
+    return out;
+  }
+  while (true) {
+    errno = 0;
+    dirent* e = ::readdir(handle);
+    if (e == nullptr) {
+      if (errno != 0) *error = errno;
+      break;
+    }
+    std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    DirEntry item;
+    item.path = dir + "/" + name;
+    item.name = std::move(name);
+    if (::fstatat(::dirfd(handle), e->d_name, &item.st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    out.push_back(std::move(item));
+  }
+  ::closedir(handle);
+  return out;
+}
+
+std::vector<DirEntry> read_dir_or_throw(const std::string& dir) {
+  int error = 0;
+  std::vector<DirEntry> out = read_dir(dir, &error);
+  MOEJIT_CHECK(error == 0, ErrorCode::kIo,
+               "cannot read cache directory " << dir << ": " << errno_text(error));
+  return out;
+}
+
+// ---- entry format ----
+
+void put_u32(unsigned char* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+void put_u64(unsigned char* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+uint32_t get_u32(const unsigned char* p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+uint64_t get_u64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Header byte offsets.
+constexpr std::size_t kOffVersion = 8;
+constexpr std::size_t kOffHeaderSize = 12;
+constexpr std::size_t kOffManifestLength = 16;
+constexpr std::size_t kOffCubinLength = 24;
+constexpr std::size_t kOffCubinDigest = 32;
+constexpr std::size_t kOffManifestDigest = 48;
+
+nlohmann::ordered_json manifest_json(const Manifest& m) {
+  nlohmann::ordered_json j;
+  j["key"] = m.key;
+  j["kernel"] = m.kernel;
+  j["spec"] = m.spec_json;
+  j["lowered_name"] = m.lowered_name;
+  j["options"] = m.options;
+  j["nvrtc_version"] = m.nvrtc_version;
+  j["library_version"] = m.library_version;
+  j["compile_ms"] = m.compile_ms;
+  j["ptxas_info"] = m.ptxas_info;
+  j["cubin_size"] = m.cubin_size;
+  j["cubin_hash"] = m.cubin_hash;
+  j["created_unix"] = m.created_unix;
+  return j;
+}
+
+// Parses the stored manifest; "" on success, else what is wrong.
+std::string parse_manifest(const std::string& text, Manifest* m) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return "manifest is not a JSON object";
+  try {
+    m->key = j.at("key").get<std::string>();
+    m->kernel = j.at("kernel").get<std::string>();
+    m->spec_json = j.at("spec").get<std::string>();
+    m->lowered_name = j.at("lowered_name").get<std::string>();
+    m->options = j.at("options").get<std::vector<std::string>>();
+    m->nvrtc_version = j.at("nvrtc_version").get<std::string>();
+    m->library_version = j.at("library_version").get<std::string>();
+    m->compile_ms = j.at("compile_ms").get<double>();
+    m->ptxas_info = j.at("ptxas_info").get<std::string>();
+    m->cubin_size = j.at("cubin_size").get<uint64_t>();
+    m->cubin_hash = j.at("cubin_hash").get<std::string>();
+    m->created_unix = j.at("created_unix").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    return std::string("manifest field missing or of the wrong type: ") + e.what();
+  }
+  return "";
+}
+
+struct ReadResult {
+  bool io_error = false;  // the file could not be read (not evidence of corruption)
+  std::string problem;    // "" = verified
+};
+
+ReadResult corrupt(std::string problem) { return ReadResult{false, std::move(problem)}; }
+
+ReadResult read_failure(int error, uint64_t file_size) {
+  if (error == -1) {
+    return corrupt("file ended early (" + std::to_string(file_size) + " bytes expected)");
+  }
+  return ReadResult{true, "read failed: " + errno_text(error)};
+}
+
+// Reads and checks the entry open as `fd` (`file_size` bytes) for `key`. The manifest is stored
+// in *out as soon as it parses; with `with_cubin` the cubin is read and its hash checked too.
+ReadResult read_entry(int fd, uint64_t file_size, const std::string& key, bool with_cubin,
+                      Entry* out) {
+  if (file_size < kHeaderSize) {
+    return corrupt("file is " + std::to_string(file_size) + " bytes, shorter than the " +
+                   std::to_string(kHeaderSize) + "-byte header (truncated)");
+  }
+  unsigned char header[kHeaderSize];
+  if (int e = pread_all(fd, reinterpret_cast<char*>(header), kHeaderSize, 0); e != 0) {
+    return read_failure(e, file_size);
+  }
+  if (std::memcmp(header, kMagic, sizeof(kMagic)) != 0) {
+    return corrupt("bad magic: not a moejit cache entry");
+  }
+  const uint32_t version = get_u32(header + kOffVersion);
+  if (version != static_cast<uint32_t>(kCacheSchemaVersion)) {
+    return corrupt("format version " + std::to_string(version) + ", expected " +
+                   std::to_string(kCacheSchemaVersion));
+  }
+  const uint32_t header_size = get_u32(header + kOffHeaderSize);
+  if (header_size != kHeaderSize) {
+    return corrupt("header size field is " + std::to_string(header_size) + ", expected " +
+                   std::to_string(kHeaderSize));
+  }
+  const uint64_t manifest_length = get_u64(header + kOffManifestLength);
+  const uint64_t cubin_length = get_u64(header + kOffCubinLength);
+  const Digest cubin_digest{get_u64(header + kOffCubinDigest),
+                            get_u64(header + kOffCubinDigest + 8)};
+  const Digest manifest_digest{get_u64(header + kOffManifestDigest),
+                               get_u64(header + kOffManifestDigest + 8)};
+  // Why: each length is bounded by the file size first, so the sum below cannot overflow.
+  if (manifest_length > file_size || cubin_length > file_size ||
+      kHeaderSize + manifest_length + cubin_length != file_size) {
+    return corrupt("header " + std::to_string(kHeaderSize) + " + manifest " +
+                   std::to_string(manifest_length) + " + cubin " + std::to_string(cubin_length) +
+                   " bytes != file size " + std::to_string(file_size) +
+                   " (truncated or overwritten)");
+  }
+  std::string manifest_text(static_cast<std::size_t>(manifest_length), '\0');
+  if (int e = pread_all(fd, manifest_text.data(), manifest_text.size(), kHeaderSize); e != 0) {
+    return read_failure(e, file_size);
+  }
+  if (!(hash_bytes(manifest_text) == manifest_digest)) {
+    return corrupt("manifest hash mismatch (content changed on disk)");
+  }
+  Manifest manifest;
+  if (std::string why = parse_manifest(manifest_text, &manifest); !why.empty()) {
+    return corrupt(why);
+  }
+  out->manifest = manifest;
+  if (manifest.key != key) {
+    return corrupt("entry holds key " + manifest.key + ", expected " + key + " (misplaced file)");
+  }
+  if (manifest.cubin_size != cubin_length || manifest.cubin_hash != cubin_digest.hex()) {
+    return corrupt("manifest cubin size/hash (" + std::to_string(manifest.cubin_size) + ", " +
+                   manifest.cubin_hash + ") disagree with the header (" +
+                   std::to_string(cubin_length) + ", " + cubin_digest.hex() + ")");
+  }
+  if (!with_cubin) return {};
+  out->cubin.resize(static_cast<std::size_t>(cubin_length));
+  if (int e = pread_all(fd, out->cubin.data(), out->cubin.size(), kHeaderSize + manifest_length);
+      e != 0) {
+    out->cubin.clear();
+    return read_failure(e, file_size);
+  }
+  const Digest actual = hash_bytes(out->cubin);
+  if (!(actual == cubin_digest)) {
+    out->cubin.clear();
+    return corrupt("cubin hash mismatch: recorded " + cubin_digest.hex() + ", computed " +
+                   actual.hex() + " (content changed on disk)");
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string manifest_to_json(const Manifest& manifest) { return manifest_json(manifest).dump(); }
+
+bool is_cache_key(const std::string& key) {
+  return key.size() == kKeyLength && std::all_of(key.begin(), key.end(), is_lower_hex);
+}
+
+// ---- DiskCache ----
+
+DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mode_(mode) {
+  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
+  version_dir_ = dir_ + "/v" + std::to_string(kCacheSchemaVersion);
+  if (mode_ == CacheMode::kMemoryOnly) return;
+  if (dir_.empty()) {
+    degrade(CacheMode::kMemoryOnly, "no cache directory was given", false);
+    return;
+  }
+
+  struct stat st {};
+  if (::stat(dir_.c_str(), &st) != 0) {
+    const int error = errno;
+    if (mode_ == CacheMode::kReadOnly) {
+      if (error == ENOENT) {
+        log().info("cache directory {} does not exist; read-only cache, every lookup misses",
+                   dir_);
+      } else {
+        degrade(CacheMode::kMemoryOnly, "cannot use " + dir_ + ": " + errno_text(error), false);
+      }
+      return;
+    }
+    std::string failed;
+    if (int made = make_dirs(dir_, &failed); made != 0) {
+      degrade(CacheMode::kMemoryOnly,
+              "cannot create cache directory " + failed + ": " + errno_text(made), false);
+      return;
+    }
+    if (::stat(dir_.c_str(), &st) != 0) {
+      degrade(CacheMode::kMemoryOnly, "cannot use " + dir_ + ": " + errno_text(errno), false);
+      return;
+    }
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    degrade(CacheMode::kMemoryOnly, dir_ + " is not a directory", false);
+    return;
+  }
+  if (std::string why = distrust_reason(st); !why.empty()) {
+    const std::string reason = "cache directory " + dir_ + " is " + why +
+                               "; a cache others can write lets them inject GPU code (fix: "
+                               "chmod go-w it, or set MOEJIT_CACHE_DIR to a private directory)";
+    if (mode_ == CacheMode::kReadWrite) {
+      degrade(CacheMode::kReadOnly, reason, true);
+    } else {
+      log().warn("{}; only entries owned by you or root, and not writable by others, are loaded",
+                 reason);
+    }
+  }
+  if (mode_ != CacheMode::kReadWrite) return;
+
+  if (int e = ensure_dir(version_dir_); e != 0) {
+    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e), false);
+    return;
+  }
+  if (::lstat(version_dir_.c_str(), &st) == 0) {
+    if (std::string why = distrust_reason(st); !why.empty()) {
+      degrade(CacheMode::kReadOnly, "cache directory " + version_dir_ + " is " + why +
+                                        " (fix: chmod go-w it, or remove it)", true);
+      return;
+    }
+  }
+  if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
+    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e), false);
+    return;
+  }
+  // Why: permissions alone don't tell (root ignores them, a read-only mount overrides them);
+  // creating a file is the test that matters.
+  const std::string probe = version_dir_ + "/.probe." + std::to_string(::getpid()) + "." +
+                            random_hex() + kTempSuffix;
+  Fd fd(open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  if (!fd.ok()) {
+    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(errno),
+            false);
+    return;
+  }
+  fd.reset();
+  ::unlink(probe.c_str());
+}
+
+void DiskCache::degrade(CacheMode to, const std::string& reason, bool warn) {
+  mode_ = to;
+  mode_reason_ = reason;
+  if (warn) {
+    log().warn("{}; using the cache {}", reason, mode_name(to));
+  } else {
+    log().info("{}; using the cache {}", reason, mode_name(to));
+  }
+}
+
+std::string DiskCache::entry_path(const std::string& key) const {
+  MOEJIT_CHECK(is_cache_key(key), ErrorCode::kInvalidArgument,
+               "malformed cache key '" << key << "': expected 32 lowercase hex digits");
+  return version_dir_ + "/" + key.substr(0, 2) + "/" + key + kEntrySuffix;
+}
+
+std::optional<Entry> DiskCache::load(const std::string& key) const {
+  const std::string path = entry_path(key);
+  if (mode_ == CacheMode::kMemoryOnly) return std::nullopt;
+
+  // Why: O_NONBLOCK so a FIFO planted at the path can't hang us; O_NOFOLLOW so a symlink is
+  // never followed to a file we did not check.
+  Fd fd(open_file(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK));
+  if (!fd.ok()) {
+    const int error = errno;
+    if (error == ENOENT || error == ENOTDIR) {
+      log().debug("cache miss {}", key);
+    } else if (error == ELOOP) {
+      log().warn("cache entry {} is a symbolic link; ignored (treated as a miss)", path);
+    } else {
+      log().warn("cache entry {} cannot be opened: {}; treated as a miss", path,
+                 errno_text(error));
+    }
+    return std::nullopt;
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    log().warn("cache entry {} cannot be inspected: {}; treated as a miss", path,
+               errno_text(errno));
+    return std::nullopt;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    log().warn("cache entry {} is not a regular file; ignored (treated as a miss)", path);
+    return std::nullopt;
+  }
+  if (std::string why = distrust_reason(st); !why.empty()) {
+    log().warn("cache entry {} is {}; ignored, not deleted (treated as a miss)", path, why);
+    return std::nullopt;
+  }
+
+  Entry entry;
+  ReadResult result = read_entry(fd.get(), static_cast<uint64_t>(st.st_size), key, true, &entry);
+  if (!result.problem.empty()) {
+    if (result.io_error) {
+      log().warn("cache entry {}: {}; treated as a miss", path, result.problem);
+    } else {
+      quarantine(path, fd.get(), result.problem);
+    }
+    return std::nullopt;
+  }
+  if (mode_ == CacheMode::kReadWrite) {
+    // Why: the mtime is the LRU clock for gc(); a failure only makes eviction less precise.
+    ::futimens(fd.get(), nullptr);
+  }
+  log().debug("cache hit {} ({} bytes)", path, entry.cubin.size());
+  return entry;
+}
+
+std::string DiskCache::quarantine(const std::string& path, int fd,
+                                  const std::string& reason) const {
+  if (mode_ != CacheMode::kReadWrite) {
+    log().warn("cache entry {} failed verification ({}); ignored and left in place (the cache is "
+               "{})",
+               path, reason, mode_name(mode_));
+    return "";
+  }
+  // Why: another process may have quarantined this very file and published a good entry at the
+  // same path since we opened it; move only the file that was checked.
+  struct stat at_path {}, checked {};
+  if (::lstat(path.c_str(), &at_path) != 0 || ::fstat(fd, &checked) != 0 ||
+      at_path.st_dev != checked.st_dev || at_path.st_ino != checked.st_ino) {
+    log().warn("cache entry {} failed verification ({}); it has already been replaced", path,
+               reason);
+    return "";
+  }
+  const std::string quarantine_dir = dir_ + "/quarantine";
+  if (int e = ensure_dir(quarantine_dir); e != 0) {
+    log().warn("cache entry {} failed verification ({}); ignored (cannot create {}: {})", path,
+               reason, quarantine_dir, errno_text(e));
+    return "";
+  }
+  const std::string name = path.substr(path.rfind('/') + 1);
+  const std::string dest =
+      quarantine_dir + "/" + name + "." + std::to_string(now_unix()) + "." + random_hex();
+  if (::rename(path.c_str(), dest.c_str()) != 0) {
+    log().warn("cache entry {} failed verification ({}); ignored (cannot move it to {}: {})",
+               path, reason, dest, errno_text(errno));
+    return "";
+  }
+  // Why: gc ages quarantined files from when they were quarantined, not from their last use.
+  ::futimens(fd, nullptr);
+  log().warn("cache entry {} failed verification ({}); moved to {}, it will be rebuilt", path,
+             reason, dest);
+  return dest;
+}
+
+bool DiskCache::store(const Entry& entry) const {
+  const std::string& key = entry.manifest.key;
+  const std::string path = entry_path(key);
+  if (mode_ != CacheMode::kReadWrite) return false;
+
+  Manifest manifest = entry.manifest;
+  const Digest cubin_digest = hash_bytes(entry.cubin);
+  manifest.cubin_size = entry.cubin.size();
+  manifest.cubin_hash = cubin_digest.hex();
+  if (manifest.created_unix == 0) manifest.created_unix = now_unix();
+  const std::string manifest_text = manifest_to_json(manifest);
+  const Digest manifest_digest = hash_bytes(manifest_text);
+
+  unsigned char header[kHeaderSize] = {};
+  std::memcpy(header, kMagic, sizeof(kMagic));
+  put_u32(header + kOffVersion, static_cast<uint32_t>(kCacheSchemaVersion));
+  put_u32(header + kOffHeaderSize, static_cast<uint32_t>(kHeaderSize));
+  put_u64(header + kOffManifestLength, manifest_text.size());
+  put_u64(header + kOffCubinLength, entry.cubin.size());
+  put_u64(header + kOffCubinDigest, cubin_digest.high);
+  put_u64(header + kOffCubinDigest + 8, cubin_digest.low);
+  put_u64(header + kOffManifestDigest, manifest_digest.high);
+  put_u64(header + kOffManifestDigest + 8, manifest_digest.low);
+
+  const std::string shard = version_dir_ + "/" + key.substr(0, 2);
+  if (int e = ensure_dir(shard); e != 0) {
+    log().warn("cache entry {} not stored: cannot create {}: {}", path, shard, errno_text(e));
+    return false;
+  }
+  struct stat shard_st {};
+  if (::lstat(shard.c_str(), &shard_st) == 0) {
+    if (std::string why = distrust_reason(shard_st); !why.empty()) {
+      log().warn("cache entry {} not stored: {} is {}", path, shard, why);
+      return false;
+    }
+  }
+
+  // Why: the temp name starts with '.' and ends with ".tmp", so nothing that scans for entries
+  // ("<key>.mjc") can mistake it for one; the pid and random part keep writers apart.
+  std::string temp;
+  int raw_fd = -1;
+  for (int attempt = 0; attempt < 4 && raw_fd < 0; ++attempt) {
+    temp = shard + "/." + key + "." + std::to_string(::getpid()) + "." + random_hex() +
+           kTempSuffix;
+    raw_fd = open_file(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
+    if (raw_fd < 0 && errno != EEXIST) {
+      log().warn("cache entry {} not stored: cannot create {}: {}", path, temp,
+                 errno_text(errno));
+      return false;
+    }
+  }
+  if (raw_fd < 0) {
+    log().warn("cache entry {} not stored: every temp name tried was taken", path);
+    return false;
+  }
+  Fd fd(raw_fd);
+
+  auto fail = [&](const char* step, int error) {
+    fd.reset();
+    ::unlink(temp.c_str());
+    log().warn("cache entry {} not stored: {} {} failed: {}", path, step, temp,
+               errno_text(error));
+    return false;
+  };
+  if (int e = write_all(fd.get(), reinterpret_cast<const char*>(header), kHeaderSize); e != 0) {
+    return fail("writing", e);
+  }
+  if (int e = write_all(fd.get(), manifest_text.data(), manifest_text.size()); e != 0) {
+    return fail("writing", e);
+  }
+  if (int e = write_all(fd.get(), entry.cubin.data(), entry.cubin.size()); e != 0) {
+    return fail("writing", e);
+  }
+  if (::fsync(fd.get()) != 0) return fail("fsync of", errno);
+  if (::close(fd.release()) != 0) return fail("closing", errno);
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    log().warn("cache entry {} not stored: rename from {} failed: {}", path, temp,
+               errno_text(error));
+    return false;
+  }
+  // Why: the rename is durable only once the directory itself is synced.
+  Fd dir_fd(open_file(shard, O_RDONLY | O_DIRECTORY));
+  if (!dir_fd.ok() || ::fsync(dir_fd.get()) != 0) {
+    log().debug("cache entry {} published, but syncing {} failed: {}", path, shard,
+                errno_text(errno));
+  }
+  log().debug("cache stored {} ({} bytes of cubin)", path, entry.cubin.size());
+  return true;
+}
+
+// ---- Lock ----
+
+DiskCache::Lock& DiskCache::Lock::operator=(Lock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+DiskCache::Lock::~Lock() {
+  // Why: closing the last descriptor of the open file releases the flock.
+  if (fd_ >= 0) ::close(fd_);
+}
+
+DiskCache::Lock DiskCache::lock(const std::string& key) const {
+  MOEJIT_CHECK(is_cache_key(key), ErrorCode::kInvalidArgument,
+               "malformed cache key '" << key << "': expected 32 lowercase hex digits");
+  if (mode_ != CacheMode::kReadWrite) return Lock();
+  const std::string lock_path = dir_ + "/locks/" + key + ".lock";
+  if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
+    log().warn("cannot lock {}: cannot create {}/locks: {}; compiling without the "
+               "inter-process lock",
+               key, dir_, errno_text(e));
+    return Lock();
+  }
+  // Why: gc may unlink an idle lock file; a lock taken on the unlinked inode would exclude no
+  // one, so after flock the path must still name the locked file, else try again.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    Fd fd(open_file(lock_path, O_RDWR | O_CREAT | O_NOFOLLOW, 0600));
+    if (!fd.ok()) {
+      log().warn("cannot open lock file {}: {}; compiling without the inter-process lock",
+                 lock_path, errno_text(errno));
+      return Lock();
+    }
+    int rc = 0;
+    do {
+      rc = ::flock(fd.get(), LOCK_EX);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
+      log().warn("cannot lock {}: {}; compiling without the inter-process lock", lock_path,
+                 errno_text(errno));
+      return Lock();
+    }
+    struct stat held {}, at_path {};
+    if (::fstat(fd.get(), &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&
+        held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
+      return Lock(fd.release());
+    }
+  }
+  log().warn("cannot lock {}: the lock file keeps being replaced; compiling without the "
+             "inter-process lock",
+             lock_path);
+  return Lock();
+}
+
+// ---- listing and maintenance ----
+
+std::vector<EntryInfo> DiskCache::list(bool verify) const {
+  std::vector<EntryInfo> out;
+  if (mode_ == CacheMode::kMemoryOnly) return out;
+  for (const DirEntry& shard : read_dir_or_throw(version_dir_)) {
+    if (!S_ISDIR(shard.st.st_mode) || !is_shard_name(shard.name)) continue;
+    for (const DirEntry& file : read_dir_or_throw(shard.path)) {
+      std::string key;
+      if (!is_entry_name(file.name, &key) || key.compare(0, 2, shard.name) != 0) continue;
+      EntryInfo info;
+      info.path = file.path;
+      info.file_size = static_cast<uint64_t>(file.st.st_size);
+      info.last_used_unix = static_cast<int64_t>(file.st.st_mtim.tv_sec);
+      Fd fd(open_file(file.path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK));
+      struct stat st {};
+      if (!fd.ok()) {
+        if (errno == ENOENT) continue;  // removed since the directory was read
+        info.problem = "cannot open: " + errno_text(errno);
+      } else if (::fstat(fd.get(), &st) != 0) {
+        info.problem = "cannot inspect: " + errno_text(errno);
+      } else if (!S_ISREG(st.st_mode)) {
+        info.problem = "not a regular file (ignored)";
+      } else if (std::string why = distrust_reason(st); !why.empty()) {
+        info.problem = "untrusted: " + why + " (ignored)";
+      } else {
+        info.file_size = static_cast<uint64_t>(st.st_size);
+        info.last_used_unix = static_cast<int64_t>(st.st_mtim.tv_sec);
+        Entry entry;
+        ReadResult result = read_entry(fd.get(), info.file_size, key, verify, &entry);
+        info.manifest = std::move(entry.manifest);
+        info.problem = result.problem;
+        if (!result.problem.empty() && verify && !result.io_error) {
+          std::string dest = quarantine(file.path, fd.get(), result.problem);
+          if (!dest.empty()) info.problem += "; moved to " + dest;
+        }
+      }
+      out.push_back(std::move(info));
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const EntryInfo& a, const EntryInfo& b) { return a.path < b.path; });
+  return out;
+}
+
+GcReport DiskCache::gc(uint64_t max_bytes) const {
+  MOEJIT_CHECK(mode_ == CacheMode::kReadWrite, ErrorCode::kCache,
+               "cannot garbage-collect the cache at " << dir_ << ": it is " << mode_name(mode_)
+                                                      << (mode_reason_.empty() ? "" : " (")
+                                                      << mode_reason_
+                                                      << (mode_reason_.empty() ? "" : ")"));
+  const int64_t now = now_unix();
+  const uid_t me = ::geteuid();
+  GcReport report;
+
+  struct Candidate {
+    std::string path;
+    uint64_t size;
+    bool quarantined;
+    int64_t mtime_sec;
+    long mtime_nsec;
+  };
+  std::vector<Candidate> candidates;
+  auto remove_stale_temp = [&](const DirEntry& file) {
+    if (S_ISREG(file.st.st_mode) && file.st.st_uid == me && is_temp_name(file.name) &&
+        age_seconds(file.st, now) > kStaleTempSeconds && ::unlink(file.path.c_str()) == 0) {
+      ++report.stale_temp_removed;
+    }
+  };
+
+  for (const DirEntry& version : read_dir_or_throw(dir_)) {
+    if (!S_ISDIR(version.st.st_mode) || !is_version_name(version.name)) continue;
+    for (const DirEntry& shard : read_dir_or_throw(version.path)) {
+      if (!S_ISDIR(shard.st.st_mode)) {
+        remove_stale_temp(shard);  // the writability probe lives here
+        continue;
+      }
+      if (!is_shard_name(shard.name)) continue;
+      for (const DirEntry& file : read_dir_or_throw(shard.path)) {
+        // Why: never remove other users' files, whatever they are.
+        if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) continue;
+        std::string key;
+        if (is_entry_name(file.name, &key)) {
+          candidates.push_back({file.path, static_cast<uint64_t>(file.st.st_size), false,
+                                static_cast<int64_t>(file.st.st_mtim.tv_sec),
+                                file.st.st_mtim.tv_nsec});
+        } else {
+          remove_stale_temp(file);
+        }
+      }
+    }
+  }
+  for (const DirEntry& file : read_dir_or_throw(dir_ + "/quarantine")) {
+    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) continue;
+    const uint64_t size = static_cast<uint64_t>(file.st.st_size);
+    if (age_seconds(file.st, now) > kQuarantineKeepSeconds && ::unlink(file.path.c_str()) == 0) {
+      report.bytes_before += size;
+      ++report.removed;
+      continue;
+    }
+    candidates.push_back({file.path, size, true, static_cast<int64_t>(file.st.st_mtim.tv_sec),
+                          file.st.st_mtim.tv_nsec});
+  }
+  // Idle lock files: removed only while we hold them (see lock()).
+  for (const DirEntry& file : read_dir_or_throw(dir_ + "/locks")) {
+    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !ends_with(file.name, ".lock") ||
+        age_seconds(file.st, now) <= kStaleTempSeconds) {
+      continue;
+    }
+    Fd fd(open_file(file.path, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
+    if (fd.ok() && ::flock(fd.get(), LOCK_EX | LOCK_NB) == 0) ::unlink(file.path.c_str());
+  }
+
+  uint64_t total = 0;
+  for (const Candidate& c : candidates) total += c.size;
+  report.bytes_before += total;
+  // Quarantined files go first, then entries from the least recently used.
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.quarantined != b.quarantined) return a.quarantined;
+    if (a.mtime_sec != b.mtime_sec) return a.mtime_sec < b.mtime_sec;
+    if (a.mtime_nsec != b.mtime_nsec) return a.mtime_nsec < b.mtime_nsec;
+    return a.path < b.path;
+  });
+  for (const Candidate& c : candidates) {
+    if (total <= max_bytes) break;
+    if (::unlink(c.path.c_str()) == 0 || errno == ENOENT) {
+      total -= c.size;
+      ++report.removed;
+    } else {
+      log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+    }
+  }
+  report.bytes_after = total;
+  log().debug("cache gc {}: {} -> {} bytes, {} removed, {} stale temp files removed", dir_,
+              report.bytes_before, report.bytes_after, report.removed,
+              report.stale_temp_removed);
+  return report;
+}
+
+int DiskCache::clear() const {
+  MOEJIT_CHECK(mode_ == CacheMode::kReadWrite, ErrorCode::kCache,
+               "cannot clear the cache at " << dir_ << ": it is " << mode_name(mode_)
+                                            << (mode_reason_.empty() ? "" : " (") << mode_reason_
+                                            << (mode_reason_.empty() ? "" : ")"));
+  const uid_t me = ::geteuid();
+  int removed = 0;
+  auto remove = [&](const DirEntry& file) {
+    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
+    if (::unlink(file.path.c_str()) == 0) {
+      ++removed;
+    } else if (errno != ENOENT) {
+      log().warn("cache clear: cannot remove {}: {}", file.path, errno_text(errno));
+    }
+  };
+  for (const DirEntry& version : read_dir_or_throw(dir_)) {
+    if (!S_ISDIR(version.st.st_mode) || !is_version_name(version.name)) continue;
+    for (const DirEntry& shard : read_dir_or_throw(version.path)) {
+      if (!S_ISDIR(shard.st.st_mode) || !is_shard_name(shard.name)) continue;
+      for (const DirEntry& file : read_dir_or_throw(shard.path)) {
+        std::string key;
+        if (is_entry_name(file.name, &key)) remove(file);
+      }
+    }
+  }
+  for (const DirEntry& file : read_dir_or_throw(dir_ + "/quarantine")) remove(file);
+  return removed;
+}
+
+}  // namespace moejit::detail

@@ -1,0 +1,32 @@
+// The cache key: a digest of everything that can change a cubin, and nothing else.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace moejit::detail {
+
+// One header the generated source can include, by the name it is included as.
+struct KeyHeader {
+  std::string path;     // include name, e.g. "moejit/kern/append_shared.cuh" (never a disk path)
+  std::string content;
+};
+
+// Every input of a compile. Nothing machine- or time-specific belongs here: no absolute path,
+// no host name, no time, so two machines with the same toolkit share keys and nothing is missed.
+struct KeyInputs {
+  int schema_version = 0;            // kCacheSchemaVersion
+  std::string nvrtc_version;         // "13.0"
+  std::vector<std::string> options;  // compile_options(arch), include path excluded
+  std::string arch;                  // "sm_90a"
+  std::string program_name;          // GeneratedSource::file_name (NVRTC's name for the program)
+  std::string source;                // the generated translation unit
+  std::string name_expression;       // what nvrtcAddNameExpression instantiates
+  std::vector<KeyHeader> headers;    // every embedded kernel header, in a fixed order
+  std::string toolkit_digest;        // ToolkitHeaders::digest, hex
+};
+
+// 32 lowercase hex digits (XXH3-128 over the length-prefixed fields, in a fixed order).
+std::string compute_key(const KeyInputs& inputs);
+
+}  // namespace moejit::detail

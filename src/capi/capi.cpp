@@ -1,0 +1,104 @@
+// The C ABI: every call catches everything, maps the error code to a moejit_status and keeps the
+// message for moejit_last_error() on the calling thread.
+#include <exception>
+#include <new>
+#include <string>
+
+#include "moejit/error.hpp"
+#include "moejit/moejit.h"
+#include "moejit/ops.hpp"
+#include "moejit/runtime.hpp"
+
+namespace {
+
+// Why thread_local: each thread reads its own last message, and a success clears only its own.
+thread_local std::string last_error;
+
+moejit_status status_of(moejit::ErrorCode code) {
+  switch (code) {
+    case moejit::ErrorCode::kInvalidDescriptor: return MOEJIT_ERROR_INVALID_DESCRIPTOR;
+    case moejit::ErrorCode::kInvalidArgument: return MOEJIT_ERROR_INVALID_ARGUMENT;
+    case moejit::ErrorCode::kUnsupported: return MOEJIT_ERROR_UNSUPPORTED;
+    case moejit::ErrorCode::kCompileFailed: return MOEJIT_ERROR_COMPILE_FAILED;
+    case moejit::ErrorCode::kCacheCorrupt: return MOEJIT_ERROR_CACHE_CORRUPT;
+    case moejit::ErrorCode::kCache: return MOEJIT_ERROR_CACHE;
+    case moejit::ErrorCode::kDriver: return MOEJIT_ERROR_DRIVER;
+    case moejit::ErrorCode::kCaptureMiss: return MOEJIT_ERROR_CAPTURE_MISS;
+    case moejit::ErrorCode::kIo: return MOEJIT_ERROR_IO;
+    case moejit::ErrorCode::kInternal: return MOEJIT_ERROR_INTERNAL;
+  }
+  return MOEJIT_ERROR_INTERNAL;
+}
+
+// Records `message`, never throwing (a failed assignment leaves a fixed text).
+moejit_status fail(moejit_status status, const char* message) noexcept {
+  try {
+    last_error = message;
+  } catch (...) {
+    last_error.clear();
+  }
+  return status;
+}
+
+// Runs `body`, turning every exception into a status and this thread's message.
+template <typename Body>
+moejit_status guarded(Body&& body) noexcept {
+  try {
+    body();
+    last_error.clear();
+    return MOEJIT_OK;
+  } catch (const moejit::Error& e) {
+    return fail(status_of(e.code()), e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(MOEJIT_ERROR_INTERNAL, "out of host memory");
+  } catch (const std::exception& e) {
+    return fail(MOEJIT_ERROR_INTERNAL, e.what());
+  } catch (...) {
+    return fail(MOEJIT_ERROR_INTERNAL, "unknown exception inside libmoejit");
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* moejit_last_error(void) { return last_error.c_str(); }
+
+moejit_status moejit_register_shapes_file(const char* path) {
+  return guarded([&] {
+    if (path == nullptr) {
+      throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
+                          "moejit_register_shapes_file: path is null");
+    }
+    moejit::register_shapes_file(path);
+  });
+}
+
+moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* topk_weights,
+                                   const DLTensor* shared_logits, DLTensor* out_ids,
+                                   DLTensor* out_weights, int64_t shared_base, float scale,
+                                   moejit_shared_gate gate, void* stream) {
+  return guarded([&] {
+    moejit::AppendSharedArgs args;
+    args.topk_ids = topk_ids;
+    args.topk_weights = topk_weights;
+    args.shared_logits = shared_logits;
+    args.out_ids = out_ids;
+    args.out_weights = out_weights;
+    args.shared_base = shared_base;
+    args.scale = scale;
+    switch (gate) {
+      case MOEJIT_SHARED_SIGMOID: args.gate = moejit::SharedGate::kSigmoid; break;
+      case MOEJIT_SHARED_CONSTANT: args.gate = moejit::SharedGate::kConstant; break;
+      case MOEJIT_SHARED_GIVEN: args.gate = moejit::SharedGate::kGiven; break;
+      default:
+        throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
+                            "moejit_append_shared: gate: expected MOEJIT_SHARED_SIGMOID (0), "
+                            "MOEJIT_SHARED_CONSTANT (1) or MOEJIT_SHARED_GIVEN (2), found " +
+                                std::to_string(static_cast<int>(gate)));
+    }
+    moejit::append_shared(args, static_cast<moejit::Stream>(stream));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,144 @@
+// `moejit list | verify | gc --max-size SIZE | clear`: inspect and maintain the disk cache.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/disk_cache.hpp"
+#include "cli/cli.hpp"
+#include "runtime/runtime_impl.hpp"
+
+namespace moejit::cli {
+namespace {
+
+// The disk cache the environment names, refusing modes the command can't work in.
+const detail::DiskCache& open_cache(const char* command, bool needs_write) {
+  configure_from_environment();
+  detail::Runtime& runtime = detail::Runtime::instance();
+  const detail::DiskCache& disk = runtime.store().disk();
+  CacheMode requested = runtime.config().cache_mode;
+  if (requested == CacheMode::kMemoryOnly) {
+    throw Failure{kExitEnvironment, std::string(command) +
+                                        ": MOEJIT_CACHE_MODE=memory means no disk cache; unset it "
+                                        "to work on the cache at " + disk.dir()};
+  }
+  if (disk.effective_mode() == CacheMode::kMemoryOnly) {
+    throw Failure{kExitEnvironment, std::string(command) + ": the cache at " + disk.dir() +
+                                        " can't be used: " + disk.mode_reason()};
+  }
+  if (needs_write && disk.effective_mode() != CacheMode::kReadWrite) {
+    std::string why = requested == CacheMode::kReadOnly
+                          ? "MOEJIT_CACHE_MODE=ro; unset it or set MOEJIT_CACHE_MODE=rw"
+                          : disk.mode_reason();
+    throw Failure{kExitEnvironment,
+                  std::string(command) + " needs write access to " + disk.dir() + ": " + why};
+  }
+  return disk;
+}
+
+std::string arch_of(const detail::Manifest& m) {
+  std::size_t at = m.kernel.rfind('@');
+  if (at != std::string::npos) return m.kernel.substr(at + 1);
+  nlohmann::json spec = nlohmann::json::parse(m.spec_json, nullptr, false);
+  if (spec.is_object() && spec.contains("arch") && spec["arch"].is_string()) {
+    return spec["arch"].get<std::string>();
+  }
+  return "?";
+}
+
+std::string kernel_of(const detail::Manifest& m) {
+  if (m.kernel.empty()) return "(unknown)";
+  std::size_t at = m.kernel.rfind('@');
+  return at == std::string::npos ? m.kernel : m.kernel.substr(0, at);
+}
+
+uint64_t total_size(const std::vector<detail::EntryInfo>& entries) {
+  uint64_t total = 0;
+  for (const detail::EntryInfo& e : entries) total += e.file_size;
+  return total;
+}
+
+}  // namespace
+
+int run_list() {
+  const detail::DiskCache& disk = open_cache("list", false);
+  std::vector<detail::EntryInfo> entries = disk.list(false);
+  std::sort(entries.begin(), entries.end(),
+            [](const detail::EntryInfo& a, const detail::EntryInfo& b) {
+              return a.manifest.kernel < b.manifest.kernel;
+            });
+  std::size_t kernel_width = 6;
+  for (const detail::EntryInfo& e : entries) {
+    kernel_width = std::max(kernel_width, kernel_of(e.manifest).size());
+  }
+  int kw = static_cast<int>(kernel_width);
+  char line[512];
+  std::snprintf(line, sizeof(line), "%-*s  %-8s %10s  %-19s  %10s  %s\n", kw, "KERNEL", "ARCH",
+                "SIZE", "LAST USED", "COMPILE", "KEY");
+  std::cout << line;
+  for (const detail::EntryInfo& e : entries) {
+    std::snprintf(line, sizeof(line), "%-*s  %-8s %10s  %-19s  %10s  %s\n", kw,
+                  kernel_of(e.manifest).c_str(), arch_of(e.manifest).c_str(),
+                  format_bytes(e.file_size).c_str(), format_time(e.last_used_unix).c_str(),
+                  format_ms(e.manifest.compile_ms).c_str(), e.manifest.key.c_str());
+    std::cout << line;
+  }
+  std::cout << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies") << ", "
+            << format_bytes(total_size(entries)) << " in " << disk.dir() << " ("
+            << cache_mode_name(disk.effective_mode()) << ")\n";
+  return kExitOk;
+}
+
+int run_verify() {
+  const detail::DiskCache& disk = open_cache("verify", false);
+  std::vector<detail::EntryInfo> entries = disk.list(true);
+  int bad = 0;
+  for (const detail::EntryInfo& e : entries) {
+    if (e.problem.empty()) continue;
+    ++bad;
+    std::cout << "BAD  " << (e.manifest.kernel.empty() ? "(unreadable entry)" : e.manifest.kernel)
+              << "  " << e.path << ": " << e.problem << "\n";
+  }
+  std::cout << "verify: " << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies")
+            << ", " << bad << " bad";
+  if (bad > 0) {
+    std::cout << (disk.effective_mode() == CacheMode::kReadWrite
+                      ? " (quarantined under " + disk.dir() + "/quarantine; the next use rebuilds "
+                            "them)"
+                      : std::string(" (read-only cache: left in place, never loaded)"));
+  }
+  std::cout << "\n";
+  return bad > 0 ? kExitWorkFailed : kExitOk;
+}
+
+int run_gc(const std::string& max_size) {
+  std::optional<uint64_t> limit = parse_size(max_size);
+  if (!limit) {
+    throw Failure{kExitUsage, "bad --max-size '" + max_size +
+                                  "': expected bytes or a number with K, M, G or T (powers of "
+                                  "1024), e.g. 500M or 2G"};
+  }
+  const detail::DiskCache& disk = open_cache("gc", true);
+  detail::GcReport report = disk.gc(*limit);
+  std::cout << "gc: removed " << report.removed << " entr" << (report.removed == 1 ? "y" : "ies");
+  if (report.stale_temp_removed > 0) {
+    std::cout << " and " << report.stale_temp_removed << " stale temp file(s)";
+  }
+  std::cout << ", " << format_bytes(report.bytes_before) << " -> "
+            << format_bytes(report.bytes_after) << " (limit " << format_bytes(*limit) << ") in "
+            << disk.dir() << "\n";
+  return kExitOk;
+}
+
+int run_clear() {
+  const detail::DiskCache& disk = open_cache("clear", true);
+  int removed = disk.clear();
+  std::cout << "clear: removed " << removed << " entr" << (removed == 1 ? "y" : "ies") << " from "
+            << disk.dir() << "\n";
+  return kExitOk;
+}
+
+}  // namespace moejit::cli

@@ -1,0 +1,176 @@
+// `moejit prewarm FILE... [--arch A[,B]] [-j N]`: fill the cache before a server starts.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cli/cli.hpp"
+#include "compile/nvrtc.hpp"
+#include "moejit/error.hpp"
+#include "runtime/runtime_impl.hpp"
+
+namespace moejit::cli {
+namespace {
+
+std::vector<Arch> resolve_archs(const std::vector<std::string>& names) {
+  std::vector<Arch> archs;
+  auto add = [&archs](const Arch& arch) {
+    if (std::find(archs.begin(), archs.end(), arch) == archs.end()) archs.push_back(arch);
+  };
+  if (!names.empty()) {
+    for (const std::string& name : names) {
+      try {
+        add(Arch::parse(name));
+      } catch (const Error& e) {
+        throw Failure{kExitUsage, std::string("bad --arch: ") + e.what()};
+      }
+    }
+    return archs;
+  }
+  DriverInfo info = probe_driver();
+  for (const GpuInfo& gpu : info.gpus) add(gpu.arch);
+  if (archs.empty()) {
+    std::string why = info.loaded ? "the CUDA driver reports no GPU"
+                                  : "no CUDA driver (" + info.why_not + ")";
+    throw Failure{kExitUsage, "no --arch given and no GPU to take it from: " + why +
+                                  ". Name the target, e.g. --arch sm_90a (H100/H200) or "
+                                  "--arch sm_90a,sm_100a"};
+  }
+  return archs;
+}
+
+const char* outcome_word(const BuildResult& r) {
+  if (!r.error.empty()) return "failed";
+  switch (r.outcome) {
+    case CacheOutcome::kCompiled: return "compiled";
+    case CacheOutcome::kCompiledNotStored: return "compiled (not stored)";
+    case CacheOutcome::kDiskHit:
+    case CacheOutcome::kMemoryHit: return "cached";
+  }
+  return "unknown";
+}
+
+std::string first_line(const std::string& text) {
+  std::size_t end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  std::size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+void print_row(const char* outcome, const std::vector<double>& ms) {
+  char line[160];
+  if (ms.empty()) {
+    std::snprintf(line, sizeof(line), "  %-22s %7d %12s %12s\n", outcome, 0, "-", "-");
+  } else {
+    double total = 0;
+    for (double m : ms) total += m;
+    std::snprintf(line, sizeof(line), "  %-22s %7zu %12s %12s\n", outcome, ms.size(),
+                  format_ms(total).c_str(), format_ms(median(ms)).c_str());
+  }
+  std::cout << line;
+}
+
+}  // namespace
+
+int run_prewarm(const std::vector<std::string>& files, const std::vector<std::string>& arch_names,
+                int jobs) {
+  // All-or-nothing: every file is parsed and validated before anything else happens.
+  std::vector<ModelShape> shapes = load_shape_files(files);
+  std::vector<Arch> archs = resolve_archs(arch_names);
+
+  configure_from_environment();
+  detail::Runtime& runtime = detail::Runtime::instance();
+  const detail::DiskCache& disk = runtime.store().disk();
+  if (disk.effective_mode() != CacheMode::kReadWrite) {
+    std::string why = runtime.config().cache_mode == CacheMode::kReadWrite
+                          ? "the cache dir " + disk.dir() + " can't be used: " +
+                                disk.mode_reason() + " (point MOEJIT_CACHE_DIR elsewhere if needed)"
+                          : std::string("MOEJIT_CACHE_MODE asks for a ") +
+                                cache_mode_name(runtime.config().cache_mode) +
+                                " cache; unset it or set MOEJIT_CACHE_MODE=rw";
+    throw Failure{kExitEnvironment, "prewarm needs a writable cache: " + why};
+  }
+  try {
+    detail::toolkit_headers(runtime.config().cuda_include_dir);
+  } catch (const Error& e) {
+    throw Failure{kExitEnvironment,
+                  std::string("CUDA toolkit headers not found (NVRTC needs them): ") + e.what() +
+                      ". Set MOEJIT_CUDA_INCLUDE or CUDA_HOME."};
+  }
+
+  std::string arch_list;
+  for (const Arch& a : archs) arch_list += (arch_list.empty() ? "" : ",") + a.name();
+  std::cerr << "prewarm: " << shapes.size() << " shape(s) for " << arch_list << ", " << jobs
+            << " job(s), cache " << disk.dir() << "\n";
+
+  std::mutex print_mutex;
+  auto progress = [&print_mutex](const BuildResult& r, std::size_t done, std::size_t total) {
+    int width = static_cast<int>(std::to_string(total).size());
+    char counter[48];
+    std::snprintf(counter, sizeof(counter), "[%*zu/%zu]", width, done, total);
+    std::string line = std::string(counter) + " " + outcome_word(r) + " " +
+                       r.spec.display_name() + "  " + format_ms(r.milliseconds);
+    if (!r.error.empty()) line += ": " + first_line(r.error);
+    std::lock_guard<std::mutex> lock(print_mutex);
+    std::cerr << line << std::endl;
+  };
+
+  auto start = std::chrono::steady_clock::now();
+  std::vector<BuildResult> results = prewarm(shapes, archs, jobs, progress);
+  double wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+
+  std::vector<double> compiled;
+  std::vector<double> not_stored;
+  std::vector<double> cached;
+  std::vector<double> failed;
+  for (const BuildResult& r : results) {
+    if (!r.error.empty()) {
+      failed.push_back(r.milliseconds);
+    } else if (r.outcome == CacheOutcome::kCompiled) {
+      compiled.push_back(r.milliseconds);
+    } else if (r.outcome == CacheOutcome::kCompiledNotStored) {
+      not_stored.push_back(r.milliseconds);
+    } else {
+      cached.push_back(r.milliseconds);
+    }
+  }
+
+  char header[160];
+  std::snprintf(header, sizeof(header), "  %-22s %7s %12s %12s\n", "outcome", "kernels",
+                "total", "median");
+  std::cout << "\n" << header;
+  print_row("compiled", compiled);
+  if (!not_stored.empty()) print_row("compiled (not stored)", not_stored);
+  print_row("already cached", cached);
+  print_row("failed", failed);
+  std::cout << "prewarm: " << results.size() << " kernel(s) for " << arch_list << ": "
+            << compiled.size() + not_stored.size() << " compiled, " << cached.size()
+            << " already cached, " << failed.size() << " failed in " << format_ms(wall_ms)
+            << " (cache " << disk.dir() << ")\n";
+  if (!failed.empty()) {
+    std::cout << "\nfailures:\n";
+    for (const BuildResult& r : results) {
+      if (r.error.empty()) continue;
+      std::cout << "  " << r.spec.display_name() << ":\n";
+      std::string indented = "    " + r.error;
+      for (std::size_t pos = indented.find('\n'); pos != std::string::npos;
+           pos = indented.find('\n', pos + 5)) {
+        indented.insert(pos + 1, "    ");
+      }
+      std::cout << indented << "\n";
+    }
+    return kExitWorkFailed;
+  }
+  return kExitOk;
+}
+
+}  // namespace moejit::cli

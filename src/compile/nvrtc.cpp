@@ -1,0 +1,518 @@
+// NVRTC: find the toolkit headers, fingerprint them, and compile one generated source to a cubin.
+#include "compile/nvrtc.hpp"
+
+#include <nvrtc.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <system_error>
+#include <utility>
+
+#include "codegen/embedded.hpp"
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "common/log.hpp"
+#include "moejit/error.hpp"
+
+// MOEJIT_NVRTC_CHECK(call): an NVRTC API call that must succeed (not a compile: compile() reads
+// nvrtcCompileProgram's result itself and throws CompileError).
+#define MOEJIT_NVRTC_CHECK(call)                                                        \
+  do {                                                                                  \
+    const nvrtcResult moejit_nvrtc_result_ = (call);                                    \
+    MOEJIT_CHECK(moejit_nvrtc_result_ == NVRTC_SUCCESS, ::moejit::ErrorCode::kCompileFailed, \
+                 "NVRTC call " #call " failed: " << nvrtcGetErrorString(moejit_nvrtc_result_)); \
+  } while (0)
+
+namespace moejit::detail {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kProbeHeader = "cuda_bf16.h";
+constexpr const char* kProbeCccl = "cuda/std/cstdint";
+constexpr const char* kEmbeddedPrefix = "moejit/kern/";
+constexpr std::size_t kLogLinesInMessage = 20;
+
+const char* const kHowToFix =
+    "set MOEJIT_CUDA_INCLUDE to the toolkit's include directory (the one holding cuda_bf16.h), "
+    "or CUDA_HOME to the toolkit root, or RuntimeConfig::cuda_include_dir";
+
+bool is_file(const fs::path& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec);
+}
+
+bool is_dir(const fs::path& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec);
+}
+
+// Why: symlinked prefixes (/usr/local/cuda -> cuda-13.0) must not make one file two files.
+fs::path canonical_or_self(const fs::path& path) {
+  std::error_code ec;
+  fs::path out = fs::weakly_canonical(path, ec);
+  return ec ? path.lexically_normal() : out;
+}
+
+std::optional<std::string> read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream os;
+  os << in.rdbuf();
+  if (in.bad()) return std::nullopt;
+  return os.str();
+}
+
+// The include directories of a candidate, or why it does not qualify.
+struct Probe {
+  std::vector<std::string> include_dirs;
+  std::string problem;  // "" when the candidate qualifies
+};
+
+Probe probe(const std::string& dir) {
+  Probe out;
+  const fs::path root(dir);
+  if (!fs::exists(root)) {
+    out.problem = "does not exist";
+    return out;
+  }
+  if (!is_dir(root)) {
+    out.problem = "is not a directory";
+    return out;
+  }
+  if (!is_file(root / kProbeHeader)) {
+    out.problem = std::string("has no ") + kProbeHeader;
+    return out;
+  }
+  const fs::path base = canonical_or_self(root);
+  out.include_dirs.push_back(base.string());
+  if (is_file(base / kProbeCccl)) return out;
+  if (is_file(base / "cccl" / kProbeCccl)) {
+    out.include_dirs.push_back((base / "cccl").string());
+    return out;
+  }
+  out.include_dirs.clear();
+  out.problem = std::string("has ") + kProbeHeader + " but no " + kProbeCccl + " (looked in " +
+                base.string() + " and " + (base / "cccl").string() + ")";
+  return out;
+}
+
+// Every /usr/local/cuda-<version>/include, newest version first.
+std::vector<std::string> versioned_prefixes() {
+  std::vector<std::pair<std::vector<int>, std::string>> found;
+  std::error_code ec;
+  for (fs::directory_iterator it("/usr/local", ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("cuda-", 0) != 0) continue;
+    std::vector<int> version;
+    std::istringstream parts(name.substr(5));
+    std::string part;
+    bool numeric = true;
+    while (std::getline(parts, part, '.')) {
+      if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos) {
+        numeric = false;
+        break;
+      }
+      version.push_back(std::stoi(part));
+    }
+    if (!numeric || version.empty()) continue;
+    found.emplace_back(std::move(version), (it->path() / "include").string());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<std::string> out;
+  for (auto& entry : found) out.push_back(std::move(entry.second));
+  return out;
+}
+
+// One `#include` directive found in a file.
+struct IncludeRef {
+  std::string name;
+  bool quoted;
+};
+
+// The #include / #include_next directives of `text` with a literal <name> or "name". Conditional
+// compilation is not evaluated: every branch counts, so the set is a superset of what a compile
+// reads, which is what a cache key wants.
+std::vector<IncludeRef> scan_includes(std::string_view text) {
+  std::vector<IncludeRef> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(pos, end - pos);
+    pos = end + 1;
+    std::size_t i = line.find_first_not_of(" \t");
+    if (i == std::string_view::npos || line[i] != '#') continue;
+    i = line.find_first_not_of(" \t", i + 1);
+    if (i == std::string_view::npos || line.compare(i, 7, "include") != 0) continue;
+    i += 7;
+    if (line.compare(i, 5, "_next") == 0) i += 5;
+    i = line.find_first_not_of(" \t", i);
+    if (i == std::string_view::npos) continue;
+    const char open = line[i];
+    const char close = open == '<' ? '>' : open == '"' ? '"' : '\0';
+    if (close == '\0') continue;  // a macro-named include: nothing literal to follow
+    const std::size_t stop = line.find(close, i + 1);
+    if (stop == std::string_view::npos || stop == i + 1) continue;
+    out.push_back(IncludeRef{std::string(line.substr(i + 1, stop - i - 1)), open == '"'});
+  }
+  return out;
+}
+
+// The include name of `file`: its path relative to the deepest include directory holding it.
+std::string include_name(const fs::path& file, const std::vector<std::string>& dirs) {
+  std::string best;
+  std::size_t best_depth = 0;
+  for (const std::string& dir : dirs) {
+    const fs::path rel = file.lexically_relative(dir);
+    if (rel.empty() || *rel.begin() == "..") continue;
+    if (best.empty() || dir.size() > best_depth) {
+      best = rel.generic_string();
+      best_depth = dir.size();
+    }
+  }
+  if (best.empty()) best = file.lexically_relative(dirs.front()).generic_string();
+  return best;
+}
+
+// Walk every toolkit file the embedded headers can reach and hash (include name, content) of
+// each, in include-name order; names that resolve nowhere are hashed as missing.
+void fingerprint(ToolkitHeaders& toolkit) {
+  std::vector<std::pair<fs::path, IncludeRef>> pending;  // (including file's dir, reference)
+  for (const EmbeddedHeader& header : embedded_headers()) {
+    for (IncludeRef& ref : scan_includes(header.content)) {
+      if (ref.name.rfind(kEmbeddedPrefix, 0) == 0) continue;
+      ref.quoted = false;  // an embedded header has no directory of its own
+      pending.emplace_back(fs::path(), std::move(ref));
+    }
+  }
+  std::map<std::string, std::string> files;  // include name -> content
+  std::set<fs::path> seen;
+  std::set<std::string> missing;
+  while (!pending.empty()) {
+    auto [from, ref] = std::move(pending.back());
+    pending.pop_back();
+    std::optional<fs::path> found;
+    if (ref.quoted && !from.empty() && is_file(from / ref.name)) found = from / ref.name;
+    for (std::size_t d = 0; !found && d < toolkit.include_dirs.size(); ++d) {
+      const fs::path candidate = fs::path(toolkit.include_dirs[d]) / ref.name;
+      if (is_file(candidate)) found = candidate;
+    }
+    if (!found) {
+      missing.insert(ref.name);
+      continue;
+    }
+    const fs::path file = canonical_or_self(*found);
+    if (!seen.insert(file).second) continue;
+    std::optional<std::string> content = read_file(file);
+    MOEJIT_CHECK(content.has_value(), ErrorCode::kIo,
+                 "could not read toolkit header " << file.string()
+                                                  << " while fingerprinting the CUDA headers; "
+                                                  << "check its permissions");
+    for (IncludeRef& next : scan_includes(*content)) {
+      pending.emplace_back(file.parent_path(), std::move(next));
+    }
+    files.emplace(include_name(file, toolkit.include_dirs), std::move(*content));
+  }
+  Hasher hasher;
+  hasher.field(std::string_view("moejit toolkit headers v1"));
+  for (const auto& [name, content] : files) {
+    hasher.field(name).field(content);
+    toolkit.files.push_back(name);
+  }
+  for (const std::string& name : missing) hasher.field(std::string_view("missing")).field(name);
+  toolkit.digest = hasher.digest();
+}
+
+ToolkitHeaders locate(const std::string& configured) {
+  auto found = [](Probe&& p) {
+    ToolkitHeaders out;
+    out.include_dir = p.include_dirs.front();
+    out.include_dirs = std::move(p.include_dirs);
+    fingerprint(out);
+    log().debug("CUDA headers: {} ({} files, digest {})", out.include_dir, out.files.size(),
+                out.digest.hex());
+    return out;
+  };
+
+  // The explicit settings: used as given, or an error naming them.
+  const std::pair<std::optional<std::string>, const char*> explicit_settings[] = {
+      {configured.empty() ? std::nullopt : std::optional<std::string>(configured),
+       "RuntimeConfig::cuda_include_dir"},
+      {env("MOEJIT_CUDA_INCLUDE"), "MOEJIT_CUDA_INCLUDE"},
+  };
+  for (const auto& [value, setting] : explicit_settings) {
+    if (!value) continue;
+    Probe p = probe(*value);
+    MOEJIT_CHECK(p.problem.empty(), ErrorCode::kCompileFailed,
+                 "CUDA headers not found: " << setting << " = " << *value << " " << p.problem
+                                            << " (NVRTC needs " << kProbeHeader << " and "
+                                            << kProbeCccl << " from the CUDA toolkit). Fix: point "
+                                            << setting << " at the toolkit's include directory, "
+                                            << "or unset it to search CUDA_HOME, CUDA_PATH and "
+                                            << "the usual prefixes");
+    return found(std::move(p));
+  }
+
+  std::vector<std::pair<std::string, std::string>> candidates;  // (path, where it came from)
+  if (auto home = env("CUDA_HOME")) candidates.emplace_back(*home + "/include", "$CUDA_HOME/include");
+  if (auto path = env("CUDA_PATH")) candidates.emplace_back(*path + "/include", "$CUDA_PATH/include");
+  candidates.emplace_back("/usr/local/cuda/include", "default prefix");
+  for (std::string& dir : versioned_prefixes()) candidates.emplace_back(std::move(dir), "default prefix");
+  candidates.emplace_back("/opt/cuda/include", "default prefix");
+  candidates.emplace_back("/usr/include", "default prefix");
+
+  std::ostringstream tried;
+  for (const auto& [dir, origin] : candidates) {
+    Probe p = probe(dir);
+    if (p.problem.empty()) return found(std::move(p));
+    tried << "\n  " << dir << " (" << origin << "): " << p.problem;
+  }
+  detail::throw_error(ErrorCode::kCompileFailed,
+                      std::string("CUDA headers not found: NVRTC needs ") + kProbeHeader + " and " +
+                          kProbeCccl + " from the CUDA toolkit. Tried:" + tried.str() +
+                          "\nFix: " + kHowToFix);
+}
+
+// The archs this NVRTC can target (e.g. 75, 80, ..., 120), once per process.
+const std::vector<int>& supported_archs() {
+  static const std::vector<int> archs = [] {
+    int count = 0;
+    MOEJIT_NVRTC_CHECK(nvrtcGetNumSupportedArchs(&count));
+    std::vector<int> out(static_cast<std::size_t>(count));
+    if (count > 0) MOEJIT_NVRTC_CHECK(nvrtcGetSupportedArchs(out.data()));
+    return out;
+  }();
+  return archs;
+}
+
+// Owns one nvrtcProgram.
+class Program {
+ public:
+  Program(const GeneratedSource& src, const std::vector<const char*>& headers,
+          const std::vector<const char*>& names) {
+    MOEJIT_NVRTC_CHECK(nvrtcCreateProgram(&program_, src.source.c_str(), src.file_name.c_str(),
+                                          static_cast<int>(headers.size()), headers.data(),
+                                          names.data()));
+  }
+  ~Program() {
+    if (program_ != nullptr) nvrtcDestroyProgram(&program_);
+  }
+  Program(const Program&) = delete;
+  Program& operator=(const Program&) = delete;
+  nvrtcProgram get() const { return program_; }
+
+  std::string log() const {
+    std::size_t size = 0;
+    MOEJIT_NVRTC_CHECK(nvrtcGetProgramLogSize(program_, &size));
+    std::string out(size, '\0');
+    if (size > 0) MOEJIT_NVRTC_CHECK(nvrtcGetProgramLog(program_, out.data()));
+    while (!out.empty() && (out.back() == '\0' || out.back() == '\n')) out.pop_back();
+    return out;
+  }
+
+ private:
+  nvrtcProgram program_ = nullptr;
+};
+
+// Create `dir` and any missing parents with mode 0700. Returns "" or why it failed.
+std::string make_private_dirs(const fs::path& dir) {
+  fs::path partial;
+  for (const fs::path& part : dir) {
+    partial /= part;
+    if (partial.empty() || is_dir(partial)) continue;
+    if (::mkdir(partial.c_str(), 0700) != 0 && errno != EEXIST) {
+      return "cannot create " + partial.string() + ": " + std::strerror(errno);
+    }
+  }
+  return is_dir(dir) ? "" : dir.string() + " is not a directory";
+}
+
+// Save the failed source; returns its path, or "" with `why` set.
+std::string save_source(const GeneratedSource& src, const std::string& failure_dir,
+                        std::string& why) {
+  if (failure_dir.empty()) {
+    why = "no failure directory configured";
+    return "";
+  }
+  why = make_private_dirs(failure_dir);
+  if (!why.empty()) return "";
+  const fs::path path = fs::path(failure_dir) / src.file_name;
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << src.source;
+    out.flush();
+    if (!out) {
+      why = "cannot write " + path.string();
+      return "";
+    }
+  }
+  std::error_code ec;
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write, fs::perm_options::replace,
+                  ec);
+  return path.string();
+}
+
+std::string join(const std::vector<std::string>& parts) {
+  std::string out;
+  for (const std::string& part : parts) {
+    if (!out.empty()) out += ' ';
+    out += part;
+  }
+  return out;
+}
+
+std::string kernel_label(const GeneratedSource& src) {
+  const std::string& f = src.file_name;
+  return f.size() > 3 && f.compare(f.size() - 3, 3, ".cu") == 0 ? f.substr(0, f.size() - 3) : f;
+}
+
+[[noreturn]] void throw_compile_error(const GeneratedSource& src, const std::string& what,
+                                      const std::vector<std::string>& options,
+                                      const std::string& log, const std::string& failure_dir) {
+  std::string why_not_saved;
+  const std::string saved = save_source(src, failure_dir, why_not_saved);
+  std::ostringstream os;
+  os << "NVRTC " << nvrtc_version() << " could not compile kernel " << kernel_label(src) << " ("
+     << src.name_expression << "): " << what << "\n  options: " << join(options);
+  std::istringstream lines(log);
+  std::string line;
+  std::size_t shown = 0;
+  std::size_t total = 0;
+  std::ostringstream head;
+  while (std::getline(lines, line)) {
+    ++total;
+    if (shown < kLogLinesInMessage) {
+      head << "\n    " << line;
+      ++shown;
+    }
+  }
+  if (total == 0) {
+    os << "\n  log: (empty)";
+  } else {
+    os << "\n  log (" << shown << " of " << total << " lines; all in CompileError::log()):"
+       << head.str();
+  }
+  if (!saved.empty()) {
+    os << "\n  source saved to " << saved;
+  } else {
+    os << "\n  source not saved: " << why_not_saved;
+  }
+  os << "\n  If the log points into a toolkit header, check that the CUDA headers belong to NVRTC "
+     << nvrtc_version() << " (" << kHowToFix << ").";
+  throw CompileError(os.str(), kernel_label(src), options, log, saved);
+}
+
+}  // namespace
+
+const ToolkitHeaders& toolkit_headers(const std::string& configured) {
+  static std::mutex mutex;
+  static std::map<std::string, std::unique_ptr<const ToolkitHeaders>> memo;
+  // Why: keyed by every input of the search, so a changed environment is searched afresh.
+  std::string key = configured;
+  for (const char* name : {"MOEJIT_CUDA_INCLUDE", "CUDA_HOME", "CUDA_PATH"}) {
+    key += '\0';
+    key += env(name).value_or("");
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = memo.find(key);
+  if (it != memo.end()) return *it->second;
+  auto made = std::make_unique<const ToolkitHeaders>(locate(configured));
+  return *memo.emplace(key, std::move(made)).first->second;
+}
+
+std::string nvrtc_version() {
+  int major = 0;
+  int minor = 0;
+  MOEJIT_NVRTC_CHECK(nvrtcVersion(&major, &minor));
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+std::vector<std::string> compile_options(const Arch& arch) {
+  // Why: no fast-math (the kernels' accuracy is argued from IEEE expf and division); -lineinfo
+  // maps SASS to source for profilers at no cost to the code; -Xptxas=-v puts the register and
+  // spill report in the log, kept with each cache entry; -default-device makes the kernels'
+  // unannotated helpers device functions.
+  return {arch.nvrtc_option(), "-std=c++17", "-default-device", "-lineinfo", "-Xptxas=-v"};
+}
+
+CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
+                       const ToolkitHeaders& toolkit, const std::string& failure_dir) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> options = compile_options(arch);
+  for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
+
+  const std::vector<int>& archs = supported_archs();
+  if (std::find(archs.begin(), archs.end(), arch.sm) == archs.end()) {
+    std::ostringstream os;
+    os << arch.name() << " is not a target of this NVRTC; it supports:";
+    for (int sm : archs) os << " sm_" << sm;
+    os << ". Choose one of those, or use a toolkit that targets " << arch.name();
+    throw_compile_error(src, os.str(), options, "", failure_dir);
+  }
+
+  // Why: std::string copies, so each header is NUL-terminated whatever the embedded table holds.
+  std::vector<std::string> contents;
+  std::vector<std::string> names;
+  for (const EmbeddedHeader& header : embedded_headers()) {
+    contents.emplace_back(header.content);
+    names.emplace_back(header.path);
+  }
+  std::vector<const char*> content_ptrs;
+  std::vector<const char*> name_ptrs;
+  for (std::size_t i = 0; i < contents.size(); ++i) {
+    content_ptrs.push_back(contents[i].c_str());
+    name_ptrs.push_back(names[i].c_str());
+  }
+  Program program(src, content_ptrs, name_ptrs);
+  MOEJIT_NVRTC_CHECK(nvrtcAddNameExpression(program.get(), src.name_expression.c_str()));
+
+  std::vector<const char*> option_ptrs;
+  for (const std::string& option : options) option_ptrs.push_back(option.c_str());
+  const nvrtcResult result = nvrtcCompileProgram(
+      program.get(), static_cast<int>(option_ptrs.size()), option_ptrs.data());
+  CompiledKernel out;
+  out.log = program.log();
+  if (result != NVRTC_SUCCESS) {
+    throw_compile_error(src, nvrtcGetErrorString(result), options, out.log, failure_dir);
+  }
+
+  const char* lowered = nullptr;
+  MOEJIT_NVRTC_CHECK(
+      nvrtcGetLoweredName(program.get(), src.name_expression.c_str(), &lowered));
+  MOEJIT_CHECK(lowered != nullptr && *lowered != '\0', ErrorCode::kInternal,
+               "NVRTC returned no lowered name for " << src.name_expression << " in "
+                                                     << src.file_name);
+  out.lowered_name = lowered;
+
+  std::size_t cubin_size = 0;
+  MOEJIT_NVRTC_CHECK(nvrtcGetCUBINSize(program.get(), &cubin_size));
+  MOEJIT_CHECK(cubin_size > 0, ErrorCode::kCompileFailed,
+               "NVRTC produced no cubin for " << src.file_name << " with " << arch.nvrtc_option()
+                                              << "; a cubin needs a real sm_ arch");
+  out.cubin.resize(cubin_size);
+  MOEJIT_NVRTC_CHECK(nvrtcGetCUBIN(program.get(), out.cubin.data()));
+
+  out.compile_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  log().info("compiled {} for {} in {:.0f} ms", kernel_label(src), arch.name(), out.compile_ms);
+  return out;
+}
+
+}  // namespace moejit::detail

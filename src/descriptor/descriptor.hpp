@@ -1,0 +1,74 @@
+// Private side of the descriptor unit: the limits and rules a ModelShape must satisfy, the
+// fields a shape file may hold, and parsing that keeps where each shape came from.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moejit/shape.hpp"
+
+namespace moejit::detail {
+
+// Beyond these a size is a typo, not a model.
+inline constexpr int kMaxLocalExperts = 4096;
+inline constexpr int kMaxGlobalExperts = 65536;
+inline constexpr int kMaxTopK = 64;
+inline constexpr int kMaxDim = 65536;           // hidden, intermediate
+inline constexpr int kMaxSharedExperts = 8;
+inline constexpr int kMaxTokensLimit = 1 << 20;
+inline constexpr int kDefaultMaxTokens = 16384;
+inline constexpr int kMaxNameLength = 128;
+// MXFP4 keeps one E8M0 scale per 32 weights along K, so every K is whole blocks.
+inline constexpr int kMxfp4BlockK = 32;
+// A shape file needs 3 levels below the root ({"shapes": [{"activation": {...}}]}).
+inline constexpr int kMaxJsonDepth = 16;
+
+// One broken rule of a ModelShape, before it is given a place in a file.
+struct ShapeViolation {
+  std::string field;     // JSON pointer relative to the shape object, e.g. "/shared_experts/scale"
+  std::string what;      // what is wrong
+  std::string expected;  // what would be right
+  std::string found;     // what was there
+  std::string hint;      // how to fix it; may be empty
+  bool found_is_value = true;  // `found` is the field's value (a file may show its own spelling)
+};
+
+// The first rule `shape` breaks, in field order, or nothing. The same rules parse_shapes applies
+// after decoding; shapes built in code can be checked with them too.
+std::optional<ShapeViolation> find_shape_violation(const ModelShape& shape);
+
+// Throws DescriptorError for the first rule `shape` breaks, naming shape.source.
+void check_shape(const ModelShape& shape);
+
+// A parsed shape and where it is in its file.
+struct LocatedShape {
+  ModelShape shape;
+  std::string pointer;       // of the shape object ("" when the file is that one object)
+  std::string name_pointer;  // of its "name" value
+  int name_line = 0;
+  int name_column = 0;
+};
+
+// parse_shapes, keeping locations (the registry names them when a name is taken).
+std::vector<LocatedShape> parse_shapes_located(const std::string& text,
+                                               const std::string& source_name);
+
+// The whole file, or Error{kIo} saying why it can't be read.
+std::string read_shapes_text(const std::string& path);
+
+// The fields each object of a shape file accepts, in schema order (tests keep
+// tools/shapes/schema.json in step with these).
+const std::vector<std::string>& file_fields();
+const std::vector<std::string>& shape_fields();
+const std::vector<std::string>& activation_fields();
+const std::vector<std::string>& shared_experts_fields();
+
+// "<file>:<line>:<column>: <pointer>: <what>; expected <expected>, found <found>[; <hint>]".
+// line 0 leaves out line and column, column 0 the column; an empty pointer reads "(root)".
+std::string descriptor_message(const std::string& file, int line, int column,
+                               const std::string& pointer, const std::string& what,
+                               const std::string& expected, const std::string& found,
+                               const std::string& hint);
+
+}  // namespace moejit::detail

@@ -1,0 +1,271 @@
+// The rules every ModelShape obeys, whether it came from a file or was built in code.
+#include <cfloat>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "descriptor/descriptor.hpp"
+#include "moejit/error.hpp"
+
+namespace moejit {
+
+const char* activation_kind_name(ActivationKind kind) noexcept {
+  switch (kind) {
+    case ActivationKind::kSwiGLU: return "swiglu";
+    case ActivationKind::kClampedSwiGLU: return "clamped_swiglu";
+    case ActivationKind::kGptOss: return "gpt_oss";
+    case ActivationKind::kSiTU: return "situ";
+  }
+  return "unknown";
+}
+
+const char* dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "fp16";
+    case DType::kF32: return "fp32";
+    case DType::kI32: return "int32";
+    case DType::kI64: return "int64";
+  }
+  return "unknown";
+}
+
+const char* shared_gate_name(SharedGate gate) noexcept {
+  switch (gate) {
+    case SharedGate::kSigmoid: return "sigmoid";
+    case SharedGate::kConstant: return "constant";
+    case SharedGate::kGiven: return "given";
+  }
+  return "unknown";
+}
+
+namespace detail {
+namespace {
+
+// The shortest text that reads back as the same float.
+std::string float_text(float value) {
+  char text[32];
+  for (int precision = 6; precision <= 9; ++precision) {
+    std::snprintf(text, sizeof(text), "%.*g", precision, static_cast<double>(value));
+    if (std::strtof(text, nullptr) == value) break;
+  }
+  return text;
+}
+
+std::string range_text(long long lo, long long hi) {
+  return "an integer in " + std::to_string(lo) + ".." + std::to_string(hi);
+}
+
+std::optional<ShapeViolation> check_range(const std::string& field, const char* label,
+                                          long long value, long long lo, long long hi) {
+  if (value >= lo && value <= hi) return std::nullopt;
+  ShapeViolation v;
+  v.field = field;
+  v.expected = range_text(lo, hi);
+  v.found = std::to_string(value);
+  if (value < lo) {
+    v.what = std::string(label) + (lo == 1 ? " must be positive" : " is too small");
+  } else {
+    v.what = std::string(label) + " is larger than any model libmoejit serves";
+    v.hint = "a size this large is almost certainly a typo";
+  }
+  return v;
+}
+
+// K of an MXFP4 GEMM must be whole 32-weight scale blocks.
+std::optional<ShapeViolation> check_block(const std::string& field, const char* label,
+                                          const char* gemm, int value) {
+  if (value % kMxfp4BlockK == 0) return std::nullopt;
+  int below = value / kMxfp4BlockK * kMxfp4BlockK;
+  ShapeViolation v;
+  v.field = field;
+  v.what = std::string(label) + " breaks the MXFP4 block invariant: " + gemm +
+           " reduces over K = " + label + ", and MXFP4 stores one E8M0 scale per " +
+           std::to_string(kMxfp4BlockK) + " weights along K, so K must be whole blocks";
+  v.expected = "a multiple of " + std::to_string(kMxfp4BlockK);
+  v.found = std::to_string(value);
+  v.hint = "the nearest valid values are " +
+           (below > 0 ? std::to_string(below) + " and " : std::string()) +
+           std::to_string(below + kMxfp4BlockK);
+  return v;
+}
+
+// An activation constant: finite and > 0 when the kind takes it, else left unset (0).
+std::optional<ShapeViolation> check_constant(const char* name, float value, bool taken,
+                                             ActivationKind kind) {
+  std::string field = std::string("/activation/") + name;
+  ShapeViolation v;
+  v.field = field;
+  v.found = float_text(value);
+  if (!taken) {
+    if (value == 0.f) return std::nullopt;
+    v.what = std::string("activation \"") + activation_kind_name(kind) + "\" takes no " + name;
+    v.expected = std::string("no ") + name + " (0)";
+    return v;
+  }
+  if (std::isfinite(value) && value >= FLT_MIN) return std::nullopt;
+  v.what = std::string("activation constant ") + name + " must be finite and positive";
+  v.expected = "a finite number > 0";
+  return v;
+}
+
+bool name_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == '-';
+}
+
+std::optional<ShapeViolation> check_name(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= static_cast<std::size_t>(kMaxNameLength) &&
+            name[0] != '.' && name[0] != '-' && name[0] != '_';
+  for (char c : name) ok = ok && name_char(c);
+  if (ok) return std::nullopt;
+  ShapeViolation v;
+  v.field = "/name";
+  v.what = "name is not a valid shape name";
+  v.expected = "1 to " + std::to_string(kMaxNameLength) +
+               " characters from A-Z a-z 0-9 . _ -, starting with a letter or digit";
+  v.found = "\"" + name + "\"";
+  // Why: names end up in file names and command lines, so they stay plain.
+  v.hint = "names are used in cache manifests and on command lines";
+  return v;
+}
+
+}  // namespace
+
+std::optional<ShapeViolation> find_shape_violation(const ModelShape& s) {
+  if (auto v = check_name(s.name)) return v;
+  if (auto v = check_range("/num_experts", "num_experts", s.num_experts, 1, kMaxLocalExperts))
+    return v;
+  if (auto v = check_range("/top_k", "top_k", s.top_k, 1, kMaxTopK)) return v;
+  if (auto v = check_range("/hidden", "hidden", s.hidden, 1, kMaxDim)) return v;
+  if (auto v = check_block("/hidden", "hidden", "FC1", s.hidden)) return v;
+  if (auto v = check_range("/intermediate", "intermediate", s.intermediate, 1, kMaxDim)) return v;
+  if (auto v = check_block("/intermediate", "intermediate", "FC2", s.intermediate)) return v;
+  if (auto v = check_range("/expert_offset", "expert_offset", s.expert_offset, 0,
+                           kMaxGlobalExperts - 1))
+    return v;
+  long long local_end = static_cast<long long>(s.expert_offset) + s.num_experts;
+  if (auto v = check_range("/global_experts", "global_experts", s.global_experts, 1,
+                           kMaxGlobalExperts))
+    return v;
+  if (s.global_experts < local_end) {
+    ShapeViolation v;
+    v.field = "/global_experts";
+    v.what = "global_experts does not cover this rank's experts [expert_offset, expert_offset + "
+             "num_experts) = [" + std::to_string(s.expert_offset) + ", " +
+             std::to_string(local_end) + ")";
+    v.expected = "at least expert_offset + num_experts = " + std::to_string(local_end);
+    v.found = std::to_string(s.global_experts);
+    v.hint = "leave global_experts out when the model is not split across ranks";
+    return v;
+  }
+  if (s.top_k > s.global_experts) {
+    ShapeViolation v;
+    v.field = "/top_k";
+    v.what = "top_k exceeds the number of routed experts: a token can't pick more distinct "
+             "experts than the model has";
+    v.expected = "at most global_experts = " + std::to_string(s.global_experts);
+    v.found = std::to_string(s.top_k);
+    return v;
+  }
+
+  const Activation& a = s.activation;
+  bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
+  bool situ = a.kind == ActivationKind::kSiTU;
+  if (auto v = check_constant("limit", a.limit, clamps, a.kind)) return v;
+  if (auto v = check_constant("alpha", a.alpha, a.kind == ActivationKind::kGptOss, a.kind))
+    return v;
+  if (auto v = check_constant("beta", a.beta, situ, a.kind)) return v;
+  if (auto v = check_constant("linear_beta", a.linear_beta, situ, a.kind)) return v;
+
+  const SharedExperts& sh = s.shared;
+  if (auto v = check_range("/shared_experts/count", "shared_experts.count", sh.count, 0,
+                           kMaxSharedExperts))
+    return v;
+  if (sh.count == 0 && sh.intermediate != 0) {
+    ShapeViolation v;
+    v.field = "/shared_experts/intermediate";
+    v.what = "shared_experts.intermediate is set but count is 0";
+    v.expected = "0 when there are no shared experts";
+    v.found = std::to_string(sh.intermediate);
+    return v;
+  }
+  if (sh.count > 0) {
+    if (auto v = check_range("/shared_experts/intermediate", "shared_experts.intermediate",
+                             sh.intermediate, 1, kMaxDim))
+      return v;
+    if (auto v = check_block("/shared_experts/intermediate", "shared_experts.intermediate",
+                             "the shared expert's FC2", sh.intermediate))
+      return v;
+    if (!(std::isfinite(sh.scale) && sh.scale >= FLT_MIN)) {
+      ShapeViolation v;
+      v.field = "/shared_experts/scale";
+      v.what = "shared_experts.scale must be finite and positive";
+      v.expected = "a finite number > 0";
+      v.found = float_text(sh.scale);
+      return v;
+    }
+    if (sh.logit_dtype != DType::kBF16 && sh.logit_dtype != DType::kF16 &&
+        sh.logit_dtype != DType::kF32) {
+      ShapeViolation v;
+      v.field = "/shared_experts/logit_dtype";
+      v.what = "shared_experts.logit_dtype is not a floating-point type";
+      v.expected = "one of \"bf16\", \"fp16\", \"fp32\"";
+      v.found = std::string("\"") + dtype_name(sh.logit_dtype) + "\"";
+      return v;
+    }
+  }
+  if (s.activation_dtype != DType::kBF16) {
+    ShapeViolation v;
+    v.field = "/activation_dtype";
+    v.what = "activation_dtype is not one the kernels take";
+    v.expected = "\"bf16\"";
+    v.found = std::string("\"") + dtype_name(s.activation_dtype) + "\"";
+    return v;
+  }
+  if (s.id_dtype != DType::kI32 && s.id_dtype != DType::kI64) {
+    ShapeViolation v;
+    v.field = "/id_dtype";
+    v.what = "id_dtype is not an integer type";
+    v.expected = "\"int32\" or \"int64\"";
+    v.found = std::string("\"") + dtype_name(s.id_dtype) + "\"";
+    return v;
+  }
+  if (auto v = check_range("/max_tokens", "max_tokens", s.max_tokens, 1, kMaxTokensLimit))
+    return v;
+  return std::nullopt;
+}
+
+void check_shape(const ModelShape& shape) {
+  auto v = find_shape_violation(shape);
+  if (!v) return;
+  // shape.source is "file:line" for shapes read from a file.
+  std::string file = shape.source.empty() ? "shape \"" + shape.name + "\"" : shape.source;
+  int line = 0;
+  std::size_t colon = shape.source.rfind(':');
+  if (colon != std::string::npos && colon + 1 < shape.source.size() &&
+      shape.source.find_first_not_of("0123456789", colon + 1) == std::string::npos) {
+    file = shape.source.substr(0, colon);
+    line = std::atoi(shape.source.c_str() + colon + 1);
+  }
+  std::string message =
+      descriptor_message(file, line, 0, v->field, v->what, v->expected, v->found, v->hint);
+  throw DescriptorError(message, file, line, 0, v->field);
+}
+
+std::string descriptor_message(const std::string& file, int line, int column,
+                               const std::string& pointer, const std::string& what,
+                               const std::string& expected, const std::string& found,
+                               const std::string& hint) {
+  std::string m = file;
+  if (line > 0) m += ":" + std::to_string(line);
+  if (line > 0 && column > 0) m += ":" + std::to_string(column);
+  m += ": " + (pointer.empty() ? std::string("(root)") : pointer) + ": " + what;
+  m += "; expected " + expected + ", found " + found;
+  if (!hint.empty()) m += "; " + hint;
+  return m;
+}
+
+}  // namespace detail
+}  // namespace moejit

@@ -1,0 +1,54 @@
+// The planner: which kernels a model shape needs on one arch, every template argument fixed.
+// Each family contributes one planning function; plan_kernels runs them all in a fixed order,
+// so a new family is one more function and one more table row.
+#include <vector>
+
+#include "moejit/kernel_spec.hpp"
+#include "moejit/runtime.hpp"
+#include "moejit/shape.hpp"
+
+namespace moejit {
+
+namespace {
+
+// Why: the kernel moves a few bytes per thread and waits on one memory round trip; small CTAs
+// spread mid-sized batches over more SMs (T = 1024 with K + S = 9 is 72 CTAs of 128 rather than
+// 36 of 256), and large batches still give every SM several CTAs.
+constexpr int kAppendSharedBlockThreads = 128;
+
+// append_shared: one kernel when the shape appends shared experts, none otherwise.
+void plan_append_shared(const ModelShape& shape, const Arch& arch, std::vector<KernelSpec>& out) {
+  if (shape.shared.count <= 0) return;
+  AppendSharedParams params;
+  params.top_k = shape.top_k;
+  params.num_shared = shape.shared.count;
+  params.id_dtype = shape.id_dtype;
+  params.gate = shape.shared.gate;
+  // Why: only a sigmoid gate reads logits of a chosen dtype; a given gate reads fp32 weights and
+  // a constant gate reads nothing, so both are planned as f32 and specs that would generate the
+  // same kernel compare equal.
+  params.logit_dtype =
+      shape.shared.gate == SharedGate::kSigmoid ? shape.shared.logit_dtype : DType::kF32;
+  params.block_threads = kAppendSharedBlockThreads;
+  KernelSpec spec;
+  spec.family = Family::kAppendShared;
+  spec.arch = arch;
+  spec.params = params;
+  out.push_back(spec);
+}
+
+using FamilyPlanner = void (*)(const ModelShape&, const Arch&, std::vector<KernelSpec>&);
+
+constexpr FamilyPlanner kPlanners[] = {
+    plan_append_shared,
+};
+
+}  // namespace
+
+std::vector<KernelSpec> plan_kernels(const ModelShape& shape, const Arch& arch) {
+  std::vector<KernelSpec> specs;
+  for (FamilyPlanner planner : kPlanners) planner(shape, arch, specs);
+  return specs;
+}
+
+}  // namespace moejit

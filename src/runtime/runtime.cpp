@@ -1,0 +1,508 @@
+// The process runtime: configuration from the environment, builds through the kernel store,
+// context-independent kernel loading, the current device's arch, and prewarm.
+#include "runtime/runtime_impl.hpp"
+
+#include <pwd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cstdint>
+#include <ctime>
+#include <exception>
+#include <filesystem>
+#include <sstream>
+#include <system_error>
+#include <thread>
+#include <unordered_set>
+#include <utility>
+
+#include "codegen/embedded.hpp"
+#include "common/env.hpp"
+#include "common/hash.hpp"
+#include "common/log.hpp"
+#include "driver/driver.hpp"
+#include "moejit/error.hpp"
+#include "moejit/version.hpp"
+
+namespace moejit {
+namespace detail {
+namespace {
+
+std::string lower(std::string text) {
+  for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return text;
+}
+
+CacheMode parse_cache_mode(const std::string& text) {
+  const std::string value = lower(text);
+  if (value == "rw" || value == "read-write" || value == "readwrite") return CacheMode::kReadWrite;
+  if (value == "ro" || value == "read-only" || value == "readonly") return CacheMode::kReadOnly;
+  if (value == "memory" || value == "mem" || value == "none") return CacheMode::kMemoryOnly;
+  throw Error(ErrorCode::kInvalidArgument,
+              "MOEJIT_CACHE_MODE=" + text +
+                  " is not a cache mode; expected rw (read and publish), ro (read a cache baked "
+                  "into an image, never write) or memory (no disk at all)");
+}
+
+bool parse_switch(const char* name, const std::string& text) {
+  const std::string value = lower(text);
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
+  throw Error(ErrorCode::kInvalidArgument,
+              std::string(name) + "=" + text + " is not a switch; expected 1 or 0");
+}
+
+// The user's home from the password database, for a process started without $HOME.
+std::string home_from_passwd() {
+  long size = sysconf(_SC_GETPW_R_SIZE_MAX);
+  std::string buffer(size > 0 ? static_cast<std::size_t>(size) : 16384, '\0');
+  passwd entry{};
+  passwd* found = nullptr;
+  if (getpwuid_r(geteuid(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr ||
+      found->pw_dir == nullptr) {
+    return "";
+  }
+  return found->pw_dir;
+}
+
+// MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else $HOME/.cache/moejit ("" when none).
+std::string default_cache_dir() {
+  if (auto dir = env("MOEJIT_CACHE_DIR")) return *dir;
+  // Why: the XDG spec says a relative XDG_CACHE_HOME is invalid and must be ignored.
+  if (auto xdg = env("XDG_CACHE_HOME"); xdg && xdg->front() == '/') return *xdg + "/moejit";
+  std::string home = env("HOME").value_or(home_from_passwd());
+  if (home.empty()) return "";
+  return home + "/.cache/moejit";
+}
+
+RuntimeConfig resolved(RuntimeConfig config) {
+  if (config.cache_dir.empty() && config.cache_mode != CacheMode::kMemoryOnly) {
+    config.cache_dir = default_cache_dir();
+    if (config.cache_dir.empty()) {
+      log().warn(
+          "no cache directory: MOEJIT_CACHE_DIR, XDG_CACHE_HOME and HOME are unset and the user "
+          "has no home directory; kernels are kept in memory only (set MOEJIT_CACHE_DIR)");
+      config.cache_mode = CacheMode::kMemoryOnly;
+    }
+  }
+  return config;
+}
+
+const char* outcome_name(CacheOutcome outcome) {
+  switch (outcome) {
+    case CacheOutcome::kMemoryHit: return "memory hit";
+    case CacheOutcome::kDiskHit: return "disk hit";
+    case CacheOutcome::kCompiled: return "compiled";
+    case CacheOutcome::kCompiledNotStored: return "compiled (not stored)";
+  }
+  return "unknown";
+}
+
+// The register / spill report lines of an NVRTC log (-Xptxas=-v), for the manifest.
+std::string ptxas_lines(const std::string& log_text) {
+  std::istringstream in(log_text);
+  std::string line;
+  std::string out;
+  while (std::getline(in, line)) {
+    if (line.find("ptxas") == std::string::npos) continue;
+    if (!out.empty()) out += '\n';
+    out += line;
+  }
+  return out;
+}
+
+// Where a failed compile's source is saved: beside the cache when it is writable, else a
+// per-user directory under the system temp dir.
+std::string failure_dir_for(const DiskCache& disk) {
+  if (disk.effective_mode() == CacheMode::kReadWrite && !disk.dir().empty()) {
+    return disk.dir() + "/failed";
+  }
+  std::error_code ec;
+  std::filesystem::path temp = std::filesystem::temp_directory_path(ec);
+  if (ec) temp = "/tmp";
+  return (temp / ("moejit-failed-" + std::to_string(geteuid()))).string();
+}
+
+bool is_capture_error(CUresult result) {
+  return result == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+         result == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED ||
+         result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+         result == CUDA_ERROR_CAPTURED_EVENT || result == CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+}
+
+// Whether `stream` (or, for the legacy default stream, any stream in global mode) is capturing.
+bool stream_capturing(const DriverApi& api, CUstream stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUresult result = api.cuStreamIsCapturing(stream, &status);
+  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+  if (result != CUDA_SUCCESS) {
+    throw_driver_error(result, "cuStreamIsCapturing(stream, &status)", __FILE__, __LINE__);
+  }
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+std::string stream_text(CUstream stream) {
+  std::ostringstream os;
+  os << static_cast<const void*>(stream);
+  return os.str();
+}
+
+[[noreturn]] void throw_no_context(CUresult result) {
+  if (result == CUDA_ERROR_INVALID_CONTEXT || result == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
+    throw Error(ErrorCode::kDriver,
+                "no usable CUDA context is current on this thread (cuCtxGetDevice: " +
+                    describe(result) +
+                    "). libmoejit launches on the device of the caller's current context and "
+                    "compiles for its arch: make a context current first, e.g. cudaSetDevice(n) "
+                    "(CUDA runtime) or cuDevicePrimaryCtxRetain + cuCtxSetCurrent (driver API)");
+  }
+  throw_driver_error(result, "cuCtxGetDevice(&device)", __FILE__, __LINE__);
+}
+
+int encode_arch(const Arch& arch) { return arch.sm * 2 + (arch.arch_specific ? 1 : 0) + 1; }
+Arch decode_arch(int code) {
+  Arch arch;
+  arch.sm = (code - 1) / 2;
+  arch.arch_specific = (code - 1) % 2 == 1;
+  return arch;
+}
+
+}  // namespace
+
+KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
+                          const ToolkitHeaders& toolkit) {
+  KeyInputs inputs;
+  inputs.schema_version = kCacheSchemaVersion;
+  inputs.nvrtc_version = nvrtc_version();
+  inputs.options = compile_options(arch);
+  inputs.arch = arch.name();
+  inputs.program_name = source.file_name;
+  inputs.source = source.source;
+  inputs.name_expression = source.name_expression;
+  const std::vector<EmbeddedHeader>& headers = embedded_headers();
+  inputs.headers.reserve(headers.size());
+  for (const EmbeddedHeader& header : headers) {
+    inputs.headers.push_back(KeyHeader{std::string(header.path), std::string(header.content)});
+  }
+  inputs.toolkit_digest = toolkit.digest.hex();
+  return inputs;
+}
+
+Runtime& Runtime::instance() {
+  // Why leaked: ops may run from threads that outlive static destruction at exit, and loaded
+  // kernels are never unloaded anyway (the driver reclaims them with the process).
+  static Runtime* runtime = new Runtime();
+  return *runtime;
+}
+
+Runtime::Runtime() : config_(resolved(RuntimeConfig::from_environment())) {}
+
+void Runtime::configure(const RuntimeConfig& config) {
+  RuntimeConfig next = resolved(config);
+  std::lock_guard<std::mutex> lock(setup_mutex_);
+  if (gpu_loaded_.load()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "moejit::configure() called after kernels were loaded on a GPU (from cache " +
+                    (config_.cache_dir.empty() ? std::string("in memory") : config_.cache_dir) +
+                    "); configure the runtime once, before the first op or kernel load");
+  }
+  config_ = std::move(next);
+  if (store_) retired_stores_.push_back(std::move(store_));
+  store_.reset();
+  log().debug("runtime configured: cache {} ({})", config_.cache_dir,
+              config_.cache_mode == CacheMode::kReadWrite   ? "rw"
+              : config_.cache_mode == CacheMode::kReadOnly ? "ro"
+                                                            : "memory");
+}
+
+std::shared_ptr<KernelStore> Runtime::current_store(RuntimeConfig* config_out) {
+  std::lock_guard<std::mutex> lock(setup_mutex_);
+  if (!store_) {
+    auto disk = std::make_shared<const DiskCache>(config_.cache_dir, config_.cache_mode);
+    store_ = std::make_shared<KernelStore>(std::move(disk));
+  }
+  if (config_out != nullptr) *config_out = config_;
+  return store_;
+}
+
+KernelStore& Runtime::store() { return *current_store(nullptr); }
+
+KeyInputs Runtime::key_inputs(const KernelSpec& spec) {
+  RuntimeConfig config;
+  current_store(&config);
+  const GeneratedSource source = render(spec);
+  return make_key_inputs(source, spec.arch, toolkit_headers(config.cuda_include_dir));
+}
+
+std::string Runtime::cache_key(const KernelSpec& spec) { return compute_key(key_inputs(spec)); }
+
+BuildResult Runtime::build(const KernelSpec& spec) { return build_impl(spec, true, nullptr, nullptr); }
+
+BuildResult Runtime::build_impl(const KernelSpec& spec, bool may_compile,
+                                const char* capture_context,
+                                std::shared_ptr<const Entry>* entry_out) {
+  RuntimeConfig config;
+  std::shared_ptr<KernelStore> store = current_store(&config);
+  const GeneratedSource source = render(spec);
+  const ToolkitHeaders& toolkit = toolkit_headers(config.cuda_include_dir);
+  const std::string key = compute_key(make_key_inputs(source, spec.arch, toolkit));
+  const std::string name = spec.display_name();
+
+  bool compiled_here = false;
+  auto compile_entry = [&]() -> Entry {
+    compiled_here = true;
+    if (!may_compile) {
+      throw Error(ErrorCode::kCaptureMiss,
+                  "kernel " + name + " (cache key " + key + ") is in neither the memory nor the "
+                  "disk cache, and " + capture_context +
+                  ": compiling it now would stall the capture and cannot be recorded in a graph. "
+                  "Prewarm before capture: run the op once, or call moejit::build_kernel / "
+                  "moejit::prewarm (or `moejit prewarm`) for this shape; or set "
+                  "MOEJIT_ALLOW_CAPTURE_COMPILE=1 to compile during capture anyway");
+    }
+    log().debug("cache miss: {} (key {}): compiling", name, key);
+    CompiledKernel compiled = compile(source, spec.arch, toolkit, failure_dir_for(store->disk()));
+    Entry entry;
+    Manifest& manifest = entry.manifest;
+    manifest.key = key;
+    manifest.kernel = name;
+    manifest.spec_json = spec.to_json();
+    manifest.lowered_name = compiled.lowered_name;
+    manifest.options = compile_options(spec.arch);
+    manifest.nvrtc_version = nvrtc_version();
+    manifest.library_version = kVersionString;
+    manifest.compile_ms = compiled.compile_ms;
+    manifest.ptxas_info = ptxas_lines(compiled.log);
+    manifest.cubin_size = compiled.cubin.size();
+    manifest.cubin_hash = hash_bytes(compiled.cubin).hex();
+    manifest.created_unix = static_cast<int64_t>(std::time(nullptr));
+    entry.cubin = std::move(compiled.cubin);
+    log().info("compiled {} in {:.1f} ms (key {})", name, compiled.compile_ms, key);
+    return entry;
+  };
+
+  const auto start = std::chrono::steady_clock::now();
+  KernelStore::Result found = store->get(key, compile_entry);
+  if ((found.outcome == CacheOutcome::kCompiled ||
+       found.outcome == CacheOutcome::kCompiledNotStored) &&
+      !compiled_here) {
+    // Why: this caller joined another thread's compile of the same key and got the kernel from
+    // memory; reporting kCompiled to every waiter would count one compile many times.
+    found.outcome = CacheOutcome::kMemoryHit;
+    found.milliseconds =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count();
+  }
+  if (found.outcome == CacheOutcome::kMemoryHit || found.outcome == CacheOutcome::kDiskHit) {
+    log().debug("cache {}: {} (key {}, {:.3f} ms)", outcome_name(found.outcome), name, key,
+                found.milliseconds);
+  }
+  if (entry_out != nullptr) *entry_out = found.entry;
+  BuildResult result;
+  result.spec = spec;
+  result.outcome = found.outcome;
+  result.milliseconds = found.milliseconds;
+  result.key = key;
+  return result;
+}
+
+CurrentDevice Runtime::current_device() {
+  const DriverApi& api = driver();
+  CUdevice device = 0;
+  const CUresult result = api.cuCtxGetDevice(&device);
+  if (result != CUDA_SUCCESS) throw_no_context(result);
+  if (device >= 0 && device < kMaxCachedDevices) {
+    const int code = device_arch_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+    if (code != 0) return CurrentDevice{device, decode_arch(code)};
+  }
+  return query_device(device);
+}
+
+CurrentDevice Runtime::query_device(int ordinal) {
+  const DriverApi& api = driver();
+  int major = 0;
+  int minor = 0;
+  MOEJIT_CU_CHECK(
+      api.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ordinal));
+  MOEJIT_CU_CHECK(
+      api.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ordinal));
+  CurrentDevice out;
+  out.ordinal = ordinal;
+  out.arch.sm = major * 10 + minor;
+  // Why: from sm_90 on, arch-specific features (wgmma, setmaxnreg, tcgen05) need the "a"
+  // target, and a cubin for sm_90a runs only on sm_90 devices, which is exactly this device.
+  out.arch.arch_specific = out.arch.sm >= 90;
+  if (ordinal >= 0 && ordinal < kMaxCachedDevices) {
+    device_arch_[static_cast<std::size_t>(ordinal)].store(encode_arch(out.arch),
+                                                          std::memory_order_release);
+    log().debug("device {} compiles for {}", ordinal, out.arch.name());
+  }
+  return out;
+}
+
+CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
+  const DriverApi& api = driver();
+  const CurrentDevice device = current_device();
+  if (!(device.arch == spec.arch)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "kernel " + spec.display_name() + " was requested for " + spec.arch.name() +
+                    ", but the current context's device " + std::to_string(device.ordinal) +
+                    " is " + device.arch.name() + ": build the spec with Runtime::current_arch()");
+  }
+  const bool capturing = stream_capturing(api, stream);
+  bool allow_compile = true;
+  if (capturing) {
+    std::lock_guard<std::mutex> lock(setup_mutex_);
+    allow_compile = config_.allow_compile_during_capture;
+  }
+  const std::string capture_context = "stream " + stream_text(stream) + " is capturing a CUDA graph";
+  log().debug("kernel table miss: {}{}", spec.display_name(),
+              capturing ? " (stream capturing)" : "");
+  std::shared_ptr<const Entry> entry;
+  const BuildResult built = build_impl(spec, allow_compile, capture_context.c_str(), &entry);
+
+  // Why a mutex across the load: two threads that missed together load the library once; the
+  // lock is not held across the build above.
+  std::lock_guard<std::mutex> load_lock(load_mutex_);
+  {
+    std::shared_lock<std::shared_mutex> lock(loaded_mutex_);
+    auto it = loaded_.find(spec);
+    if (it != loaded_.end()) return it->second;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  CUlibrary library = nullptr;
+  CUresult result = api.cuLibraryLoadData(&library, entry->cubin.data(), nullptr, nullptr, 0,
+                                          nullptr, nullptr, 0);
+  if (result != CUDA_SUCCESS) {
+    std::string message = "loading kernel " + spec.display_name() + " (cache key " + built.key +
+                          ", " + std::to_string(entry->cubin.size()) +
+                          " bytes): cuLibraryLoadData failed: " + describe(result);
+    if (capturing && is_capture_error(result)) {
+      throw Error(ErrorCode::kCaptureMiss,
+                  message + ". The kernel is built but was not loaded before " + capture_context +
+                      ", and the driver refuses to load code during this capture: run the op "
+                      "once before capturing");
+    }
+    if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_IMAGE ||
+        result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
+      message += ". The cubin was compiled by NVRTC " + nvrtc_version() + " for " +
+                 spec.arch.name() + "; the driver may be older than that NVRTC (update it)";
+    }
+    throw Error(ErrorCode::kDriver, message);
+  }
+  CUkernel kernel = nullptr;
+  result = api.cuLibraryGetKernel(&kernel, library, entry->manifest.lowered_name.c_str());
+  if (result != CUDA_SUCCESS) {
+    api.cuLibraryUnload(library);
+    throw Error(ErrorCode::kDriver, "kernel " + spec.display_name() + " (cache key " + built.key +
+                                        "): cuLibraryGetKernel(\"" +
+                                        entry->manifest.lowered_name + "\") failed: " +
+                                        describe(result));
+  }
+  gpu_loaded_.store(true);
+  {
+    std::unique_lock<std::shared_mutex> lock(loaded_mutex_);
+    loaded_.emplace(spec, kernel);
+  }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  log().debug("loaded {} ({} bytes) in {:.3f} ms", spec.display_name(), entry->cubin.size(), ms);
+  return kernel;
+}
+
+}  // namespace detail
+
+RuntimeConfig RuntimeConfig::from_environment() {
+  RuntimeConfig config;
+  config.cache_dir = detail::default_cache_dir();
+  if (auto mode = detail::env("MOEJIT_CACHE_MODE")) {
+    config.cache_mode = detail::parse_cache_mode(*mode);
+  }
+  if (auto include = detail::env("MOEJIT_CUDA_INCLUDE")) config.cuda_include_dir = *include;
+  if (auto allow = detail::env("MOEJIT_ALLOW_CAPTURE_COMPILE")) {
+    config.allow_compile_during_capture =
+        detail::parse_switch("MOEJIT_ALLOW_CAPTURE_COMPILE", *allow);
+  }
+  return config;
+}
+
+void configure(const RuntimeConfig& config) { detail::Runtime::instance().configure(config); }
+
+const RuntimeConfig& config() { return detail::Runtime::instance().config(); }
+
+BuildResult build_kernel(const KernelSpec& spec) { return detail::Runtime::instance().build(spec); }
+
+std::string kernel_source(const KernelSpec& spec) { return detail::render(spec).source; }
+
+std::vector<BuildResult> prewarm(
+    const std::vector<ModelShape>& shapes, const std::vector<Arch>& archs, int jobs,
+    const std::function<void(const BuildResult&, std::size_t, std::size_t)>& progress) {
+  // Every distinct kernel, in the order the shapes and archs first need it.
+  std::vector<KernelSpec> specs;
+  std::unordered_set<KernelSpec, detail::KernelSpecHash> seen;
+  for (const ModelShape& shape : shapes) {
+    for (const Arch& arch : archs) {
+      for (KernelSpec& spec : plan_kernels(shape, arch)) {
+        if (seen.insert(spec).second) specs.push_back(std::move(spec));
+      }
+    }
+  }
+  const std::size_t total = specs.size();
+  std::vector<BuildResult> results(total);
+  if (total == 0) return results;
+
+  detail::Runtime& runtime = detail::Runtime::instance();
+  std::atomic<std::size_t> next{0};
+  std::mutex progress_mutex;
+  std::size_t done = 0;
+  std::exception_ptr progress_error;
+  auto work = [&]() {
+    for (std::size_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      BuildResult result;
+      try {
+        result = runtime.build(specs[i]);
+      } catch (const std::exception& e) {
+        result = BuildResult{};
+        result.spec = specs[i];
+        result.error = e.what();
+      }
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      results[i] = std::move(result);
+      ++done;
+      if (progress && !progress_error) {
+        // Why: the callback is the caller's code on a pool thread; its exception is carried
+        // back to the caller instead of terminating the process.
+        try {
+          progress(results[i], done, total);
+        } catch (...) {
+          progress_error = std::current_exception();
+        }
+      }
+    }
+  };
+
+  unsigned wanted = jobs > 0 ? static_cast<unsigned>(jobs) : std::thread::hardware_concurrency();
+  if (wanted == 0) wanted = 1;
+  const std::size_t workers = std::min<std::size_t>(wanted, total);
+  std::vector<std::thread> pool;
+  // Why the caller is one of the workers: if a thread can't be started, the caller's own loop
+  // still finishes every kernel.
+  for (std::size_t t = 1; t < workers; ++t) {
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error& e) {
+      detail::log().warn("prewarm: could not start worker thread {} ({}); continuing with {}", t,
+                         e.what(), pool.size() + 1);
+      break;
+    }
+  }
+  work();
+  for (std::thread& thread : pool) thread.join();
+  if (progress_error) std::rethrow_exception(progress_error);
+  return results;
+}
+
+}  // namespace moejit

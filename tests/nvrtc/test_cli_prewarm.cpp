@@ -1,0 +1,254 @@
+// `moejit prewarm` and the cache subcommands end to end, on a CPU-only machine: compile the
+// reference shapes for two archs into a private cache, then list, verify, heal, gc and clear it.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "cache/disk_cache.hpp"
+#include "moejit/kernel_spec.hpp"
+#include "moejit/runtime.hpp"
+#include "moejit/shape.hpp"
+#include "support/support.hpp"
+
+namespace {
+
+using moejit::test::run_command;
+using moejit::test::TempDir;
+
+std::string quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+int cli(const std::string& cache_dir, const std::string& args, std::string* output) {
+  const char* path = std::getenv("MOEJIT_TEST_CLI");
+  if (path == nullptr) throw std::runtime_error("MOEJIT_TEST_CLI is not set (run via ctest)");
+  return run_command("env -u MOEJIT_CACHE_MODE MOEJIT_CACHE_DIR=" + quote(cache_dir) + " " +
+                         quote(path) + " " + args,
+                     output);
+}
+
+struct Summary {
+  bool found = false;
+  int kernels = 0;
+  int compiled = 0;
+  int cached = 0;
+  int failed = 0;
+};
+
+// "prewarm: 4 kernel(s) for sm_90a,sm_100a: 4 compiled, 0 already cached, 0 failed in ..."
+Summary parse_summary(const std::string& out) {
+  static const std::regex pattern(
+      R"(prewarm: (\d+) kernel\(s\) for [^:]*: (\d+) compiled, (\d+) already cached, (\d+) failed)");
+  Summary s;
+  std::smatch m;
+  if (std::regex_search(out, m, pattern)) {
+    s.found = true;
+    s.kernels = std::stoi(m[1]);
+    s.compiled = std::stoi(m[2]);
+    s.cached = std::stoi(m[3]);
+    s.failed = std::stoi(m[4]);
+  }
+  return s;
+}
+
+std::vector<moejit::detail::EntryInfo> entries(const std::string& dir) {
+  return moejit::detail::DiskCache(dir, moejit::CacheMode::kReadOnly).list(false);
+}
+
+uint64_t total_bytes(const std::vector<moejit::detail::EntryInfo>& list) {
+  uint64_t total = 0;
+  for (const auto& e : list) total += e.file_size;
+  return total;
+}
+
+// The distinct kernels the reference shapes need on `archs` (what prewarm must compile).
+std::size_t distinct_kernels(const std::string& file, const std::vector<std::string>& archs) {
+  std::vector<moejit::KernelSpec> specs;
+  for (const moejit::ModelShape& shape : moejit::load_shapes_file(file)) {
+    for (const std::string& arch : archs) {
+      for (const moejit::KernelSpec& spec : moejit::plan_kernels(shape, moejit::Arch::parse(arch))) {
+        if (!moejit::supports(spec).empty()) continue;
+        if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+      }
+    }
+  }
+  return specs.size();
+}
+
+// Flips the last byte of a file (inside the cubin), keeping its permissions.
+void corrupt(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::perms before = fs::status(path).permissions();
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write, fs::perm_options::add);
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  REQUIRE_FALSE(bytes.empty());
+  bytes.back() = static_cast<char>(~static_cast<unsigned char>(bytes.back()));
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    REQUIRE(out.good());
+  }
+  fs::permissions(path, before, fs::perm_options::replace);
+}
+
+}  // namespace
+
+TEST_CASE("prewarm fills a cache that list, verify, gc and clear then maintain", "[cli]") {
+  TempDir root;
+  const std::string cache = root.path() + "/cache";
+  const std::string shapes = moejit::test::shapes_dir() + "/reference.json";
+  const std::size_t expected = distinct_kernels(shapes, {"sm_90a", "sm_100a"});
+  REQUIRE(expected > 0);
+  const std::string prewarm = "prewarm " + quote(shapes) + " --arch sm_90a,sm_100a -j 2";
+  std::string out;
+
+  // First run: everything compiles.
+  int rc = cli(cache, prewarm, &out);
+  {
+    INFO(out);
+    REQUIRE(rc == 0);
+    Summary s = parse_summary(out);
+    REQUIRE(s.found);
+    CHECK(s.compiled == static_cast<int>(expected));
+    CHECK(s.failed == 0);
+    CHECK(s.compiled + s.cached == s.kernels);
+    CHECK(out.find("] compiled ") != std::string::npos);  // progress lines
+    CHECK(out.find("@sm_100a") != std::string::npos);
+  }
+
+  // Second run: nothing to do.
+  rc = cli(cache, prewarm, &out);
+  {
+    INFO(out);
+    REQUIRE(rc == 0);
+    Summary s = parse_summary(out);
+    REQUIRE(s.found);
+    CHECK(s.compiled == 0);
+    CHECK(s.cached == s.kernels);
+    CHECK(s.failed == 0);
+  }
+
+  // list shows every entry, with its arch.
+  rc = cli(cache, "list", &out);
+  {
+    INFO(out);
+    REQUIRE(rc == 0);
+    CHECK(out.find(std::to_string(expected) + " entr") != std::string::npos);
+    CHECK(out.find("sm_90a") != std::string::npos);
+    CHECK(out.find("sm_100a") != std::string::npos);
+    CHECK(out.find("append_shared") != std::string::npos);
+  }
+  std::vector<moejit::detail::EntryInfo> listed = entries(cache);
+  REQUIRE(listed.size() == expected);
+
+  // verify: all good.
+  rc = cli(cache, "verify", &out);
+  {
+    INFO(out);
+    CHECK(rc == 0);
+    CHECK(out.find("0 bad") != std::string::npos);
+  }
+
+  // A corrupt entry: verify exits 1 and names it; it is quarantined, and prewarm heals it.
+  const std::string victim = listed.front().path;
+  corrupt(victim);
+  rc = cli(cache, "verify", &out);
+  {
+    INFO(out);
+    CHECK(rc == 1);
+    CHECK(out.find(victim) != std::string::npos);
+    CHECK(out.find("1 bad") != std::string::npos);
+  }
+  rc = cli(cache, "verify", &out);
+  {
+    INFO(out);
+    CHECK(rc == 0);  // quarantined: no longer among the entries
+    CHECK(entries(cache).size() == expected - 1);
+  }
+  rc = cli(cache, prewarm, &out);
+  {
+    INFO(out);
+    REQUIRE(rc == 0);
+    Summary s = parse_summary(out);
+    CHECK(s.compiled == 1);
+    CHECK(entries(cache).size() == expected);
+  }
+
+  // gc to half the size, then to 1 byte: the cache ends under each limit.
+  const uint64_t full = total_bytes(entries(cache));
+  const uint64_t half = full / 2;
+  rc = cli(cache, "gc --max-size " + std::to_string(half), &out);
+  {
+    INFO(out);
+    CHECK(rc == 0);
+    CHECK(out.find("gc: removed") != std::string::npos);
+    CHECK(total_bytes(entries(cache)) <= half);
+    CHECK(entries(cache).size() < expected);
+  }
+  rc = cli(cache, "gc --max-size 1", &out);
+  {
+    INFO(out);
+    CHECK(rc == 0);
+    CHECK(total_bytes(entries(cache)) <= 1);
+  }
+
+  // clear empties a full cache.
+  rc = cli(cache, prewarm, &out);
+  REQUIRE(rc == 0);
+  REQUIRE(entries(cache).size() == expected);
+  rc = cli(cache, "clear", &out);
+  {
+    INFO(out);
+    CHECK(rc == 0);
+    CHECK(out.find("removed " + std::to_string(expected)) != std::string::npos);
+    CHECK(entries(cache).empty());
+  }
+  rc = cli(cache, "list", &out);
+  INFO(out);
+  CHECK(rc == 0);
+  CHECK(out.find("0 entries") != std::string::npos);
+}
+
+TEST_CASE("prewarm without --arch takes the GPUs' archs, or asks for one", "[cli]") {
+  TempDir root;
+  std::string out;
+  int rc = cli(root.path(), "prewarm " + quote(moejit::test::shapes_dir() + "/reference.json"),
+               &out);
+  INFO(out);
+  std::string why;
+  if (moejit::test::gpu_available(&why)) {
+    CHECK(rc == 0);
+    CHECK(parse_summary(out).found);
+    CHECK(out.find("kernel(s) for sm_") != std::string::npos);
+  } else {
+    CHECK(rc == 2);
+    CHECK(out.find("--arch sm_90a") != std::string::npos);
+  }
+}
+
+TEST_CASE("prewarm refuses a cache it can't write, with exit 4", "[cli]") {
+  TempDir root;
+  std::string out;
+  // A cache dir below a regular file can never be created.
+  std::ofstream(root.path() + "/file") << "x";
+  int rc = cli(root.path() + "/file/cache",
+               "prewarm " + quote(moejit::test::shapes_dir() + "/reference.json") +
+                   " --arch sm_90a",
+               &out);
+  INFO(out);
+  CHECK(rc == 4);
+  CHECK(out.find("writable") != std::string::npos);
+}

@@ -1,0 +1,594 @@
+// The runtime end to end with real NVRTC, no GPU: memory / disk / compile outcomes, one compile
+// across threads and processes, read-only and unusable cache dirs, healing of corrupt entries,
+// prewarm of the reference shapes.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <spdlog/sinks/base_sink.h>
+
+#include "common/log.hpp"
+#include "compile/nvrtc.hpp"
+#include "driver/driver.hpp"
+#include "moejit/error.hpp"
+#include "moejit/kernel_spec.hpp"
+#include "moejit/runtime.hpp"
+#include "moejit/shape.hpp"
+#include "ops/append_shared_spec.hpp"
+#include "runtime/runtime_impl.hpp"
+#include "support/support.hpp"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using moejit::Arch;
+using moejit::BuildResult;
+using moejit::CacheMode;
+using moejit::CacheOutcome;
+using moejit::DType;
+using moejit::KernelSpec;
+using moejit::SharedGate;
+
+void use_cache(const std::string& dir, CacheMode mode) {
+  moejit::RuntimeConfig config;
+  config.cache_dir = dir;
+  config.cache_mode = mode;
+  moejit::configure(config);
+}
+
+KernelSpec spec_of(int top_k, int num_shared, DType id = DType::kI32,
+                   SharedGate gate = SharedGate::kSigmoid, DType logit = DType::kBF16) {
+  KernelSpec spec;
+  spec.family = moejit::Family::kAppendShared;
+  spec.arch = Arch::parse("sm_90a");
+  spec.params = moejit::detail::append_shared_params(top_k, num_shared, id, gate, logit);
+  return spec;
+}
+
+const char* outcome_word(CacheOutcome outcome) {
+  switch (outcome) {
+    case CacheOutcome::kMemoryHit: return "memory";
+    case CacheOutcome::kDiskHit: return "disk";
+    case CacheOutcome::kCompiled: return "compiled";
+    case CacheOutcome::kCompiledNotStored: return "notstored";
+  }
+  return "unknown";
+}
+
+// Every file and directory under `dir` with its size and modification time.
+std::map<std::string, std::tuple<bool, uintmax_t, long long>> snapshot(const std::string& dir) {
+  std::map<std::string, std::tuple<bool, uintmax_t, long long>> out;
+  for (const auto& item : fs::recursive_directory_iterator(dir)) {
+    struct stat st {};
+    REQUIRE(::lstat(item.path().c_str(), &st) == 0);
+    const bool is_dir = S_ISDIR(st.st_mode);
+    out[item.path().string()] = {
+        is_dir, is_dir ? 0 : static_cast<uintmax_t>(st.st_size),
+        static_cast<long long>(st.st_mtim.tv_sec) * 1000000000LL + st.st_mtim.tv_nsec};
+  }
+  return out;
+}
+
+// Collects the "moejit" logger's messages at warn and above while alive.
+class WarnCapture {
+ public:
+  WarnCapture() : sink_(std::make_shared<Sink>()) {
+    sink_->set_level(spdlog::level::warn);
+    moejit::detail::log().sinks().push_back(sink_);
+  }
+  ~WarnCapture() {
+    auto& sinks = moejit::detail::log().sinks();
+    for (auto it = sinks.begin(); it != sinks.end(); ++it) {
+      if (*it == sink_) {
+        sinks.erase(it);
+        break;
+      }
+    }
+  }
+  std::vector<std::string> messages() const {
+    std::lock_guard<std::mutex> lock(sink_->messages_mutex);
+    return sink_->messages;
+  }
+
+ private:
+  struct Sink : spdlog::sinks::base_sink<std::mutex> {
+    std::mutex messages_mutex;
+    std::vector<std::string> messages;
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      std::lock_guard<std::mutex> lock(messages_mutex);
+      messages.emplace_back(msg.payload.data(), msg.payload.size());
+    }
+    void flush_() override {}
+  };
+  std::shared_ptr<Sink> sink_;
+};
+
+bool any_contains(const std::vector<std::string>& texts, const std::string& part) {
+  for (const std::string& text : texts) {
+    if (text.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+bool wait_for_file(const std::string& path, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!fs::exists(path)) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::binary);
+    out << text;
+  }
+  fs::rename(temp, path);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The spec the multi-process test races on (no other test builds it).
+KernelSpec race_spec() { return spec_of(7, 3, DType::kI64, SharedGate::kSigmoid, DType::kF16); }
+
+constexpr int kRaceThreads = 8;
+constexpr int kRaceProcesses = 3;
+
+}  // namespace
+
+TEST_CASE("runtime: compile, then memory hit, then disk hit in a fresh store", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  use_cache(cache, CacheMode::kReadWrite);
+  const KernelSpec spec = spec_of(6, 1);
+
+  const BuildResult first = moejit::build_kernel(spec);
+  CHECK(first.outcome == CacheOutcome::kCompiled);
+  CHECK(first.error.empty());
+  CHECK(first.key.size() == 32);
+  CHECK(first.spec == spec);
+  CHECK(first.milliseconds > 0);
+  CHECK(fs::exists(moejit::detail::Runtime::instance().store().disk().entry_path(first.key)));
+
+  const BuildResult second = moejit::build_kernel(spec);
+  CHECK(second.outcome == CacheOutcome::kMemoryHit);
+  CHECK(second.key == first.key);
+
+  use_cache(cache, CacheMode::kReadWrite);  // a fresh store: empty memory, same disk
+  const BuildResult third = moejit::build_kernel(spec);
+  CHECK(third.outcome == CacheOutcome::kDiskHit);
+  CHECK(third.key == first.key);
+  CHECK(moejit::detail::Runtime::instance().cache_key(spec) == first.key);
+
+  CHECK(moejit::config().cache_dir == cache);
+  CHECK(moejit::config().cache_mode == CacheMode::kReadWrite);
+}
+
+TEST_CASE("runtime: kernel_source and the key inputs hold no machine path", "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  const KernelSpec spec = spec_of(6, 1);
+  const std::string source = moejit::kernel_source(spec);
+  CHECK(source.find("moejit/kern/append_shared.cuh") != std::string::npos);
+
+  const auto& toolkit = moejit::detail::toolkit_headers(moejit::config().cuda_include_dir);
+  REQUIRE_FALSE(toolkit.include_dir.empty());
+  const moejit::detail::KeyInputs in = moejit::detail::Runtime::instance().key_inputs(spec);
+  std::vector<std::string> texts = {in.nvrtc_version, in.arch, in.program_name, in.source,
+                                    in.name_expression, in.toolkit_digest};
+  texts.insert(texts.end(), in.options.begin(), in.options.end());
+  for (const auto& header : in.headers) texts.push_back(header.path);
+  for (const std::string& text : texts) {
+    INFO("key input: " << text);
+    for (const std::string& dir : toolkit.include_dirs) CHECK(text.find(dir) == std::string::npos);
+    CHECK(text.find(toolkit.include_dir) == std::string::npos);
+    CHECK(text.rfind("-I", 0) != 0);
+  }
+  CHECK(in.toolkit_digest == toolkit.digest.hex());
+  CHECK(in.nvrtc_version == moejit::detail::nvrtc_version());
+}
+
+TEST_CASE("runtime: unsupported specs are refused before any compile", "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  KernelSpec spec = spec_of(6, 1);
+  std::get<moejit::AppendSharedParams>(spec.params).top_k = 1000;
+  try {
+    moejit::build_kernel(spec);
+    FAIL("an unsupported spec was built");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kUnsupported);
+    CHECK(std::string(e.what()).find("top_k") != std::string::npos);
+  }
+}
+
+// Run by the test below in each child process (hidden: selected only by its tag).
+TEST_CASE("runtime child: 8 threads build one cold spec", "[.][runtime_child]") {
+  const char* cache = std::getenv("MOEJIT_TEST_RACE_CACHE");
+  const char* out = std::getenv("MOEJIT_TEST_RACE_OUT");
+  const char* go = std::getenv("MOEJIT_TEST_RACE_GO");
+  REQUIRE(cache != nullptr);
+  REQUIRE(out != nullptr);
+  REQUIRE(go != nullptr);
+  use_cache(cache, CacheMode::kReadWrite);
+  const KernelSpec spec = race_spec();
+  write_file(std::string(out) + ".ready", "ready");
+  REQUIRE(wait_for_file(go, std::chrono::seconds(300)));
+
+  std::atomic<bool> start{false};
+  std::vector<std::string> outcomes(kRaceThreads);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRaceThreads; ++i) {
+    threads.emplace_back([&, i] {
+      while (!start.load()) std::this_thread::yield();
+      try {
+        outcomes[static_cast<std::size_t>(i)] = outcome_word(moejit::build_kernel(spec).outcome);
+      } catch (const std::exception& e) {
+        outcomes[static_cast<std::size_t>(i)] = std::string("error:") + e.what();
+      }
+    });
+  }
+  start.store(true);
+  for (std::thread& thread : threads) thread.join();
+  std::string text;
+  for (const std::string& outcome : outcomes) text += outcome + "\n";
+  write_file(out, text);
+}
+
+TEST_CASE("runtime: 8 threads in each of 3 processes compile a cold kernel once", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  const std::string go = dir.path() + "/go";
+
+  // Why exec: each child must start without the threads this process may already have (a fork
+  // of a threaded process may inherit held locks), and gets a runtime of its own.
+  std::vector<pid_t> children;
+  std::vector<std::string> outputs;
+  for (int p = 0; p < kRaceProcesses; ++p) {
+    const std::string output = dir.path() + "/outcomes." + std::to_string(p);
+    outputs.push_back(output);
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+    env_strings.push_back("MOEJIT_TEST_RACE_CACHE=" + cache);
+    env_strings.push_back("MOEJIT_TEST_RACE_OUT=" + output);
+    env_strings.push_back("MOEJIT_TEST_RACE_GO=" + go);
+    std::vector<char*> envp;
+    for (std::string& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string self = fs::read_symlink("/proc/self/exe").string();
+    std::string tag = "[runtime_child]";
+    std::string quiet = "--reporter=compact";
+    std::vector<char*> argv = {self.data(), tag.data(), quiet.data(), nullptr};
+    const std::string log = output + ".log";
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      // Only async-signal-safe calls between fork and exec.
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      ::execve(self.c_str(), argv.data(), envp.data());
+      ::_exit(127);
+    }
+    children.push_back(pid);
+  }
+  bool all_ready = true;
+  for (const std::string& output : outputs) {
+    all_ready = all_ready && wait_for_file(output + ".ready", std::chrono::seconds(300));
+  }
+  write_file(go, "go");
+  for (std::size_t p = 0; p < children.size(); ++p) {
+    int status = 0;
+    REQUIRE(::waitpid(children[p], &status, 0) == children[p]);
+    INFO("child " << p << " output:\n" << read_file(outputs[p] + ".log"));
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }
+  REQUIRE(all_ready);
+
+  std::map<std::string, int> counts;
+  for (const std::string& output : outputs) {
+    std::istringstream lines(read_file(output));
+    std::string line;
+    int n = 0;
+    while (std::getline(lines, line)) {
+      INFO("child outcome: " << line);
+      CHECK(line.rfind("error:", 0) != 0);
+      ++counts[line];
+      ++n;
+    }
+    CHECK(n == kRaceThreads);
+  }
+  INFO("compiled " << counts["compiled"] << ", disk " << counts["disk"] << ", memory "
+                   << counts["memory"] << ", not stored " << counts["notstored"]);
+  CHECK(counts["compiled"] == 1);
+  CHECK(counts["notstored"] == 0);
+  CHECK(counts["compiled"] + counts["disk"] + counts["memory"] == kRaceThreads * kRaceProcesses);
+
+  // The one compile was published: a fresh store in this process finds it on disk.
+  use_cache(cache, CacheMode::kReadWrite);
+  CHECK(moejit::build_kernel(race_spec()).outcome == CacheOutcome::kDiskHit);
+}
+
+TEST_CASE("runtime: a read-only cache hits and writes nothing", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  const KernelSpec spec = spec_of(6, 1);
+  use_cache(cache, CacheMode::kReadWrite);
+  REQUIRE(moejit::build_kernel(spec).outcome == CacheOutcome::kCompiled);
+
+  const auto before = snapshot(cache);
+  use_cache(cache, CacheMode::kReadOnly);
+  CHECK(moejit::detail::Runtime::instance().store().disk().effective_mode() ==
+        CacheMode::kReadOnly);
+  CHECK(moejit::build_kernel(spec).outcome == CacheOutcome::kDiskHit);
+  CHECK(moejit::build_kernel(spec).outcome == CacheOutcome::kMemoryHit);
+  // A kernel missing from the read-only cache is compiled but not stored.
+  const KernelSpec other = spec_of(6, 1, DType::kI32, SharedGate::kGiven, DType::kF32);
+  CHECK(moejit::build_kernel(other).outcome == CacheOutcome::kCompiledNotStored);
+  CHECK(moejit::build_kernel(other).outcome == CacheOutcome::kMemoryHit);
+  CHECK(snapshot(cache) == before);
+}
+
+TEST_CASE("runtime: a cache dir that can't be created still builds", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string file = dir.path() + "/not-a-dir";
+  write_file(file, "a regular file");
+  use_cache(file + "/cache", CacheMode::kReadWrite);
+  const KernelSpec spec = spec_of(6, 1);
+  const BuildResult first = moejit::build_kernel(spec);
+  CHECK(first.error.empty());
+  CHECK(first.outcome == CacheOutcome::kCompiledNotStored);
+  CHECK(moejit::build_kernel(spec).outcome == CacheOutcome::kMemoryHit);
+  CHECK(fs::is_regular_file(file));
+}
+
+TEST_CASE("runtime: memory-only mode never touches the disk", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  use_cache(cache, CacheMode::kMemoryOnly);
+  const KernelSpec spec = spec_of(6, 1);
+  CHECK(moejit::build_kernel(spec).outcome == CacheOutcome::kCompiledNotStored);
+  CHECK(moejit::build_kernel(spec).outcome == CacheOutcome::kMemoryHit);
+  CHECK_FALSE(fs::exists(cache));
+}
+
+TEST_CASE("runtime: a corrupt entry is healed by the next build", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  const KernelSpec spec = spec_of(6, 1);
+  use_cache(cache, CacheMode::kReadWrite);
+  const BuildResult built = moejit::build_kernel(spec);
+  REQUIRE(built.outcome == CacheOutcome::kCompiled);
+  const std::string entry = moejit::detail::Runtime::instance().store().disk().entry_path(built.key);
+  REQUIRE(fs::is_regular_file(entry));
+  const uintmax_t size = fs::file_size(entry);
+
+  SECTION("truncated") { fs::resize_file(entry, size / 2); }
+  SECTION("one byte flipped in the cubin") {
+    std::fstream file(entry, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(size - 17));
+    char byte = 0;
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x40);
+    file.seekp(static_cast<std::streamoff>(size - 17));
+    file.write(&byte, 1);
+  }
+  SECTION("one byte flipped in the header") {
+    std::fstream file(entry, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(20);
+    char byte = 0;
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x01);
+    file.seekp(20);
+    file.write(&byte, 1);
+  }
+
+  WarnCapture warnings;
+  use_cache(cache, CacheMode::kReadWrite);
+  const BuildResult healed = moejit::build_kernel(spec);
+  CHECK(healed.outcome == CacheOutcome::kCompiled);
+  CHECK(healed.key == built.key);
+  const std::vector<std::string> messages = warnings.messages();
+  INFO("warnings: " << messages.size());
+  CHECK_FALSE(messages.empty());
+  CHECK(any_contains(messages, built.key));
+
+  // The healed entry is whole again.
+  use_cache(cache, CacheMode::kReadWrite);
+  CHECK(moejit::build_kernel(spec).outcome == CacheOutcome::kDiskHit);
+}
+
+TEST_CASE("runtime: the op's spec is the planner's spec", "[runtime]") {
+  // A prewarmed kernel is only useful if append_shared looks up exactly the spec prewarm built.
+  const Arch arch = Arch::parse("sm_90a");
+  for (SharedGate gate : {SharedGate::kSigmoid, SharedGate::kConstant, SharedGate::kGiven}) {
+    for (DType id : {DType::kI32, DType::kI64}) {
+      for (DType logit : {DType::kBF16, DType::kF16, DType::kF32}) {
+        moejit::ModelShape shape;
+        shape.name = "probe";
+        shape.num_experts = 64;
+        shape.top_k = 8;
+        shape.hidden = 2048;
+        shape.intermediate = 768;
+        shape.id_dtype = id;
+        shape.shared.count = 2;
+        shape.shared.intermediate = 768;
+        shape.shared.gate = gate;
+        shape.shared.logit_dtype = logit;
+        // The logits the op would see: the shape's dtype for sigmoid, fp32 weights for given.
+        const DType seen = gate == SharedGate::kGiven ? DType::kF32 : logit;
+        KernelSpec expected;
+        expected.family = moejit::Family::kAppendShared;
+        expected.arch = arch;
+        expected.params = moejit::detail::append_shared_params(8, 2, id, gate, seen);
+        bool found = false;
+        for (const KernelSpec& planned : moejit::plan_kernels(shape, arch)) {
+          found = found || planned == expected;
+        }
+        INFO("expected " << expected.display_name());
+        CHECK(found);
+      }
+    }
+  }
+}
+
+TEST_CASE("runtime: prewarm of the reference shapes for sm_90a reports no errors", "[runtime]") {
+  const std::string reference = moejit::test::shapes_dir() + "/reference.json";
+  if (!fs::exists(reference)) {
+    WARN("no " << reference << ": nothing to prewarm");
+    return;
+  }
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  const std::vector<moejit::ModelShape> shapes = moejit::load_shapes_file(reference);
+  REQUIRE_FALSE(shapes.empty());
+
+  std::mutex mutex;
+  std::vector<std::size_t> dones;
+  std::size_t reported_total = 0;
+  const std::vector<BuildResult> results = moejit::prewarm(
+      shapes, {Arch::parse("sm_90a")}, 2,
+      [&](const BuildResult&, std::size_t done, std::size_t total) {
+        std::lock_guard<std::mutex> lock(mutex);
+        dones.push_back(done);
+        reported_total = total;
+      });
+  REQUIRE_FALSE(results.empty());
+  for (const BuildResult& result : results) {
+    INFO(result.spec.display_name() << ": " << result.error);
+    CHECK(result.error.empty());
+    CHECK(result.outcome == CacheOutcome::kCompiled);
+    CHECK(result.key.size() == 32);
+  }
+  CHECK(reported_total == results.size());
+  REQUIRE(dones.size() == results.size());
+  for (std::size_t i = 0; i < dones.size(); ++i) CHECK(dones[i] == i + 1);
+
+  // Every kernel is distinct, and a second prewarm finds them all in memory.
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    for (std::size_t j = i + 1; j < results.size(); ++j) CHECK_FALSE(results[i].spec == results[j].spec);
+  }
+  for (const BuildResult& again : moejit::prewarm(shapes, {Arch::parse("sm_90a")}, 4)) {
+    CHECK(again.outcome == CacheOutcome::kMemoryHit);
+  }
+}
+
+TEST_CASE("runtime: prewarm reports one kernel's failure without throwing", "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  moejit::ModelShape shape;
+  shape.name = "too-wide";
+  shape.num_experts = 64;
+  shape.top_k = 100;  // beyond what append_shared serves
+  shape.hidden = 2048;
+  shape.intermediate = 768;
+  shape.shared.count = 1;
+  shape.shared.gate = SharedGate::kConstant;
+  const std::vector<BuildResult> results = moejit::prewarm({shape}, {Arch::parse("sm_90a")}, 2);
+  REQUIRE(results.size() == 1);
+  CHECK_FALSE(results[0].error.empty());
+  CHECK(results[0].error.find("top_k") != std::string::npos);
+}
+
+TEST_CASE("runtime: configuration from the environment", "[runtime]") {
+  struct Saved {
+    const char* name;
+    std::string value;
+    bool set;
+  };
+  std::vector<Saved> saved;
+  for (const char* name : {"MOEJIT_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "MOEJIT_CACHE_MODE",
+                           "MOEJIT_CUDA_INCLUDE", "MOEJIT_ALLOW_CAPTURE_COMPILE"}) {
+    const char* value = std::getenv(name);
+    saved.push_back({name, value ? value : "", value != nullptr});
+  }
+  ::setenv("MOEJIT_CACHE_DIR", "/srv/moejit-cache", 1);
+  ::setenv("XDG_CACHE_HOME", "/xdg", 1);
+  ::setenv("HOME", "/home/someone", 1);
+  ::setenv("MOEJIT_CACHE_MODE", "ro", 1);
+  ::setenv("MOEJIT_CUDA_INCLUDE", "/opt/cuda/include", 1);
+  ::setenv("MOEJIT_ALLOW_CAPTURE_COMPILE", "1", 1);
+  moejit::RuntimeConfig config = moejit::RuntimeConfig::from_environment();
+  CHECK(config.cache_dir == "/srv/moejit-cache");
+  CHECK(config.cache_mode == CacheMode::kReadOnly);
+  CHECK(config.cuda_include_dir == "/opt/cuda/include");
+  CHECK(config.allow_compile_during_capture);
+
+  ::unsetenv("MOEJIT_CACHE_DIR");
+  ::setenv("MOEJIT_CACHE_MODE", "memory", 1);
+  ::setenv("MOEJIT_ALLOW_CAPTURE_COMPILE", "0", 1);
+  config = moejit::RuntimeConfig::from_environment();
+  CHECK(config.cache_dir == "/xdg/moejit");
+  CHECK(config.cache_mode == CacheMode::kMemoryOnly);
+  CHECK_FALSE(config.allow_compile_during_capture);
+
+  ::unsetenv("XDG_CACHE_HOME");
+  ::setenv("MOEJIT_CACHE_MODE", "rw", 1);
+  config = moejit::RuntimeConfig::from_environment();
+  CHECK(config.cache_dir == "/home/someone/.cache/moejit");
+  CHECK(config.cache_mode == CacheMode::kReadWrite);
+
+  ::setenv("MOEJIT_CACHE_MODE", "sometimes", 1);
+  try {
+    moejit::RuntimeConfig::from_environment();
+    FAIL("a bad MOEJIT_CACHE_MODE was accepted");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+    CHECK(std::string(e.what()).find("sometimes") != std::string::npos);
+  }
+
+  for (const Saved& s : saved) {
+    if (s.set) {
+      ::setenv(s.name, s.value.c_str(), 1);
+    } else {
+      ::unsetenv(s.name);
+    }
+  }
+}
+
+TEST_CASE("runtime: without a driver, current_arch says why instead of crashing", "[runtime]") {
+  std::string why;
+  const moejit::detail::DriverApi* api = moejit::detail::try_driver(&why);
+  if (api != nullptr) {
+    WARN("a CUDA driver is present here; the no-driver path is not exercised");
+    return;
+  }
+  CHECK_FALSE(why.empty());
+  CHECK(why.find("--arch") != std::string::npos);
+  try {
+    moejit::detail::Runtime::instance().current_arch();
+    FAIL("current_arch() succeeded without a driver");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kDriver);
+    CHECK(std::string(e.what()).find(why) != std::string::npos);
+  }
+}

@@ -1,0 +1,253 @@
+// The `moejit` CLI as a user meets it: help, exit codes, shape file errors, source, doctor, and
+// the README's shape example (so the README can't rot). Runs the binary at $MOEJIT_TEST_CLI.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "codegen/embedded.hpp"
+#include "moejit/shape.hpp"
+#include "support/support.hpp"
+
+namespace {
+
+using moejit::test::run_command;
+using moejit::test::TempDir;
+
+std::string quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::string cli_path() {
+  const char* path = std::getenv("MOEJIT_TEST_CLI");
+  if (path == nullptr) throw std::runtime_error("MOEJIT_TEST_CLI is not set (run via ctest)");
+  return path;
+}
+
+std::string source_dir() {
+  const char* path = std::getenv("MOEJIT_TEST_SOURCE_DIR");
+  if (path == nullptr) throw std::runtime_error("MOEJIT_TEST_SOURCE_DIR is not set (run via ctest)");
+  return path;
+}
+
+// Runs `moejit <args>` with a private cache unless `cache_dir` names one.
+int cli(const std::string& args, std::string* output, const std::string& cache_dir = "") {
+  static TempDir default_cache;
+  std::string dir = cache_dir.empty() ? default_cache.path() : cache_dir;
+  return run_command("env -u MOEJIT_CACHE_MODE MOEJIT_CACHE_DIR=" + quote(dir) + " " +
+                         quote(cli_path()) + " " + args,
+                     output);
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream file(path);
+  file << text;
+  REQUIRE(file.good());
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream file(path);
+  REQUIRE(file.good());
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+std::string reference_shapes() { return moejit::test::shapes_dir() + "/reference.json"; }
+
+}  // namespace
+
+TEST_CASE("moejit --help lists the subcommands and the exit codes", "[cli]") {
+  std::string out;
+  REQUIRE(cli("--help", &out) == 0);
+  INFO(out);
+  for (const char* word : {"prewarm", "list", "verify", "gc", "clear", "source", "doctor"}) {
+    CHECK(out.find(word) != std::string::npos);
+  }
+  CHECK(out.find("Exit codes") != std::string::npos);
+  for (const char* code : {"0  success", "1  some work failed", "2  usage error",
+                           "3  invalid shape file", "4  environment problem"}) {
+    CHECK(out.find(code) != std::string::npos);
+  }
+  CHECK(out.find("MOEJIT_CACHE_DIR") != std::string::npos);
+}
+
+TEST_CASE("every subcommand's --help exits 0 and names its options", "[cli]") {
+  struct Case {
+    const char* command;
+    std::vector<const char*> mentions;
+  };
+  const std::vector<Case> cases = {
+      {"prewarm", {"--arch", "-j", "--jobs", "files", "Exit codes"}},
+      {"source", {"--shape", "--kernel", "--arch", "Exit codes"}},
+      {"list", {"Exit codes"}},
+      {"verify", {"quarantine", "Exit codes"}},
+      {"gc", {"--max-size", "500M", "Exit codes"}},
+      {"clear", {"Exit codes"}},
+      {"doctor", {"NVRTC", "Exit codes"}},
+  };
+  for (const Case& c : cases) {
+    std::string out;
+    int rc = cli(std::string(c.command) + " --help", &out);
+    INFO(c.command << " --help:\n" << out);
+    CHECK(rc == 0);
+    for (const char* word : c.mentions) CHECK(out.find(word) != std::string::npos);
+  }
+}
+
+TEST_CASE("usage errors exit 2", "[cli]") {
+  auto usage_error = [](const std::string& args) {
+    std::string out;
+    int rc = cli(args, &out);
+    INFO("moejit " << args << "\n" << out);
+    CHECK(rc == 2);
+    return out;
+  };
+  const std::string shapes = quote(reference_shapes());
+  usage_error("frobnicate");                     // unknown subcommand
+  usage_error("");                               // no subcommand
+  usage_error("list --bogus");                   // unknown flag
+  usage_error("prewarm " + shapes + " --arch sm_90a -j 0");  // -j must be positive
+  usage_error("gc");                             // --max-size is required
+  CHECK(usage_error("gc --max-size 12Q").find("12Q") != std::string::npos);
+  CHECK(usage_error("prewarm " + shapes + " --arch sm_nine").find("sm_nine") != std::string::npos);
+  std::string out =
+      usage_error("source " + shapes + " --shape no-such-model --kernel append_shared");
+  CHECK(out.find("no-such-model") != std::string::npos);
+  CHECK(out.find("qwen2-57b-a14b") != std::string::npos);  // the names there are
+  CHECK(usage_error("source " + shapes + " --shape qwen2-57b-a14b --kernel no_such_family")
+            .find("no_such_family") != std::string::npos);
+}
+
+TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anything compiles",
+          "[cli]") {
+  TempDir dir;
+  std::string cache = dir.path() + "/cache";
+  std::string bad = dir.path() + "/bad.json";
+  std::string out;
+
+  SECTION("a JSON syntax error") {
+    write_file(bad, "{\n  \"shapes\": [\n    {\"name\": \"x\",, \"top_k\": 2}\n  ]\n}\n");
+    int rc = cli("prewarm " + quote(reference_shapes()) + " " + quote(bad) + " --arch sm_90a",
+                 &out, cache);
+    INFO(out);
+    CHECK(rc == 3);
+    CHECK(out.find(bad + ":3:") != std::string::npos);
+  }
+  SECTION("a rule broken (top_k larger than the experts)") {
+    write_file(bad,
+               "{\n"
+               "  \"shapes\": [\n"
+               "    {\n"
+               "      \"name\": \"broken\",\n"
+               "      \"num_experts\": 4,\n"
+               "      \"top_k\": 8,\n"
+               "      \"hidden\": 2048,\n"
+               "      \"intermediate\": 768,\n"
+               "      \"activation\": {\"kind\": \"swiglu\"}\n"
+               "    }\n"
+               "  ]\n"
+               "}\n");
+    int rc = cli("prewarm " + quote(bad) + " --arch sm_90a", &out, cache);
+    INFO(out);
+    CHECK(rc == 3);
+    CHECK(out.find(bad + ":") != std::string::npos);
+    CHECK(out.find("top_k") != std::string::npos);
+  }
+  SECTION("a missing file") {
+    int rc = cli("prewarm " + quote(dir.path() + "/missing.json") + " --arch sm_90a", &out, cache);
+    INFO(out);
+    CHECK(rc == 3);
+    CHECK(out.find("missing.json") != std::string::npos);
+  }
+  SECTION("source refuses it too") {
+    write_file(bad, "[{\"name\": \"x\"]\n");
+    int rc = cli("source " + quote(bad) + " --shape x --kernel append_shared", &out, cache);
+    INFO(out);
+    CHECK(rc == 3);
+    CHECK(out.find(bad + ":1:") != std::string::npos);
+  }
+  // All-or-nothing: nothing was compiled into the cache.
+  std::string listing;
+  REQUIRE(cli("list", &listing, cache) == 0);
+  INFO(listing);
+  CHECK(listing.find("0 entries") != std::string::npos);
+}
+
+TEST_CASE("source prints the append_shared translation unit of qwen2-57b-a14b", "[cli]") {
+  std::string header;
+  for (const moejit::detail::EmbeddedHeader& h : moejit::detail::embedded_headers()) {
+    std::string path(h.path);
+    if (path.size() >= 17 && path.compare(path.size() - 17, 17, "append_shared.cuh") == 0) {
+      header = path;
+    }
+  }
+  REQUIRE_FALSE(header.empty());
+  std::string out;
+  int rc = cli("source " + quote(reference_shapes()) +
+                   " --shape qwen2-57b-a14b --kernel append_shared --arch sm_90a",
+               &out);
+  INFO(out);
+  REQUIRE(rc == 0);
+  CHECK(out.find("#include") != std::string::npos);
+  CHECK(out.find(header) != std::string::npos);
+  CHECK(out.find("append_shared") != std::string::npos);
+
+  SECTION("a shape without shared experts needs no append_shared kernel") {
+    rc = cli("source " + quote(reference_shapes()) + " --shape gpt-oss-120b --kernel append_shared",
+             &out);
+    CHECK(rc == 2);
+    CHECK(out.find("gpt-oss-120b") != std::string::npos);
+  }
+}
+
+TEST_CASE("doctor runs without a GPU and says what it found", "[cli]") {
+  TempDir cache;
+  std::string out;
+  int rc = cli("doctor", &out, cache.path());
+  INFO(out);
+  CHECK(rc == 0);
+  CHECK(out.find(std::string("libmoejit")) != std::string::npos);
+  CHECK(out.find("NVRTC") != std::string::npos);
+  CHECK(out.find("CUDA include") != std::string::npos);
+  CHECK(out.find(cache.path()) != std::string::npos);
+  CHECK(out.find("writable:") != std::string::npos);
+  CHECK(out.find("entries:") != std::string::npos);
+  std::string why;
+  if (moejit::test::gpu_available(&why)) {
+    CHECK(out.find("sm_") != std::string::npos);
+  } else {
+    CHECK(out.find("none visible") != std::string::npos);
+  }
+}
+
+TEST_CASE("README's shape example is a valid shape file", "[cli]") {
+  std::string readme = read_file(source_dir() + "/README.md");
+  const std::string open = "```json\n";
+  std::size_t begin = readme.find(open);
+  REQUIRE(begin != std::string::npos);
+  begin += open.size();
+  std::size_t end = readme.find("```", begin);
+  REQUIRE(end != std::string::npos);
+  std::string example = readme.substr(begin, end - begin);
+
+  std::vector<moejit::ModelShape> shapes = moejit::parse_shapes(example, "README.md");
+  REQUIRE_FALSE(shapes.empty());
+
+  // And the CLI takes it: the first shape's kernels generate.
+  TempDir dir;
+  std::string path = dir.path() + "/readme-example.json";
+  write_file(path, example);
+  REQUIRE(shapes[0].shared.count > 0);
+  std::string out;
+  int rc = cli("source " + quote(path) + " --shape " + quote(shapes[0].name) +
+                   " --kernel append_shared",
+               &out);
+  INFO(out);
+  CHECK(rc == 0);
+}

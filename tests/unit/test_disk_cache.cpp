@@ -1,0 +1,811 @@
+// DiskCache: entry format, atomic publish under SIGKILL, verification and quarantine, trust,
+// modes, LRU gc, locks.
+#include <catch2/catch.hpp>
+#include <fcntl.h>
+#include <signal.h>
+#include <spdlog/sinks/base_sink.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache/disk_cache.hpp"
+#include "common/hash.hpp"
+#include "common/log.hpp"
+#include "moejit/error.hpp"
+#include "moejit/version.hpp"
+#include "support/support.hpp"
+
+namespace fs = std::filesystem;
+using moejit::CacheMode;
+using moejit::detail::DiskCache;
+using moejit::detail::Entry;
+
+namespace {
+
+// Collects what detail::log() emits while alive (warn and above at least).
+class LogCapture {
+ public:
+  LogCapture() : sink_(std::make_shared<Sink>()), previous_(moejit::detail::log().level()) {
+    moejit::detail::log().sinks().push_back(sink_);
+    if (previous_ > spdlog::level::warn) moejit::detail::log().set_level(spdlog::level::warn);
+  }
+  ~LogCapture() {
+    auto& sinks = moejit::detail::log().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    moejit::detail::log().set_level(previous_);
+  }
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+
+  // Whether a warning line contains every one of `parts`.
+  bool warned(const std::vector<std::string>& parts) const {
+    for (const std::string& line : sink_->warnings()) {
+      if (std::all_of(parts.begin(), parts.end(),
+                      [&](const std::string& p) { return line.find(p) != std::string::npos; })) {
+        return true;
+      }
+    }
+    return false;
+  }
+  std::size_t warning_count() const { return sink_->warnings().size(); }
+  std::string all() const {
+    std::string text;
+    for (const std::string& line : sink_->warnings()) text += line + "\n";
+    return text;
+  }
+
+ private:
+  class Sink : public spdlog::sinks::base_sink<std::mutex> {
+   public:
+    std::vector<std::string> warnings() const {
+      std::lock_guard<std::mutex> guard(lines_mutex_);
+      return warnings_;
+    }
+
+   protected:
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      if (msg.level < spdlog::level::warn) return;
+      std::lock_guard<std::mutex> guard(lines_mutex_);
+      warnings_.emplace_back(msg.payload.data(), msg.payload.size());
+    }
+    void flush_() override {}
+
+   private:
+    mutable std::mutex lines_mutex_;
+    std::vector<std::string> warnings_;
+  };
+  std::shared_ptr<Sink> sink_;
+  spdlog::level::level_enum previous_;
+};
+
+std::string key_for(const std::string& name) { return moejit::detail::hash_bytes(name).hex(); }
+
+// Deterministic pseudo-random bytes.
+std::string pseudo_random_bytes(std::size_t size, uint64_t seed) {
+  std::string out(size, '\0');
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 0x1234567ull;
+  for (std::size_t i = 0; i < size; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(out.data() + i, &x, std::min<std::size_t>(8, size - i));
+  }
+  return out;
+}
+
+Entry make_entry(const std::string& key, std::size_t cubin_size, uint64_t seed) {
+  Entry e;
+  e.manifest.key = key;
+  e.manifest.kernel = "append_shared<k6,s1,i32,sigmoid,bf16>@sm_90a";
+  e.manifest.spec_json = R"({"family":"append_shared","top_k":6})";
+  e.manifest.lowered_name = "_Z13append_sharedILi6ELi1EEvv";
+  e.manifest.options = {"--gpu-architecture=sm_90a", "-std=c++17", "-DSEED=" +
+                                                                    std::to_string(seed)};
+  e.manifest.nvrtc_version = "13.0";
+  e.manifest.library_version = moejit::kVersionString;
+  e.manifest.compile_ms = 812.5;
+  e.manifest.ptxas_info = "ptxas info: Used 40 registers, 0 bytes spill";
+  e.manifest.created_unix = 1700000000;
+  e.cubin = pseudo_random_bytes(cubin_size, seed);
+  return e;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
+  ::close(fd);
+}
+
+void flip_bit(const std::string& path, uint64_t offset) {
+  std::string bytes = read_file(path);
+  REQUIRE(offset < bytes.size());
+  bytes[offset] = static_cast<char>(bytes[offset] ^ 0x10);
+  write_file(path, bytes);
+}
+
+void set_mtime(const std::string& path, int64_t unix_seconds) {
+  struct timespec times[2];
+  times[0].tv_sec = unix_seconds;
+  times[0].tv_nsec = 0;
+  times[1] = times[0];
+  REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW) == 0);
+}
+
+int64_t now_unix() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Every file and dir under `root`: path -> (size, mtime ns, mode). Empty if `root` is absent.
+std::map<std::string, std::string> snapshot(const std::string& root) {
+  std::map<std::string, std::string> out;
+  std::error_code ec;
+  if (!fs::exists(root, ec)) return out;
+  for (auto it = fs::recursive_directory_iterator(root); it != fs::recursive_directory_iterator();
+       ++it) {
+    struct stat st {};
+    ::lstat(it->path().c_str(), &st);
+    out[it->path().string()] = std::to_string(st.st_size) + " " +
+                               std::to_string(st.st_mtim.tv_sec) + "." +
+                               std::to_string(st.st_mtim.tv_nsec) + " " +
+                               std::to_string(st.st_mode);
+  }
+  return out;
+}
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Writers' temp files anywhere under the cache's version dir.
+std::vector<std::string> temp_files(const std::string& cache_dir) {
+  std::vector<std::string> out;
+  std::string version_dir = cache_dir + "/v" + std::to_string(moejit::kCacheSchemaVersion);
+  std::error_code ec;
+  if (!fs::exists(version_dir, ec)) return out;
+  for (auto it = fs::recursive_directory_iterator(version_dir, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    std::string name = it->path().filename().string();
+    if (name.size() > 4 && name[0] == '.' && name.substr(name.size() - 4) == ".tmp") {
+      out.push_back(it->path().string());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+mode_t mode_of(const std::string& path) {
+  struct stat st {};
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  return st.st_mode & 07777;
+}
+
+// Kills and reaps a forked child on scope exit, so a failed assertion never leaves it running.
+class ChildGuard {
+ public:
+  explicit ChildGuard(pid_t pid) : pid_(pid) {}
+  ~ChildGuard() {
+    if (pid_ > 0) kill_and_wait();
+  }
+  ChildGuard(const ChildGuard&) = delete;
+  ChildGuard& operator=(const ChildGuard&) = delete;
+  // The wait status.
+  int kill_and_wait() {
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    return status;
+  }
+
+ private:
+  pid_t pid_;
+};
+
+bool running_as_root() { return ::geteuid() == 0; }
+
+void print_skip(const std::string& what, const std::string& why) {
+  std::cout << "SKIPPED: " << what << ": " << why << std::endl;
+}
+
+}  // namespace
+
+TEST_CASE("an entry round-trips with its manifest; a miss is nullopt", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/nested/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  REQUIRE(cache.effective_mode() == CacheMode::kReadWrite);
+  REQUIRE(cache.mode_reason().empty());
+
+  const std::string key = key_for("round-trip");
+  REQUIRE_FALSE(cache.load(key).has_value());
+
+  const Entry original = make_entry(key, 100003, 7);
+  REQUIRE(cache.store(original));
+
+  const std::string path = cache.entry_path(key);
+  CHECK(path == dir + "/v" + std::to_string(moejit::kCacheSchemaVersion) + "/" +
+                    key.substr(0, 2) + "/" + key + ".mjc");
+  REQUIRE(fs::is_regular_file(path));
+  CHECK(mode_of(path) == 0600);
+  CHECK(mode_of(dir) == 0700);
+  CHECK(mode_of(tmp.path() + "/nested") == 0700);
+  CHECK(mode_of(fs::path(path).parent_path().string()) == 0700);
+
+  std::optional<Entry> loaded = cache.load(key);
+  REQUIRE(loaded.has_value());
+  CHECK(loaded->cubin == original.cubin);
+  const auto& m = loaded->manifest;
+  const auto& o = original.manifest;
+  CHECK(m.key == key);
+  CHECK(m.kernel == o.kernel);
+  CHECK(m.spec_json == o.spec_json);
+  CHECK(m.lowered_name == o.lowered_name);
+  CHECK(m.options == o.options);
+  CHECK(m.nvrtc_version == o.nvrtc_version);
+  CHECK(m.library_version == o.library_version);
+  CHECK(m.compile_ms == o.compile_ms);
+  CHECK(m.ptxas_info == o.ptxas_info);
+  CHECK(m.created_unix == o.created_unix);
+  CHECK(m.cubin_size == original.cubin.size());
+  CHECK(m.cubin_hash == moejit::detail::hash_bytes(original.cubin).hex());
+  // The file is the 64-byte header, the manifest, then the cubin.
+  CHECK(fs::file_size(path) ==
+        64 + moejit::detail::manifest_to_json(m).size() + original.cubin.size());
+
+  // A second, independent instance sees it too, and so does list().
+  DiskCache again(dir, CacheMode::kReadWrite);
+  REQUIRE(again.load(key).has_value());
+  auto listed = again.list(false);
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].path == path);
+  CHECK(listed[0].problem.empty());
+  CHECK(listed[0].manifest.kernel == o.kernel);
+  CHECK(listed[0].file_size == fs::file_size(path));
+  REQUIRE(again.list(true).size() == 1);
+  CHECK(again.list(true)[0].problem.empty());
+
+  // Another key misses.
+  CHECK_FALSE(cache.load(key_for("other")).has_value());
+
+  // Malformed keys are refused before any path is built from them.
+  for (const std::string& bad : std::vector<std::string>{
+           "", "../../etc/passwd", std::string(32, 'G'), key + "0",
+           std::string("ABCDEF") + key.substr(6)}) {
+    try {
+      (void)cache.load(bad);
+      FAIL("load accepted the malformed key '" << bad << "'");
+    } catch (const moejit::Error& e) {
+      CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+    }
+  }
+}
+
+TEST_CASE("corrupt entries are detected, logged, quarantined and reported as misses",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string quarantine = dir + "/quarantine";
+
+  struct Damage {
+    const char* name;
+    const char* reason_part;  // expected in the warning
+    std::function<void(const std::string& path, const std::string& key)> apply;
+  };
+  const std::vector<Damage> damages = {
+      {"truncated by one byte", "file size",
+       [](const std::string& p, const std::string&) {
+         REQUIRE(::truncate(p.c_str(), static_cast<off_t>(fs::file_size(p) - 1)) == 0);
+       }},
+      {"truncated inside the header", "shorter than",
+       [](const std::string& p, const std::string&) { REQUIRE(::truncate(p.c_str(), 20) == 0); }},
+      {"empty file", "shorter than",
+       [](const std::string& p, const std::string&) { REQUIRE(::truncate(p.c_str(), 0) == 0); }},
+      {"bit flipped in the magic", "magic",
+       [](const std::string& p, const std::string&) { flip_bit(p, 2); }},
+      {"bit flipped in the cubin length", "file size",
+       [](const std::string& p, const std::string&) { flip_bit(p, 24); }},
+      {"bit flipped in the manifest", "manifest hash",
+       [](const std::string& p, const std::string&) { flip_bit(p, 64 + 10); }},
+      {"bit flipped in the cubin's last byte", "cubin hash",
+       [](const std::string& p, const std::string&) { flip_bit(p, fs::file_size(p) - 1); }},
+      {"bit flipped in the middle of the cubin", "cubin hash",
+       [](const std::string& p, const std::string&) { flip_bit(p, fs::file_size(p) - 5000); }},
+      {"extended by garbage", "file size",
+       [](const std::string& p, const std::string&) {
+         std::string bytes = read_file(p);
+         write_file(p, bytes + "garbage");
+       }},
+      {"another key's entry copied over it", "expected",
+       [&](const std::string& p, const std::string& key) {
+         const std::string other = key_for("donor-" + key);
+         REQUIRE(cache.store(make_entry(other, 9000, 3)));
+         write_file(p, read_file(cache.entry_path(other)));
+       }},
+  };
+
+  int round = 0;
+  for (const Damage& damage : damages) {
+    SECTION(damage.name) {
+      const std::string key = key_for(std::string("victim-") + damage.name);
+      REQUIRE(cache.store(make_entry(key, 20000, static_cast<uint64_t>(++round))));
+      const std::string path = cache.entry_path(key);
+      REQUIRE(cache.load(key).has_value());
+      const std::size_t quarantined_before = files_in(quarantine).size();
+
+      damage.apply(path, key);
+      LogCapture capture;
+      CHECK_FALSE(cache.load(key).has_value());
+      INFO(capture.all());
+      CHECK(capture.warned({path, damage.reason_part, "quarantine"}));
+      CHECK_FALSE(fs::exists(path));
+      REQUIRE(files_in(quarantine).size() == quarantined_before + 1);
+      CHECK(mode_of(quarantine) == 0700);
+      // Once moved away it is an ordinary miss, and a fresh publish heals it.
+      CHECK_FALSE(cache.load(key).has_value());
+      REQUIRE(cache.store(make_entry(key, 20000, 99)));
+      REQUIRE(cache.load(key).has_value());
+      CHECK(cache.load(key)->cubin == make_entry(key, 20000, 99).cubin);
+    }
+  }
+}
+
+TEST_CASE("list(verify) checks every entry and quarantines the bad ones", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string good = key_for("good"), bad = key_for("bad");
+  REQUIRE(cache.store(make_entry(good, 5000, 1)));
+  REQUIRE(cache.store(make_entry(bad, 5000, 2)));
+  flip_bit(cache.entry_path(bad), fs::file_size(cache.entry_path(bad)) - 1);
+
+  // Without verify the cubin is not read: the flip is not seen, nothing moves.
+  auto quick = cache.list(false);
+  REQUIRE(quick.size() == 2);
+  CHECK(quick[0].problem.empty());
+  CHECK(quick[1].problem.empty());
+
+  LogCapture capture;
+  auto verified = cache.list(true);
+  REQUIRE(verified.size() == 2);
+  for (const auto& info : verified) {
+    if (info.path == cache.entry_path(bad)) {
+      CHECK(info.problem.find("cubin hash") != std::string::npos);
+      CHECK(info.problem.find("moved to") != std::string::npos);
+    } else {
+      CHECK(info.path == cache.entry_path(good));
+      CHECK(info.problem.empty());
+    }
+  }
+  CHECK(capture.warned({cache.entry_path(bad), "cubin hash"}));
+  CHECK_FALSE(fs::exists(cache.entry_path(bad)));
+  CHECK(files_in(dir + "/quarantine").size() == 1);
+  CHECK(cache.list(true).size() == 1);
+}
+
+TEST_CASE("a publisher killed mid-write never leaves a visible partial entry", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::size_t kCubinBytes = std::size_t{64} << 20;
+  const std::vector<std::string> keys = {key_for("big-0"), key_for("big-1")};
+  {
+    DiskCache cache(dir, CacheMode::kReadWrite);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      REQUIRE(cache.store(make_entry(keys[i], kCubinBytes, i)));
+    }
+  }
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  LogCapture capture;
+  std::set<std::string> known_temps;
+  int rounds_with_leftover = 0;
+  const int kRounds = 10;
+  for (int round = 0; round < kRounds; ++round) {
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      // The child publishes big entries until it is killed; it never returns to Catch.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      DiskCache writer(dir, CacheMode::kReadWrite);
+      for (uint64_t generation = 1;; ++generation) {
+        writer.store(make_entry(keys[generation % keys.size()], kCubinBytes,
+                                static_cast<uint64_t>(round) * 1000 + generation));
+      }
+    }
+    ChildGuard guard(child);
+    // Wait until the child is writing a new temp file, then kill it after a varied delay.
+    bool saw_temp = false;
+    for (int poll = 0; poll < 100000 && !saw_temp; ++poll) {
+      for (const std::string& t : temp_files(dir)) {
+        if (known_temps.count(t) == 0) saw_temp = true;
+      }
+      if (!saw_temp) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (round % 3 == 1) {
+      // Readers running while the writer writes only ever see whole entries.
+      for (const std::string& key : keys) CHECK(cache.load(key).has_value());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds((round * 7) % 40));
+    REQUIRE(WIFSIGNALED(guard.kill_and_wait()));
+    CHECK(saw_temp);
+
+    // Every final-named file verifies; leftovers are temp files, never listed as entries.
+    std::vector<std::string> temps = temp_files(dir);
+    bool new_leftover = false;
+    for (const std::string& t : temps) new_leftover |= known_temps.insert(t).second;
+    rounds_with_leftover += new_leftover ? 1 : 0;
+    auto listed = cache.list(true);
+    REQUIRE(listed.size() == keys.size());
+    for (const auto& info : listed) {
+      CHECK(info.problem.empty());
+      CHECK(info.path.find(".tmp") == std::string::npos);
+    }
+  }
+  // The kill landed mid-write at least once (else this test proved nothing).
+  CHECK(rounds_with_leftover > 0);
+  INFO(capture.all());
+  CHECK(capture.warning_count() == 0);
+  CHECK(files_in(dir + "/quarantine").empty());
+
+  // Fresh leftovers may belong to a live writer: gc keeps them. Old ones go.
+  const std::vector<std::string> leftovers = temp_files(dir);
+  REQUIRE_FALSE(leftovers.empty());
+  auto report = cache.gc(UINT64_MAX);
+  CHECK(report.stale_temp_removed == 0);
+  CHECK(temp_files(dir) == leftovers);
+  for (const std::string& t : leftovers) set_mtime(t, now_unix() - 3600);
+  report = cache.gc(UINT64_MAX);
+  CHECK(report.stale_temp_removed == static_cast<int>(leftovers.size()));
+  CHECK(report.removed == 0);
+  CHECK(temp_files(dir).empty());
+  for (const std::string& key : keys) {
+    std::optional<Entry> e = cache.load(key);
+    REQUIRE(e.has_value());
+    CHECK(e->cubin.size() == kCubinBytes);
+  }
+}
+
+TEST_CASE("read-only mode loads but never writes, touches or moves anything", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string a = key_for("ro-a"), b = key_for("ro-b"), bad = key_for("ro-bad");
+  {
+    DiskCache writer(dir, CacheMode::kReadWrite);
+    REQUIRE(writer.store(make_entry(a, 3000, 1)));
+    REQUIRE(writer.store(make_entry(b, 3000, 2)));
+    REQUIRE(writer.store(make_entry(bad, 3000, 3)));
+    flip_bit(writer.entry_path(bad), 64 + 3);
+    for (const std::string& k : {a, b, bad}) set_mtime(writer.entry_path(k), 1600000000);
+  }
+  const auto before = snapshot(tmp.path());
+
+  DiskCache cache(dir, CacheMode::kReadOnly);
+  REQUIRE(cache.effective_mode() == CacheMode::kReadOnly);
+  LogCapture capture;
+  REQUIRE(cache.load(a).has_value());
+  CHECK(cache.load(a)->cubin == make_entry(a, 3000, 1).cubin);
+  REQUIRE(cache.load(b).has_value());
+  CHECK_FALSE(cache.load(key_for("ro-missing")).has_value());
+  CHECK_FALSE(cache.load(bad).has_value());
+  CHECK(capture.warned({cache.entry_path(bad), "left in place"}));
+  CHECK_FALSE(cache.store(make_entry(key_for("ro-new"), 3000, 4)));
+  CHECK_FALSE(cache.lock(a).held());
+  auto verified = cache.list(true);
+  REQUIRE(verified.size() == 3);
+  CHECK_THROWS_AS(cache.gc(0), moejit::Error);
+  CHECK_THROWS_AS(cache.clear(), moejit::Error);
+
+  // Nothing created, removed, moved, or touched (mtimes included).
+  CHECK(snapshot(tmp.path()) == before);
+
+  // Read-only over a directory that does not exist: every load misses, nothing is created.
+  DiskCache absent(tmp.path() + "/absent", CacheMode::kReadOnly);
+  CHECK(absent.effective_mode() == CacheMode::kReadOnly);
+  CHECK_FALSE(absent.load(a).has_value());
+  CHECK(absent.list(true).empty());
+  CHECK_FALSE(fs::exists(tmp.path() + "/absent"));
+}
+
+TEST_CASE("a cache dir that can't be created or written degrades, never throws", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string key = key_for("unwritable");
+
+  SECTION("a path through a regular file (even root can't create it)") {
+    write_file(tmp.path() + "/plain-file", "not a directory");
+    const auto before = snapshot(tmp.path());
+    DiskCache cache(tmp.path() + "/plain-file/cache", CacheMode::kReadWrite);
+    CHECK(cache.effective_mode() == CacheMode::kMemoryOnly);
+    CHECK(cache.mode_reason().find("plain-file") != std::string::npos);
+    CHECK_FALSE(cache.store(make_entry(key, 100, 1)));
+    CHECK_FALSE(cache.load(key).has_value());
+    CHECK_FALSE(cache.lock(key).held());
+    CHECK(cache.list(false).empty());
+    CHECK(snapshot(tmp.path()) == before);
+  }
+  SECTION("the cache path is itself a regular file") {
+    write_file(tmp.path() + "/plain-file", "not a directory");
+    DiskCache cache(tmp.path() + "/plain-file", CacheMode::kReadWrite);
+    CHECK(cache.effective_mode() == CacheMode::kMemoryOnly);
+    CHECK_FALSE(cache.store(make_entry(key, 100, 1)));
+  }
+  SECTION("a read-only directory (chmod 0500)") {
+    if (running_as_root()) {
+      print_skip("chmod 0500 cache dir", "running as root, which ignores directory permissions");
+      return;
+    }
+    const std::string dir = tmp.path() + "/cache";
+    {
+      DiskCache writer(dir, CacheMode::kReadWrite);
+      REQUIRE(writer.store(make_entry(key, 100, 1)));
+    }
+    const std::string version_dir = dir + "/v" + std::to_string(moejit::kCacheSchemaVersion);
+    REQUIRE(::chmod(version_dir.c_str(), 0500) == 0);
+    REQUIRE(::chmod(dir.c_str(), 0500) == 0);
+    DiskCache cache(dir, CacheMode::kReadWrite);
+    CHECK(cache.effective_mode() == CacheMode::kReadOnly);
+    CHECK(cache.load(key).has_value());
+    CHECK_FALSE(cache.store(make_entry(key_for("new"), 100, 2)));
+  }
+  SECTION("a missing directory under a read-only parent") {
+    if (running_as_root()) {
+      print_skip("read-only parent dir", "running as root, which ignores directory permissions");
+      return;
+    }
+    REQUIRE(::chmod(tmp.path().c_str(), 0500) == 0);
+    DiskCache cache(tmp.path() + "/cache", CacheMode::kReadWrite);
+    CHECK(cache.effective_mode() == CacheMode::kMemoryOnly);
+    REQUIRE(::chmod(tmp.path().c_str(), 0700) == 0);
+  }
+}
+
+TEST_CASE("entries owned by others or writable by others are ignored, never deleted",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+
+  SECTION("group-writable entry") {
+    const std::string key = key_for("group-writable");
+    REQUIRE(cache.store(make_entry(key, 1000, 1)));
+    const std::string path = cache.entry_path(key);
+    REQUIRE(::chmod(path.c_str(), 0620) == 0);
+    LogCapture capture;
+    CHECK_FALSE(cache.load(key).has_value());
+    CHECK(capture.warned({path, "writable by group or others"}));
+    CHECK(fs::exists(path));
+    CHECK(files_in(dir + "/quarantine").empty());
+    auto listed = cache.list(true);
+    REQUIRE(listed.size() == 1);
+    CHECK(listed[0].problem.find("untrusted") != std::string::npos);
+    CHECK(fs::exists(path));
+    // Made private again, it loads.
+    REQUIRE(::chmod(path.c_str(), 0600) == 0);
+    CHECK(cache.load(key).has_value());
+  }
+  SECTION("entry owned by another user") {
+    if (!running_as_root()) {
+      print_skip("foreign-owned entry", "needs root to chown a file to another user");
+      return;
+    }
+    const std::string key = key_for("foreign");
+    REQUIRE(cache.store(make_entry(key, 1000, 1)));
+    const std::string path = cache.entry_path(key);
+    REQUIRE(::chown(path.c_str(), 65534, 65534) == 0);
+    LogCapture capture;
+    CHECK_FALSE(cache.load(key).has_value());
+    CHECK(capture.warned({path, "owned by uid 65534"}));
+    CHECK(fs::exists(path));
+    CHECK(files_in(dir + "/quarantine").empty());
+    // gc and clear never remove another user's file.
+    auto report = cache.gc(0);
+    CHECK(report.removed == 0);
+    CHECK(cache.clear() == 0);
+    CHECK(fs::exists(path));
+  }
+  SECTION("a group/world-writable cache root is used read-only") {
+    const std::string key = key_for("shared-root");
+    REQUIRE(cache.store(make_entry(key, 1000, 1)));
+    REQUIRE(::chmod(dir.c_str(), 0777) == 0);
+    LogCapture capture;
+    DiskCache shared(dir, CacheMode::kReadWrite);
+    CHECK(shared.effective_mode() == CacheMode::kReadOnly);
+    CHECK(capture.warned({dir, "writable by group or others"}));
+    CHECK(shared.load(key).has_value());
+    CHECK_FALSE(shared.store(make_entry(key_for("injected"), 1000, 2)));
+  }
+}
+
+TEST_CASE("gc evicts least recently used entries down to the limit", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  std::vector<std::string> keys;
+  uint64_t total = 0;
+  const int64_t base = now_unix() - 100000;
+  for (int i = 0; i < 10; ++i) {
+    keys.push_back(key_for("gc-" + std::to_string(i)));
+    REQUIRE(cache.store(make_entry(keys.back(), 50000, static_cast<uint64_t>(i))));
+    // Older index = used longer ago.
+    set_mtime(cache.entry_path(keys.back()), base + i);
+    total += fs::file_size(cache.entry_path(keys.back()));
+  }
+  // Using 2 and 7 makes them the most recent.
+  REQUIRE(cache.load(keys[2]).has_value());
+  REQUIRE(cache.load(keys[7]).has_value());
+  auto size_of = [&](int i) { return fs::file_size(cache.entry_path(keys[i])); };
+  const uint64_t limit = size_of(2) + size_of(7) + size_of(8) + size_of(9);
+
+  auto report = cache.gc(limit);
+  CHECK(report.bytes_before == total);
+  CHECK(report.bytes_after == limit);
+  CHECK(report.removed == 6);
+  for (int i = 0; i < 10; ++i) {
+    const bool kept = i == 2 || i == 7 || i == 8 || i == 9;
+    INFO("entry " << i);
+    CHECK(fs::exists(cache.entry_path(keys[i])) == kept);
+  }
+  CHECK(cache.list(false).size() == 4);
+
+  // Quarantined files are evicted before any entry.
+  flip_bit(cache.entry_path(keys[8]), 64 + 1);
+  REQUIRE_FALSE(cache.load(keys[8]).has_value());
+  REQUIRE(files_in(dir + "/quarantine").size() == 1);
+  const uint64_t live = size_of(2) + size_of(7) + size_of(9);
+  report = cache.gc(live);
+  CHECK(report.removed == 1);
+  CHECK(report.bytes_after == live);
+  CHECK(files_in(dir + "/quarantine").empty());
+  CHECK(cache.list(false).size() == 3);
+
+  // Entries of an older schema version count and, never used, go first.
+  const std::string old_shard = dir + "/v0/ab";
+  fs::create_directories(old_shard);
+  write_file(old_shard + "/ab" + std::string(30, '0') + ".mjc", std::string(1000, 'x'));
+  set_mtime(old_shard + "/ab" + std::string(30, '0') + ".mjc", base - 1);
+  report = cache.gc(live);
+  CHECK(report.bytes_before == live + 1000);
+  CHECK(report.removed == 1);
+  CHECK(cache.list(false).size() == 3);
+
+  report = cache.gc(0);
+  CHECK(report.bytes_after == 0);
+  CHECK(report.removed == 3);
+  CHECK(cache.list(false).empty());
+}
+
+TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("temps");
+  REQUIRE(cache.store(make_entry(key, 1000, 1)));
+  const std::string shard = fs::path(cache.entry_path(key)).parent_path().string();
+  const std::string fresh = shard + "/." + key + ".1.aaaa.tmp";
+  const std::string stale = shard + "/." + key + ".2.bbbb.tmp";
+  write_file(fresh, "partial");
+  write_file(stale, "partial");
+  set_mtime(stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
+
+  // Temp files are never entries.
+  REQUIRE(cache.list(true).size() == 1);
+  { auto lock = cache.lock(key); }
+  const std::string idle_lock = dir + "/locks/" + key + ".lock";
+  REQUIRE(fs::exists(idle_lock));
+  CHECK(mode_of(idle_lock) == 0600);
+  set_mtime(idle_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  const std::string held_key = key_for("held");
+  DiskCache::Lock held = cache.lock(held_key);
+  REQUIRE(held.held());
+  const std::string held_lock = dir + "/locks/" + held_key + ".lock";
+  set_mtime(held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+
+  auto report = cache.gc(UINT64_MAX);
+  CHECK(report.stale_temp_removed == 1);
+  CHECK(report.removed == 0);
+  CHECK(fs::exists(fresh));
+  CHECK_FALSE(fs::exists(stale));
+  CHECK_FALSE(fs::exists(idle_lock));
+  CHECK(fs::exists(held_lock));
+  CHECK(cache.load(key).has_value());
+}
+
+TEST_CASE("clear removes every entry and quarantined file", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(cache.store(make_entry(key_for("clear-" + std::to_string(i)), 1000, 1)));
+  }
+  flip_bit(cache.entry_path(key_for("clear-0")), 64 + 1);
+  REQUIRE_FALSE(cache.load(key_for("clear-0")).has_value());
+  CHECK(cache.clear() == 5);
+  CHECK(cache.list(false).empty());
+  CHECK(files_in(dir + "/quarantine").empty());
+  CHECK_FALSE(cache.load(key_for("clear-1")).has_value());
+}
+
+TEST_CASE("memory-only mode never touches the disk", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string key = key_for("memory-only");
+  {
+    DiskCache cache(tmp.path() + "/cache", CacheMode::kMemoryOnly);
+    CHECK(cache.effective_mode() == CacheMode::kMemoryOnly);
+    CHECK_FALSE(cache.store(make_entry(key, 100, 1)));
+    CHECK_FALSE(cache.load(key).has_value());
+    CHECK_FALSE(cache.lock(key).held());
+    CHECK(cache.list(true).empty());
+    CHECK_THROWS_AS(cache.gc(0), moejit::Error);
+    CHECK_FALSE(fs::exists(tmp.path() + "/cache"));
+  }
+  // Over a populated cache it still reads nothing.
+  {
+    DiskCache writer(tmp.path() + "/cache", CacheMode::kReadWrite);
+    REQUIRE(writer.store(make_entry(key, 100, 1)));
+  }
+  const auto before = snapshot(tmp.path());
+  DiskCache cache(tmp.path() + "/cache", CacheMode::kMemoryOnly);
+  CHECK_FALSE(cache.load(key).has_value());
+  CHECK(cache.list(true).empty());
+  CHECK(snapshot(tmp.path()) == before);
+}
+
+TEST_CASE("lock(key) excludes other holders until released", "[cache]") {
+  moejit::test::TempDir tmp;
+  DiskCache cache(tmp.path() + "/cache", CacheMode::kReadWrite);
+  const std::string key = key_for("lock");
+  std::atomic<bool> first_holds{false};
+  std::atomic<bool> first_released{false};
+  std::atomic<bool> second_saw_release{false};
+
+  DiskCache::Lock first = cache.lock(key);
+  REQUIRE(first.held());
+  first_holds = true;
+  std::thread second([&] {
+    DiskCache::Lock lock = cache.lock(key);
+    // flock locks belong to the open file, so this waits even within one process.
+    second_saw_release = first_released.load();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  first_released = true;
+  first = DiskCache::Lock();  // move-assign releases the held lock
+  second.join();
+  CHECK(second_saw_release);
+
+  // A moved-from lock releases nothing; the moved-to one holds.
+  DiskCache::Lock a = cache.lock(key);
+  DiskCache::Lock b(std::move(a));
+  CHECK_FALSE(a.held());
+  CHECK(b.held());
+}

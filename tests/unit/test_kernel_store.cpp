@@ -1,0 +1,498 @@
+// KernelStore: memory / disk / compile, single flight across threads and processes, healing of
+// corrupt entries, read-only and unwritable caches.
+#include <catch2/catch.hpp>
+#include <fcntl.h>
+#include <signal.h>
+#include <spdlog/sinks/base_sink.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache/disk_cache.hpp"
+#include "cache/kernel_store.hpp"
+#include "common/hash.hpp"
+#include "common/log.hpp"
+#include "moejit/error.hpp"
+#include "support/support.hpp"
+
+namespace fs = std::filesystem;
+using moejit::CacheMode;
+using moejit::CacheOutcome;
+using moejit::detail::DiskCache;
+using moejit::detail::Entry;
+using moejit::detail::KernelStore;
+
+namespace {
+
+// Collects the warnings detail::log() emits while alive.
+class WarningCapture {
+ public:
+  WarningCapture() : sink_(std::make_shared<Sink>()), previous_(moejit::detail::log().level()) {
+    moejit::detail::log().sinks().push_back(sink_);
+    if (previous_ > spdlog::level::warn) moejit::detail::log().set_level(spdlog::level::warn);
+  }
+  ~WarningCapture() {
+    auto& sinks = moejit::detail::log().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    moejit::detail::log().set_level(previous_);
+  }
+  WarningCapture(const WarningCapture&) = delete;
+  WarningCapture& operator=(const WarningCapture&) = delete;
+
+  bool warned(const std::vector<std::string>& parts) const {
+    std::lock_guard<std::mutex> guard(sink_->mutex_lines);
+    for (const std::string& line : sink_->lines) {
+      if (std::all_of(parts.begin(), parts.end(),
+                      [&](const std::string& p) { return line.find(p) != std::string::npos; })) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  struct Sink : spdlog::sinks::base_sink<std::mutex> {
+    std::mutex mutex_lines;
+    std::vector<std::string> lines;
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      if (msg.level < spdlog::level::warn) return;
+      std::lock_guard<std::mutex> guard(mutex_lines);
+      lines.emplace_back(msg.payload.data(), msg.payload.size());
+    }
+    void flush_() override {}
+  };
+  std::shared_ptr<Sink> sink_;
+  spdlog::level::level_enum previous_;
+};
+
+std::string key_for(const std::string& name) { return moejit::detail::hash_bytes(name).hex(); }
+
+Entry built_entry(const std::string& key, const std::string& cubin) {
+  Entry e;
+  e.manifest.key = key;
+  e.manifest.kernel = "test-kernel";
+  e.manifest.lowered_name = "_Z4testv";
+  e.manifest.options = {"--gpu-architecture=sm_90a"};
+  e.cubin = cubin;
+  return e;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
+  ::close(fd);
+}
+
+std::map<std::string, std::string> snapshot(const std::string& root) {
+  std::map<std::string, std::string> out;
+  std::error_code ec;
+  if (!fs::exists(root, ec)) return out;
+  for (auto it = fs::recursive_directory_iterator(root); it != fs::recursive_directory_iterator();
+       ++it) {
+    struct stat st {};
+    ::lstat(it->path().c_str(), &st);
+    out[it->path().string()] = std::to_string(st.st_size) + " " +
+                               std::to_string(st.st_mtim.tv_sec) + "." +
+                               std::to_string(st.st_mtim.tv_nsec) + " " +
+                               std::to_string(st.st_mode);
+  }
+  return out;
+}
+
+std::size_t count_files(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return 0;
+  return static_cast<std::size_t>(std::distance(fs::directory_iterator(dir),
+                                                fs::directory_iterator()));
+}
+
+std::shared_ptr<const DiskCache> open_disk(const std::string& dir, CacheMode mode) {
+  return std::make_shared<const DiskCache>(dir, mode);
+}
+
+// Runs in a forked process: `threads` threads, released together once `start_fd` reaches EOF,
+// each calling get(key) on one store. Writes "<outcome> <cubin hash>" per caller to
+// `result_path`. Returns the process exit code.
+int contend_in_child(const std::string& dir, const std::string& key,
+                     const std::string& counter_path, const std::string& result_path,
+                     int start_fd, int threads) {
+  try {
+    KernelStore store(open_disk(dir, CacheMode::kReadWrite));
+    auto build = [&]() {
+      int fd = ::open(counter_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+      if (fd < 0 || ::write(fd, "b", 1) != 1) throw std::runtime_error("counter write failed");
+      ::close(fd);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      // Each build makes a different cubin, so two builds could never look like one.
+      return built_entry(key, "cubin built by pid " + std::to_string(::getpid()) + " at " +
+                                  std::to_string(std::chrono::steady_clock::now()
+                                                     .time_since_epoch()
+                                                     .count()));
+    };
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool go = false;
+    std::vector<std::string> lines(static_cast<std::size_t>(threads));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          cv.wait(lock, [&] { return go; });
+        }
+        try {
+          KernelStore::Result r = store.get(key, build);
+          lines[static_cast<std::size_t>(t)] =
+              std::to_string(static_cast<int>(r.outcome)) + " " +
+              moejit::detail::hash_bytes(r.entry->cubin).hex();
+        } catch (const std::exception& e) {
+          lines[static_cast<std::size_t>(t)] = std::string("error ") + e.what();
+        }
+      });
+    }
+    char byte = 0;
+    while (::read(start_fd, &byte, 1) < 0 && errno == EINTR) {
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      go = true;
+    }
+    cv.notify_all();
+    for (auto& thread : pool) thread.join();
+    std::string text;
+    for (const std::string& line : lines) text += line + "\n";
+    std::ofstream(result_path) << text;
+    return 0;
+  } catch (const std::exception& e) {
+    std::ofstream(result_path) << "error " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("get compiles once, then hits memory, then disk in a new process state", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string key = key_for("outcomes");
+  int builds = 0;
+  auto build = [&] {
+    ++builds;
+    return built_entry(key, std::string(4096, 'c'));
+  };
+
+  KernelStore store(open_disk(dir, CacheMode::kReadWrite));
+  KernelStore::Result first = store.get(key, build);
+  CHECK(first.outcome == CacheOutcome::kCompiled);
+  CHECK(builds == 1);
+  REQUIRE(first.entry != nullptr);
+  CHECK(first.entry->cubin == std::string(4096, 'c'));
+  CHECK(first.entry->manifest.key == key);
+  CHECK(first.entry->manifest.cubin_size == 4096);
+  CHECK(first.entry->manifest.cubin_hash ==
+        moejit::detail::hash_bytes(std::string(4096, 'c')).hex());
+  CHECK(first.entry->manifest.created_unix > 0);
+  CHECK(first.milliseconds >= 0);
+
+  KernelStore::Result second = store.get(key, build);
+  CHECK(second.outcome == CacheOutcome::kMemoryHit);
+  CHECK(second.entry == first.entry);
+  CHECK(builds == 1);
+
+  KernelStore fresh(open_disk(dir, CacheMode::kReadWrite));
+  KernelStore::Result third = fresh.get(key, build);
+  CHECK(third.outcome == CacheOutcome::kDiskHit);
+  CHECK(builds == 1);
+  CHECK(third.entry->cubin == first.entry->cubin);
+  CHECK(third.entry->manifest.kernel == "test-kernel");
+  CHECK(fresh.get(key, build).outcome == CacheOutcome::kMemoryHit);
+
+  // A build answering for another key is a bug, reported as such; a malformed key is refused.
+  const std::string other = key_for("other");
+  try {
+    (void)store.get(other, [&] { return built_entry(key, "x"); });
+    FAIL("a build returning the wrong key was accepted");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kInternal);
+  }
+  CHECK_THROWS_AS(store.get("not-a-key", build), moejit::Error);
+}
+
+TEST_CASE("24 callers in 3 processes on one cold key compile it exactly once", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string key = key_for("cold-contended");
+  const std::string counter = tmp.path() + "/builds";
+  const int kProcesses = 3;
+  const int kThreads = 8;
+
+  int start_pipe[2];
+  REQUIRE(::pipe(start_pipe) == 0);
+  // Processes are forked before any thread exists; each makes its own threads.
+  std::vector<pid_t> children;
+  for (int p = 0; p < kProcesses; ++p) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::close(start_pipe[1]);
+      const std::string result = tmp.path() + "/result-" + std::to_string(p);
+      ::_exit(contend_in_child(dir, key, counter, result, start_pipe[0], kThreads));
+    }
+    children.push_back(pid);
+  }
+  ::close(start_pipe[0]);
+  // Give every child time to park its threads, then release them all at once (EOF).
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::close(start_pipe[1]);
+  for (pid_t pid : children) {
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }
+
+  CHECK(read_file(counter) == "b");  // exactly one build, machine-wide
+
+  const std::string compiled = std::to_string(static_cast<int>(CacheOutcome::kCompiled));
+  const std::string disk_hit = std::to_string(static_cast<int>(CacheOutcome::kDiskHit));
+  const std::string memory_hit = std::to_string(static_cast<int>(CacheOutcome::kMemoryHit));
+  std::vector<std::string> hashes;
+  int compiling_processes = 0;
+  for (int p = 0; p < kProcesses; ++p) {
+    std::ifstream in(tmp.path() + "/result-" + std::to_string(p));
+    std::string outcome, hash;
+    int lines = 0;
+    bool compiled_here = false;
+    while (in >> outcome >> hash) {
+      INFO("process " << p << ": " << outcome << " " << hash);
+      REQUIRE(outcome != "error");
+      CHECK((outcome == compiled || outcome == disk_hit || outcome == memory_hit));
+      compiled_here |= outcome == compiled;
+      ++lines;
+      hashes.push_back(hash);
+    }
+    CHECK(lines == kThreads);
+    compiling_processes += compiled_here ? 1 : 0;
+  }
+  REQUIRE(hashes.size() == static_cast<std::size_t>(kProcesses * kThreads));
+  CHECK(std::all_of(hashes.begin(), hashes.end(), [&](const std::string& h) {
+    return h == hashes.front();
+  }));
+  // Waiters share their process leader's result; only one process reports a compile.
+  CHECK(compiling_processes == 1);
+  // And the published entry is the one everybody got.
+  DiskCache disk(dir, CacheMode::kReadWrite);
+  auto entry = disk.load(key);
+  REQUIRE(entry.has_value());
+  CHECK(moejit::detail::hash_bytes(entry->cubin).hex() == hashes.front());
+}
+
+TEST_CASE("a failing build reaches every waiter, and the key is retried later", "[store]") {
+  moejit::test::TempDir tmp;
+  KernelStore store(open_disk(tmp.path() + "/cache", CacheMode::kReadWrite));
+  const std::string key = key_for("failing");
+  std::atomic<int> builds{0};
+  auto failing = [&]() -> Entry {
+    ++builds;
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    throw moejit::Error(moejit::ErrorCode::kCompileFailed, "nvrtc said no");
+  };
+  std::vector<std::string> errors(8);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < errors.size(); ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        (void)store.get(key, failing);
+        errors[t] = "no error";
+      } catch (const moejit::Error& e) {
+        errors[t] = std::string(moejit::error_code_name(e.code())) + ": " + e.what();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  // Callers that arrive after a failure try again, so more than one build may run; every
+  // caller sees the error, none a result.
+  CHECK(builds >= 1);
+  for (const std::string& e : errors) CHECK(e == "compile failed: nvrtc said no");
+
+  const int failed_builds = builds;
+  KernelStore::Result r = store.get(key, [&] { return built_entry(key, "now it works"); });
+  CHECK(r.outcome == CacheOutcome::kCompiled);
+  CHECK(r.entry->cubin == "now it works");
+  CHECK(builds == failed_builds);
+}
+
+TEST_CASE("concurrent callers in one process share one build", "[store]") {
+  moejit::test::TempDir tmp;
+  KernelStore store(open_disk(tmp.path() + "/cache", CacheMode::kReadWrite));
+  const std::string key = key_for("threads");
+  std::atomic<int> builds{0};
+  std::atomic<bool> go{false};
+  std::vector<std::shared_ptr<const Entry>> got(16);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < got.size(); ++t) {
+    threads.emplace_back([&, t] {
+      while (!go) std::this_thread::yield();
+      got[t] = store.get(key, [&] {
+                      ++builds;
+                      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                      return built_entry(key, "built " + std::to_string(t));
+                    }).entry;
+    });
+  }
+  go = true;
+  for (auto& thread : threads) thread.join();
+  CHECK(builds == 1);
+  for (const auto& e : got) CHECK(e == got.front());
+}
+
+TEST_CASE("corrupt entries are logged, quarantined, rebuilt and republished", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string key = key_for("heal");
+  const std::string good(10000, 'g');
+  {
+    KernelStore store(open_disk(dir, CacheMode::kReadWrite));
+    REQUIRE(store.get(key, [&] { return built_entry(key, good); }).outcome ==
+            CacheOutcome::kCompiled);
+  }
+  const std::string path = DiskCache(dir, CacheMode::kReadWrite).entry_path(key);
+
+  auto damage_and_heal = [&](const std::string& what, auto&& damage) {
+    INFO(what);
+    damage();
+    WarningCapture capture;
+    int builds = 0;
+    KernelStore store(open_disk(dir, CacheMode::kReadWrite));
+    KernelStore::Result r = store.get(key, [&] {
+      ++builds;
+      return built_entry(key, good);
+    });
+    CHECK(r.outcome == CacheOutcome::kCompiled);
+    CHECK(builds == 1);
+    CHECK(r.entry->cubin == good);
+    CHECK(capture.warned({path, "failed verification", "quarantine"}));
+    // Republished: a new store finds a verified entry on disk.
+    KernelStore next(open_disk(dir, CacheMode::kReadWrite));
+    KernelStore::Result again = next.get(key, [&]() -> Entry {
+      FAIL("rebuilt although the healed entry is on disk");
+      return {};
+    });
+    CHECK(again.outcome == CacheOutcome::kDiskHit);
+    CHECK(again.entry->cubin == good);
+  };
+
+  damage_and_heal("truncated", [&] {
+    REQUIRE(::truncate(path.c_str(), static_cast<off_t>(fs::file_size(path) - 100)) == 0);
+  });
+  CHECK(count_files(dir + "/quarantine") == 1);
+  damage_and_heal("bit flipped", [&] {
+    std::string bytes = read_file(path);
+    bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x01);
+    write_file(path, bytes);
+  });
+  CHECK(count_files(dir + "/quarantine") == 2);
+}
+
+TEST_CASE("read-only cache: hits load, misses compile without storing", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string cached = key_for("baked"), missing = key_for("not-baked");
+  {
+    KernelStore writer(open_disk(dir, CacheMode::kReadWrite));
+    writer.get(cached, [&] { return built_entry(cached, "baked cubin"); });
+  }
+  const auto before = snapshot(tmp.path());
+  KernelStore store(open_disk(dir, CacheMode::kReadOnly));
+  int builds = 0;
+  auto build = [&] {
+    ++builds;
+    return built_entry(missing, "fresh cubin");
+  };
+  KernelStore::Result hit = store.get(cached, build);
+  CHECK(hit.outcome == CacheOutcome::kDiskHit);
+  CHECK(hit.entry->cubin == "baked cubin");
+  KernelStore::Result miss = store.get(missing, build);
+  CHECK(miss.outcome == CacheOutcome::kCompiledNotStored);
+  CHECK(miss.entry->cubin == "fresh cubin");
+  CHECK(store.get(missing, build).outcome == CacheOutcome::kMemoryHit);
+  CHECK(builds == 1);
+  CHECK(snapshot(tmp.path()) == before);
+}
+
+TEST_CASE("an unwritable cache dir still builds, without storing", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string key = key_for("unwritable-store");
+  auto build = [&] { return built_entry(key, "cubin"); };
+
+  SECTION("a path through a regular file") {
+    write_file(tmp.path() + "/regular", "x");
+    KernelStore store(open_disk(tmp.path() + "/regular/cache", CacheMode::kReadWrite));
+    CHECK(store.disk().effective_mode() == CacheMode::kMemoryOnly);
+    CHECK(store.get(key, build).outcome == CacheOutcome::kCompiledNotStored);
+    CHECK(store.get(key, build).outcome == CacheOutcome::kMemoryHit);
+  }
+  SECTION("a chmod 0500 cache dir") {
+    if (::geteuid() == 0) {
+      std::cout << "SKIPPED: chmod 0500 cache dir: running as root, which ignores directory "
+                   "permissions"
+                << std::endl;
+      return;
+    }
+    const std::string dir = tmp.path() + "/cache";
+    const std::string cached = key_for("cached-before-chmod");
+    {
+      KernelStore writer(open_disk(dir, CacheMode::kReadWrite));
+      writer.get(cached, [&] { return built_entry(cached, "old"); });
+    }
+    for (const auto& e : fs::recursive_directory_iterator(dir)) {
+      if (e.is_directory()) REQUIRE(::chmod(e.path().c_str(), 0500) == 0);
+    }
+    REQUIRE(::chmod(dir.c_str(), 0500) == 0);
+    KernelStore store(open_disk(dir, CacheMode::kReadWrite));
+    CHECK(store.disk().effective_mode() == CacheMode::kReadOnly);
+    CHECK(store.get(key, build).outcome == CacheOutcome::kCompiledNotStored);
+    CHECK(store.get(cached, build).outcome == CacheOutcome::kDiskHit);
+  }
+}
+
+TEST_CASE("memory-only store never touches the disk", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string key = key_for("memory-only-store");
+  const auto before = snapshot(tmp.path());
+  KernelStore store(open_disk(tmp.path() + "/cache", CacheMode::kMemoryOnly));
+  int builds = 0;
+  auto build = [&] {
+    ++builds;
+    return built_entry(key, "in memory");
+  };
+  CHECK(store.get(key, build).outcome == CacheOutcome::kCompiledNotStored);
+  CHECK(store.get(key, build).outcome == CacheOutcome::kMemoryHit);
+  CHECK(builds == 1);
+  CHECK(snapshot(tmp.path()) == before);
+  CHECK_FALSE(fs::exists(tmp.path() + "/cache"));
+}

@@ -1,0 +1,932 @@
+// moejit_bench_runtime: the host-side costs of libmoejit and the append_shared op, as tables
+// (and JSON with --json PATH). Every figure is a median over many runs.
+//
+//   (a) cold compile per family: a fresh process asks for a kernel in a fresh cache (toolkit
+//       digest + codegen + NVRTC + publish), and NVRTC alone in this process
+//   (b) loading one cached kernel in a fresh process: request -> launchable CUkernel (disk hit,
+//       verify, cuLibraryLoadData); without a GPU only the disk hit (request -> verified cubin)
+//   (c) in-memory hit: build_kernel() of a built spec, and the hot-path kernel lookup
+//   (d) host overhead of one append_shared call vs a bare cuLaunchKernelEx of the same kernel
+//   (e) append_shared device time vs the unfused sigmoid -> cast -> append sequence
+//
+// Children: the program runs itself with --child MODE (one JSON line on stdout).
+#include <dlpack/dlpack.h>
+#include <nvrtc.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "codegen/codegen.hpp"
+#include "compile/nvrtc.hpp"
+#include "driver/driver.hpp"
+#include "moejit/moejit.hpp"
+#include "ops/append_shared_spec.hpp"
+#include "runtime/runtime_impl.hpp"
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+struct Stats {
+  std::size_t n = 0;
+  double median = 0;
+  double p10 = 0;
+  double p90 = 0;
+  double min = 0;
+  double mean = 0;
+};
+
+Stats summarize(std::vector<double> v) {
+  Stats s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  auto at = [&v](double q) {
+    double pos = q * static_cast<double>(v.size() - 1);
+    auto lo = static_cast<std::size_t>(std::floor(pos));
+    std::size_t hi = std::min(lo + 1, v.size() - 1);
+    double frac = pos - static_cast<double>(lo);
+    return v[lo] * (1 - frac) + v[hi] * frac;
+  };
+  s.n = v.size();
+  s.median = at(0.5);
+  s.p10 = at(0.1);
+  s.p90 = at(0.9);
+  s.min = v.front();
+  double sum = 0;
+  for (double x : v) sum += x;
+  s.mean = sum / static_cast<double>(v.size());
+  return s;
+}
+
+json to_json(const Stats& s) {
+  return json{{"n", s.n},     {"median", s.median}, {"p10", s.p10},
+              {"p90", s.p90}, {"min", s.min},       {"mean", s.mean}};
+}
+
+std::string fixed(double value, int digits) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", digits, value);
+  return text;
+}
+
+void print_table(const std::string& title, const std::vector<std::string>& header,
+                 const std::vector<std::vector<std::string>>& rows) {
+  std::vector<std::size_t> width(header.size(), 0);
+  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
+  for (const auto& r : rows)
+    for (std::size_t c = 0; c < r.size() && c < width.size(); ++c)
+      width[c] = std::max(width[c], r[c].size());
+  auto line = [&width](const std::vector<std::string>& cells) {
+    std::string out = " ";
+    for (std::size_t c = 0; c < width.size(); ++c) {
+      std::string cell = c < cells.size() ? cells[c] : "";
+      std::string pad(width[c] - cell.size(), ' ');
+      out += " " + (c == 0 ? cell + pad : pad + cell) + " ";
+    }
+    return out;
+  };
+  std::cout << "\n" << title << "\n" << line(header) << "\n";
+  std::size_t total = 1;
+  for (std::size_t w : width) total += w + 2;
+  std::cout << " " << std::string(total, '-') << "\n";
+  for (const auto& r : rows) std::cout << line(r) << "\n";
+}
+
+// A private temporary directory, removed at the end.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "moejit-bench-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// The reference shape of the benchmark: qwen2-57b-a14b (K = 8, one sigmoid-gated shared expert).
+moejit::ModelShape reference_shape() {
+  moejit::ModelShape shape;
+  shape.name = "qwen2-57b-a14b";
+  shape.num_experts = 64;
+  shape.top_k = 8;
+  shape.hidden = 3584;
+  shape.intermediate = 2560;
+  shape.global_experts = 64;
+  shape.activation.kind = moejit::ActivationKind::kSwiGLU;
+  shape.shared.count = 1;
+  shape.shared.intermediate = 20480;
+  shape.shared.gate = moejit::SharedGate::kSigmoid;
+  shape.shared.logit_dtype = moejit::DType::kBF16;
+  shape.shared.scale = 1.f;
+  shape.source = "bench_runtime.cpp";
+  return shape;
+}
+
+// One spec per family the reference shape needs on `arch` (the first of each family).
+std::vector<moejit::KernelSpec> family_specs(const moejit::Arch& arch) {
+  std::vector<moejit::KernelSpec> out;
+  for (const moejit::KernelSpec& spec : moejit::plan_kernels(reference_shape(), arch)) {
+    bool seen = false;
+    for (const moejit::KernelSpec& s : out) seen = seen || s.family == spec.family;
+    if (!seen && moejit::supports(spec).empty()) out.push_back(spec);
+  }
+  return out;
+}
+
+// ---- the device -----------------------------------------------------------------------------
+
+const moejit::detail::DriverApi* g_api = nullptr;
+
+void check(CUresult result, const char* what) {
+  if (result != CUDA_SUCCESS) {
+    throw std::runtime_error(std::string(what) + " failed: " + moejit::detail::describe(result));
+  }
+}
+
+// The primary context of device 0 made current, or why there is none.
+bool open_gpu(std::string* why, CUcontext* ctx, std::string* name) {
+  g_api = moejit::detail::try_driver(why);
+  if (g_api == nullptr) return false;
+  int count = 0;
+  if (g_api->cuDeviceGetCount(&count) != CUDA_SUCCESS || count == 0) {
+    *why = "the driver reports no CUDA device";
+    return false;
+  }
+  CUdevice device = 0;
+  check(g_api->cuDeviceGet(&device, 0), "cuDeviceGet");
+  check(g_api->cuDevicePrimaryCtxRetain(ctx, device), "cuDevicePrimaryCtxRetain");
+  check(g_api->cuCtxSetCurrent(*ctx), "cuCtxSetCurrent");
+  char text[256] = {};
+  check(g_api->cuDeviceGetName(text, sizeof(text), device), "cuDeviceGetName");
+  *name = text;
+  return true;
+}
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t bytes) : bytes_(std::max<std::size_t>(bytes, 16)) {
+    check(g_api->cuMemAlloc(&ptr_, bytes_), "cuMemAlloc");
+  }
+  ~DeviceBuffer() {
+    if (ptr_ != 0) g_api->cuMemFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  CUdeviceptr ptr() const { return ptr_; }
+  void* data() const { return reinterpret_cast<void*>(ptr_); }
+  void upload(const void* host, std::size_t bytes) {
+    check(g_api->cuMemcpyHtoD(ptr_, host, bytes), "cuMemcpyHtoD");
+  }
+  void download(void* host, std::size_t bytes) const {
+    check(g_api->cuMemcpyDtoH(host, ptr_, bytes), "cuMemcpyDtoH");
+  }
+
+ private:
+  CUdeviceptr ptr_ = 0;
+  std::size_t bytes_;
+};
+
+uint16_t to_bf16(float x) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even (inputs are finite)
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// The tensors of one append_shared call with T tokens, K = 8, S = 1, int32 ids, bf16 logits.
+struct AppendSharedProblem {
+  static constexpr int kTopK = 8;
+  static constexpr int kShared = 1;
+  static constexpr int kWidth = kTopK + kShared;
+  static constexpr int64_t kSharedBase = 64;
+  static constexpr float kScale = 0.5f;
+
+  explicit AppendSharedProblem(int tokens)
+      : t(tokens),
+        ids(sizeof(int32_t) * static_cast<std::size_t>(t) * kTopK),
+        weights(sizeof(float) * static_cast<std::size_t>(t) * kTopK),
+        logits(sizeof(uint16_t) * static_cast<std::size_t>(t) * kShared),
+        out_ids(sizeof(int32_t) * static_cast<std::size_t>(t) * kWidth),
+        out_weights(sizeof(float) * static_cast<std::size_t>(t) * kWidth),
+        shape_k{t, kTopK},
+        shape_s{t, kShared},
+        shape_out{t, kWidth} {
+    std::mt19937 rng(1234u + static_cast<unsigned>(t));
+    std::uniform_int_distribution<int32_t> id_dist(0, 63);
+    std::uniform_real_distribution<float> w_dist(0.f, 1.f);
+    std::uniform_real_distribution<float> l_dist(-6.f, 6.f);
+    std::vector<int32_t> h_ids(static_cast<std::size_t>(t) * kTopK);
+    std::vector<float> h_w(h_ids.size());
+    std::vector<uint16_t> h_l(static_cast<std::size_t>(t) * kShared);
+    for (auto& x : h_ids) x = id_dist(rng);
+    for (auto& x : h_w) x = w_dist(rng);
+    for (auto& x : h_l) x = to_bf16(l_dist(rng));
+    ids.upload(h_ids.data(), h_ids.size() * sizeof(int32_t));
+    weights.upload(h_w.data(), h_w.size() * sizeof(float));
+    logits.upload(h_l.data(), h_l.size() * sizeof(uint16_t));
+    DLDevice device{kDLCUDA, 0};
+    auto tensor = [&device](const DeviceBuffer& b, int64_t* shape, DLDataTypeCode code,
+                            uint8_t bits) {
+      DLTensor x{};
+      x.data = b.data();
+      x.device = device;
+      x.ndim = 2;
+      x.dtype = DLDataType{static_cast<uint8_t>(code), bits, 1};
+      x.shape = shape;
+      x.strides = nullptr;
+      x.byte_offset = 0;
+      return x;
+    };
+    t_ids = tensor(ids, shape_k.data(), kDLInt, 32);
+    t_weights = tensor(weights, shape_k.data(), kDLFloat, 32);
+    t_logits = tensor(logits, shape_s.data(), kDLBfloat, 16);
+    t_out_ids = tensor(out_ids, shape_out.data(), kDLInt, 32);
+    t_out_weights = tensor(out_weights, shape_out.data(), kDLFloat, 32);
+    args.topk_ids = &t_ids;
+    args.topk_weights = &t_weights;
+    args.shared_logits = &t_logits;
+    args.out_ids = &t_out_ids;
+    args.out_weights = &t_out_weights;
+    args.shared_base = kSharedBase;
+    args.scale = kScale;
+    args.gate = moejit::SharedGate::kSigmoid;
+  }
+
+  // Bytes the op must move: inputs read once, outputs written once.
+  double bytes_moved() const {
+    double tt = t;
+    return tt * kTopK * (4 + 4) + tt * kShared * 2 + tt * kWidth * (4 + 4);
+  }
+
+  int t;
+  DeviceBuffer ids, weights, logits, out_ids, out_weights;
+  std::array<int64_t, 2> shape_k, shape_s, shape_out;
+  DLTensor t_ids{}, t_weights{}, t_logits{}, t_out_ids{}, t_out_weights{};
+  moejit::AppendSharedArgs args;
+};
+
+// ---- children -------------------------------------------------------------------------------
+
+struct ChildOptions {
+  std::string mode;  // "build" or "load"
+  int spec_index = 0;
+  std::string arch;
+};
+
+// One request in a fresh process; prints {"outcome", "library_ms", "request_ms"}.
+int run_child(const ChildOptions& options) {
+  json out;
+  try {
+    moejit::configure(moejit::RuntimeConfig::from_environment());
+    moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
+    if (options.mode == "load") {
+      std::string why;
+      CUcontext ctx = nullptr;
+      std::string name;
+      if (!open_gpu(&why, &ctx, &name)) throw std::runtime_error("no GPU: " + why);
+      CUstream stream = nullptr;
+      check(g_api->cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      moejit::KernelSpec spec = family_specs(runtime.current_arch()).at(
+          static_cast<std::size_t>(options.spec_index));
+      auto start = Clock::now();
+      CUkernel kernel = runtime.kernel(spec, stream);
+      out["request_ms"] = ms_since(start);
+      out["outcome"] = kernel != nullptr ? "loaded" : "null kernel";
+      g_api->cuStreamDestroy(stream);
+    } else {
+      moejit::KernelSpec spec = family_specs(moejit::Arch::parse(options.arch))
+                                    .at(static_cast<std::size_t>(options.spec_index));
+      auto start = Clock::now();
+      moejit::BuildResult result = moejit::build_kernel(spec);
+      out["request_ms"] = ms_since(start);
+      out["library_ms"] = result.milliseconds;
+      static const char* const kOutcome[] = {"memory hit", "disk hit", "compiled",
+                                             "compiled, not stored"};
+      out["outcome"] = kOutcome[static_cast<int>(result.outcome)];
+    }
+  } catch (const std::exception& e) {
+    out["error"] = e.what();
+  }
+  std::cout << out.dump() << std::endl;
+  return out.contains("error") ? 1 : 0;
+}
+
+json spawn_child(const std::string& cache_dir, const ChildOptions& options) {
+  std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string command = "MOEJIT_CACHE_DIR=" + shell_quote(cache_dir) + " " + shell_quote(exe) +
+                        " --child " + options.mode + " --child-spec " +
+                        std::to_string(options.spec_index) + " --arch " + options.arch;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("popen failed: " + command);
+  std::string output;
+  std::array<char, 4096> buffer{};
+  std::size_t n = 0;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  int status = pclose(pipe);
+  std::size_t brace = output.rfind("\n{");
+  std::string last = brace == std::string::npos ? output : output.substr(brace + 1);
+  json result = json::parse(last, nullptr, false);
+  if (result.is_discarded()) {
+    throw std::runtime_error("child (" + command + ") exited " + std::to_string(status) +
+                             " without a result: " + output);
+  }
+  if (result.contains("error")) {
+    throw std::runtime_error("child failed: " + result["error"].get<std::string>());
+  }
+  return result;
+}
+
+// ---- the unfused sequence -------------------------------------------------------------------
+
+// Three kernels as an engine without the fused op would run them (e.g. torch.sigmoid on bf16
+// logits, .float() * scale, torch.cat of ids and weights), K and S as run-time values.
+const char* kUnfusedSource = R"(
+#include <cuda_bf16.h>
+
+extern "C" __global__ void unfused_sigmoid_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    float v = __bfloat162float(x[i]);
+    y[i] = __float2bfloat16(1.f / (1.f + expf(-v)));
+  }
+}
+
+extern "C" __global__ void unfused_cast_scale(const __nv_bfloat16* x, float* y, float scale, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = __bfloat162float(x[i]) * scale;
+}
+
+extern "C" __global__ void unfused_append(const int* topk_ids, const float* topk_weights,
+                                          const float* shared_weights, int* out_ids,
+                                          float* out_weights, long long shared_base, int tokens,
+                                          int k, int s) {
+  long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  long long width = k + s;
+  if (i >= tokens * width) return;
+  long long t = i / width;
+  long long j = i - t * width;
+  if (j < k) {
+    out_ids[i] = topk_ids[t * k + j];
+    out_weights[i] = topk_weights[t * k + j];
+  } else {
+    out_ids[i] = static_cast<int>(shared_base + (j - k));
+    out_weights[i] = shared_weights[t * s + (j - k)];
+  }
+}
+)";
+
+struct UnfusedKernels {
+  CUlibrary library = nullptr;
+  CUkernel sigmoid = nullptr;
+  CUkernel cast = nullptr;
+  CUkernel append = nullptr;
+  ~UnfusedKernels() {
+    if (library != nullptr) g_api->cuLibraryUnload(library);
+  }
+};
+
+void check_nvrtc(nvrtcResult result, const char* what, nvrtcProgram program) {
+  if (result == NVRTC_SUCCESS) return;
+  std::string log;
+  std::size_t size = 0;
+  if (program != nullptr && nvrtcGetProgramLogSize(program, &size) == NVRTC_SUCCESS && size > 1) {
+    log.resize(size);
+    nvrtcGetProgramLog(program, log.data());
+  }
+  throw std::runtime_error(std::string(what) + " failed: " + nvrtcGetErrorString(result) + "\n" +
+                           log);
+}
+
+void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
+  const moejit::detail::ToolkitHeaders& toolkit =
+      moejit::detail::toolkit_headers(moejit::config().cuda_include_dir);
+  nvrtcProgram program = nullptr;
+  check_nvrtc(nvrtcCreateProgram(&program, kUnfusedSource, "unfused.cu", 0, nullptr, nullptr),
+              "nvrtcCreateProgram", nullptr);
+  std::vector<std::string> options = {arch.nvrtc_option(), "--std=c++17", "-default-device"};
+  for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
+  std::vector<const char*> raw;
+  for (const std::string& o : options) raw.push_back(o.c_str());
+  std::string cubin;
+  try {
+    check_nvrtc(nvrtcCompileProgram(program, static_cast<int>(raw.size()), raw.data()),
+                "nvrtcCompileProgram (unfused kernels)", program);
+    std::size_t size = 0;
+    check_nvrtc(nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize", program);
+    cubin.resize(size);
+    check_nvrtc(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN", program);
+  } catch (...) {
+    nvrtcDestroyProgram(&program);
+    throw;
+  }
+  nvrtcDestroyProgram(&program);
+  check(g_api->cuLibraryLoadData(&k->library, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr,
+                                 0),
+        "cuLibraryLoadData (unfused)");
+  check(g_api->cuLibraryGetKernel(&k->sigmoid, k->library, "unfused_sigmoid_bf16"),
+        "cuLibraryGetKernel(sigmoid)");
+  check(g_api->cuLibraryGetKernel(&k->cast, k->library, "unfused_cast_scale"),
+        "cuLibraryGetKernel(cast)");
+  check(g_api->cuLibraryGetKernel(&k->append, k->library, "unfused_append"),
+        "cuLibraryGetKernel(append)");
+}
+
+// One cuLaunchKernelEx. `pdl`: allow programmatic dependent launch, as the op does on sm_90+
+// (only for kernels that wait on griddepcontrol before reading, like append_shared_kernel).
+void launch(CUkernel kernel, unsigned grid, unsigned block, CUstream stream, void** params,
+            bool pdl = false) {
+  CUlaunchAttribute attribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = std::max(grid, 1u);
+  config.gridDimY = 1;
+  config.gridDimZ = 1;
+  config.blockDimX = block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = 0;
+  config.hStream = stream;
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  check(g_api->cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel), params, nullptr),
+        "cuLaunchKernelEx");
+}
+
+unsigned blocks_for(long long elements, unsigned block) {
+  return static_cast<unsigned>((elements + block - 1) / block);
+}
+
+// Device time per repetition of `body` (microseconds): `body` captured `per_graph` times into a
+// CUDA graph, the graph replayed `replays` times between two events; median of `trials`.
+double graph_time_us(CUstream stream, const std::function<void()>& body, int per_graph,
+                     int replays, int trials) {
+  CUgraph graph = nullptr;
+  CUgraphExec exec = nullptr;
+  check(g_api->cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_RELAXED),
+        "cuStreamBeginCapture");
+  try {
+    for (int i = 0; i < per_graph; ++i) body();
+  } catch (...) {
+    g_api->cuStreamEndCapture(stream, &graph);
+    if (graph != nullptr) g_api->cuGraphDestroy(graph);
+    throw;
+  }
+  check(g_api->cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
+  check(g_api->cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiate");
+  CUevent start = nullptr;
+  CUevent stop = nullptr;
+  check(g_api->cuEventCreate(&start, CU_EVENT_DEFAULT), "cuEventCreate");
+  check(g_api->cuEventCreate(&stop, CU_EVENT_DEFAULT), "cuEventCreate");
+  std::vector<double> per_rep;
+  for (int w = 0; w < 3; ++w) check(g_api->cuGraphLaunch(exec, stream), "cuGraphLaunch");
+  for (int trial = 0; trial < trials; ++trial) {
+    check(g_api->cuEventRecord(start, stream), "cuEventRecord");
+    for (int r = 0; r < replays; ++r) check(g_api->cuGraphLaunch(exec, stream), "cuGraphLaunch");
+    check(g_api->cuEventRecord(stop, stream), "cuEventRecord");
+    check(g_api->cuEventSynchronize(stop), "cuEventSynchronize");
+    float ms = 0;
+    check(g_api->cuEventElapsedTime(&ms, start, stop), "cuEventElapsedTime");
+    per_rep.push_back(static_cast<double>(ms) * 1000.0 / (static_cast<double>(per_graph) * replays));
+  }
+  g_api->cuEventDestroy(start);
+  g_api->cuEventDestroy(stop);
+  g_api->cuGraphExecDestroy(exec);
+  g_api->cuGraphDestroy(graph);
+  return summarize(per_rep).median;
+}
+
+// ---- the parts ------------------------------------------------------------------------------
+
+struct Options {
+  std::string json_path;
+  std::string arch;  // "" = the GPU's arch, else sm_90a
+  int compile_reps = 5;
+  int children = 30;
+  int memory_hits = 20000;
+  int launches = 10000;
+  int launch_tokens = 1;
+  int graph_launches = 100;
+  int graph_replays = 20;
+  int trials = 5;
+};
+
+json part_cold_compile(const Options& o, const std::vector<moejit::KernelSpec>& specs) {
+  json out = json::array();
+  std::vector<std::vector<std::string>> rows;
+  const moejit::detail::ToolkitHeaders& toolkit =
+      moejit::detail::toolkit_headers(moejit::config().cuda_include_dir);
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const moejit::KernelSpec& spec = specs[i];
+    std::vector<double> fresh;
+    std::vector<double> library;
+    for (int rep = 0; rep < o.compile_reps; ++rep) {
+      TempDir cache;
+      json r = spawn_child(cache.path(), {"build", static_cast<int>(i), spec.arch.name()});
+      if (r["outcome"] != "compiled") {
+        throw std::runtime_error("cold compile child reported " + r["outcome"].dump() +
+                                 " in a fresh cache");
+      }
+      fresh.push_back(r["request_ms"].get<double>());
+      library.push_back(r["library_ms"].get<double>());
+    }
+    std::vector<double> nvrtc;
+    moejit::detail::GeneratedSource src = moejit::detail::render(spec);
+    for (int rep = 0; rep < o.compile_reps; ++rep) {
+      auto start = Clock::now();
+      moejit::detail::CompiledKernel k = moejit::detail::compile(src, spec.arch, toolkit, "");
+      nvrtc.push_back(ms_since(start));
+      if (k.cubin.empty()) throw std::runtime_error("NVRTC returned an empty cubin");
+    }
+    Stats f = summarize(fresh);
+    Stats l = summarize(library);
+    Stats n = summarize(nvrtc);
+    rows.push_back({moejit::family_name(spec.family), spec.display_name(), fixed(f.median, 1),
+                    fixed(l.median, 1), fixed(n.median, 1), fixed(n.min, 1),
+                    std::to_string(o.compile_reps)});
+    out.push_back({{"family", moejit::family_name(spec.family)},
+                   {"kernel", spec.display_name()},
+                   {"fresh_process_request_ms", to_json(f)},
+                   {"library_reported_ms", to_json(l)},
+                   {"nvrtc_compile_ms", to_json(n)}});
+  }
+  print_table("(a) cold compile per family (ms; fresh process + fresh cache, and NVRTC alone)",
+              {"family", "kernel", "request", "library", "nvrtc", "nvrtc min", "reps"}, rows);
+  return out;
+}
+
+json part_disk_hit(const Options& o, const std::vector<moejit::KernelSpec>& specs, bool gpu) {
+  json out = json::array();
+  std::vector<std::vector<std::string>> rows;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const moejit::KernelSpec& spec = specs[i];
+    TempDir cache;
+    json first = spawn_child(cache.path(), {"build", static_cast<int>(i), spec.arch.name()});
+    if (first["outcome"] != "compiled") throw std::runtime_error("warm-up child did not compile");
+    std::vector<double> request;
+    std::vector<double> library;
+    for (int c = 0; c < o.children; ++c) {
+      json r = spawn_child(cache.path(), {gpu ? "load" : "build", static_cast<int>(i),
+                                          spec.arch.name()});
+      if (!gpu && r["outcome"] != "disk hit") {
+        throw std::runtime_error("a fresh process reported " + r["outcome"].dump() +
+                                 " for a cached kernel (expected a disk hit)");
+      }
+      request.push_back(r["request_ms"].get<double>());
+      if (r.contains("library_ms")) library.push_back(r["library_ms"].get<double>());
+    }
+    Stats q = summarize(request);
+    rows.push_back({spec.display_name(), gpu ? "disk hit + verify + cuLibraryLoadData"
+                                             : "disk hit + verify (no GPU: no load)",
+                    fixed(q.median, 3), fixed(q.p10, 3), fixed(q.p90, 3),
+                    std::to_string(o.children)});
+    json entry = {{"kernel", spec.display_name()},
+                  {"measures", gpu ? "request to launchable CUkernel" : "request to verified cubin"},
+                  {"request_ms", to_json(q)}};
+    if (!library.empty()) entry["library_reported_ms"] = to_json(summarize(library));
+    out.push_back(entry);
+  }
+  print_table("(b) first request for a cached kernel in a fresh process (ms)",
+              {"kernel", "what", "median", "p10", "p90", "children"}, rows);
+  return out;
+}
+
+json part_memory_hit(const Options& o, const std::vector<moejit::KernelSpec>& specs,
+                     CUstream stream) {
+  json out = json::array();
+  std::vector<std::vector<std::string>> rows;
+  moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
+  for (const moejit::KernelSpec& spec : specs) {
+    moejit::build_kernel(spec);
+    std::vector<double> build_us;
+    build_us.reserve(static_cast<std::size_t>(o.memory_hits));
+    for (int i = 0; i < o.memory_hits; ++i) {
+      auto start = Clock::now();
+      moejit::BuildResult r = moejit::build_kernel(spec);
+      build_us.push_back(ms_since(start) * 1000);
+      if (r.outcome != moejit::CacheOutcome::kMemoryHit) {
+        throw std::runtime_error("build_kernel of a built spec was not a memory hit");
+      }
+    }
+    Stats b = summarize(build_us);
+    rows.push_back({spec.display_name(), "build_kernel()", fixed(b.median, 3), fixed(b.p90, 3)});
+    json entry = {{"kernel", spec.display_name()}, {"build_kernel_us", to_json(b)}};
+    if (stream != nullptr && spec.arch == runtime.current_arch()) {
+      runtime.kernel(spec, stream);
+      std::vector<double> lookup_us;
+      for (int i = 0; i < o.memory_hits; ++i) {
+        auto start = Clock::now();
+        CUkernel k = runtime.kernel(spec, stream);
+        lookup_us.push_back(ms_since(start) * 1000);
+        if (k == nullptr) throw std::runtime_error("null kernel from the runtime");
+      }
+      Stats l = summarize(lookup_us);
+      rows.push_back({spec.display_name(), "Runtime::kernel() (hot path)", fixed(l.median, 3),
+                      fixed(l.p90, 3)});
+      entry["hot_path_lookup_us"] = to_json(l);
+    }
+    out.push_back(entry);
+  }
+  print_table("(c) in-memory hit (us)", {"kernel", "call", "median", "p90"}, rows);
+  return out;
+}
+
+json part_launch_overhead(const Options& o, CUstream stream) {
+  moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
+  AppendSharedProblem p(o.launch_tokens);
+  moejit::append_shared(p.args, stream);
+  check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+
+  // The same kernel the op launches (the spec the op derives from these tensors), with the same
+  // arguments and launch attributes, launched bare.
+  moejit::KernelSpec spec;
+  spec.family = moejit::Family::kAppendShared;
+  spec.arch = runtime.current_arch();
+  const moejit::AppendSharedParams params = moejit::detail::append_shared_params(
+      AppendSharedProblem::kTopK, AppendSharedProblem::kShared, moejit::DType::kI32,
+      moejit::SharedGate::kSigmoid, moejit::DType::kBF16);
+  spec.params = params;
+  CUkernel kernel = runtime.kernel(spec, stream);
+  const bool pdl = spec.arch.sm >= 90;
+  void* ids = p.ids.data();
+  void* weights = p.weights.data();
+  void* logits = p.logits.data();
+  void* out_ids = p.out_ids.data();
+  void* out_weights = p.out_weights.data();
+  long long base = AppendSharedProblem::kSharedBase;
+  float scale = AppendSharedProblem::kScale;
+  int tokens = p.t;
+  void* kernel_params[] = {&ids, &weights, &logits, &out_ids, &out_weights, &base, &scale, &tokens};
+  auto block = static_cast<unsigned>(params.block_threads);
+  unsigned grid = blocks_for(static_cast<long long>(tokens) * AppendSharedProblem::kWidth, block);
+
+  std::vector<double> op_us;
+  std::vector<double> bare_us;
+  op_us.reserve(static_cast<std::size_t>(o.launches));
+  bare_us.reserve(static_cast<std::size_t>(o.launches));
+  // Why interleaved rounds: clock drift, frequency changes and queue state hit both alike.
+  const int rounds = 10;
+  const int per_round = std::max(1, o.launches / rounds);
+  for (int round = 0; round < rounds; ++round) {
+    for (int i = 0; i < per_round; ++i) {
+      auto start = Clock::now();
+      moejit::append_shared(p.args, stream);
+      op_us.push_back(ms_since(start) * 1000);
+    }
+    check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+    for (int i = 0; i < per_round; ++i) {
+      auto start = Clock::now();
+      launch(kernel, grid, block, stream, kernel_params, pdl);
+      bare_us.push_back(ms_since(start) * 1000);
+    }
+    check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+  }
+  Stats op = summarize(op_us);
+  Stats bare = summarize(bare_us);
+  double diff = op.median - bare.median;
+  print_table("(d) host time per launch, T = " + std::to_string(tokens) + ", " +
+                  std::to_string(op.n) + " calls each (us)",
+              {"call", "median", "p10", "p90", "mean"},
+              {{"moejit::append_shared", fixed(op.median, 3), fixed(op.p10, 3), fixed(op.p90, 3),
+                fixed(op.mean, 3)},
+               {"bare cuLaunchKernelEx", fixed(bare.median, 3), fixed(bare.p10, 3),
+                fixed(bare.p90, 3), fixed(bare.mean, 3)},
+               {"difference (target <= 0.5)", fixed(diff, 3), "", "", fixed(op.mean - bare.mean, 3)}});
+  return {{"tokens", tokens},          {"op_us", to_json(op)},
+          {"bare_launch_us", to_json(bare)}, {"difference_median_us", diff},
+          {"target_us", 0.5}};
+}
+
+json part_device_time(const Options& o, CUstream stream) {
+  moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
+  UnfusedKernels unfused;
+  load_unfused(runtime.current_arch(), &unfused);
+  json out = json::array();
+  std::vector<std::vector<std::string>> rows;
+  const unsigned block = 256;
+  for (int tokens : {1, 128, 4096}) {
+    AppendSharedProblem p(tokens);
+    DeviceBuffer sig(sizeof(uint16_t) * static_cast<std::size_t>(tokens) *
+                     AppendSharedProblem::kShared);
+    DeviceBuffer shared_w(sizeof(float) * static_cast<std::size_t>(tokens) *
+                          AppendSharedProblem::kShared);
+    DeviceBuffer ref_ids(sizeof(int32_t) * static_cast<std::size_t>(tokens) *
+                         AppendSharedProblem::kWidth);
+    DeviceBuffer ref_w(sizeof(float) * static_cast<std::size_t>(tokens) *
+                       AppendSharedProblem::kWidth);
+    void* logits = p.logits.data();
+    void* sig_p = sig.data();
+    void* shared_p = shared_w.data();
+    void* ids = p.ids.data();
+    void* weights = p.weights.data();
+    void* ref_ids_p = ref_ids.data();
+    void* ref_w_p = ref_w.data();
+    int n_shared = tokens * AppendSharedProblem::kShared;
+    float scale = AppendSharedProblem::kScale;
+    long long base = AppendSharedProblem::kSharedBase;
+    int k = AppendSharedProblem::kTopK;
+    int s = AppendSharedProblem::kShared;
+    void* sigmoid_params[] = {&logits, &sig_p, &n_shared};
+    void* cast_params[] = {&sig_p, &shared_p, &scale, &n_shared};
+    void* append_params[] = {&ids, &weights, &shared_p, &ref_ids_p, &ref_w_p, &base, &tokens, &k, &s};
+    unsigned grid_shared = blocks_for(n_shared, block);
+    unsigned grid_append =
+        blocks_for(static_cast<long long>(tokens) * AppendSharedProblem::kWidth, block);
+    auto run_sigmoid = [&] { launch(unfused.sigmoid, grid_shared, block, stream, sigmoid_params); };
+    auto run_cast = [&] { launch(unfused.cast, grid_shared, block, stream, cast_params); };
+    auto run_append = [&] { launch(unfused.append, grid_append, block, stream, append_params); };
+    auto run_unfused = [&] {
+      run_sigmoid();
+      run_cast();
+      run_append();
+    };
+    auto run_fused = [&] { moejit::append_shared(p.args, stream); };
+
+    // Both once, then compare: the fused op against the unfused sequence (whose sigmoid is
+    // rounded to bf16, hence the tolerance of a bf16 ulp at 1 times the scale).
+    run_fused();
+    run_unfused();
+    check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+    std::size_t n_out = static_cast<std::size_t>(tokens) * AppendSharedProblem::kWidth;
+    std::vector<int32_t> a_ids(n_out), b_ids(n_out);
+    std::vector<float> a_w(n_out), b_w(n_out);
+    p.out_ids.download(a_ids.data(), n_out * sizeof(int32_t));
+    p.out_weights.download(a_w.data(), n_out * sizeof(float));
+    ref_ids.download(b_ids.data(), n_out * sizeof(int32_t));
+    ref_w.download(b_w.data(), n_out * sizeof(float));
+    std::size_t mismatches = 0;
+    for (std::size_t i = 0; i < n_out; ++i) {
+      if (a_ids[i] != b_ids[i] || std::fabs(a_w[i] - b_w[i]) > 4e-3f * AppendSharedProblem::kScale)
+        ++mismatches;
+    }
+
+    double fused = graph_time_us(stream, run_fused, o.graph_launches, o.graph_replays, o.trials);
+    double seq = graph_time_us(stream, run_unfused, o.graph_launches, o.graph_replays, o.trials);
+    double t_sig = graph_time_us(stream, run_sigmoid, o.graph_launches, o.graph_replays, o.trials);
+    double t_cast = graph_time_us(stream, run_cast, o.graph_launches, o.graph_replays, o.trials);
+    double t_app = graph_time_us(stream, run_append, o.graph_launches, o.graph_replays, o.trials);
+    const char* slowest_name = "append";
+    double slowest = t_app;
+    if (t_sig > slowest) { slowest = t_sig; slowest_name = "sigmoid"; }
+    if (t_cast > slowest) { slowest = t_cast; slowest_name = "cast"; }
+    double gbps = p.bytes_moved() / (fused * 1e-6) / 1e9;
+    rows.push_back({std::to_string(tokens), fixed(fused, 3), fixed(seq, 3),
+                    std::string(slowest_name) + " " + fixed(slowest, 3), fixed(seq / fused, 2),
+                    fixed(gbps, 1), mismatches == 0 ? "yes" : std::to_string(mismatches) + " differ"});
+    out.push_back({{"tokens", tokens},
+                   {"top_k", AppendSharedProblem::kTopK},
+                   {"num_shared", AppendSharedProblem::kShared},
+                   {"fused_us", fused},
+                   {"unfused_total_us", seq},
+                   {"unfused_sigmoid_us", t_sig},
+                   {"unfused_cast_us", t_cast},
+                   {"unfused_append_us", t_app},
+                   {"unfused_slowest", slowest_name},
+                   {"fused_effective_GBps", gbps},
+                   {"outputs_agree", mismatches == 0}});
+  }
+  print_table("(e) device time per op, CUDA graph replay of " + std::to_string(o.graph_launches) +
+                  " launches x " + std::to_string(o.graph_replays) +
+                  " replays, median of " + std::to_string(o.trials) +
+                  " (us; K = 8, S = 1, bf16 sigmoid gate; inputs L2-resident)",
+              {"T", "append_shared", "unfused total", "unfused slowest", "speedup", "GB/s",
+               "agree"},
+              rows);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  ChildOptions child;
+  CLI::App app{"moejit_bench_runtime: host-side costs of libmoejit and the append_shared op"};
+  app.add_option("--json", o.json_path, "Also write the results as JSON to PATH");
+  app.add_option("--arch", o.arch, "Arch to compile for (default: the GPU's, else sm_90a)");
+  app.add_option("--compile-reps", o.compile_reps, "Cold compiles per family")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--children", o.children, "Fresh processes for the cached-load figure")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--memory-hits", o.memory_hits, "Calls for the in-memory hit figure")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--launches", o.launches, "append_shared calls for the host overhead figure")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--launch-tokens", o.launch_tokens, "T of the host overhead figure")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--graph-launches", o.graph_launches, "Launches captured per graph")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--graph-replays", o.graph_replays, "Graph replays per trial")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--trials", o.trials, "Timed trials per device figure")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--child", child.mode, "(internal) run one request as a child: build | load")
+      ->check(CLI::IsMember({"build", "load"}));
+  app.add_option("--child-spec", child.spec_index, "(internal) which family spec");
+  CLI11_PARSE(app, argc, argv);
+  if (!child.mode.empty()) {
+    child.arch = o.arch.empty() ? "sm_90a" : o.arch;
+    return run_child(child);
+  }
+
+  json report;
+  try {
+    // Why: the parent's own cache is private, so nothing here reads or changes the user's cache.
+    TempDir parent_cache;
+    moejit::RuntimeConfig config = moejit::RuntimeConfig::from_environment();
+    config.cache_dir = parent_cache.path();
+    config.cache_mode = moejit::CacheMode::kReadWrite;
+    moejit::configure(config);
+    moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
+
+    std::string why;
+    CUcontext ctx = nullptr;
+    std::string device_name;
+    bool gpu = open_gpu(&why, &ctx, &device_name);
+    CUstream stream = nullptr;
+    moejit::Arch arch = moejit::Arch::parse("sm_90a");
+    if (gpu) {
+      check(g_api->cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      arch = runtime.current_arch();
+    }
+    if (!o.arch.empty()) arch = moejit::Arch::parse(o.arch);
+    bool gpu_parts = gpu && arch == runtime.current_arch();
+
+    std::cout << "moejit_bench_runtime: libmoejit " << moejit::kVersionString << ", NVRTC "
+              << moejit::detail::nvrtc_version() << ", arch " << arch.name() << ", "
+              << (gpu ? "GPU " + device_name : "no GPU (" + why + ")") << "\n";
+    report["library_version"] = moejit::kVersionString;
+    report["nvrtc_version"] = moejit::detail::nvrtc_version();
+    report["arch"] = arch.name();
+    report["device"] = gpu ? device_name : "";
+    if (!gpu) report["no_gpu_reason"] = why;
+
+    std::vector<moejit::KernelSpec> specs = family_specs(arch);
+    if (specs.empty()) throw std::runtime_error("the reference shape plans no supported kernel");
+
+    report["cold_compile"] = part_cold_compile(o, specs);
+    report["cached_load_fresh_process"] = part_disk_hit(o, specs, gpu_parts);
+    report["memory_hit"] = part_memory_hit(o, specs, gpu_parts ? stream : nullptr);
+    if (gpu_parts) {
+      report["launch_overhead"] = part_launch_overhead(o, stream);
+      report["append_shared_device_time"] = part_device_time(o, stream);
+    } else {
+      std::string reason = gpu ? "--arch " + arch.name() + " is not the GPU's arch " +
+                                     runtime.current_arch().name()
+                               : "no GPU: " + why;
+      std::cout << "\n(d) host overhead per launch: skipped (" << reason << ")\n";
+      std::cout << "(e) append_shared device time: skipped (" << reason << ")\n";
+      report["launch_overhead"] = {{"skipped", reason}};
+      report["append_shared_device_time"] = {{"skipped", reason}};
+    }
+    if (stream != nullptr) g_api->cuStreamDestroy(stream);
+  } catch (const std::exception& e) {
+    std::cerr << "moejit_bench_runtime: " << e.what() << "\n";
+    return 1;
+  }
+  if (!o.json_path.empty()) {
+    std::ofstream file(o.json_path);
+    file << report.dump(2) << "\n";
+    if (!file) {
+      std::cerr << "moejit_bench_runtime: can't write " << o.json_path << "\n";
+      return 1;
+    }
+    std::cout << "\nwrote " << o.json_path << "\n";
+  }
+  return 0;
+}
