@@ -43,15 +43,15 @@
 
 namespace moejit::kern::moe::layout {
 
-inline constexpr i32 kAtomRows = 16;        // weight rows per atom (the MMA's M)
-inline constexpr i32 kAtomK = 64;           // K elements per atom (four k16 MMA steps)
-inline constexpr i32 kAtomBytes = 512;      // kAtomRows * kAtomK / 2: 16 bytes per lane
-inline constexpr i32 kGroupK = 32;          // K elements per E8M0 scale (MXFP4 block)
-inline constexpr i32 kAtomScaleBytes = 32;  // kAtomRows * kAtomK / kGroupK
-inline constexpr i32 kPairsPerStep = 4;     // bf16x2 A registers per lane per k16 step
-inline constexpr i32 kGateUpRows = 8;       // FC1: gate/up pairs per atom
-inline constexpr u8 kPadScale = 127;        // scale byte written for padding (2^0)
-inline constexpr i32 kScaleBias = 64;       // dequant factor is 2^(s - kScaleBias) in bf16
+inline constexpr i32 kAtomRows = 16;                // weight rows per atom (the MMA's M)
+inline constexpr i32 kAtomK = 64;                   // K elements per atom (four k16 MMA steps)
+inline constexpr i32 kAtomBytes = 512;              // kAtomRows * kAtomK / 2: 16 bytes per lane
+inline constexpr i32 kGroupK = 32;                  // K elements per E8M0 scale (MXFP4 block)
+inline constexpr i32 kAtomScaleBytes = 32;          // kAtomRows * kAtomK / kGroupK
+inline constexpr i32 kPairsPerStep = 4;             // bf16x2 A registers per lane per k16 step
+inline constexpr i32 kGateUpRows = 8;               // FC1: gate/up pairs per atom
+inline constexpr u8 kPadScale = 127;                // scale byte written for padding (2^0)
+inline constexpr i32 kScaleBias = 64;               // dequant factor is 2^(s - kScaleBias) in bf16
 inline constexpr i32 kScaleMin = kScaleBias + 1;    // smallest scale byte dequantized exactly
 inline constexpr i32 kScaleMax = kScaleBias + 127;  // largest scale byte with a finite factor
 
@@ -74,7 +74,8 @@ MOEJIT_HD constexpr i32 sign_bit(i32 pair, i32 half) { return 15 + 16 * half + s
 
 // Places E2M1 code `nibble` (bit 3 sign, bits 2..1 exponent, bit 0 mantissa) into `word`.
 MOEJIT_HD constexpr u32 deposit_nibble(u32 word, i32 pair, i32 half, u32 nibble) {
-  return word | ((nibble & 7u) << mag_bit(pair, half)) | (((nibble >> 3) & 1u) << sign_bit(pair, half));
+  return word | ((nibble & 7u) << mag_bit(pair, half)) |
+         (((nibble >> 3) & 1u) << sign_bit(pair, half));
 }
 MOEJIT_HD constexpr u32 extract_nibble(u32 word, i32 pair, i32 half) {
   return ((word >> mag_bit(pair, half)) & 7u) | (((word >> sign_bit(pair, half)) & 1u) << 3);
@@ -88,8 +89,7 @@ struct AtomCoord {
   i32 half;  // 0: low bf16 (even k), 1: high bf16 (odd k)
 };
 MOEJIT_HD constexpr AtomCoord atom_coord(i32 row, i32 k) {
-  return AtomCoord{4 * (row & 7) + ((k & 7) >> 1), k >> 4, (row >> 3) + 2 * ((k >> 3) & 1),
-                   k & 1};
+  return AtomCoord{4 * (row & 7) + ((k & 7) >> 1), k >> 4, (row >> 3) + 2 * ((k >> 3) & 1), k & 1};
 }
 // The inverse: the row and k of a lane's register element.
 MOEJIT_HD constexpr i32 atom_row(i32 lane, i32 pair) { return (lane >> 2) + 8 * (pair & 1); }

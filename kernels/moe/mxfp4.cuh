@@ -26,8 +26,8 @@ template <int kByte>
 __device__ __forceinline__ u32 scale_factor(u32 scale_word) {
   static_assert(kByte >= 0 && kByte < 4, "a scale word holds four bytes");
   // 0x00ss00ss, then ((s + 127 - kScaleBias) << 7) in each half: exponent field of 2^(s - 64).
-  constexpr u32 kSelect = static_cast<u32>(kByte) | (4u << 4) | (static_cast<u32>(kByte) << 8) |
-                          (4u << 12);
+  constexpr u32 kSelect =
+      static_cast<u32>(kByte) | (4u << 4) | (static_cast<u32>(kByte) << 8) | (4u << 12);
   constexpr u32 kBiasBits = static_cast<u32>(127 - layout::kScaleBias) << 7;
   return ptx::prmt(scale_word, 0u, kSelect) * 128u + (kBiasBits | (kBiasBits << 16));
 }

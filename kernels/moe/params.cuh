@@ -12,12 +12,12 @@ namespace moejit::kern::moe {
 // gpt-oss's interleaved w13 (gate = rows 2j, up = rows 2j+1: base + row_stride / 2 for up, row
 // stride doubled) as well as DeepSeek's separate w1 / w3 / w2.
 struct Mxfp4Source {
-  const u8* blocks;           // nibble bytes of expert 0, row 0
-  const u8* scales;           // scale bytes of expert 0, row 0
-  i64 blocks_row_stride;      // bytes from one row to the next
-  i64 blocks_expert_stride;   // bytes from one expert to the next
-  i64 scales_row_stride;      // bytes
-  i64 scales_expert_stride;   // bytes
+  const u8* blocks;          // nibble bytes of expert 0, row 0
+  const u8* scales;          // scale bytes of expert 0, row 0
+  i64 blocks_row_stride;     // bytes from one row to the next
+  i64 blocks_expert_stride;  // bytes from one expert to the next
+  i64 scales_row_stride;     // bytes
+  i64 scales_expert_stride;  // bytes
 };
 
 // repack_mxfp4: checkpoint matrices -> kernel layout (layout.cuh), padding written.
@@ -29,9 +29,9 @@ struct RepackParams {
   i32 k;               // source K (multiple of 32): FC1 hidden, FC2 inter
   i32 m_atoms;         // layout::fc1_dims / fc2_dims of (inter, hidden)
   i32 k_atoms;
-  i32 num_experts;     // experts in this call (source experts 0..num_experts-1)
-  i32 expert_offset;   // destination expert of source expert 0 (per-expert checkpoints)
-  i32* bad_scales;     // optional: += count of scale bytes outside [kScaleMin, kScaleMax]
+  i32 num_experts;    // experts in this call (source experts 0..num_experts-1)
+  i32 expert_offset;  // destination expert of source expert 0 (per-expert checkpoints)
+  i32* bad_scales;    // optional: += count of scale bytes outside [kScaleMin, kScaleMax]
 };
 
 // marlin_moe grouped GEMM, used twice: FC1 (W13 x hidden -> activation -> inter) and FC2
@@ -40,24 +40,24 @@ struct RepackParams {
 // slot or -1 (padding), block_expert the local expert of each block and -1 for every
 // provisioned block past the last one used (those CTAs exit at once).
 struct MoeGemmParams {
-  const u8* weights;           // kernel layout nibbles of all local experts
-  const u8* scales;            // kernel layout scales
-  const u16* bias;             // optional bf16 bits; FC1 [E][inter][2] (gate, up: gpt-oss's
-                               // [E, 2I] as stored), FC2 [E][hidden]; nullptr when absent
-  const u16* input;            // bf16 bits; FC1: hidden [T][ld_input] gathered by token,
-                               // FC2: inter [padded rows][ld_input]
-  void* output;                // FC1: inter bf16 [padded rows][ld_output];
-                               // FC2: out2 [padded rows][ld_output] fp32 or bf16
-  const i32* sorted_rows;      // [blocks * BlockN] token * top_k + slot, or -1
-  const i32* block_expert;     // [grid.y] local expert of each block of BlockN rows, or -1
-  const float* topk_weights;   // FC2: [T * top_k] router weight of (token, slot)
-  i64 ld_input;                // elements between input rows (>= in_features, multiple of 8)
-  i64 ld_output;               // elements between output rows
-  i32 out_features;            // FC1: inter (gate/up pairs), FC2: hidden
-  i32 in_features;             // real K: FC1 hidden, FC2 inter (multiple of 32)
-  i32 m_atoms;                 // kernel layout dims of this matrix
+  const u8* weights;          // kernel layout nibbles of all local experts
+  const u8* scales;           // kernel layout scales
+  const u16* bias;            // optional bf16 bits; FC1 [E][inter][2] (gate, up: gpt-oss's
+                              // [E, 2I] as stored), FC2 [E][hidden]; nullptr when absent
+  const u16* input;           // bf16 bits; FC1: hidden [T][ld_input] gathered by token,
+                              // FC2: inter [padded rows][ld_input]
+  void* output;               // FC1: inter bf16 [padded rows][ld_output];
+                              // FC2: out2 [padded rows][ld_output] fp32 or bf16
+  const i32* sorted_rows;     // [blocks * BlockN] token * top_k + slot, or -1
+  const i32* block_expert;    // [grid.x] local expert of each block of BlockN rows, or -1
+  const float* topk_weights;  // FC2: [T * top_k] router weight of (token, slot)
+  i64 ld_input;               // elements between input rows (>= in_features, multiple of 8)
+  i64 ld_output;              // elements between output rows
+  i32 out_features;           // FC1: inter (gate/up pairs), FC2: hidden
+  i32 in_features;            // real K: FC1 hidden, FC2 inter (multiple of 32)
+  i32 m_atoms;                // kernel layout dims of this matrix
   i32 k_atoms;
-  i32 top_k;                   // slots per token (sorted id -> token)
+  i32 top_k;  // slots per token (sorted id -> token)
 };
 
 }  // namespace moejit::kern::moe

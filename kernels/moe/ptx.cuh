@@ -31,8 +31,7 @@ __device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32
       : "memory");
 }
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {

@@ -22,7 +22,7 @@ namespace moejit::kern::moe {
 
 template <bool kGateUp_, int kThreads_>
 struct RepackTraits {
-  static constexpr bool kGateUp = kGateUp_;  // FC1 (gate + up sources fused per atom) vs plain
+  static constexpr bool kGateUp = kGateUp_;   // FC1 (gate + up sources fused per atom) vs plain
   static constexpr int kThreads = kThreads_;  // threads per CTA (one per lane of an atom)
   static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024,
                 "kThreads must be a multiple of 32 in [32, 1024]");
@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(Traits::kThreads) repack_mxfp4(const RepackPar
       }
     }
   }
-  const i64 out_atom = atom_index(Dims{p.m_atoms, p.k_atoms}, expert + p.expert_offset, m_atom,
-                                  k_atom);
+  const i64 out_atom =
+      atom_index(Dims{p.m_atoms, p.k_atoms}, expert + p.expert_offset, m_atom, k_atom);
   u32* dst = reinterpret_cast<u32*>(p.weights + out_atom * kAtomBytes + lane * 16);
   *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
   if ((lane & 3) == 0) {

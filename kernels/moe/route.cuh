@@ -39,8 +39,9 @@ namespace moejit::kern::moe {
 template <int NumExperts,    // E: local experts; ids in [expert_offset, expert_offset + E) are
                              // local, all others (-1, other EP ranks) get no row
           int TopK,          // K: slots per token (entry t * K + s is token t, slot s)
-          int BlockM,        // B: rows per GEMM block (8, 16, 32, 64 or 128), picked per T by
-                             // the planner to match the GEMM's M tile
+          int BlockM,        // B: padded rows per GEMM block (8, 16, 32, 64 or 128), picked
+                             // per T by the planner: the grouped GEMM's token tile
+                             // (moe_gemm.cuh's kBlockN)
           int BlockThreads,  // threads per CTA of every route kernel: a multiple of 32 in
                              // [32, 1024]
           int ChunkRows>     // C: entries one CTA ranks; N <= C runs the one-launch path.
@@ -71,7 +72,8 @@ struct RouteTraits {
                 "checking T * K stays within int for the largest T");
   static_assert(kBlockM == 8 || kBlockM == 16 || kBlockM == 32 || kBlockM == 64 ||
                     kBlockM == 128,
-                "route: BlockM must be 8, 16, 32, 64 or 128 (the GEMM's M tile)");
+                "route: BlockM must be 8, 16, 32, 64 or 128 (the grouped GEMM's token tile, "
+                "kBlockN); plan a supported tile");
   static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024,
                 "route: BlockThreads must be a multiple of 32 in [32, 1024]");
   static_assert(kChunkRows % kThreads == 0 && kChunkRows >= kThreads && kChunkRows <= 32768,
@@ -118,6 +120,13 @@ __device__ __forceinline__ int route_rows_per_warp(int n) {
   return ((n + Traits::kWarps - 1) / Traits::kWarps + 31) & ~31;
 }
 
+// Warps that hold entries of a chunk of n entries (the others skip the rank phase entirely).
+template <class Traits>
+__device__ __forceinline__ int route_active_warps(int n) {
+  const int per_warp = route_rows_per_warp<Traits>(n);
+  return per_warp == 0 ? 0 : (n + per_warp - 1) / per_warp;
+}
+
 // Exclusive scan of one int per thread over the CTA; `total` gets the sum. Every thread calls.
 template <class Traits>
 __device__ __forceinline__ int route_block_exclusive_scan(int value, int* scratch, int& total) {
@@ -161,9 +170,10 @@ __device__ __forceinline__ void route_rank_warps(const int* __restrict__ topk_id
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  for (int i = tid; i < Traits::kWarps * E; i += Traits::kThreads) {
-    (&s.warp_count[0][0])[i] = 0;
-  }
+  // Why only the active warps' rows: at decode one warp holds every entry, and zeroing (and
+  // later scanning) W * E counters would cost more than the ranking itself.
+  const int active = route_active_warps<Traits>(n);
+  for (int i = tid; i < active * E; i += Traits::kThreads) (&s.warp_count[0][0])[i] = 0;
   const int per_warp = route_rows_per_warp<Traits>(n);
   const int first = warp * per_warp;
   // Why: all of a thread's loads issue before the first match, so the ranking loop below waits
@@ -196,16 +206,20 @@ __device__ __forceinline__ void route_rank_warps(const int* __restrict__ topk_id
   __syncthreads();
 }
 
-// s.warp_count[w][e] -> exclusive prefix over warps; s.expert_count[e] = the sum. Ends synced.
+// s.warp_count[w][e] -> exclusive prefix over the active warps of a chunk of n entries;
+// s.x.expert_count[e] = the sum. Ends synced.
 template <class Traits>
-__device__ __forceinline__ void route_scan_warps(RouteRankShared<Traits>& s) {
+__device__ __forceinline__ void route_scan_warps(RouteRankShared<Traits>& s, int n) {
+  const int active = route_active_warps<Traits>(n);
   for (int e = static_cast<int>(threadIdx.x); e < Traits::kExperts; e += Traits::kThreads) {
     int sum = 0;
 #pragma unroll
     for (int w = 0; w < Traits::kWarps; ++w) {
-      const int c = s.warp_count[w][e];
-      s.warp_count[w][e] = static_cast<unsigned short>(sum);
-      sum += c;
+      if (w < active) {
+        const int c = s.warp_count[w][e];
+        s.warp_count[w][e] = static_cast<unsigned short>(sum);
+        sum += c;
+      }
     }
     s.x.expert_count[e] = sum;
   }
@@ -239,11 +253,11 @@ __device__ __forceinline__ void route_scan_experts(RouteExpertShared<Traits>& s)
 }
 
 // Exclusive prefix, in place, of column[c * E] for c in [c_begin, c_end), starting from `sum`;
-// returns the running sum after the last chunk. Why batches of 8: all loads of a batch issue
-// before its stores, so the column costs one L2 round trip per 8 chunks, not one per chunk.
+// returns the running sum after the last chunk. Why batches of 16: all loads of a batch issue
+// before its stores, so the column costs one L2 round trip per 16 chunks, not one per chunk.
 template <int kExperts>
 __device__ __forceinline__ int route_prefix_column(int* column, int c_begin, int c_end, int sum) {
-  constexpr int kBatch = 8;
+  constexpr int kBatch = 16;
   for (int c0 = c_begin; c0 < c_end; c0 += kBatch) {
     int v[kBatch];
 #pragma unroll
@@ -259,13 +273,30 @@ __device__ __forceinline__ int route_prefix_column(int* column, int c_begin, int
   return sum;
 }
 
-// Padding rows and block_expert entries of expert e (one warp): rows
-// [B * start + count, B * end) get -1, blocks [start, end) get e.
-template <int kBlockM>
-__device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, int count,
-                                                  int start, int end, int lane) {
-  for (int r = start * kBlockM + count + lane; r < end * kBlockM; r += 32) p.sorted_rows[r] = -1;
-  for (int b = start + lane; b < end; b += 32) p.block_expert[b] = e;
+// Padding rows and block_expert entries of the 32 experts [e0, e0 + 32) (one warp): for each
+// expert e, rows [B * start + count, B * end) get -1 and blocks [start, end) get e, where
+// count = counts[e], start = starts[e], end = starts[e + 1]. Why a group per warp: lane j reads
+// expert e0 + j's sizes (one shared or global round trip for 32 experts) and a ballot skips the
+// experts without blocks, so at decode, where most experts are empty, the cost is a few
+// instructions per 32 experts; the nonempty ones are written by the whole warp, coalesced.
+template <int kExperts, int kBlockM>
+__device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0,
+                                                 const int* counts, const int* starts,
+                                                 int lane) {
+  const int e = e0 + lane;
+  const int count = e < kExperts ? counts[e] : 0;
+  const int start = e < kExperts ? starts[e] : 0;
+  const int end = e < kExperts ? starts[e + 1] : 0;
+  unsigned todo = __ballot_sync(0xffffffffu, end > start);
+  while (todo != 0u) {
+    const int j = __ffs(static_cast<int>(todo)) - 1;
+    todo &= todo - 1u;
+    const int c = __shfl_sync(0xffffffffu, count, j);
+    const int first = __shfl_sync(0xffffffffu, start, j);
+    const int last = __shfl_sync(0xffffffffu, end, j);
+    for (int r = first * kBlockM + c + lane; r < last * kBlockM; r += 32) p.sorted_rows[r] = -1;
+    for (int b = first + lane; b < last; b += 32) p.block_expert[b] = e0 + j;
+  }
 }
 
 }  // namespace detail
@@ -286,7 +317,7 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
   int expert[Traits::kItems];
   int rank[Traits::kItems];
   detail::route_rank_warps<Traits>(p.topk_ids, 0, n, p.expert_offset, s, expert, rank);
-  detail::route_scan_warps<Traits>(s);
+  detail::route_scan_warps<Traits>(s, n);
   detail::route_scan_experts<Traits>(s.x);
 
   const int total = s.x.block_start[E];
@@ -313,9 +344,8 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
       }
     }
   }
-  for (int e = warp; e < E; e += Traits::kWarps) {
-    detail::route_fill_expert<B>(p, e, s.x.expert_count[e], s.x.block_start[e],
-                                 s.x.block_start[e + 1], lane);
+  for (int e0 = warp * 32; e0 < E; e0 += Traits::kThreads) {
+    detail::route_fill_group<E, B>(p, e0, s.x.expert_count, s.x.block_start, lane);
   }
   const int max_blocks = static_cast<int>(route_max_blocks(n, E, B));
   for (int b = total + tid; b < max_blocks; b += Traits::kThreads) p.block_expert[b] = -1;
@@ -341,7 +371,7 @@ __global__ void __launch_bounds__(Traits::kThreads) route_rank_kernel(const Rout
   int expert[Traits::kItems];
   int rank[Traits::kItems];
   detail::route_rank_warps<Traits>(p.topk_ids, begin, n, p.expert_offset, s, expert, rank);
-  detail::route_scan_warps<Traits>(s);
+  detail::route_scan_warps<Traits>(s, n);
 
   int* const counts = p.chunk_base + static_cast<long long>(chunk) * E;
   for (int e = tid; e < E; e += Traits::kThreads) counts[e] = s.x.expert_count[e];
@@ -421,8 +451,8 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scan_kernel(const Rout
 }
 
 // Multi-CTA step 3 of 3: grid route_num_chunks(N, C). Chunk c places its entries; the CTAs
-// share out the padding rows and block_expert (one warp per expert, spread over the grid) and
-// the -1 tail of block_expert.
+// share out the padding rows and block_expert (a warp per group of 32 experts, spread over the
+// grid) and the -1 tail of block_expert.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const RouteParams p) {
   constexpr int E = Traits::kExperts;
@@ -437,23 +467,36 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
   const int n = rows - begin < Traits::kChunkRows ? rows - begin : Traits::kChunkRows;
   const int* const base = p.chunk_base + static_cast<long long>(chunk) * E;
 
-  for (int r = tid; r < n; r += Traits::kThreads) {
-    const int packed = p.slot_row[begin + r];
-    if (packed >= 0) {
-      const int e = packed >> 16;
-      const int row = p.expert_block_offset[e] * B + base[e] + (packed & 0xffff);
-      p.sorted_rows[row] = begin + r;
-      p.slot_row[begin + r] = row;
+  // Why three passes over registers: each row needs two loads that depend on the packed entry;
+  // issued item by item (a store to slot_row between them may alias the next load) they would
+  // cost kItems chains of round trips, batched they cost one.
+  int packed[Traits::kItems];
+#pragma unroll
+  for (int it = 0; it < Traits::kItems; ++it) {
+    const int r = it * Traits::kThreads + tid;
+    packed[it] = r < n ? p.slot_row[begin + r] : -1;
+  }
+  int row[Traits::kItems];
+#pragma unroll
+  for (int it = 0; it < Traits::kItems; ++it) {
+    const int e = packed[it] >= 0 ? packed[it] >> 16 : 0;
+    row[it] = p.expert_block_offset[e] * B + base[e] + (packed[it] & 0xffff);
+  }
+#pragma unroll
+  for (int it = 0; it < Traits::kItems; ++it) {
+    const int r = it * Traits::kThreads + tid;
+    if (packed[it] >= 0) {
+      p.sorted_rows[row[it]] = begin + r;
+      p.slot_row[begin + r] = row[it];
     }
   }
-  const int grid_warps = static_cast<int>(gridDim.x) * Traits::kWarps;
-  for (int e = chunk * Traits::kWarps + (tid >> 5); e < E; e += grid_warps) {
-    detail::route_fill_expert<B>(p, e, p.expert_counts[e], p.expert_block_offset[e],
-                                 p.expert_block_offset[e + 1], lane);
+
+  const int grid_threads = static_cast<int>(gridDim.x) * Traits::kThreads;
+  for (int e0 = chunk * Traits::kThreads + (tid & ~31); e0 < E; e0 += grid_threads) {
+    detail::route_fill_group<E, B>(p, e0, p.expert_counts, p.expert_block_offset, lane);
   }
   const int total = p.expert_block_offset[E];
   const int max_blocks = static_cast<int>(route_max_blocks(rows, E, B));
-  const int grid_threads = static_cast<int>(gridDim.x) * Traits::kThreads;
   for (int b = total + chunk * Traits::kThreads + tid; b < max_blocks; b += grid_threads) {
     p.block_expert[b] = -1;
   }

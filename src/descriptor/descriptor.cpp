@@ -107,8 +107,27 @@ class ShapeFileParser {
           reason.find("last read") == std::string::npos) {
         offset = token_start(offset);
       }
-      fail_at(offset, "", "the file is not valid JSON: " + reason,
-              "JSON text (RFC 8259: no comments, no trailing commas)", "the text above");
+      bool bad_word = reason.find("invalid literal") != std::string::npos ||
+                      reason.find("invalid number") != std::string::npos;
+      if (bad_word && offset > 0 && offset <= text_.size()) {
+        // Why: the lexer stops one past a broken word ("tru"); show the word from its start.
+        offset = token_start(offset - 1);
+        reason.erase(std::min(reason.find("; last read: "), reason.size()),
+                     std::min(reason.find("; expected "), reason.size()) -
+                         std::min(reason.find("; last read: "), reason.size()));
+      }
+      // nlohmann says "<what>[; last read: '<text>'][; expected <what>]"; keep our layout.
+      std::string expected = "valid JSON (RFC 8259: no comments, no trailing commas)";
+      std::string found = token_text(offset);
+      if (std::size_t at = reason.find("; expected "); at != std::string::npos) {
+        expected = reason.substr(at + 11);
+        reason.erase(at);
+      }
+      if (std::size_t at = reason.find("; last read: "); at != std::string::npos) {
+        found = reason.substr(at + 13);
+        reason.erase(at);
+      }
+      fail_at(offset, "", "the file is not valid JSON: " + reason, expected, found);
     } catch (const Json::out_of_range& e) {
       fail_overflow(e);
     }
@@ -160,6 +179,29 @@ class ShapeFileParser {
     return offset;
   }
 
+  // The token at `offset`, shortened, for a syntax error.
+  std::string token_text(std::size_t offset) const {
+    if (offset >= text_.size()) return "the end of the file";
+    std::size_t end = offset + 1;
+    if (text_[offset] == '"') {
+      while (end < text_.size() && text_[end] != '"' && text_[end] != '\n') {
+        end += text_[end] == '\\' ? 2 : 1;
+      }
+      end = std::min(end + 1, text_.size());
+    } else if (std::isalnum(static_cast<unsigned char>(text_[offset])) || text_[offset] == '-') {
+      while (end < text_.size() && (std::isalnum(static_cast<unsigned char>(text_[end])) ||
+                                    std::strchr(".+-", text_[end]) != nullptr)) {
+        ++end;
+      }
+    }
+    constexpr std::size_t kMax = 40;
+    std::string t = text_.substr(offset, std::min(end - offset, kMax));
+    for (char& c : t) {
+      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+    }
+    return "'" + t + (end - offset > kMax ? "...'" : "'");
+  }
+
   // nlohmann refuses a number that overflows a double (out_of_range 406) without a place; the
   // message names the token, so find its first occurrence as a value.
   [[noreturn]] void fail_overflow(const Json::out_of_range& e) const {
@@ -181,8 +223,9 @@ class ShapeFileParser {
     }
     const std::string& pointer = first->first;
     std::string key = pointer.substr(pointer.rfind('/') + 1);
+    if (key.empty() || key.find_first_not_of("0123456789") == std::string::npos) key = "the number";
     fail_at(first->second.begin, pointer,
-            key + " is not finite (the number overflows to infinity)", "a finite number", number);
+            key + " is not finite (it overflows to infinity)", "a finite number", number);
   }
 
   [[noreturn]] void fail_at(std::size_t offset, const std::string& pointer,

@@ -324,7 +324,13 @@ TEST_CASE("JSON syntax errors give the column of the offending character", "[des
   Position hidden = position_of(text, "\"hidden\"");
   CHECK(r.line == hidden.line);
   CHECK(r.column == hidden.column);
-  CHECK(r.message.find("expected '}'") != std::string::npos);
+  CHECK(r.message.find("expected '}', found '\"hidden\"'") != std::string::npos);
+
+  // A broken word is shown from its first character.
+  std::string word = base_with("\"top_k\": 8", "\"top_k\": tru");
+  expect_refusal(word, position_of(word, "tru"), "", {"invalid literal", "found 'tru'"});
+  std::string number = base_with("\"top_k\": 8", "\"top_k\": 1.5e");
+  expect_refusal(number, position_of(number, "1.5e"), "", {"invalid number", "found '1.5e'"});
 }
 
 TEST_CASE("unknown fields are refused with the accepted ones", "[descriptor]") {
@@ -492,7 +498,7 @@ TEST_CASE("non-finite and non-positive constants are refused", "[descriptor]") {
   const std::string act = "{\"kind\": \"swiglu\"}";
   const std::string ptr = "/shapes/0/activation/limit";
   expect_value_refusal(act, limit("1e999"), "1e999", ptr,
-                       {"limit is not finite", "a finite number > 0", "found 1e999"});
+                       {"limit is not finite", "overflows to infinity", "a finite number", "found 1e999"});
   expect_value_refusal(act, limit("-1e999"), "-1e999", ptr, {"limit is not finite"});
   expect_value_refusal(act, limit("1e39"), "1e39", ptr, {"does not fit a 32-bit float"});
   expect_value_refusal(act, limit("1e-50"), "1e-50", ptr, {"too small for a 32-bit float"});

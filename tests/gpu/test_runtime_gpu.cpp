@@ -1,0 +1,183 @@
+// The runtime on a GPU: the current device's arch, context-independent kernel handles that work
+// from a second context (a created one, and a second device's primary context when there is
+// one), the no-context error, and configure() refused once kernels are loaded.
+#include <catch2/catch.hpp>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "gpu/gpu_support.hpp"
+#include "moejit/error.hpp"
+#include "moejit/ops.hpp"
+#include "moejit/runtime.hpp"
+#include "ops/append_shared_spec.hpp"
+#include "runtime/runtime_impl.hpp"
+
+namespace {
+
+using moejit::DType;
+using moejit::Error;
+using moejit::ErrorCode;
+using moejit::KernelSpec;
+using moejit::SharedGate;
+using moejit::detail::Runtime;
+using moejit::test::AppendCase;
+using moejit::test::cu;
+using moejit::test::gpu;
+using moejit::test::make_append_data;
+using moejit::test::TestStream;
+
+KernelSpec sigmoid_spec(const moejit::Arch& arch) {
+  KernelSpec spec;
+  spec.family = moejit::Family::kAppendShared;
+  spec.arch = arch;
+  spec.params =
+      moejit::detail::append_shared_params(6, 1, DType::kI32, SharedGate::kSigmoid, DType::kBF16);
+  return spec;
+}
+
+AppendCase sigmoid_case() {
+  AppendCase c;
+  c.tokens = 300;
+  c.top_k = 6;
+  c.num_shared = 1;
+  c.gate = SharedGate::kSigmoid;
+  c.logit_dtype = DType::kBF16;
+  return c;
+}
+
+// Runs append_shared in the current context on tensors of `device_id`; "" when right.
+std::string run_and_verify(int device_id, std::mt19937_64& rng) {
+  TestStream stream;
+  auto data = make_append_data(sigmoid_case(), rng, device_id);
+  data->poison(stream.get());
+  moejit::append_shared(data->args(), stream.get());
+  stream.sync();
+  return data->verify();
+}
+
+}  // namespace
+
+TEST_CASE("runtime gpu: the arch is the current device's", "[gpu]") {
+  const moejit::test::GpuEnv& env = gpu();
+  int major = 0;
+  int minor = 0;
+  MOEJIT_TEST_CU(
+      cu().cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, env.device));
+  MOEJIT_TEST_CU(
+      cu().cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, env.device));
+  const moejit::detail::CurrentDevice device = Runtime::instance().current_device();
+  CHECK(device.ordinal == 0);
+  CHECK(device.arch.sm == major * 10 + minor);
+  CHECK(device.arch.arch_specific == (major >= 9));
+  if (major == 9 && minor == 0) CHECK(device.arch.name() == "sm_90a");
+  // Memoized: the same answer again.
+  CHECK(Runtime::instance().current_arch() == device.arch);
+}
+
+TEST_CASE("runtime gpu: a thread without a current context gets a clear error", "[gpu]") {
+  gpu();
+  std::string message;
+  ErrorCode code = ErrorCode::kInternal;
+  std::thread worker([&] {
+    try {
+      Runtime::instance().current_arch();
+    } catch (const Error& e) {
+      code = e.code();
+      message = e.what();
+    }
+  });
+  worker.join();
+  INFO(message);
+  CHECK(code == ErrorCode::kDriver);
+  CHECK(message.find("cudaSetDevice") != std::string::npos);
+}
+
+TEST_CASE("runtime gpu: kernel handles are shared by every context and stay valid", "[gpu]") {
+  const moejit::test::GpuEnv& env = gpu();
+  std::mt19937_64 rng(std::random_device{}());
+  Runtime& runtime = Runtime::instance();
+  const KernelSpec spec = sigmoid_spec(runtime.current_arch());
+  const CUkernel kernel = runtime.kernel(spec, nullptr);
+  REQUIRE(kernel != nullptr);
+  CHECK(runtime.kernel(spec, nullptr) == kernel);
+  CHECK(run_and_verify(0, rng).empty());
+
+  SECTION("a created second context on device 0") {
+    CUcontext second = nullptr;
+    MOEJIT_TEST_CU(cu().cuCtxCreate(&second, nullptr, 0, env.device));
+    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(second));
+    {
+      CHECK(runtime.current_device().ordinal == 0);
+      CHECK(runtime.kernel(spec, nullptr) == kernel);
+      CUfunction function = nullptr;
+      MOEJIT_TEST_CU(cu().cuKernelGetFunction(&function, kernel));
+      CHECK(function != nullptr);
+      // Buffers of this context, the op launched in it.
+      CHECK(run_and_verify(0, rng).empty());
+    }
+    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
+    MOEJIT_TEST_CU(cu().cuCtxDestroy(second));
+    // The handle outlives the context it was last used in.
+    CHECK(runtime.kernel(spec, nullptr) == kernel);
+    CHECK(run_and_verify(0, rng).empty());
+  }
+
+  SECTION("the primary context of a second device") {
+    if (env.device_count < 2) {
+      WARN("SKIPPED: only " << env.device_count
+                            << " CUDA device visible; the second-device check needs two");
+      return;
+    }
+    CUdevice other = 0;
+    MOEJIT_TEST_CU(cu().cuDeviceGet(&other, 1));
+    CUcontext context = nullptr;
+    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRetain(&context, other));
+    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(context));
+    {
+      const moejit::detail::CurrentDevice device = runtime.current_device();
+      CHECK(device.ordinal == 1);
+      const KernelSpec other_spec = sigmoid_spec(device.arch);
+      if (device.arch == spec.arch) {
+        // Same arch: the one library loaded for device 0 serves device 1 too.
+        CHECK(runtime.kernel(other_spec, nullptr) == kernel);
+      } else {
+        CHECK(runtime.kernel(other_spec, nullptr) != nullptr);
+      }
+      CHECK(run_and_verify(1, rng).empty());
+      // Tensors of device 0 while device 1's context is current are refused.
+      TestStream stream;
+      auto data = make_append_data(sigmoid_case(), rng, 1);
+      DLTensor wrong = *data->topk_ids->dl();
+      wrong.device.device_id = 0;
+      moejit::AppendSharedArgs args = data->args();
+      args.topk_ids = &wrong;
+      try {
+        moejit::append_shared(args, stream.get());
+        FAIL("a tensor of device 0 was accepted in device 1's context");
+      } catch (const Error& e) {
+        CHECK(e.code() == ErrorCode::kInvalidArgument);
+        CHECK(std::string(e.what()).find("device 1") != std::string::npos);
+      }
+    }
+    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
+    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRelease(other));
+  }
+}
+
+TEST_CASE("runtime gpu: configure() is refused once kernels are loaded", "[gpu]") {
+  gpu();
+  Runtime& runtime = Runtime::instance();
+  runtime.kernel(sigmoid_spec(runtime.current_arch()), nullptr);
+  const std::string before = moejit::config().cache_dir;
+  moejit::RuntimeConfig next;
+  next.cache_dir = before + "-other";
+  try {
+    moejit::configure(next);
+    FAIL("configure() succeeded after a kernel was loaded");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidArgument);
+    CHECK(std::string(e.what()).find("before the first op") != std::string::npos);
+  }
+  CHECK(moejit::config().cache_dir == before);
+}
