@@ -53,7 +53,7 @@ struct AppendSharedTraits {
                 "append_shared: IdT must be int (int32 ids) or long long (int64 ids)");
   static_assert(kIsFloatInput<LogitT>,
                 "append_shared: LogitT must be __nv_bfloat16, __half or float");
-  static_assert(Gate != SharedGate::kGiven || cuda::std::is_same_v<LogitT, float>,
+  static_assert(Gate != SharedGate::kGiven || kSameType<LogitT, float>,
                 "append_shared: SharedGate::kGiven copies fp32 weights; instantiate with "
                 "LogitT = float");
   static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024,
@@ -65,7 +65,7 @@ namespace detail {
 // The shared weight of element (t, s); `flat` = t * S + s.
 template <class Traits, class Index>
 __device__ __forceinline__ float append_shared_weight(const void* __restrict__ shared_logits,
-                                                     Index flat, float scale) {
+                                                      Index flat, float scale) {
   if constexpr (Traits::kGate == SharedGate::kConstant) {
     return scale;
   } else if constexpr (Traits::kGate == SharedGate::kGiven) {
@@ -116,22 +116,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
                          int num_tokens) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
-  const unsigned long long total =
-      static_cast<unsigned long long>(num_tokens < 0 ? 0 : num_tokens) *
-      static_cast<unsigned long long>(Traits::kWidth);
-  const unsigned long long i =
-      static_cast<unsigned long long>(blockIdx.x) * Traits::kThreads + threadIdx.x;
+  using cuda::std::uint32_t;
+  using cuda::std::uint64_t;
+  const uint64_t total = static_cast<uint64_t>(num_tokens < 0 ? 0 : num_tokens) *
+                         static_cast<uint64_t>(Traits::kWidth);
+  const uint64_t i = static_cast<uint64_t>(blockIdx.x) * Traits::kThreads + threadIdx.x;
   if (i >= total) return;
   // Why: 32-bit index arithmetic (the division by K + S is a multiply-high and a shift) whenever
   // every index fits, which is every real batch; the branch is uniform across the grid.
   if (total <= 0xffffffffull) {
-    detail::append_shared_element<Traits, unsigned>(static_cast<unsigned>(i), topk_ids,
+    detail::append_shared_element<Traits, uint32_t>(static_cast<uint32_t>(i), topk_ids,
                                                     topk_weights, shared_logits, out_ids,
                                                     out_weights, shared_base, scale);
   } else {
-    detail::append_shared_element<Traits, unsigned long long>(i, topk_ids, topk_weights,
-                                                              shared_logits, out_ids,
-                                                              out_weights, shared_base, scale);
+    detail::append_shared_element<Traits, uint64_t>(i, topk_ids, topk_weights, shared_logits,
+                                                    out_ids, out_weights, shared_base, scale);
   }
 }
 

@@ -37,8 +37,8 @@ struct CombineTraits {
   static constexpr int kThreads = BlockThreads;
 
   // Derived.
-  static constexpr int kVec = 8;                     // outputs per thread (one 16-byte store)
-  static constexpr int kVecsPerRow = kHidden / kVec;  // threads per token
+  static constexpr int kVec = 8;                        // outputs per thread (one 16-byte store)
+  static constexpr int kVecsPerRow = kHidden / kVec;    // threads per token
   static constexpr int kBatch = kTopK < 8 ? kTopK : 8;  // slots whose loads are in flight at once
 
   static_assert(kHidden >= 8 && kHidden % 8 == 0,
@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(Traits::kThreads) combine_kernel(const Combine
       static_cast<unsigned long long>(blockIdx.x) * Traits::kThreads + threadIdx.x;
   if (i >= total) return;
   const long long t = static_cast<long long>(i / static_cast<unsigned>(Traits::kVecsPerRow));
-  const long long col = static_cast<long long>(i % static_cast<unsigned>(Traits::kVecsPerRow)) *
-                        Traits::kVec;
+  const long long col =
+      static_cast<long long>(i % static_cast<unsigned>(Traits::kVecsPerRow)) * Traits::kVec;
 
   // Why all K rows first: each data load depends on its row, so the rows must all be in flight
   // together; fetched one by one they would cost K dependent round trips.
@@ -107,12 +107,11 @@ __global__ void __launch_bounds__(Traits::kThreads) combine_kernel(const Combine
 #pragma unroll
       for (int w = 0; w < kWords; ++w) raw[b][w] = Vec{{0u, 0u, 0u, 0u}};
       if (row >= 0) {
-        const Vec* src =
-            Traits::kInBf16
-                ? reinterpret_cast<const Vec*>(static_cast<const u16*>(p.fc2_out) +
-                                               row * p.ld_in + col)
-                : reinterpret_cast<const Vec*>(static_cast<const float*>(p.fc2_out) +
-                                               row * p.ld_in + col);
+        const Vec* src = Traits::kInBf16
+                             ? reinterpret_cast<const Vec*>(static_cast<const u16*>(p.fc2_out) +
+                                                            row * p.ld_in + col)
+                             : reinterpret_cast<const Vec*>(static_cast<const float*>(p.fc2_out) +
+                                                            row * p.ld_in + col);
 #pragma unroll
         for (int w = 0; w < kWords; ++w) raw[b][w] = src[w];
       }

@@ -25,9 +25,14 @@
 //        the CTAs share out the padding rows, block_expert and its -1 tail.
 // Why three launches and not a look-back single pass: the chunk ranks need the counts of every
 // earlier chunk on all E experts (E up to 896), which a decoupled look-back would have to pass
-// chunk to chunk as E-wide vectors; at prefill the three kernels cost a few microseconds against
-// a GEMM of hundreds, and each stays simple and free of inter-CTA waiting.
+// chunk to chunk as E-wide vectors; the kernels stay simple and free of inter-CTA waiting.
 // Every kernel waits on the previous grid (programmatic dependent launch) before reading.
+//
+// Choosing C (measured on the H200, graph replay, tools/PERF_LOG.md): one CTA is best while
+// N is small (kimi-k3.1-tp8 T = 1: 4.0 us, T = 6: 5.7 us); from about N = 1024 its single SM
+// is the limit (__match_any_sync throughput in the rank loop, scattered stores), and the
+// three-launch path with C = 1024 wins (kimi T = 256, N = 4096: 16.4 us against 26.7 us for
+// one CTA). For very large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
@@ -70,8 +75,7 @@ struct RouteTraits {
   static_assert(kTopK >= 1 && kTopK <= 64,
                 "route: TopK must be in [1, 64]; extend the traits (and supports()) after "
                 "checking T * K stays within int for the largest T");
-  static_assert(kBlockM == 8 || kBlockM == 16 || kBlockM == 32 || kBlockM == 64 ||
-                    kBlockM == 128,
+  static_assert(kBlockM == 8 || kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128,
                 "route: BlockM must be 8, 16, 32, 64 or 128 (the grouped GEMM's token tile, "
                 "kBlockN); plan a supported tile");
   static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024,
@@ -161,9 +165,8 @@ __device__ __forceinline__ int route_block_exclusive_scan(int value, int* scratc
 // expert[it] / rank[it] the local expert (-1: not local or no entry) and the rank within warp w
 // on that expert of entry w * rows_per_warp + it * 32 + lane of the chunk.
 template <class Traits>
-__device__ __forceinline__ void route_rank_warps(const int* __restrict__ topk_ids, int begin,
-                                                 int n, int expert_offset,
-                                                 RouteRankShared<Traits>& s,
+__device__ __forceinline__ void route_rank_warps(const int* __restrict__ topk_ids, int begin, int n,
+                                                 int expert_offset, RouteRankShared<Traits>& s,
                                                  int (&expert)[Traits::kItems],
                                                  int (&rank)[Traits::kItems]) {
   constexpr int E = Traits::kExperts;
@@ -273,16 +276,28 @@ __device__ __forceinline__ int route_prefix_column(int* column, int c_begin, int
   return sum;
 }
 
+// Padding rows and block_expert entries of expert e (one warp): rows [B * start + count, B * end)
+// get -1, blocks [start, end) get e.
+template <int kBlockM>
+__device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, int count, int start,
+                                                  int end, int lane) {
+  for (int r = start * kBlockM + count + lane; r < end * kBlockM; r += 32) p.sorted_rows[r] = -1;
+  for (int b = start + lane; b < end; b += 32) p.block_expert[b] = e;
+}
+
 // Padding rows and block_expert entries of the 32 experts [e0, e0 + 32) (one warp): for each
 // expert e, rows [B * start + count, B * end) get -1 and blocks [start, end) get e, where
 // count = counts[e], start = starts[e], end = starts[e + 1]. Why a group per warp: lane j reads
 // expert e0 + j's sizes (one shared or global round trip for 32 experts) and a ballot skips the
 // experts without blocks, so at decode, where most experts are empty, the cost is a few
-// instructions per 32 experts; the nonempty ones are written by the whole warp, coalesced.
+// instructions per 32 experts; the nonempty ones are written by the whole warp, coalesced. It
+// pays only when there are at least as many groups of 32 experts as warps sharing the fill:
+// with fewer, most warps would idle while a few walk 32 nonempty experts each (measured on the
+// H200: gpt-oss, E = 128 over 32 warps, T = 96 took 10.2 us with groups against 4.3 us with a
+// warp per expert), so the callers pick a warp per expert then.
 template <int kExperts, int kBlockM>
-__device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0,
-                                                 const int* counts, const int* starts,
-                                                 int lane) {
+__device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0, const int* counts,
+                                                 const int* starts, int lane) {
   const int e = e0 + lane;
   const int count = e < kExperts ? counts[e] : 0;
   const int start = e < kExperts ? starts[e] : 0;
@@ -344,8 +359,15 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
       }
     }
   }
-  for (int e0 = warp * 32; e0 < E; e0 += Traits::kThreads) {
-    detail::route_fill_group<E, B>(p, e0, s.x.expert_count, s.x.block_start, lane);
+  if constexpr ((E + 31) / 32 >= Traits::kWarps) {
+    for (int e0 = warp * 32; e0 < E; e0 += Traits::kThreads) {
+      detail::route_fill_group<E, B>(p, e0, s.x.expert_count, s.x.block_start, lane);
+    }
+  } else {
+    for (int e = warp; e < E; e += Traits::kWarps) {
+      detail::route_fill_expert<B>(p, e, s.x.expert_count[e], s.x.block_start[e],
+                                   s.x.block_start[e + 1], lane);
+    }
   }
   const int max_blocks = static_cast<int>(route_max_blocks(n, E, B));
   for (int b = total + tid; b < max_blocks; b += Traits::kThreads) p.block_expert[b] = -1;
@@ -451,8 +473,8 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scan_kernel(const Rout
 }
 
 // Multi-CTA step 3 of 3: grid route_num_chunks(N, C). Chunk c places its entries; the CTAs
-// share out the padding rows and block_expert (a warp per group of 32 experts, spread over the
-// grid) and the -1 tail of block_expert.
+// share out the padding rows and block_expert (a warp per expert, or per group of 32 experts
+// when there are more groups than warps in the grid) and the -1 tail of block_expert.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const RouteParams p) {
   constexpr int E = Traits::kExperts;
@@ -492,8 +514,16 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
   }
 
   const int grid_threads = static_cast<int>(gridDim.x) * Traits::kThreads;
-  for (int e0 = chunk * Traits::kThreads + (tid & ~31); e0 < E; e0 += grid_threads) {
-    detail::route_fill_group<E, B>(p, e0, p.expert_counts, p.expert_block_offset, lane);
+  const int grid_warps = static_cast<int>(gridDim.x) * Traits::kWarps;
+  if ((E + 31) / 32 >= grid_warps) {
+    for (int e0 = chunk * Traits::kThreads + (tid & ~31); e0 < E; e0 += grid_threads) {
+      detail::route_fill_group<E, B>(p, e0, p.expert_counts, p.expert_block_offset, lane);
+    }
+  } else {
+    for (int e = chunk * Traits::kWarps + (tid >> 5); e < E; e += grid_warps) {
+      detail::route_fill_expert<B>(p, e, p.expert_counts[e], p.expert_block_offset[e],
+                                   p.expert_block_offset[e + 1], lane);
+    }
   }
   const int total = p.expert_block_offset[E];
   const int max_blocks = static_cast<int>(route_max_blocks(rows, E, B));

@@ -65,18 +65,18 @@ struct RouteParams {
 // allow 16-byte access of 8 consecutive elements (ld_in a multiple of 4 for fp32 and of 8 for
 // bf16, ld_out a multiple of 8, pointers 16-byte aligned), checked by the op.
 struct CombineParams {
-  const void* fc2_out = nullptr;   // [padded rows, ld_in] fp32, or bf16 bits
-  const int* slot_row = nullptr;   // [T * K] from route
-  unsigned short* out = nullptr;   // [T, ld_out] bf16 bits
-  long long ld_in = 0;             // elements between rows of fc2_out (>= H)
-  long long ld_out = 0;            // elements between rows of out (>= H)
-  int num_tokens = 0;              // T
+  const void* fc2_out = nullptr;  // [padded rows, ld_in] fp32, or bf16 bits
+  const int* slot_row = nullptr;  // [T * K] from route, 16-byte aligned (the layout's is)
+  unsigned short* out = nullptr;  // [T, ld_out] bf16 bits
+  long long ld_in = 0;            // elements between rows of fc2_out (>= H)
+  long long ld_out = 0;           // elements between rows of out (>= H)
+  int num_tokens = 0;             // T
 };
 
 // max_blocks(N, E, B): the most GEMM blocks any routing of N entries over E experts can need
 // (derivation above). 0 when N <= 0.
 MOEJIT_HD constexpr long long route_max_blocks(long long rows, long long experts,
-                                                     long long block_m) {
+                                               long long block_m) {
   if (rows <= 0 || experts <= 0 || block_m <= 0) return 0;
   const long long nonempty = experts < rows ? experts : rows;
   return (rows + nonempty * (block_m - 1)) / block_m;
@@ -84,7 +84,7 @@ MOEJIT_HD constexpr long long route_max_blocks(long long rows, long long experts
 
 // Rows of sorted_rows the buffer must hold: max_blocks * B.
 MOEJIT_HD constexpr long long route_max_padded_rows(long long rows, long long experts,
-                                                          long long block_m) {
+                                                    long long block_m) {
   return route_max_blocks(rows, experts, block_m) * block_m;
 }
 
@@ -120,10 +120,9 @@ MOEJIT_HD constexpr unsigned long long route_align_up(unsigned long long bytes) 
   return (bytes + kRouteAlign - 1) / kRouteAlign * kRouteAlign;
 }
 
-MOEJIT_HD constexpr RouteWorkspaceLayout route_workspace_layout(long long rows,
-                                                                      long long experts,
-                                                                      long long block_m,
-                                                                      long long chunk_rows) {
+MOEJIT_HD constexpr RouteWorkspaceLayout route_workspace_layout(long long rows, long long experts,
+                                                                long long block_m,
+                                                                long long chunk_rows) {
   const unsigned long long n = rows > 0 ? static_cast<unsigned long long>(rows) : 0ull;
   const unsigned long long e = experts > 0 ? static_cast<unsigned long long>(experts) : 0ull;
   const unsigned long long blocks =

@@ -34,9 +34,9 @@ std::vector<Arch> resolve_archs(const std::vector<std::string>& names) {
   for (const GpuInfo& gpu : info.gpus) add(gpu.arch);
   if (archs.empty()) {
     std::string why = info.loaded ? "the CUDA driver reports no GPU"
-                                  : "no CUDA driver (" + info.why_not + ")";
-    throw Failure{kExitUsage, "no --arch given and no GPU to take it from: " + why +
-                                  ". Name the target, e.g. --arch sm_90a (H100/H200) or "
+                                  : "no CUDA driver: " + info.why_not;
+    throw Failure{kExitUsage, "no --arch given and no GPU to take it from (" + why +
+                                  "). Name the targets, e.g. --arch sm_90a (H100/H200) or "
                                   "--arch sm_90a,sm_100a"};
   }
   return archs;

@@ -17,9 +17,12 @@ namespace {
 // The device type of an id dtype (kernels/common/types.cuh: kIsIdType).
 const char* id_type_name(DType dtype) {
   switch (dtype) {
-    case DType::kI32: return "int";
-    case DType::kI64: return "long long";
-    default: break;
+    case DType::kI32:
+      return "int";
+    case DType::kI64:
+      return "long long";
+    default:
+      break;
   }
   throw Error(ErrorCode::kInternal, std::string("codegen: no id type for dtype ") +
                                         dtype_short_name(dtype) + " (supports() should refuse it)");
@@ -28,10 +31,14 @@ const char* id_type_name(DType dtype) {
 // The device type of a floating input dtype (kernels/common/types.cuh: kIsFloatInput).
 const char* float_type_name(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "__nv_bfloat16";
-    case DType::kF16: return "__half";
-    case DType::kF32: return "float";
-    default: break;
+    case DType::kBF16:
+      return "__nv_bfloat16";
+    case DType::kF16:
+      return "__half";
+    case DType::kF32:
+      return "float";
+    default:
+      break;
   }
   throw Error(ErrorCode::kInternal, std::string("codegen: no floating type for dtype ") +
                                         dtype_short_name(dtype) + " (supports() should refuse it)");
@@ -39,9 +46,12 @@ const char* float_type_name(DType dtype) {
 
 const char* gate_enumerator(SharedGate gate) {
   switch (gate) {
-    case SharedGate::kSigmoid: return "moejit::kern::SharedGate::kSigmoid";
-    case SharedGate::kConstant: return "moejit::kern::SharedGate::kConstant";
-    case SharedGate::kGiven: return "moejit::kern::SharedGate::kGiven";
+    case SharedGate::kSigmoid:
+      return "moejit::kern::SharedGate::kSigmoid";
+    case SharedGate::kConstant:
+      return "moejit::kern::SharedGate::kConstant";
+    case SharedGate::kGiven:
+      return "moejit::kern::SharedGate::kGiven";
   }
   throw Error(ErrorCode::kInternal, "codegen: unknown SharedGate value");
 }
@@ -59,10 +69,9 @@ FamilyText family_text(const AppendSharedParams& p) {
   // (and so the cache key) one per real kernel.
   const DType logit = p.gate == SharedGate::kConstant ? DType::kF32 : p.logit_dtype;
   std::ostringstream name;
-  name << "moejit::kern::append_shared_kernel<moejit::kern::AppendSharedTraits<" << p.top_k
-       << ", " << p.num_shared << ", " << id_type_name(p.id_dtype) << ", "
-       << gate_enumerator(p.gate) << ", " << float_type_name(logit) << ", " << p.block_threads
-       << ">>";
+  name << "moejit::kern::append_shared_kernel<moejit::kern::AppendSharedTraits<" << p.top_k << ", "
+       << p.num_shared << ", " << id_type_name(p.id_dtype) << ", " << gate_enumerator(p.gate)
+       << ", " << float_type_name(logit) << ", " << p.block_threads << ">>";
   std::ostringstream stem;
   stem << "append_shared_k" << p.top_k << "_s" << p.num_shared << '_'
        << dtype_short_name(p.id_dtype) << '_' << gate_short_name(p.gate);

@@ -29,10 +29,10 @@
 
 // MOEJIT_NVRTC_CHECK(call): an NVRTC API call that must succeed (not a compile: compile() reads
 // nvrtcCompileProgram's result itself and throws CompileError).
-#define MOEJIT_NVRTC_CHECK(call)                                                        \
-  do {                                                                                  \
-    const nvrtcResult moejit_nvrtc_result_ = (call);                                    \
-    MOEJIT_CHECK(moejit_nvrtc_result_ == NVRTC_SUCCESS, ::moejit::ErrorCode::kCompileFailed, \
+#define MOEJIT_NVRTC_CHECK(call)                                                                \
+  do {                                                                                          \
+    const nvrtcResult moejit_nvrtc_result_ = (call);                                            \
+    MOEJIT_CHECK(moejit_nvrtc_result_ == NVRTC_SUCCESS, ::moejit::ErrorCode::kCompileFailed,    \
                  "NVRTC call " #call " failed: " << nvrtcGetErrorString(moejit_nvrtc_result_)); \
   } while (0)
 
@@ -271,10 +271,13 @@ ToolkitHeaders locate(const std::string& configured) {
   }
 
   std::vector<std::pair<std::string, std::string>> candidates;  // (path, where it came from)
-  if (auto home = env("CUDA_HOME")) candidates.emplace_back(*home + "/include", "$CUDA_HOME/include");
-  if (auto path = env("CUDA_PATH")) candidates.emplace_back(*path + "/include", "$CUDA_PATH/include");
+  if (auto home = env("CUDA_HOME"))
+    candidates.emplace_back(*home + "/include", "$CUDA_HOME/include");
+  if (auto path = env("CUDA_PATH"))
+    candidates.emplace_back(*path + "/include", "$CUDA_PATH/include");
   candidates.emplace_back("/usr/local/cuda/include", "default prefix");
-  for (std::string& dir : versioned_prefixes()) candidates.emplace_back(std::move(dir), "default prefix");
+  for (std::string& dir : versioned_prefixes())
+    candidates.emplace_back(std::move(dir), "default prefix");
   candidates.emplace_back("/opt/cuda/include", "default prefix");
   candidates.emplace_back("/usr/include", "default prefix");
 
@@ -406,8 +409,8 @@ std::string kernel_label(const GeneratedSource& src) {
   if (total == 0) {
     os << "\n  log: (empty)";
   } else {
-    os << "\n  log (" << shown << " of " << total << " lines; all in CompileError::log()):"
-       << head.str();
+    os << "\n  log (" << shown << " of " << total
+       << " lines; all in CompileError::log()):" << head.str();
   }
   if (!saved.empty()) {
     os << "\n  source saved to " << saved;
@@ -452,8 +455,8 @@ std::vector<std::string> compile_options(const Arch& arch) {
   return {arch.nvrtc_option(), "-std=c++17", "-default-device", "-lineinfo", "-Xptxas=-v"};
 }
 
-CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
-                       const ToolkitHeaders& toolkit, const std::string& failure_dir) {
+CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const ToolkitHeaders& toolkit,
+                       const std::string& failure_dir) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::string> options = compile_options(arch);
   for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
@@ -485,8 +488,8 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
 
   std::vector<const char*> option_ptrs;
   for (const std::string& option : options) option_ptrs.push_back(option.c_str());
-  const nvrtcResult result = nvrtcCompileProgram(
-      program.get(), static_cast<int>(option_ptrs.size()), option_ptrs.data());
+  const nvrtcResult result =
+      nvrtcCompileProgram(program.get(), static_cast<int>(option_ptrs.size()), option_ptrs.data());
   CompiledKernel out;
   out.log = program.log();
   if (result != NVRTC_SUCCESS) {
@@ -494,11 +497,10 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
   }
 
   const char* lowered = nullptr;
-  MOEJIT_NVRTC_CHECK(
-      nvrtcGetLoweredName(program.get(), src.name_expression.c_str(), &lowered));
-  MOEJIT_CHECK(lowered != nullptr && *lowered != '\0', ErrorCode::kInternal,
-               "NVRTC returned no lowered name for " << src.name_expression << " in "
-                                                     << src.file_name);
+  MOEJIT_NVRTC_CHECK(nvrtcGetLoweredName(program.get(), src.name_expression.c_str(), &lowered));
+  MOEJIT_CHECK(
+      lowered != nullptr && *lowered != '\0', ErrorCode::kInternal,
+      "NVRTC returned no lowered name for " << src.name_expression << " in " << src.file_name);
   out.lowered_name = lowered;
 
   std::size_t cubin_size = 0;

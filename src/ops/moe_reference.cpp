@@ -49,18 +49,18 @@ uint8_t nearest_e2m1(double v) {
 
 RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tokens, int top_k,
                                int num_experts, int expert_offset, int block_m) {
-  MOEJIT_CHECK(num_tokens >= 0 && top_k >= 1 && num_experts >= 1 && block_m >= 1 &&
-                   expert_offset >= 0,
-               kBadArg,
-               "route_reference: expected T >= 0, K >= 1, E >= 1, block_m >= 1 and "
-               "expert_offset >= 0; found T = "
-                   << num_tokens << ", K = " << top_k << ", E = " << num_experts
-                   << ", block_m = " << block_m << ", expert_offset = " << expert_offset);
+  MOEJIT_CHECK(
+      num_tokens >= 0 && top_k >= 1 && num_experts >= 1 && block_m >= 1 && expert_offset >= 0,
+      kBadArg,
+      "route_reference: expected T >= 0, K >= 1, E >= 1, block_m >= 1 and "
+      "expert_offset >= 0; found T = "
+          << num_tokens << ", K = " << top_k << ", E = " << num_experts << ", block_m = " << block_m
+          << ", expert_offset = " << expert_offset);
   const int64_t n = static_cast<int64_t>(num_tokens) * top_k;
   MOEJIT_CHECK(static_cast<int64_t>(topk_ids.size()) == n, kBadArg,
-               "route_reference: topk_ids holds " << topk_ids.size() << " ids; expected T * K = "
-                                                  << n << " (T = " << num_tokens
-                                                  << ", K = " << top_k << ")");
+               "route_reference: topk_ids holds "
+                   << topk_ids.size() << " ids; expected T * K = " << n << " (T = " << num_tokens
+                   << ", K = " << top_k << ")");
   const int64_t e_count = num_experts;
   const int64_t nonempty = std::min(e_count, n);
   RouteReference out;
@@ -85,8 +85,7 @@ RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tok
   }
   out.total_blocks = out.expert_block_offset.back();
 
-  out.sorted_rows.assign(static_cast<size_t>(out.total_blocks) * static_cast<size_t>(block_m),
-                         -1);
+  out.sorted_rows.assign(static_cast<size_t>(out.total_blocks) * static_cast<size_t>(block_m), -1);
   out.block_expert.assign(static_cast<size_t>(out.max_blocks), -1);
   for (int e = 0; e < num_experts; ++e) {
     for (int32_t b = out.expert_block_offset[static_cast<size_t>(e)];
@@ -164,8 +163,7 @@ void check_mxfp4_shape(int64_t rows, int64_t cols, const char* where) {
 Mxfp4Matrix mxfp4_random(int64_t rows, int64_t cols, int min_exponent, int max_exponent,
                          std::mt19937_64& rng) {
   check_mxfp4_shape(rows, cols, "mxfp4_random");
-  MOEJIT_CHECK(min_exponent >= -127 && max_exponent <= 127 && min_exponent <= max_exponent,
-               kBadArg,
+  MOEJIT_CHECK(min_exponent >= -127 && max_exponent <= 127 && min_exponent <= max_exponent, kBadArg,
                "mxfp4_random: expected -127 <= min_exponent <= max_exponent <= 127 (E8M0 0xFF "
                "is NaN); found ["
                    << min_exponent << ", " << max_exponent << "]");
@@ -210,7 +208,7 @@ Mxfp4Matrix mxfp4_quantize(const std::vector<float>& values, int64_t rows, int64
       if (v < 0 && code != 0) code = static_cast<uint8_t>(code | 8u);
       uint8_t& byte = m.blocks[static_cast<size_t>(g * 16 + j / 2)];
       byte = static_cast<uint8_t>((j % 2 == 0) ? ((byte & 0xf0u) | code)
-                                                : ((byte & 0x0fu) | (code << 4)));
+                                               : ((byte & 0x0fu) | (code << 4)));
     }
   }
   return m;
@@ -222,10 +220,9 @@ std::vector<double> mxfp4_dequantize(const Mxfp4Matrix& matrix) {
   MOEJIT_CHECK(static_cast<int64_t>(matrix.blocks.size()) == count / 2 &&
                    static_cast<int64_t>(matrix.scales.size()) == count / 32,
                kBadArg,
-               "mxfp4_dequantize: a [" << matrix.rows << ", " << matrix.cols
-                                       << "] matrix needs " << count / 2 << " block bytes and "
-                                       << count / 32 << " scales; found "
-                                       << matrix.blocks.size() << " and "
+               "mxfp4_dequantize: a [" << matrix.rows << ", " << matrix.cols << "] matrix needs "
+                                       << count / 2 << " block bytes and " << count / 32
+                                       << " scales; found " << matrix.blocks.size() << " and "
                                        << matrix.scales.size());
   std::vector<double> out(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
@@ -242,10 +239,13 @@ std::vector<double> mxfp4_dequantize(const Mxfp4Matrix& matrix) {
 double activation_reference(const Activation& activation, double gate, double up) {
   const double limit = activation.limit;
   switch (activation.kind) {
-    case ActivationKind::kSwiGLU: return silu(gate) * up;
+    case ActivationKind::kSwiGLU:
+      return silu(gate) * up;
     case ActivationKind::kClampedSwiGLU:
-      MOEJIT_CHECK(limit > 0, kBadArg, "activation_reference: clamped SwiGLU needs limit > 0; "
-                                       "found " << limit);
+      MOEJIT_CHECK(limit > 0, kBadArg,
+                   "activation_reference: clamped SwiGLU needs limit > 0; "
+                   "found "
+                       << limit);
       return silu(min_limit(gate, limit)) * clamp_limit(up, limit);
     case ActivationKind::kGptOss: {
       MOEJIT_CHECK(limit > 0, kBadArg,

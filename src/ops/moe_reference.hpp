@@ -32,10 +32,10 @@ RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tok
 
 // ---- bf16 -----------------------------------------------------------------------------------
 
-uint16_t bf16_bits(float x);           // round to nearest even; NaN stays a (quiet) NaN
-float bf16_value(uint16_t bits);       // exact
-float round_to_bf16(float x);          // bf16_value(bf16_bits(x))
-double round_to_bf16(double x);        // rounded once, straight from fp64 (no fp32 step)
+uint16_t bf16_bits(float x);      // round to nearest even; NaN stays a (quiet) NaN
+float bf16_value(uint16_t bits);  // exact
+float round_to_bf16(float x);     // bf16_value(bf16_bits(x))
+double round_to_bf16(double x);   // rounded once, straight from fp64 (no fp32 step)
 
 // ---- MXFP4 ----------------------------------------------------------------------------------
 

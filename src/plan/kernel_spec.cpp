@@ -3,10 +3,9 @@
 
 #include <cctype>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <type_traits>
-
-#include <nlohmann/json.hpp>
 
 #include "common/check.hpp"
 #include "moejit/error.hpp"
@@ -18,20 +17,28 @@ namespace detail {
 
 const char* dtype_short_name(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
-    case DType::kF32: return "f32";
-    case DType::kI32: return "i32";
-    case DType::kI64: return "i64";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
+    case DType::kF32:
+      return "f32";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
   }
   return "unknown";
 }
 
 const char* gate_short_name(SharedGate gate) noexcept {
   switch (gate) {
-    case SharedGate::kSigmoid: return "sigmoid";
-    case SharedGate::kConstant: return "constant";
-    case SharedGate::kGiven: return "given";
+    case SharedGate::kSigmoid:
+      return "sigmoid";
+    case SharedGate::kConstant:
+      return "constant";
+    case SharedGate::kGiven:
+      return "given";
   }
   return "unknown";
 }
@@ -157,7 +164,8 @@ std::string Arch::nvrtc_option() const { return "--gpu-architecture=" + name(); 
 
 const char* family_name(Family family) noexcept {
   switch (family) {
-    case Family::kAppendShared: return "append_shared";
+    case Family::kAppendShared:
+      return "append_shared";
   }
   return "unknown";
 }

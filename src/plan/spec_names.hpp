@@ -6,7 +6,7 @@
 
 namespace moejit::detail {
 
-const char* dtype_short_name(DType dtype) noexcept;      // "bf16", "f16", "f32", "i32", "i64"
-const char* gate_short_name(SharedGate gate) noexcept;   // "sigmoid", "constant", "given"
+const char* dtype_short_name(DType dtype) noexcept;     // "bf16", "f16", "f32", "i32", "i64"
+const char* gate_short_name(SharedGate gate) noexcept;  // "sigmoid", "constant", "given"
 
 }  // namespace moejit::detail

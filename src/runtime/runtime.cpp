@@ -150,8 +150,12 @@ std::string stream_text(CUstream stream) {
   return os.str();
 }
 
-[[noreturn]] void throw_no_context(CUresult result) {
-  if (result == CUDA_ERROR_INVALID_CONTEXT || result == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
+[[noreturn]] void throw_no_context(const DriverApi& api, CUresult result) {
+  CUcontext context = nullptr;
+  const bool no_context = result == CUDA_ERROR_INVALID_CONTEXT ||
+                          result == CUDA_ERROR_CONTEXT_IS_DESTROYED ||
+                          (api.cuCtxGetCurrent(&context) == CUDA_SUCCESS && context == nullptr);
+  if (no_context) {
     throw Error(ErrorCode::kDriver,
                 "no usable CUDA context is current on this thread (cuCtxGetDevice: " +
                     describe(result) +
@@ -313,7 +317,7 @@ CurrentDevice Runtime::current_device() {
   const DriverApi& api = driver();
   CUdevice device = 0;
   const CUresult result = api.cuCtxGetDevice(&device);
-  if (result != CUDA_SUCCESS) throw_no_context(result);
+  if (result != CUDA_SUCCESS) throw_no_context(api, result);
   if (device >= 0 && device < kMaxCachedDevices) {
     const int code = device_arch_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
     if (code != 0) return CurrentDevice{device, decode_arch(code)};

@@ -100,7 +100,6 @@ void write_fake_toolkit(const fs::path& root, const std::string& inner_text) {
   write_text(root / "inner.h", inner_text);
   write_text(root / "cccl/cuda/std/cstdint", "#pragma once\n#include <cuda/std/__fake/detail>\n");
   write_text(root / "cccl/cuda/std/__fake/detail", "// detail\n");
-  write_text(root / "cccl/cuda/std/type_traits", "#pragma once\n");
 }
 
 // Set an environment variable for one scope.
@@ -144,7 +143,9 @@ TEST_CASE("every append_shared variant compiles for sm_90a, sm_100a and sm_80", 
       const moejit::detail::CompiledKernel kernel =
           moejit::detail::compile(src, spec.arch, toolkit(), "");
       REQUIRE(kernel.cubin.size() > 4);
-      CHECK(kernel.cubin.compare(0, 4, "\x7f" "ELF") == 0);
+      CHECK(kernel.cubin.compare(0, 4,
+                                 "\x7f"
+                                 "ELF") == 0);
       CHECK(!kernel.lowered_name.empty());
       CHECK(contains(kernel.lowered_name, "append_shared"));
       CHECK(contains(kernel.log, "ptxas"));
@@ -162,7 +163,9 @@ TEST_CASE("append_shared compiles at the edges of its ranges", "[nvrtc]") {
     INFO(spec.display_name());
     const auto kernel =
         moejit::detail::compile(moejit::detail::render(spec), spec.arch, toolkit(), "");
-    CHECK(kernel.cubin.compare(0, 4, "\x7f" "ELF") == 0);
+    CHECK(kernel.cubin.compare(0, 4,
+                               "\x7f"
+                               "ELF") == 0);
     CHECK(contains(kernel.lowered_name, "append_shared"));
   }
 }
@@ -210,8 +213,8 @@ TEST_CASE("without a failure directory the message says the source was not saved
       spec_of(params_of(6, 1, DType::kI32, SharedGate::kConstant, DType::kF32, 128), "sm_80");
   moejit::detail::GeneratedSource src = moejit::detail::render(spec);
   src.source += "\n#error moejit deliberate failure\n";
-  const CompileError error = expect_throw<CompileError>(
-      [&] { moejit::detail::compile(src, spec.arch, toolkit(), ""); });
+  const CompileError error =
+      expect_throw<CompileError>([&] { moejit::detail::compile(src, spec.arch, toolkit(), ""); });
   CHECK(error.source_path().empty());
   CHECK(contains(error.what(), "source not saved"));
   CHECK(contains(error.what(), "moejit deliberate failure"));
@@ -226,8 +229,7 @@ TEST_CASE("the append_shared traits' static_asserts fire under NVRTC", "[nvrtc]"
       {"6, 1, int, moejit::kern::SharedGate::kSigmoid, __nv_bfloat16, 100",
        "BlockThreads must be a multiple of 32 in [32, 1024]"},
       {"0, 1, int, moejit::kern::SharedGate::kSigmoid, float, 128", "TopK must be in [1, 64]"},
-      {"6, 9, int, moejit::kern::SharedGate::kSigmoid, float, 128",
-       "NumShared must be in [1, 8]"},
+      {"6, 9, int, moejit::kern::SharedGate::kSigmoid, float, 128", "NumShared must be in [1, 8]"},
       {"6, 1, unsigned, moejit::kern::SharedGate::kConstant, float, 128",
        "IdT must be int (int32 ids) or long long (int64 ids)"},
       {"6, 1, int, moejit::kern::SharedGate::kSigmoid, double, 128",
@@ -240,8 +242,9 @@ TEST_CASE("the append_shared traits' static_asserts fire under NVRTC", "[nvrtc]"
     moejit::detail::GeneratedSource src;
     src.file_name = "append_shared_bad_traits.cu";
     src.source = "#include <moejit/kern/append_shared.cuh>\n";
-    src.name_expression = std::string("moejit::kern::append_shared_kernel<moejit::kern::"
-                                      "AppendSharedTraits<") +
+    src.name_expression = std::string(
+                              "moejit::kern::append_shared_kernel<moejit::kern::"
+                              "AppendSharedTraits<") +
                           c.traits_args + ">>";
     const CompileError error = expect_throw<CompileError>(
         [&] { moejit::detail::compile(src, Arch::parse("sm_90a"), toolkit(), ""); });
@@ -264,9 +267,8 @@ TEST_CASE("an arch this NVRTC cannot target is a CompileError listing the suppor
       spec_of(params_of(6, 1, DType::kI32, SharedGate::kSigmoid, DType::kBF16, 128), "sm_90a");
   spec.arch.sm = 990;  // well-formed, but no NVRTC targets it
   spec.arch.arch_specific = false;
-  const CompileError error = expect_throw<CompileError>([&] {
-    moejit::detail::compile(moejit::detail::render(spec), spec.arch, toolkit(), "");
-  });
+  const CompileError error = expect_throw<CompileError>(
+      [&] { moejit::detail::compile(moejit::detail::render(spec), spec.arch, toolkit(), ""); });
   CHECK(contains(error.what(), "sm_990 is not a target of this NVRTC"));
   CHECK(contains(error.what(), "sm_90"));
 }
@@ -325,9 +327,8 @@ TEST_CASE("toolkit headers: the digest follows includes and ignores where the to
   CHECK(ta.include_dir == canonical_a);
   CHECK(ta.include_dirs == std::vector<std::string>{canonical_a, canonical_a + "/cccl"});
   CHECK(ta.files == std::vector<std::string>{"cuda/std/__fake/detail", "cuda/std/cstdint",
-                                             "cuda/std/type_traits", "cuda_bf16.h", "cuda_fp16.h",
-                                             "inner.h"});
-  CHECK(ta.digest == tb.digest);  // same content elsewhere: same digest
+                                             "cuda_bf16.h", "cuda_fp16.h", "inner.h"});
+  CHECK(ta.digest == tb.digest);     // same content elsewhere: same digest
   CHECK(!(ta.digest == tc.digest));  // a header reached only transitively changed
   CHECK(&moejit::detail::toolkit_headers(a.string()) == &ta);  // memoized
 }

@@ -2,6 +2,7 @@
 // properties (random and adversarial ids), the sizes route_params.cuh gives the workspace, the
 // bf16 / MXFP4 helpers, the activations, and the fp64 layer on hand-built cases.
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -10,8 +11,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <catch2/catch.hpp>
 
 #include "../../kernels/moe/route_params.cuh"
 #include "moejit/error.hpp"
@@ -23,8 +22,8 @@ using moejit::Activation;
 using moejit::ActivationKind;
 using moejit::detail::MoeLayerOptions;
 using moejit::detail::MoeWeightsF64;
-using moejit::detail::RouteReference;
 using moejit::detail::route_reference;
+using moejit::detail::RouteReference;
 
 struct RouteCase {
   std::string name;
@@ -51,8 +50,7 @@ void check_route(const RouteCase& c, const RouteReference& r) {
   REQUIRE(r.expert_counts.size() == static_cast<size_t>(c.experts));
   REQUIRE(r.expert_block_offset.size() == static_cast<size_t>(c.experts) + 1);
   REQUIRE(r.slot_row.size() == static_cast<size_t>(n));
-  const int64_t expected_max =
-      n == 0 ? 0 : (n + std::min<int64_t>(c.experts, n) * (B - 1)) / B;
+  const int64_t expected_max = n == 0 ? 0 : (n + std::min<int64_t>(c.experts, n) * (B - 1)) / B;
   REQUIRE(r.max_blocks == expected_max);
   REQUIRE(r.max_blocks <= n);
   REQUIRE(r.total_blocks <= r.max_blocks);
@@ -174,8 +172,13 @@ TEST_CASE("route model: random ids on real and odd shapes", "[route]") {
     for (int tokens : token_counts) {
       for (int block_m : blocks) {
         for (int rank = 0; rank < s.ep_ranks; ++rank) {
-          RouteCase c{"random", tokens,          s.top_k, s.experts, rank * s.experts,
-                      block_m,  random_ids(rng, tokens, s.top_k, s.experts * s.ep_ranks, 0.1)};
+          RouteCase c{"random",
+                      tokens,
+                      s.top_k,
+                      s.experts,
+                      rank * s.experts,
+                      block_m,
+                      random_ids(rng, tokens, s.top_k, s.experts * s.ep_ranks, 0.1)};
           check_route(c, run_case(c));
         }
       }
@@ -191,16 +194,22 @@ TEST_CASE("route model: adversarial ids", "[route]") {
   std::vector<RouteCase> cases;
   cases.push_back({"all -1", tokens, top_k, experts, 0, 16, std::vector<int32_t>(n, -1)});
   cases.push_back({"all one expert", tokens, top_k, experts, 0, 16, std::vector<int32_t>(n, 7)});
-  cases.push_back({"all last local expert", tokens, top_k, experts, 80, 16,
-                   std::vector<int32_t>(n, 119)});
-  cases.push_back({"all other rank (below)", tokens, top_k, experts, 40, 16,
-                   std::vector<int32_t>(n, 39)});
-  cases.push_back({"all other rank (above)", tokens, top_k, experts, 40, 16,
-                   std::vector<int32_t>(n, 80)});
+  cases.push_back(
+      {"all last local expert", tokens, top_k, experts, 80, 16, std::vector<int32_t>(n, 119)});
+  cases.push_back(
+      {"all other rank (below)", tokens, top_k, experts, 40, 16, std::vector<int32_t>(n, 39)});
+  cases.push_back(
+      {"all other rank (above)", tokens, top_k, experts, 40, 16, std::vector<int32_t>(n, 80)});
   std::vector<int32_t> extremes(n);
   for (size_t i = 0; i < n; ++i) {
-    const int32_t pool[] = {std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
-                            -2, -1, 39, 40, 79, 80};
+    const int32_t pool[] = {std::numeric_limits<int32_t>::min(),
+                            std::numeric_limits<int32_t>::max(),
+                            -2,
+                            -1,
+                            39,
+                            40,
+                            79,
+                            80};
     extremes[i] = pool[i % 8];
   }
   cases.push_back({"int32 extremes and rank edges", tokens, top_k, experts, 40, 8, extremes});
@@ -272,23 +281,28 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
   struct Sizes {
     long long rows, experts, block_m, chunk;
   };
-  const Sizes cases[] = {{0, 896, 8, 4096},        {16, 896, 8, 4096},   {4096, 896, 16, 4096},
+  const Sizes cases[] = {{0, 896, 8, 4096},        {16, 896, 8, 4096},     {4096, 896, 16, 4096},
                          {262144, 896, 128, 4096}, {65536, 128, 64, 4096}, {4097, 3, 8, 4096}};
   for (const Sizes& s : cases) {
     const auto l = route_workspace_layout(s.rows, s.experts, s.block_m, s.chunk);
-    const unsigned long long offsets[] = {l.expert_counts, l.expert_block_offset, l.sorted_rows,
-                                          l.block_expert,  l.slot_row,            l.total_blocks,
-                                          l.chunk_base,    l.bytes};
+    const unsigned long long offsets[] = {
+        l.expert_counts, l.expert_block_offset, l.sorted_rows, l.block_expert,
+        l.slot_row,      l.total_blocks,        l.chunk_base,  l.bytes};
     const unsigned long long rows = static_cast<unsigned long long>(s.rows);
     const unsigned long long experts = static_cast<unsigned long long>(s.experts);
-    const unsigned long long blocks =
-        static_cast<unsigned long long>(moejit::kern::moe::route_max_blocks(s.rows, s.experts, s.block_m));
-    const unsigned long long chunks =
-        s.rows <= s.chunk ? 1ull : (rows + static_cast<unsigned long long>(s.chunk) - 1) /
-                                       static_cast<unsigned long long>(s.chunk);
-    const unsigned long long need[] = {4 * experts, 4 * (experts + 1),
+    const unsigned long long blocks = static_cast<unsigned long long>(
+        moejit::kern::moe::route_max_blocks(s.rows, s.experts, s.block_m));
+    const unsigned long long chunks = s.rows <= s.chunk
+                                          ? 1ull
+                                          : (rows + static_cast<unsigned long long>(s.chunk) - 1) /
+                                                static_cast<unsigned long long>(s.chunk);
+    const unsigned long long need[] = {4 * experts,
+                                       4 * (experts + 1),
                                        4 * blocks * static_cast<unsigned long long>(s.block_m),
-                                       4 * blocks, 4 * rows, 4, 4 * chunks * experts};
+                                       4 * blocks,
+                                       4 * rows,
+                                       4,
+                                       4 * chunks * experts};
     for (size_t i = 0; i + 1 < std::size(offsets); ++i) {
       CHECK(offsets[i] % kRouteAlign == 0);
       CHECK(offsets[i + 1] >= offsets[i] + need[i]);
@@ -303,8 +317,8 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
 
 TEST_CASE("bf16 rounding: nearest even, once", "[route][moe_reference]") {
   using moejit::detail::round_to_bf16;
-  CHECK(round_to_bf16(1.0f + 0x1p-8f) == 1.0f);                  // tie, to even
-  CHECK(round_to_bf16(1.0f + 3 * 0x1p-8f) == 1.0f + 0x1p-6f);     // tie, to even (up)
+  CHECK(round_to_bf16(1.0f + 0x1p-8f) == 1.0f);                // tie, to even
+  CHECK(round_to_bf16(1.0f + 3 * 0x1p-8f) == 1.0f + 0x1p-6f);  // tie, to even (up)
   CHECK(round_to_bf16(1.0f + 0x1p-8f + 0x1p-20f) == 1.0f + 0x1p-7f);
   CHECK(round_to_bf16(-3.0f) == -3.0f);
   CHECK(std::isinf(round_to_bf16(3.4e38f)));
@@ -441,7 +455,8 @@ TEST_CASE("MoE layer reference: a one-expert case by hand", "[route][moe_referen
                                         2.0 * (-80.0 / 8 + 1), 2.0 * (2 * 160.0 - 1)};
   for (bool interleaved : {false, true}) {
     INFO("interleaved " << interleaved);
-    const auto out = moe_layer_reference(identity_like(interleaved), hidden, ids, weights, 2, 2, opt);
+    const auto out =
+        moe_layer_reference(identity_like(interleaved), hidden, ids, weights, 2, 2, opt);
     CHECK(out == expected);
   }
   // FC1 output rounded to bf16 before FC2: 40.078125 -> 40 (bf16 step 0.25 in [32, 64)).
@@ -490,9 +505,9 @@ TEST_CASE("MoE layer reference: EP halves sum to the whole", "[route][moe_refere
     MoeWeightsF64 h = all;
     h.num_experts = experts / 2;
     auto slice = [&](const std::vector<double>& v, size_t per_expert) {
-      return std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(first * per_expert),
-                                 v.begin() + static_cast<std::ptrdiff_t>((first + experts / 2) *
-                                                                         per_expert));
+      return std::vector<double>(
+          v.begin() + static_cast<std::ptrdiff_t>(first * per_expert),
+          v.begin() + static_cast<std::ptrdiff_t>((first + experts / 2) * per_expert));
     };
     h.w13 = slice(all.w13, static_cast<size_t>(2 * inter * hidden_size));
     h.b13 = slice(all.b13, static_cast<size_t>(2 * inter));
@@ -505,7 +520,8 @@ TEST_CASE("MoE layer reference: EP halves sum to the whole", "[route][moe_refere
   const auto whole = moe_layer_reference(all, hidden, ids, weights, tokens, top_k, opt);
   const auto low = moe_layer_reference(half(0), hidden, ids, weights, tokens, top_k, opt);
   opt.expert_offset = experts / 2;
-  const auto high = moe_layer_reference(half(experts / 2), hidden, ids, weights, tokens, top_k, opt);
+  const auto high =
+      moe_layer_reference(half(experts / 2), hidden, ids, weights, tokens, top_k, opt);
   double scale = 0;
   for (double v : whole) scale = std::max(scale, std::fabs(v));
   REQUIRE(scale > 0);
@@ -535,8 +551,7 @@ TEST_CASE("MoE layer reference: EP halves sum to the whole", "[route][moe_refere
         }
         expected += static_cast<double>(weights[static_cast<size_t>(t * top_k + k)]) * y;
       }
-      CHECK(std::fabs(whole[static_cast<size_t>(t * hidden_size + h)] - expected) <=
-            1e-13 * scale);
+      CHECK(std::fabs(whole[static_cast<size_t>(t * hidden_size + h)] - expected) <= 1e-13 * scale);
     }
   }
 }
