@@ -52,7 +52,8 @@ struct KernelSpec {
   Arch arch;
   FamilyParams params;
 
-  // A short human-readable name, e.g. "append_shared<k6,s1,i32,sigmoid,bf16>@sm_90a".
+  // A short human-readable name, e.g. "append_shared<k6,s1,i32,sigmoid,bf16,t128>@sm_90a" (a
+  // constant gate reads no logits, so it omits their dtype: "<k6,s1,i32,constant,t128>").
   std::string display_name() const;
   // The same facts as JSON text (stable field order), for manifests and `moejit list`.
   std::string to_json() const;
