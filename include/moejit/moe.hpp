@@ -1,0 +1,122 @@
+// libmoejit: the routed-expert MoE layer (MXFP4 weights, bf16 activations) for an engine.
+//
+//   1. once per model load: size the kernel-layout weight buffers (moe_weight_layout), allocate
+//      them, and repack the checkpoint into them on the GPU (moe_repack_gpt_oss or
+//      moe_repack_separate);
+//   2. once per engine: allocate moe_workspace_bytes(shape, max_tokens) bytes of device memory;
+//   3. every layer, every step: moe_forward(shape, args, stream): route + FC1 (+ activation) +
+//      FC2 + top-k weighted combine, on `stream`, with no allocation and no host sync, so it can
+//      be captured in a CUDA graph. Run `moejit prewarm` (or moejit::prewarm) on the shape first:
+//      every kernel moe_forward can pick for any T <= shape.max_tokens is then already built.
+//
+// All pointers are device pointers of the device of the current CUDA context; every tensor is
+// contiguous (row-major, strides null or compact). Shapes use E = shape.num_experts (local),
+// K = shape.top_k, H = shape.hidden, I = shape.intermediate, T = tokens of the call.
+#pragma once
+
+#include <dlpack/dlpack.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moejit/ops.hpp"
+#include "moejit/shape.hpp"
+
+namespace moejit {
+
+// Bytes of each kernel-layout buffer of one rank's experts. The layout does not depend on T or
+// on the kernel configuration: one repack serves every call.
+struct MoeWeightLayout {
+  std::size_t w13_bytes = 0;         // FC1 nibbles (gate and up rows fused)
+  std::size_t w13_scale_bytes = 0;   // FC1 E8M0 scales
+  std::size_t w2_bytes = 0;          // FC2 nibbles
+  std::size_t w2_scale_bytes = 0;    // FC2 E8M0 scales
+  std::size_t b13_bytes = 0;         // FC1 bias, bf16 [E, 2I]; 0 when !shape.has_bias
+  std::size_t b2_bytes = 0;          // FC2 bias, bf16 [E, H]; 0 when !shape.has_bias
+};
+
+// Throws Error{kInvalidDescriptor} when the shape breaks a rule, Error{kUnsupported} when no
+// kernel serves it (the message says which rule).
+MoeWeightLayout moe_weight_layout(const ModelShape& shape);
+
+// The repacked weights moe_forward reads (sizes from moe_weight_layout, 256-byte aligned).
+struct MoeWeights {
+  void* w13 = nullptr;
+  void* w13_scales = nullptr;
+  void* w2 = nullptr;
+  void* w2_scales = nullptr;
+  // Biases need no repack: bf16, used as the checkpoint stores them. b13 [E, 2I] in gpt-oss row
+  // order (b13[e, 2j] = gate j, b13[e, 2j + 1] = up j); b2 [E, H]. Both required when
+  // shape.has_bias, both null otherwise.
+  const void* b13 = nullptr;
+  const void* b2 = nullptr;
+};
+
+// gpt-oss checkpoint (uint8 tensors as stored): w13 gate/up interleaved by row (row 2j = gate j,
+// row 2j + 1 = up j).
+//   w13_blocks [n, 2I, H/32, 16], w13_scales [n, 2I, H/32]
+//   w2_blocks  [n, H, I/32, 16],  w2_scales  [n, H, I/32]
+// n experts are written to local experts [first_expert, first_expert + n).
+struct GptOssCheckpoint {
+  const DLTensor* w13_blocks = nullptr;
+  const DLTensor* w13_scales = nullptr;
+  const DLTensor* w2_blocks = nullptr;
+  const DLTensor* w2_scales = nullptr;
+};
+
+// DeepSeek-style checkpoint: w1 (gate), w3 (up) and w2 separate (uint8 as stored). Each tensor is
+// either one expert (w1_blocks [I, H/32, 16], w1_scales [I, H/32], ...) or a stack of n experts
+// ([n, I, H/32, 16], [n, I, H/32]); all six agree on n.
+//   w1, w3: blocks [I, H/32, 16], scales [I, H/32];  w2: blocks [H, I/32, 16], scales [H, I/32]
+struct SeparateCheckpoint {
+  const DLTensor* w1_blocks = nullptr;
+  const DLTensor* w1_scales = nullptr;
+  const DLTensor* w3_blocks = nullptr;
+  const DLTensor* w3_scales = nullptr;
+  const DLTensor* w2_blocks = nullptr;
+  const DLTensor* w2_scales = nullptr;
+};
+
+struct MoeRepackTarget {
+  MoeWeights weights;       // w13, w13_scales, w2, w2_scales written (biases untouched)
+  int first_expert = 0;     // local expert that checkpoint expert 0 becomes
+  // Optional int32 [1] device counter: repack adds the number of scale bytes it cannot
+  // dequantize exactly (0xFF = NaN, or a scale outside 2^-62 .. 2^64). Zero it first, read it
+  // after the stream finishes; nonzero means the checkpoint should be refused. Null = not counted.
+  int32_t* bad_scale_count = nullptr;
+};
+
+// Repack on `stream` (no allocation, no host sync). Throws Error{kInvalidArgument} naming the
+// tensor and the expected vs found shape, dtype or device when an input does not match `shape`,
+// or when [first_expert, first_expert + n) leaves [0, E).
+void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpoint,
+                        const MoeRepackTarget& target, Stream stream);
+void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& checkpoint,
+                         const MoeRepackTarget& target, Stream stream);
+
+// Device workspace (bytes, 256-byte aligned base) moe_forward needs for any T <= max_tokens:
+// route arrays, the FC1 output and the FC2 output. Throws Error{kInvalidArgument} when
+// max_tokens < 0 or exceeds shape.max_tokens.
+std::size_t moe_workspace_bytes(const ModelShape& shape, int max_tokens);
+
+struct MoeForwardArgs {
+  const DLTensor* hidden = nullptr;        // [T, H] bf16
+  const DLTensor* topk_ids = nullptr;      // [T, K] global expert ids, int32 (int64 when
+                                           // shape.id_dtype is kI64); -1 or another rank's id
+                                           // contributes nothing
+  const DLTensor* topk_weights = nullptr;  // [T, K] fp32
+  MoeWeights weights;
+  void* workspace = nullptr;               // moe_workspace_bytes(shape, >= T) bytes
+  std::size_t workspace_bytes = 0;
+  DLTensor* out = nullptr;                 // [T, H] bf16; written completely (0 for a token
+                                           // with no local expert)
+};
+
+// out[t] = sum over slots s with a local id e of topk_weights[t, s] *
+//          (W2_e act(W13_e hidden[t] + b13_e) + b2_e),
+// summed in slot order (deterministic: same inputs, same bits). T = 0 launches nothing.
+// Throws Error{kInvalidArgument} on a mismatched tensor or a short workspace, Error{kCaptureMiss}
+// when a kernel is not built and the stream is capturing (prewarm first).
+void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream);
+
+}  // namespace moejit
