@@ -24,10 +24,17 @@ struct Arch {
   }
 };
 
-enum class Family { kAppendShared };
+enum class Family {
+  kAppendShared,  // routed top-k + shared experts (kernels/append_shared.cuh)
+  kRoute,         // topk_ids -> expert-sorted, block-padded rows (kernels/moe/route.cuh)
+  kRepack,        // checkpoint MXFP4 -> kernel layout (kernels/moe/repack.cuh)
+  kMarlinMoe,     // grouped MXFP4 x bf16 GEMM, FC1 or FC2 (kernels/moe/moe_gemm.cuh)
+  kCombine,       // top-k weighted sum of FC2 rows into [T, H] (kernels/moe/combine.cuh)
+  kNarrowIds,     // int64 topk_ids -> int32 for route (kernels/moe/narrow_ids.cuh)
+};
 
 const char* family_name(Family family) noexcept;
-Family parse_family(const std::string& text);  // "append_shared"; throws Error{kInvalidArgument}
+Family parse_family(const std::string& text);  // "append_shared", "marlin_moe", ...; throws Error{kInvalidArgument}
 
 // append_shared: routed top-k copied, then S shared experts appended, one launch.
 struct AppendSharedParams {
@@ -45,7 +52,98 @@ struct AppendSharedParams {
   }
 };
 
-using FamilyParams = std::variant<AppendSharedParams>;
+// route: one of the four route kernels. N = T * K entries; N <= chunk_rows takes the one-launch
+// path (kSingle), larger N the three launches kRank, kScan, kScatter (same traits for all three).
+enum class RouteKernel { kSingle, kRank, kScan, kScatter };
+
+struct MoeRouteParams {
+  RouteKernel kernel = RouteKernel::kSingle;
+  int num_experts = 0;    // E local experts (ids [expert_offset, expert_offset + E) are local)
+  int top_k = 0;          // K slots per token
+  int block_m = 0;        // rows per GEMM block: the grouped GEMM's block_n (8..128, power of 2)
+  int block_threads = 0;  // threads per CTA of every route kernel
+  int chunk_rows = 0;     // C: entries one CTA ranks (a multiple of block_threads)
+
+  friend bool operator==(const MoeRouteParams& a, const MoeRouteParams& b) {
+    return a.kernel == b.kernel && a.num_experts == b.num_experts && a.top_k == b.top_k &&
+           a.block_m == b.block_m && a.block_threads == b.block_threads &&
+           a.chunk_rows == b.chunk_rows;
+  }
+};
+
+// repack: one launch per matrix; nothing in it depends on the model's sizes.
+struct MoeRepackParams {
+  bool gate_up = true;      // FC1 (gate and up sources fused per atom) or a plain matrix (FC2)
+  int block_threads = 256;  // threads per CTA (one per lane of an atom)
+
+  friend bool operator==(const MoeRepackParams& a, const MoeRepackParams& b) {
+    return a.gate_up == b.gate_up && a.block_threads == b.block_threads;
+  }
+};
+
+// Which GEMM of the layer a marlin_moe kernel is.
+enum class MoeGemmStage {
+  kFc1,  // W13 x hidden -> (+ bias) -> activation(gate, up) -> inter, bf16
+  kFc2,  // W2 x inter -> (+ bias) * top-k weight -> out2, fp32 or bf16
+};
+
+// marlin_moe: every template argument of kernels/moe/moe_gemm.cuh's MoeGemmTraits and epilogue.
+// Sizes of the model (E, H, I) are kernel arguments, so one kernel serves every shape that
+// shares the tile, the activation and the bias.
+struct MarlinMoeParams {
+  MoeGemmStage stage = MoeGemmStage::kFc1;
+  int block_m = 0;            // weight rows per CTA (multiple of 16 * warps_m)
+  int block_n = 0;            // padded token rows per CTA = the route block (multiple of 8 * warps_n)
+  int block_k = 0;            // K per pipeline stage (multiple of 64 * warps_k)
+  int stages = 0;             // cp.async pipeline depth (>= 2)
+  int warps_m = 0;            // warps splitting the CTA's rows
+  int warps_n = 0;            // warps splitting the CTA's token rows
+  int warps_k = 0;            // warps splitting each stage's K (summed in a fixed order)
+  int min_blocks_per_sm = 1;  // occupancy target of __launch_bounds__
+  bool early_weights = false; // weight prologue before the PDL wait (FC2 only)
+  bool has_bias = false;      // FC1 bias [E, 2I] (gate, up pairs), FC2 bias [E, H]
+  Activation activation;      // FC1: the gated activation; FC2: none (left default)
+  DType out_dtype = DType::kBF16;  // FC1: bf16; FC2: f32 or bf16 (the FC2 rows combine sums)
+
+  friend bool operator==(const MarlinMoeParams& a, const MarlinMoeParams& b) {
+    return a.stage == b.stage && a.block_m == b.block_m && a.block_n == b.block_n &&
+           a.block_k == b.block_k && a.stages == b.stages && a.warps_m == b.warps_m &&
+           a.warps_n == b.warps_n && a.warps_k == b.warps_k &&
+           a.min_blocks_per_sm == b.min_blocks_per_sm && a.early_weights == b.early_weights &&
+           a.has_bias == b.has_bias && a.activation.kind == b.activation.kind &&
+           a.activation.limit == b.activation.limit && a.activation.alpha == b.activation.alpha &&
+           a.activation.beta == b.activation.beta &&
+           a.activation.linear_beta == b.activation.linear_beta && a.out_dtype == b.out_dtype;
+  }
+};
+
+// combine: out[t] = bf16(sum over slots in order of the FC2 rows of token t).
+struct MoeCombineParams {
+  int hidden = 0;              // H (multiple of 8)
+  int top_k = 0;               // K
+  DType in_dtype = DType::kF32;  // FC2 rows: f32 or bf16 (MarlinMoeParams::out_dtype of FC2)
+  int block_threads = 256;
+
+  friend bool operator==(const MoeCombineParams& a, const MoeCombineParams& b) {
+    return a.hidden == b.hidden && a.top_k == b.top_k && a.in_dtype == b.in_dtype &&
+           a.block_threads == b.block_threads;
+  }
+};
+
+// narrow_ids: int64 topk_ids -> int32 (ids outside int32 become -1: no local expert has one).
+struct NarrowIdsParams {
+  int block_threads = 256;
+
+  friend bool operator==(const NarrowIdsParams& a, const NarrowIdsParams& b) {
+    return a.block_threads == b.block_threads;
+  }
+};
+
+using FamilyParams = std::variant<AppendSharedParams, MoeRouteParams, MoeRepackParams,
+                                  MarlinMoeParams, MoeCombineParams, NarrowIdsParams>;
+
+const char* route_kernel_name(RouteKernel kernel) noexcept;  // "single", "rank", "scan", "scatter"
+const char* moe_gemm_stage_name(MoeGemmStage stage) noexcept;  // "fc1", "fc2"
 
 struct KernelSpec {
   Family family = Family::kAppendShared;

@@ -123,7 +123,7 @@ int run_gc(const std::string& max_size) {
   }
   const detail::DiskCache& disk = open_cache("gc", true);
   detail::GcReport report = disk.gc(*limit);
-  std::cout << "gc: removed " << report.removed << " entr" << (report.removed == 1 ? "y" : "ies");
+  std::cout << "gc: removed " << report.removed << " file(s) (entries and quarantined)";
   if (report.stale_temp_removed > 0) {
     std::cout << " and " << report.stale_temp_removed << " stale temp file(s)";
   }
@@ -136,7 +136,7 @@ int run_gc(const std::string& max_size) {
 int run_clear() {
   const detail::DiskCache& disk = open_cache("clear", true);
   int removed = disk.clear();
-  std::cout << "clear: removed " << removed << " entr" << (removed == 1 ? "y" : "ies") << " from "
+  std::cout << "clear: removed " << removed << " file(s) (entries and quarantined) from "
             << disk.dir() << "\n";
   return kExitOk;
 }

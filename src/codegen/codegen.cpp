@@ -2,12 +2,14 @@
 // ever spliced into the source as free text.
 #include "codegen/codegen.hpp"
 
+#include <optional>
 #include <sstream>
 #include <string>
 #include <variant>
 
 #include "common/check.hpp"
 #include "moejit/error.hpp"
+#include "plan/moe_plan.hpp"
 #include "plan/spec_names.hpp"
 
 namespace moejit::detail {
@@ -78,6 +80,142 @@ FamilyText family_text(const AppendSharedParams& p) {
   if (p.gate != SharedGate::kConstant) stem << '_' << dtype_short_name(logit);
   stem << "_t" << p.block_threads;
   return FamilyText{"moejit/kern/append_shared.cuh", name.str(), stem.str()};
+}
+
+// ---- MoE families -----------------------------------------------------------------------------
+
+constexpr const char* kMoeNs = "moejit::kern::moe::";
+
+const char* route_kernel_function(RouteKernel kernel) {
+  switch (kernel) {
+    case RouteKernel::kSingle:
+      return "route_single_kernel";
+    case RouteKernel::kRank:
+      return "route_rank_kernel";
+    case RouteKernel::kScan:
+      return "route_scan_kernel";
+    case RouteKernel::kScatter:
+      return "route_scatter_kernel";
+  }
+  throw Error(ErrorCode::kInternal, "codegen: unknown RouteKernel value");
+}
+
+FamilyText family_text(const MoeRouteParams& p) {
+  std::ostringstream name;
+  name << kMoeNs << route_kernel_function(p.kernel) << '<' << kMoeNs << "RouteTraits<"
+       << p.num_experts << ", " << p.top_k << ", " << p.block_m << ", " << p.block_threads << ", "
+       << p.chunk_rows << ">>";
+  std::ostringstream stem;
+  stem << "route_" << route_kernel_name(p.kernel) << "_e" << p.num_experts << "_k" << p.top_k
+       << "_b" << p.block_m << "_t" << p.block_threads << "_c" << p.chunk_rows;
+  return FamilyText{"moejit/kern/moe/route.cuh", name.str(), stem.str()};
+}
+
+FamilyText family_text(const MoeRepackParams& p) {
+  std::ostringstream name;
+  name << kMoeNs << "repack_mxfp4<" << kMoeNs << "RepackTraits<" << (p.gate_up ? "true" : "false")
+       << ", " << p.block_threads << ">>";
+  std::ostringstream stem;
+  stem << "repack_" << (p.gate_up ? "gate_up" : "plain") << "_t" << p.block_threads;
+  return FamilyText{"moejit/kern/moe/repack.cuh", name.str(), stem.str()};
+}
+
+// A constant as the "num, den" template arguments of activation.cuh's Ratio.
+struct RatioText {
+  std::string args;  // "1702, 1000"
+  std::string stem;  // "1702o1000"
+};
+
+RatioText ratio_text(const char* what, float value) {
+  const std::optional<FloatRatio> ratio = float_ratio(value);
+  if (!ratio) {
+    throw Error(ErrorCode::kInternal, std::string("codegen: activation constant ") + what +
+                                          " has no exact ratio (supports() should refuse it)");
+  }
+  return RatioText{std::to_string(ratio->num) + ", " + std::to_string(ratio->den),
+                   std::to_string(ratio->num) + "o" + std::to_string(ratio->den)};
+}
+
+// The functor type of a gated activation, and its part of the file name.
+struct ActivationText {
+  std::string type;
+  std::string stem;
+};
+
+ActivationText activation_type(const Activation& a) {
+  const std::string ns = std::string(kMoeNs) + "act::";
+  switch (a.kind) {
+    case ActivationKind::kSwiGLU:
+      return ActivationText{ns + "SwiGLU", "swiglu"};
+    case ActivationKind::kClampedSwiGLU: {
+      const RatioText limit = ratio_text("limit", a.limit);
+      return ActivationText{ns + "ClampedSwiGLU<" + limit.args + ">",
+                            "clamped_swiglu_l" + limit.stem};
+    }
+    case ActivationKind::kGptOss: {
+      const RatioText alpha = ratio_text("alpha", a.alpha);
+      const RatioText limit = ratio_text("limit", a.limit);
+      return ActivationText{ns + "GptOssSwiGLU<" + alpha.args + ", " + limit.args + ">",
+                            "gpt_oss_a" + alpha.stem + "_l" + limit.stem};
+    }
+    case ActivationKind::kSiTU: {
+      const RatioText beta = ratio_text("beta", a.beta);
+      const RatioText linear = ratio_text("linear_beta", a.linear_beta);
+      return ActivationText{ns + "SiTU<" + beta.args + ", " + linear.args + ">",
+                            "situ_b" + beta.stem + "_lb" + linear.stem};
+    }
+  }
+  throw Error(ErrorCode::kInternal, "codegen: unknown ActivationKind value");
+}
+
+FamilyText family_text(const MarlinMoeParams& p) {
+  const bool fc1 = p.stage == MoeGemmStage::kFc1;
+  std::string epilogue;
+  std::string epilogue_stem;
+  if (fc1) {
+    const ActivationText act = activation_type(p.activation);
+    epilogue = std::string(kMoeNs) + "Fc1Epilogue<" + act.type + ", " +
+               (p.has_bias ? "true" : "false") + ">";
+    epilogue_stem = act.stem;
+  } else {
+    epilogue = std::string(kMoeNs) + "Fc2Epilogue<" +
+               (p.out_dtype == DType::kBF16 ? "true" : "false") + ", " +
+               (p.has_bias ? "true" : "false") + ">";
+  }
+  std::ostringstream name;
+  name << kMoeNs << "moe_gemm<" << kMoeNs << "MoeGemmTraits<" << p.block_m << ", " << p.block_n
+       << ", " << p.block_k << ", " << p.stages << ", " << p.warps_m << ", " << p.warps_n << ", "
+       << p.warps_k << ", " << p.min_blocks_per_sm << ", "
+       << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
+  std::ostringstream stem;
+  stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_m" << p.block_m << "_n" << p.block_n
+       << "_k" << p.block_k << "_s" << p.stages << "_w" << p.warps_m << 'x' << p.warps_n << 'x'
+       << p.warps_k << "_o" << p.min_blocks_per_sm;
+  if (p.early_weights) stem << "_early";
+  if (fc1) stem << '_' << epilogue_stem;
+  if (p.has_bias) stem << "_bias";
+  stem << '_' << dtype_short_name(p.out_dtype);
+  return FamilyText{"moejit/kern/moe/moe_gemm.cuh", name.str(), stem.str()};
+}
+
+FamilyText family_text(const MoeCombineParams& p) {
+  std::ostringstream name;
+  name << kMoeNs << "combine_kernel<" << kMoeNs << "CombineTraits<" << p.hidden << ", " << p.top_k
+       << ", " << (p.in_dtype == DType::kBF16 ? "true" : "false") << ", " << p.block_threads
+       << ">>";
+  std::ostringstream stem;
+  stem << "combine_h" << p.hidden << "_k" << p.top_k << '_' << dtype_short_name(p.in_dtype)
+       << "_t" << p.block_threads;
+  return FamilyText{"moejit/kern/moe/combine.cuh", name.str(), stem.str()};
+}
+
+FamilyText family_text(const NarrowIdsParams& p) {
+  std::ostringstream name;
+  name << kMoeNs << "narrow_ids_kernel<" << kMoeNs << "NarrowIdsTraits<" << p.block_threads
+       << ">>";
+  std::ostringstream stem;
+  stem << "narrow_ids_t" << p.block_threads;
+  return FamilyText{"moejit/kern/moe/narrow_ids.cuh", name.str(), stem.str()};
 }
 
 }  // namespace

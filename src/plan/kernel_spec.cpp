@@ -2,6 +2,10 @@
 #include "moejit/kernel_spec.hpp"
 
 #include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -9,6 +13,7 @@
 
 #include "common/check.hpp"
 #include "moejit/error.hpp"
+#include "plan/moe_plan.hpp"
 #include "plan/spec_names.hpp"
 
 namespace moejit {
@@ -90,10 +95,237 @@ std::string append_shared_problem(const AppendSharedParams& p) {
   return os.str();
 }
 
+// ---- MoE families: the planner-side copy of every static_assert of kernels/moe ----------------
+
+// Why a set: route pads each expert's rows to the block, and the route kernels' shared counters
+// and the grouped GEMM's n8 MMA tiles are sized for these.
+bool is_route_block(int block) {
+  return block == 8 || block == 16 || block == 32 || block == 64 || block == 128;
+}
+
+bool threads_ok(int threads) { return threads >= 32 && threads <= 1024 && threads % 32 == 0; }
+
+std::string route_problem(const MoeRouteParams& p) {
+  std::ostringstream os;
+  if (p.kernel != RouteKernel::kSingle && p.kernel != RouteKernel::kRank &&
+      p.kernel != RouteKernel::kScan && p.kernel != RouteKernel::kScatter) {
+    os << "kernel = " << static_cast<int>(p.kernel)
+       << " is not a route kernel; allowed: single, rank, scan, scatter";
+  } else if (p.num_experts < 1 || p.num_experts > 32767) {
+    os << "num_experts = " << p.num_experts
+       << " is out of range; allowed: 1..32767 (the multi-CTA path packs the local expert into "
+          "15 bits): split the experts over more EP ranks";
+  } else if (p.top_k < 1 || p.top_k > 64) {
+    os << "top_k = " << p.top_k << " is out of range; allowed: 1..64";
+  } else if (!is_route_block(p.block_m)) {
+    os << "block_m = " << p.block_m
+       << " is not a route block; allowed: 8, 16, 32, 64, 128 (the grouped GEMM's block_n)";
+  } else if (!threads_ok(p.block_threads)) {
+    os << "block_threads = " << p.block_threads
+       << " is not allowed; allowed: a multiple of 32 in 32..1024";
+  } else if (p.chunk_rows < p.block_threads || p.chunk_rows > 32768 ||
+             p.chunk_rows % p.block_threads != 0) {
+    os << "chunk_rows = " << p.chunk_rows << " is not allowed; allowed: a multiple of block_threads ("
+       << p.block_threads << ") in " << p.block_threads
+       << "..32768 (counters and in-chunk ranks are 16-bit)";
+  } else if (p.chunk_rows / p.block_threads > 32) {
+    os << "chunk_rows / block_threads = " << p.chunk_rows / p.block_threads
+       << " entries per thread; allowed: at most 32 (kept in registers): raise block_threads or "
+          "lower chunk_rows";
+  } else if (detail::route_rank_shared_bytes(p.num_experts, p.block_threads) >
+             detail::kRouteStaticSharedLimit) {
+    os << "block_threads = " << p.block_threads << " with num_experts = " << p.num_experts
+       << " needs " << detail::route_rank_shared_bytes(p.num_experts, p.block_threads)
+       << " bytes of static shared memory (a 16-bit counter per warp and expert); allowed: "
+       << detail::kRouteStaticSharedLimit << ": lower block_threads";
+  }
+  return os.str();
+}
+
+std::string repack_problem(const MoeRepackParams& p) {
+  std::ostringstream os;
+  if (!threads_ok(p.block_threads)) {
+    os << "block_threads = " << p.block_threads
+       << " is not allowed; allowed: a multiple of 32 in 32..1024";
+  }
+  return os.str();
+}
+
+// The reason an activation constant can't be a kernel's template argument, or "".
+std::string constant_problem(const char* name, float value, bool taken) {
+  std::ostringstream os;
+  if (!taken) {
+    if (value != 0.f) os << "activation constant " << name << " = " << value
+                         << " is not taken by this activation; allowed: 0";
+    return os.str();
+  }
+  if (!std::isfinite(value) || value <= 0.f) {
+    os << "activation constant " << name << " = " << value << "; allowed: finite and > 0";
+  } else if (!detail::float_ratio(value)) {
+    os << "activation constant " << name << " = " << value
+       << " has no exact int ratio num / den (the kernel's template form); allowed: values "
+          "between about 2^-30 and 2^31";
+  }
+  return os.str();
+}
+
+std::string activation_problem(const Activation& a) {
+  const bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
+  const bool situ = a.kind == ActivationKind::kSiTU;
+  if (a.kind != ActivationKind::kSwiGLU && !clamps && !situ) {
+    return "activation kind " + std::to_string(static_cast<int>(a.kind)) +
+           " is unknown; allowed: swiglu, clamped_swiglu, gpt_oss, situ";
+  }
+  std::string reason = constant_problem("limit", a.limit, clamps);
+  if (reason.empty()) reason = constant_problem("alpha", a.alpha, a.kind == ActivationKind::kGptOss);
+  if (reason.empty()) reason = constant_problem("beta", a.beta, situ);
+  if (reason.empty()) reason = constant_problem("linear_beta", a.linear_beta, situ);
+  return reason;
+}
+
+bool is_default_activation(const Activation& a) {
+  return a.kind == ActivationKind::kSwiGLU && a.limit == 0.f && a.alpha == 0.f && a.beta == 0.f &&
+         a.linear_beta == 0.f;
+}
+
+std::string marlin_problem(const MarlinMoeParams& p) {
+  std::ostringstream os;
+  const bool fc1 = p.stage == MoeGemmStage::kFc1;
+  if (p.stage != MoeGemmStage::kFc1 && p.stage != MoeGemmStage::kFc2) {
+    os << "stage = " << static_cast<int>(p.stage) << " is not a GEMM of the layer; allowed: fc1, fc2";
+  } else if (p.warps_m < 1 || p.warps_n < 1 || p.warps_k < 1) {
+    os << "warps = " << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
+       << "; allowed: at least 1 warp along each of M, N and K";
+  } else if (p.block_m < 16 || p.block_m % (16 * p.warps_m) != 0) {
+    os << "block_m = " << p.block_m << " must be a multiple of 16 * warps_m = " << 16 * p.warps_m
+       << ": each warp owns whole 16-row atoms";
+  } else if (!is_route_block(p.block_n)) {
+    os << "block_n = " << p.block_n
+       << " is not a route block; allowed: 8, 16, 32, 64, 128 (route pads each expert's rows to "
+          "the GEMM's token tile)";
+  } else if (p.block_n % (8 * p.warps_n) != 0) {
+    os << "block_n = " << p.block_n << " must be a multiple of 8 * warps_n = " << 8 * p.warps_n
+       << ": each warp owns whole n8 MMA tiles";
+  } else if (p.block_k < 64 || p.block_k % (64 * p.warps_k) != 0) {
+    os << "block_k = " << p.block_k << " must be a multiple of 64 * warps_k = " << 64 * p.warps_k
+       << ": each warp owns whole 64-wide atoms";
+  } else if (p.stages < 2) {
+    os << "stages = " << p.stages << "; allowed: >= 2 (one stage loads while one computes)";
+  } else if (detail::marlin_moe_threads(p) > 1024) {
+    os << "warps_m * warps_n * warps_k = " << p.warps_m * p.warps_n * p.warps_k
+       << " warps; allowed: at most 32 (1024 threads)";
+  } else if (p.min_blocks_per_sm < 1) {
+    os << "min_blocks_per_sm = " << p.min_blocks_per_sm << "; allowed: >= 1";
+  } else if (detail::marlin_moe_smem_bytes(p) > 227 * 1024) {
+    os << "needs " << detail::marlin_moe_smem_bytes(p)
+       << " bytes of shared memory; allowed: at most " << 227 * 1024
+       << " (sm_90): lower stages, block_k or block_n";
+  } else if (fc1 && p.early_weights) {
+    os << "early_weights with stage fc1: FC1 reads the route's block map, which the previous "
+          "kernel writes, before the early weight prologue; allowed: early_weights for fc2 only";
+  } else if (fc1 && p.out_dtype != DType::kBF16) {
+    os << "out_dtype = " << detail::dtype_short_name(p.out_dtype)
+       << " with stage fc1 (FC1 writes the bf16 intermediate); allowed: bf16";
+  } else if (!fc1 && p.out_dtype != DType::kF32 && p.out_dtype != DType::kBF16) {
+    os << "out_dtype = " << detail::dtype_short_name(p.out_dtype)
+       << " with stage fc2; allowed: f32, bf16";
+  } else if (!fc1 && !is_default_activation(p.activation)) {
+    os << "activation " << activation_kind_name(p.activation.kind)
+       << " with stage fc2 (FC2 applies none); allowed: the default activation (swiglu, no "
+          "constants)";
+  } else if (fc1) {
+    os << activation_problem(p.activation);
+  }
+  return os.str();
+}
+
+std::string combine_problem(const MoeCombineParams& p) {
+  std::ostringstream os;
+  if (p.hidden < 8 || p.hidden % 8 != 0) {
+    os << "hidden = " << p.hidden
+       << " is not allowed; allowed: a positive multiple of 8 (16-byte bf16 vectors)";
+  } else if (p.top_k < 1 || p.top_k > 64) {
+    os << "top_k = " << p.top_k << " is out of range; allowed: 1..64";
+  } else if (p.in_dtype != DType::kF32 && p.in_dtype != DType::kBF16) {
+    os << "in_dtype = " << detail::dtype_short_name(p.in_dtype) << "; allowed: f32, bf16";
+  } else if (!threads_ok(p.block_threads)) {
+    os << "block_threads = " << p.block_threads
+       << " is not allowed; allowed: a multiple of 32 in 32..1024";
+  }
+  return os.str();
+}
+
+std::string narrow_ids_problem(const NarrowIdsParams& p) {
+  std::ostringstream os;
+  if (!threads_ok(p.block_threads)) {
+    os << "block_threads = " << p.block_threads
+       << " is not allowed; allowed: a multiple of 32 in 32..1024";
+  }
+  return os.str();
+}
+
+// Arch rules per family (after the arch itself is valid).
+std::string family_arch_problem(Family family, const FamilyParams& params, const Arch& arch) {
+  std::ostringstream os;
+  if (family == Family::kMarlinMoe) {
+    if (arch.sm < 80) {
+      os << "marlin_moe needs sm_80 or newer (bf16 mma.sync, cp.async, ldmatrix); found "
+         << arch.name();
+    } else if (const auto* p = std::get_if<MarlinMoeParams>(&params)) {
+      const long long need = detail::marlin_moe_smem_bytes(*p);
+      const long long limit = detail::max_dynamic_smem_bytes(arch);
+      if (need > limit) {
+        os << "needs " << need << " bytes of shared memory per CTA; " << arch.name()
+           << " allows at most " << limit << ": lower stages, block_k or block_n";
+      }
+    }
+  }
+  return os.str();
+}
+
 std::string problem(const AppendSharedParams& p) { return append_shared_problem(p); }
+std::string problem(const MoeRouteParams& p) { return route_problem(p); }
+std::string problem(const MoeRepackParams& p) { return repack_problem(p); }
+std::string problem(const MarlinMoeParams& p) { return marlin_problem(p); }
+std::string problem(const MoeCombineParams& p) { return combine_problem(p); }
+std::string problem(const NarrowIdsParams& p) { return narrow_ids_problem(p); }
 
 // The family a params alternative belongs to.
 Family family_of(const AppendSharedParams&) { return Family::kAppendShared; }
+Family family_of(const MoeRouteParams&) { return Family::kRoute; }
+Family family_of(const MoeRepackParams&) { return Family::kRepack; }
+Family family_of(const MarlinMoeParams&) { return Family::kMarlinMoe; }
+Family family_of(const MoeCombineParams&) { return Family::kCombine; }
+Family family_of(const NarrowIdsParams&) { return Family::kNarrowIds; }
+
+// The shortest decimal text that reads back as the same float.
+std::string float_text(float value) {
+  char text[32];
+  for (int precision = 6; precision <= 9; ++precision) {
+    std::snprintf(text, sizeof(text), "%.*g", precision, static_cast<double>(value));
+    if (std::strtof(text, nullptr) == value) break;
+  }
+  return text;
+}
+
+// "gpt_oss(limit=7,alpha=1.702)": the kind and the constants it takes.
+std::string activation_text(const Activation& a) {
+  std::string out = activation_kind_name(a.kind);
+  switch (a.kind) {
+    case ActivationKind::kSwiGLU:
+      break;
+    case ActivationKind::kClampedSwiGLU:
+      out += "(limit=" + float_text(a.limit) + ")";
+      break;
+    case ActivationKind::kGptOss:
+      out += "(limit=" + float_text(a.limit) + ",alpha=" + float_text(a.alpha) + ")";
+      break;
+    case ActivationKind::kSiTU:
+      out += "(beta=" + float_text(a.beta) + ",linear_beta=" + float_text(a.linear_beta) + ")";
+      break;
+  }
+  return out;
+}
 
 void add_params_json(nlohmann::ordered_json& out, const AppendSharedParams& p) {
   out["top_k"] = p.top_k;
@@ -102,6 +334,81 @@ void add_params_json(nlohmann::ordered_json& out, const AppendSharedParams& p) {
   out["gate"] = detail::gate_short_name(p.gate);
   out["logit_dtype"] = detail::dtype_short_name(p.logit_dtype);
   out["block_threads"] = p.block_threads;
+}
+
+void add_params_json(nlohmann::ordered_json& out, const MoeRouteParams& p) {
+  out["kernel"] = route_kernel_name(p.kernel);
+  out["num_experts"] = p.num_experts;
+  out["top_k"] = p.top_k;
+  out["block_m"] = p.block_m;
+  out["block_threads"] = p.block_threads;
+  out["chunk_rows"] = p.chunk_rows;
+}
+
+void add_params_json(nlohmann::ordered_json& out, const MoeRepackParams& p) {
+  out["gate_up"] = p.gate_up;
+  out["block_threads"] = p.block_threads;
+}
+
+void add_params_json(nlohmann::ordered_json& out, const MarlinMoeParams& p) {
+  out["stage"] = moe_gemm_stage_name(p.stage);
+  out["block_m"] = p.block_m;
+  out["block_n"] = p.block_n;
+  out["block_k"] = p.block_k;
+  out["stages"] = p.stages;
+  out["warps_m"] = p.warps_m;
+  out["warps_n"] = p.warps_n;
+  out["warps_k"] = p.warps_k;
+  out["min_blocks_per_sm"] = p.min_blocks_per_sm;
+  out["early_weights"] = p.early_weights;
+  out["has_bias"] = p.has_bias;
+  nlohmann::ordered_json act;
+  act["kind"] = activation_kind_name(p.activation.kind);
+  act["limit"] = p.activation.limit;
+  act["alpha"] = p.activation.alpha;
+  act["beta"] = p.activation.beta;
+  act["linear_beta"] = p.activation.linear_beta;
+  out["activation"] = std::move(act);
+  out["out_dtype"] = detail::dtype_short_name(p.out_dtype);
+}
+
+void add_params_json(nlohmann::ordered_json& out, const MoeCombineParams& p) {
+  out["hidden"] = p.hidden;
+  out["top_k"] = p.top_k;
+  out["in_dtype"] = detail::dtype_short_name(p.in_dtype);
+  out["block_threads"] = p.block_threads;
+}
+
+void add_params_json(nlohmann::ordered_json& out, const NarrowIdsParams& p) {
+  out["block_threads"] = p.block_threads;
+}
+
+void add_params_display(std::ostringstream& os, const MoeRouteParams& p) {
+  os << '<' << route_kernel_name(p.kernel) << ",e" << p.num_experts << ",k" << p.top_k << ",b"
+     << p.block_m << ",t" << p.block_threads << ",c" << p.chunk_rows << '>';
+}
+
+void add_params_display(std::ostringstream& os, const MoeRepackParams& p) {
+  os << '<' << (p.gate_up ? "gate_up" : "plain") << ",t" << p.block_threads << '>';
+}
+
+void add_params_display(std::ostringstream& os, const MarlinMoeParams& p) {
+  os << '<' << moe_gemm_stage_name(p.stage) << ",m" << p.block_m << ",n" << p.block_n << ",k"
+     << p.block_k << ",s" << p.stages << ",w" << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
+     << ",o" << p.min_blocks_per_sm;
+  if (p.early_weights) os << ",early";
+  if (p.stage == MoeGemmStage::kFc1) os << ',' << activation_text(p.activation);
+  if (p.has_bias) os << ",bias";
+  os << ',' << detail::dtype_short_name(p.out_dtype) << '>';
+}
+
+void add_params_display(std::ostringstream& os, const MoeCombineParams& p) {
+  os << "<h" << p.hidden << ",k" << p.top_k << ',' << detail::dtype_short_name(p.in_dtype) << ",t"
+     << p.block_threads << '>';
+}
+
+void add_params_display(std::ostringstream& os, const NarrowIdsParams& p) {
+  os << "<t" << p.block_threads << '>';
 }
 
 void add_params_display(std::ostringstream& os, const AppendSharedParams& p) {
@@ -126,7 +433,78 @@ void hash_params(std::size_t& seed, const AppendSharedParams& p) {
   combine(seed, std::hash<int>{}(p.block_threads));
 }
 
+std::size_t float_bits(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+void hash_params(std::size_t& seed, const MoeRouteParams& p) {
+  combine(seed, static_cast<std::size_t>(p.kernel));
+  combine(seed, std::hash<int>{}(p.num_experts));
+  combine(seed, std::hash<int>{}(p.top_k));
+  combine(seed, std::hash<int>{}(p.block_m));
+  combine(seed, std::hash<int>{}(p.block_threads));
+  combine(seed, std::hash<int>{}(p.chunk_rows));
+}
+
+void hash_params(std::size_t& seed, const MoeRepackParams& p) {
+  combine(seed, p.gate_up ? 1u : 0u);
+  combine(seed, std::hash<int>{}(p.block_threads));
+}
+
+void hash_params(std::size_t& seed, const MarlinMoeParams& p) {
+  combine(seed, static_cast<std::size_t>(p.stage));
+  for (int v : {p.block_m, p.block_n, p.block_k, p.stages, p.warps_m, p.warps_n, p.warps_k,
+                p.min_blocks_per_sm}) {
+    combine(seed, std::hash<int>{}(v));
+  }
+  combine(seed, p.early_weights ? 1u : 0u);
+  combine(seed, p.has_bias ? 1u : 0u);
+  combine(seed, static_cast<std::size_t>(p.activation.kind));
+  for (float v : {p.activation.limit, p.activation.alpha, p.activation.beta,
+                  p.activation.linear_beta}) {
+    combine(seed, float_bits(v));
+  }
+  combine(seed, static_cast<std::size_t>(p.out_dtype));
+}
+
+void hash_params(std::size_t& seed, const MoeCombineParams& p) {
+  combine(seed, std::hash<int>{}(p.hidden));
+  combine(seed, std::hash<int>{}(p.top_k));
+  combine(seed, static_cast<std::size_t>(p.in_dtype));
+  combine(seed, std::hash<int>{}(p.block_threads));
+}
+
+void hash_params(std::size_t& seed, const NarrowIdsParams& p) {
+  combine(seed, std::hash<int>{}(p.block_threads));
+}
+
 }  // namespace
+
+const char* route_kernel_name(RouteKernel kernel) noexcept {
+  switch (kernel) {
+    case RouteKernel::kSingle:
+      return "single";
+    case RouteKernel::kRank:
+      return "rank";
+    case RouteKernel::kScan:
+      return "scan";
+    case RouteKernel::kScatter:
+      return "scatter";
+  }
+  return "unknown";
+}
+
+const char* moe_gemm_stage_name(MoeGemmStage stage) noexcept {
+  switch (stage) {
+    case MoeGemmStage::kFc1:
+      return "fc1";
+    case MoeGemmStage::kFc2:
+      return "fc2";
+  }
+  return "unknown";
+}
 
 Arch Arch::parse(const std::string& text) {
   auto fail = [&]() {
@@ -166,12 +544,23 @@ const char* family_name(Family family) noexcept {
   switch (family) {
     case Family::kAppendShared:
       return "append_shared";
+    case Family::kRoute:
+      return "route";
+    case Family::kRepack:
+      return "repack";
+    case Family::kMarlinMoe:
+      return "marlin_moe";
+    case Family::kCombine:
+      return "combine";
+    case Family::kNarrowIds:
+      return "narrow_ids";
   }
   return "unknown";
 }
 
 Family parse_family(const std::string& text) {
-  static constexpr Family kAll[] = {Family::kAppendShared};
+  static constexpr Family kAll[] = {Family::kAppendShared, Family::kRoute,   Family::kRepack,
+                                    Family::kMarlinMoe,    Family::kCombine, Family::kNarrowIds};
   std::string known;
   for (Family family : kAll) {
     if (text == family_name(family)) return family;
@@ -218,6 +607,8 @@ std::string supports(const KernelSpec& spec) {
            " but carries the parameters of " + family_name(params_family);
   }
   reason = std::visit([](const auto& p) { return problem(p); }, spec.params);
+  if (!reason.empty()) return spec.display_name() + ": " + reason;
+  reason = family_arch_problem(spec.family, spec.params, spec.arch);
   if (!reason.empty()) return spec.display_name() + ": " + reason;
   return "";
 }

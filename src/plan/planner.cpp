@@ -1,11 +1,13 @@
 // The planner: which kernels a model shape needs on one arch, every template argument fixed.
 // Each family contributes one planning function; plan_kernels runs them all in a fixed order,
 // so a new family is one more function and one more table row.
+#include <algorithm>
 #include <vector>
 
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
+#include "plan/moe_plan.hpp"
 
 namespace moejit {
 
@@ -37,10 +39,38 @@ void plan_append_shared(const ModelShape& shape, const Arch& arch, std::vector<K
   out.push_back(spec);
 }
 
+void add_unique(const KernelSpec& spec, std::vector<KernelSpec>& out) {
+  if (std::find(out.begin(), out.end(), spec) == out.end()) out.push_back(spec);
+}
+
+// repack: the two kernels every checkpoint layout uses (gpt-oss's interleaved w13 and DeepSeek's
+// separate w1 / w3 differ only in the source strides the op passes, not in the kernel).
+void plan_repack(const ModelShape&, const Arch& arch, std::vector<KernelSpec>& out) {
+  for (bool gate_up : {true, false}) {
+    KernelSpec spec;
+    spec.family = Family::kRepack;
+    spec.arch = arch;
+    spec.params = detail::moe_repack_params(gate_up);
+    out.push_back(spec);
+  }
+}
+
+// The routed-expert layer: every kernel moe_forward can launch for any T in [1, max_tokens], i.e.
+// the kernels of detail::choose_moe_config at the end of each run of T with one config (the
+// config is constant over a run, so its end stands for all of it).
+void plan_moe_forward(const ModelShape& shape, const Arch& arch, std::vector<KernelSpec>& out) {
+  for (int tokens : detail::moe_config_segment_ends(shape, shape.max_tokens)) {
+    const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+    for (const KernelSpec& spec : detail::moe_config_specs(config, arch)) add_unique(spec, out);
+  }
+}
+
 using FamilyPlanner = void (*)(const ModelShape&, const Arch&, std::vector<KernelSpec>&);
 
 constexpr FamilyPlanner kPlanners[] = {
     plan_append_shared,
+    plan_repack,
+    plan_moe_forward,
 };
 
 }  // namespace

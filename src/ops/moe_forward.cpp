@@ -1,0 +1,300 @@
+// moe_forward: argument checks, the config for T (detail::choose_moe_config, the function the
+// planner uses, so a prewarmed cache holds every kernel looked up here), workspace carving, and
+// the launches [narrow_ids] -> route -> FC1 -> FC2 -> combine on the caller's stream. The valid
+// path allocates nothing and never synchronizes: it is CUDA-graph capturable.
+#include <cuda.h>
+
+#include <moejit/kern/moe/params.cuh>
+#include <moejit/kern/moe/route_params.cuh>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "moejit/error.hpp"
+#include "moejit/moe.hpp"
+#include "ops/moe_launch.hpp"
+#include "ops/tensor_checks.hpp"
+#include "plan/moe_plan.hpp"
+#include "runtime/runtime_impl.hpp"
+
+namespace moejit {
+namespace {
+
+constexpr const char* kOp = "moe_forward";
+constexpr const char* kWorkspaceOp = "moe_workspace_bytes";
+constexpr const char* kLayoutOp = "moe_weight_layout";
+
+std::string dims(int64_t rows, int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+[[noreturn]] __attribute__((cold, noinline)) void throw_shape_problem(ErrorCode code,
+                                                                      const char* op,
+                                                                      const std::string& reason) {
+  throw Error(code, std::string(op) + ": " + reason);
+}
+
+void check_shape(const char* op, const ModelShape& shape) {
+  const std::string reason = detail::moe_shape_problem(shape);
+  if (!reason.empty()) throw_shape_problem(ErrorCode::kInvalidDescriptor, op, reason);
+}
+
+unsigned ceil_div_u(uint64_t a, uint64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+}  // namespace
+
+MoeWeightLayout moe_weight_layout(const ModelShape& shape) {
+  check_shape(kLayoutOp, shape);
+  const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
+  MoeWeightLayout layout;
+  layout.w13_bytes = sizes.w13;
+  layout.w13_scale_bytes = sizes.w13_scales;
+  layout.w2_bytes = sizes.w2;
+  layout.w2_scale_bytes = sizes.w2_scales;
+  layout.b13_bytes = sizes.b13;
+  layout.b2_bytes = sizes.b2;
+  return layout;
+}
+
+std::size_t moe_workspace_bytes(const ModelShape& shape, int max_tokens) {
+  check_shape(kWorkspaceOp, shape);
+  if (max_tokens < 0 || max_tokens > shape.max_tokens) {
+    detail::throw_argument(kWorkspaceOp, "max_tokens",
+                           "0.." + std::to_string(shape.max_tokens) + " (the shape's max_tokens)",
+                           std::to_string(max_tokens));
+  }
+  return detail::moe_workspace_bytes_for(shape, max_tokens);
+}
+
+void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream) {
+  using detail::Matrix;
+  check_shape(kOp, shape);
+  detail::Runtime& runtime = detail::Runtime::instance();
+  const detail::CurrentDevice device = runtime.current_device();
+  const int64_t hidden_size = shape.hidden;
+  const int64_t top_k = shape.top_k;
+
+  const Matrix hidden = detail::check_matrix(kOp, "hidden", args.hidden, device.ordinal);
+  if (hidden.dtype != DType::kBF16) detail::throw_dtype(kOp, "hidden", "bfloat16", *args.hidden);
+  if (hidden.cols != hidden_size) {
+    detail::throw_shape(kOp, "hidden", "[T, H] with H = " + std::to_string(hidden_size) +
+                                           " (shape \"" + shape.name + "\")",
+                        *args.hidden);
+  }
+  const int64_t tokens = hidden.rows;
+
+  const Matrix ids = detail::check_matrix(kOp, "topk_ids", args.topk_ids, device.ordinal);
+  if (ids.dtype != shape.id_dtype) {
+    detail::throw_dtype(kOp, "topk_ids",
+                        shape.id_dtype == DType::kI64 ? "int64 (the shape's id_dtype)"
+                                                      : "int32 (the shape's id_dtype)",
+                        *args.topk_ids);
+  }
+  if (ids.rows != tokens || ids.cols != top_k) {
+    detail::throw_shape(kOp, "topk_ids",
+                        "[T, K] = " + dims(tokens, top_k) + " (T from hidden, K from the shape)",
+                        *args.topk_ids);
+  }
+  const Matrix weights =
+      detail::check_matrix(kOp, "topk_weights", args.topk_weights, device.ordinal);
+  if (weights.dtype != DType::kF32) {
+    detail::throw_dtype(kOp, "topk_weights", "float32", *args.topk_weights);
+  }
+  if (weights.rows != tokens || weights.cols != top_k) {
+    detail::throw_shape(kOp, "topk_weights", "[T, K] = " + dims(tokens, top_k),
+                        *args.topk_weights);
+  }
+  const Matrix out = detail::check_matrix(kOp, "out", args.out, device.ordinal);
+  if (out.dtype != DType::kBF16) detail::throw_dtype(kOp, "out", "bfloat16", *args.out);
+  if (out.rows != tokens || out.cols != hidden_size) {
+    detail::throw_shape(kOp, "out", "[T, H] = " + dims(tokens, hidden_size) + " (as hidden)",
+                        *args.out);
+  }
+  if (tokens > shape.max_tokens) {
+    detail::throw_argument(kOp, "hidden",
+                           "at most the shape's max_tokens = " + std::to_string(shape.max_tokens) +
+                               " rows (raise max_tokens in the shape file and prewarm again)",
+                           std::to_string(tokens) + " rows");
+  }
+
+  const MoeWeights& w = args.weights;
+  // Why 16 bytes: the GEMMs and combine move rows with 16-byte cp.async / vector accesses.
+  detail::check_device_pointer(kOp, "weights.w13", w.w13, 16);
+  detail::check_device_pointer(kOp, "weights.w13_scales", w.w13_scales, 16);
+  detail::check_device_pointer(kOp, "weights.w2", w.w2, 16);
+  detail::check_device_pointer(kOp, "weights.w2_scales", w.w2_scales, 16);
+  if (shape.has_bias) {
+    detail::check_device_pointer(kOp, "weights.b13", w.b13, 4);
+    detail::check_device_pointer(kOp, "weights.b2", w.b2, 2);
+  } else if (w.b13 != nullptr || w.b2 != nullptr) {
+    detail::throw_argument(kOp, w.b13 != nullptr ? "weights.b13" : "weights.b2",
+                           "null: shape \"" + shape.name + "\" has no biases (has_bias false)",
+                           "a bias pointer");
+  }
+  if (tokens == 0) return;
+  if (reinterpret_cast<uintptr_t>(hidden.data) % 16 != 0) {
+    detail::throw_argument(kOp, "hidden", "data aligned to 16 bytes (rows are read as 16-byte "
+                                          "vectors)",
+                           "a misaligned address");
+  }
+  if (reinterpret_cast<uintptr_t>(out.data) % 16 != 0) {
+    detail::throw_argument(kOp, "out", "data aligned to 16 bytes (rows are written as 16-byte "
+                                       "vectors)",
+                           "a misaligned address");
+  }
+
+  const int t = static_cast<int>(tokens);
+  const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
+  const detail::MoeWorkspaceLayout layout = detail::moe_workspace_layout(shape, config);
+  detail::check_device_pointer(kOp, "workspace", args.workspace, 256);
+  if (args.workspace_bytes < layout.bytes) {
+    detail::throw_argument(
+        kOp, "workspace_bytes",
+        "at least " + std::to_string(layout.bytes) + " bytes for T = " + std::to_string(t) +
+            " (size it with moe_workspace_bytes(shape, max T))",
+        std::to_string(args.workspace_bytes));
+  }
+
+  // Every kernel first, so a capture miss (or any build failure) launches nothing.
+  const detail::MoeForwardSpecs specs = detail::moe_forward_specs(config, device.arch);
+  CUkernel narrow_kernel = nullptr;
+  if (specs.has_narrow) narrow_kernel = runtime.kernel(specs.narrow, stream);
+  CUkernel route_kernels[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; i < specs.route_count; ++i) {
+    route_kernels[i] = runtime.kernel(specs.route[i], stream);
+  }
+  const CUkernel fc1_kernel = runtime.kernel(specs.fc1, stream);
+  const CUkernel fc2_kernel = runtime.kernel(specs.fc2, stream);
+  const CUkernel combine_kernel = runtime.kernel(specs.combine, stream);
+  const int fc1_smem = static_cast<int>(detail::marlin_moe_smem_bytes(config.fc1));
+  const int fc2_smem = static_cast<int>(detail::marlin_moe_smem_bytes(config.fc2));
+  detail::ensure_dynamic_smem(kOp, specs.fc1, fc1_kernel, device.ordinal, fc1_smem);
+  detail::ensure_dynamic_smem(kOp, specs.fc2, fc2_kernel, device.ordinal, fc2_smem);
+
+  char* const base = static_cast<char*>(args.workspace);
+  const int64_t rows = tokens * top_k;
+
+  // 1. int64 ids -> int32 (only when the shape's ids are int64).
+  const int* ids32 = static_cast<const int*>(ids.data);
+  if (specs.has_narrow) {
+    const long long* ids64 = static_cast<const long long*>(ids.data);
+    int* narrow_out = reinterpret_cast<int*>(base + layout.ids32);
+    long long count = rows;
+    void* narrow_args[] = {&ids64, &narrow_out, &count};
+    detail::LaunchShape geometry;
+    geometry.block = static_cast<unsigned>(config.narrow.block_threads);
+    geometry.grid_x = ceil_div_u(static_cast<uint64_t>(rows), geometry.block);
+    detail::launch_moe_kernel(kOp, specs.narrow, narrow_kernel, geometry, true, stream,
+                              narrow_args);
+    ids32 = narrow_out;
+  }
+
+  // 2. route.
+  kern::moe::RouteParams route;
+  route.topk_ids = ids32;
+  route.num_tokens = t;
+  route.expert_offset = shape.expert_offset;
+  route.expert_counts = reinterpret_cast<int*>(base + layout.expert_counts);
+  route.expert_block_offset = reinterpret_cast<int*>(base + layout.expert_block_offset);
+  route.sorted_rows = reinterpret_cast<int*>(base + layout.sorted_rows);
+  route.block_expert = reinterpret_cast<int*>(base + layout.block_expert);
+  route.slot_row = reinterpret_cast<int*>(base + layout.slot_row);
+  route.total_blocks = reinterpret_cast<int*>(base + layout.total_blocks);
+  route.chunk_base = reinterpret_cast<int*>(base + layout.chunk_base);
+  {
+    void* route_args[] = {&route};
+    const unsigned chunks = static_cast<unsigned>(
+        kern::moe::route_num_chunks(rows, config.route.chunk_rows));
+    for (int i = 0; i < specs.route_count; ++i) {
+      detail::LaunchShape geometry;
+      geometry.block = static_cast<unsigned>(config.route.block_threads);
+      // single and scan: one CTA; rank and scatter: one per chunk.
+      const RouteKernel kind = std::get<MoeRouteParams>(specs.route[i].params).kernel;
+      geometry.grid_x =
+          (kind == RouteKernel::kRank || kind == RouteKernel::kScatter) ? chunks : 1u;
+      detail::launch_moe_kernel(kOp, specs.route[i], route_kernels[i], geometry, true, stream,
+                                route_args);
+    }
+  }
+
+  // 3. FC1: W13 x hidden -> activation -> inter.
+  const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
+  const auto m_tiles = [](int m_atoms, int block_m) {
+    const int atoms_per_tile = block_m / 16;
+    return static_cast<unsigned>((m_atoms + atoms_per_tile - 1) / atoms_per_tile);
+  };
+  kern::moe::MoeGemmParams fc1{};
+  fc1.weights = static_cast<const kern::moe::u8*>(w.w13);
+  fc1.scales = static_cast<const kern::moe::u8*>(w.w13_scales);
+  fc1.bias = static_cast<const kern::moe::u16*>(w.b13);
+  fc1.input = static_cast<const kern::moe::u16*>(hidden.data);
+  fc1.output = base + layout.inter;
+  fc1.sorted_rows = route.sorted_rows;
+  fc1.block_expert = route.block_expert;
+  fc1.topk_weights = static_cast<const float*>(weights.data);
+  fc1.ld_input = hidden_size;
+  fc1.ld_output = shape.intermediate;
+  fc1.out_features = shape.intermediate;
+  fc1.in_features = shape.hidden;
+  fc1.m_atoms = sizes.fc1_m_atoms;
+  fc1.k_atoms = sizes.fc1_k_atoms;
+  fc1.top_k = shape.top_k;
+  {
+    void* fc1_args[] = {&fc1};
+    detail::LaunchShape geometry;
+    geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
+    geometry.grid_y = m_tiles(sizes.fc1_m_atoms, config.fc1.block_m);
+    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(config.fc1));
+    geometry.smem = static_cast<unsigned>(fc1_smem);
+    detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, geometry, true, stream, fc1_args);
+  }
+
+  // 4. FC2: W2 x inter -> (+ bias) * top-k weight -> out2 (weights streamed early under PDL).
+  kern::moe::MoeGemmParams fc2{};
+  fc2.weights = static_cast<const kern::moe::u8*>(w.w2);
+  fc2.scales = static_cast<const kern::moe::u8*>(w.w2_scales);
+  fc2.bias = static_cast<const kern::moe::u16*>(w.b2);
+  fc2.input = reinterpret_cast<const kern::moe::u16*>(base + layout.inter);
+  fc2.output = base + layout.out2;
+  fc2.sorted_rows = route.sorted_rows;
+  fc2.block_expert = route.block_expert;
+  fc2.topk_weights = static_cast<const float*>(weights.data);
+  fc2.ld_input = shape.intermediate;
+  fc2.ld_output = hidden_size;
+  fc2.out_features = shape.hidden;
+  fc2.in_features = shape.intermediate;
+  fc2.m_atoms = sizes.fc2_m_atoms;
+  fc2.k_atoms = sizes.fc2_k_atoms;
+  fc2.top_k = shape.top_k;
+  {
+    void* fc2_args[] = {&fc2};
+    detail::LaunchShape geometry;
+    geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
+    geometry.grid_y = m_tiles(sizes.fc2_m_atoms, config.fc2.block_m);
+    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(config.fc2));
+    geometry.smem = static_cast<unsigned>(fc2_smem);
+    detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
+  }
+
+  // 5. combine: out[t] = bf16(sum over slots of the FC2 rows), in slot order.
+  kern::moe::CombineParams combine;
+  combine.fc2_out = base + layout.out2;
+  combine.slot_row = route.slot_row;
+  combine.out = static_cast<unsigned short*>(out.data);
+  combine.ld_in = hidden_size;
+  combine.ld_out = hidden_size;
+  combine.num_tokens = t;
+  {
+    void* combine_args[] = {&combine};
+    detail::LaunchShape geometry;
+    geometry.block = static_cast<unsigned>(config.combine.block_threads);
+    geometry.grid_x =
+        ceil_div_u(static_cast<uint64_t>(tokens) * static_cast<uint64_t>(hidden_size / 8),
+                   geometry.block);
+    detail::launch_moe_kernel(kOp, specs.combine, combine_kernel, geometry, true, stream,
+                              combine_args);
+  }
+}
+
+}  // namespace moejit

@@ -1,0 +1,173 @@
+#include "ops/moe_launch.hpp"
+
+#include <mutex>
+#include <shared_mutex>
+#include <sstream>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "driver/driver.hpp"
+#include "moejit/error.hpp"
+#include "ops/tensor_checks.hpp"
+
+namespace moejit::detail {
+
+namespace {
+
+// (kernel, device) pairs whose dynamic shared memory limit is raised. Why a table: the attribute
+// is per kernel and device and survives for the process, and a driver call per launch would
+// cost more than the launch's own checks.
+class SmemOptIns {
+ public:
+  static SmemOptIns& instance() {
+    static SmemOptIns table;
+    return table;
+  }
+  bool contains(CUkernel kernel, int device, int bytes) {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    return set_.count(Key{kernel, device, bytes}) != 0;
+  }
+  void insert(CUkernel kernel, int device, int bytes) {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    set_.insert(Key{kernel, device, bytes});
+  }
+
+ private:
+  struct Key {
+    CUkernel kernel;
+    int device;
+    int bytes;
+    bool operator==(const Key& o) const {
+      return kernel == o.kernel && device == o.device && bytes == o.bytes;
+    }
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const noexcept {
+      return std::hash<const void*>{}(k.kernel) ^
+             (static_cast<std::size_t>(static_cast<unsigned>(k.device)) << 1) ^
+             (static_cast<std::size_t>(static_cast<unsigned>(k.bytes)) << 9);
+    }
+  };
+  std::shared_mutex mutex_;
+  std::unordered_set<Key, KeyHash> set_;
+};
+
+std::string dims_text(const DLTensor& tensor) { return shape_text(tensor); }
+
+}  // namespace
+
+void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
+                       const LaunchShape& shape, bool pdl, CUstream stream, void** args) {
+  CUlaunchAttribute attribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  const bool use_pdl = pdl && spec.arch.sm >= 90;
+  CUlaunchConfig config{};
+  config.gridDimX = shape.grid_x;
+  config.gridDimY = shape.grid_y;
+  config.gridDimZ = 1;
+  config.blockDimX = shape.block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = shape.smem;
+  config.hStream = stream;
+  config.attrs = use_pdl ? &attribute : nullptr;
+  config.numAttrs = use_pdl ? 1 : 0;
+  const CUresult result =
+      driver().cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel), args, nullptr);
+  if (result != CUDA_SUCCESS) {
+    std::ostringstream os;
+    os << op << ": launching " << spec.display_name() << " (grid " << shape.grid_x << 'x'
+       << shape.grid_y << ", block " << shape.block << ", dynamic shared memory " << shape.smem
+       << " bytes) on stream " << static_cast<const void*>(stream)
+       << " failed: " << describe(result);
+    throw Error(ErrorCode::kDriver, os.str());
+  }
+}
+
+void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
+                         int bytes) {
+  // Why 48 KB: every CUDA device gives a CTA that much without opting in.
+  if (bytes <= 48 * 1024) return;
+  SmemOptIns& table = SmemOptIns::instance();
+  if (table.contains(kernel, device, bytes)) return;
+  const DriverApi& api = driver();
+  const CUresult result = api.cuKernelSetAttribute(
+      CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, kernel, device);
+  if (result != CUDA_SUCCESS) {
+    int limit = 0;
+    api.cuDeviceGetAttribute(&limit, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                             device);
+    std::ostringstream os;
+    os << op << ": " << spec.display_name() << " needs " << bytes
+       << " bytes of dynamic shared memory per CTA; device " << device << " allows " << limit
+       << " (cuKernelSetAttribute: " << describe(result) << ")";
+    throw Error(limit > 0 && limit < bytes ? ErrorCode::kUnsupported : ErrorCode::kDriver,
+                os.str());
+  }
+  table.insert(kernel, device, bytes);
+}
+
+void check_device_pointer(const char* op, const char* arg, const void* pointer,
+                          std::uintptr_t alignment) {
+  if (pointer == nullptr) {
+    throw_argument(op, arg, "a device pointer", "null");
+  }
+  if (reinterpret_cast<std::uintptr_t>(pointer) % alignment != 0) {
+    std::ostringstream found;
+    found << "address " << pointer;
+    throw_argument(op, arg, "a pointer aligned to " + std::to_string(alignment) + " bytes",
+                   found.str());
+  }
+}
+
+ByteTensor check_byte_tensor(const char* op, const char* arg, const DLTensor* tensor, int device,
+                             std::initializer_list<std::int64_t> dims_after_leading,
+                             bool leading_optional, const char* dims_text_expected) {
+  const std::vector<std::int64_t> dims(dims_after_leading);
+  const int full = static_cast<int>(dims.size()) + 1;
+  const std::string expected_shape =
+      std::string(dims_text_expected) + (leading_optional ? " (or without the leading n: one expert)" : "");
+  if (tensor == nullptr) throw_argument(op, arg, "a uint8 tensor " + expected_shape, "null");
+  if (tensor->device.device_type != kDLCUDA || tensor->device.device_id != device) {
+    throw_argument(op, arg,
+                   "a CUDA tensor (kDLCUDA) on device " + std::to_string(device) +
+                       ", the device of the current CUDA context",
+                   "device type " + std::to_string(static_cast<int>(tensor->device.device_type)) +
+                       " device " + std::to_string(tensor->device.device_id));
+  }
+  if (tensor->dtype.code != kDLUInt || tensor->dtype.bits != 8 || tensor->dtype.lanes != 1) {
+    throw_dtype(op, arg, "uint8 (MXFP4 nibble pairs or E8M0 scales, as the checkpoint stores them)",
+                *tensor);
+  }
+  const bool short_form = leading_optional && tensor->ndim == full - 1;
+  if (tensor->shape == nullptr || (tensor->ndim != full && !short_form)) {
+    throw_shape(op, arg, expected_shape, *tensor);
+  }
+  const int offset = short_form ? 0 : 1;
+  ByteTensor out;
+  out.count = short_form ? 1 : tensor->shape[0];
+  if (out.count < 1) throw_shape(op, arg, expected_shape + " with n >= 1", *tensor);
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (tensor->shape[static_cast<int>(i) + offset] != dims[i]) {
+      throw_shape(op, arg, expected_shape, *tensor);
+    }
+  }
+  if (tensor->strides != nullptr) {
+    std::int64_t expect = 1;
+    for (int d = tensor->ndim - 1; d >= 0; --d) {
+      if (tensor->shape[d] > 1 && tensor->strides[d] != expect) {
+        throw_argument(op, arg, "a contiguous row-major tensor",
+                       "strides that are not compact for shape " + dims_text(*tensor) +
+                           "; pass a contiguous tensor (e.g. .contiguous())");
+      }
+      expect *= tensor->shape[d];
+    }
+  }
+  if (tensor->data == nullptr) throw_argument(op, arg, "non-null data", "null data");
+  out.data = static_cast<const std::uint8_t*>(tensor->data) + tensor->byte_offset;
+  return out;
+}
+
+}  // namespace moejit::detail

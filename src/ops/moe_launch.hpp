@@ -1,0 +1,52 @@
+// Launch plumbing shared by the MoE ops: one cuLaunchKernelEx with the programmatic dependent
+// launch attribute where the kernel waits on its predecessor, the dynamic shared memory opt-in
+// (once per kernel and device), and the checks of raw device pointers and uint8 checkpoint
+// tensors that the DLTensor checks of tensor_checks.hpp don't cover.
+#pragma once
+
+#include <cuda.h>
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "moejit/kernel_spec.hpp"
+
+namespace moejit::detail {
+
+struct LaunchShape {
+  unsigned grid_x = 1;
+  unsigned grid_y = 1;
+  unsigned block = 1;
+  unsigned smem = 0;  // dynamic shared memory bytes
+};
+
+// Launches `kernel` on `stream`. `pdl`: the kernel starts with griddepcontrol.wait, so it may be
+// scheduled while the previous kernel drains (the attribute is set on sm_90+ only). Throws
+// Error{kDriver} naming the op, the kernel and the geometry.
+void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
+                       const LaunchShape& shape, bool pdl, CUstream stream, void** args);
+
+// Lets `kernel` use `bytes` of dynamic shared memory on device `device` (cuKernelSetAttribute,
+// needed above 48 KB). The first call per (kernel, device) sets it; later ones are a table read.
+// Throws Error{kUnsupported} with the device's limit when it is lower.
+void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
+                         int bytes);
+
+// `pointer` non-null and aligned to `alignment` bytes, else Error{kInvalidArgument}.
+void check_device_pointer(const char* op, const char* arg, const void* pointer,
+                          std::uintptr_t alignment);
+
+// A contiguous uint8 tensor on CUDA device `device` whose shape is `dims` (or, when
+// `leading_optional`, `dims` without its first extent: one expert). Returns the data pointer
+// (data + byte_offset) and the leading extent (1 for the short form). Throws
+// Error{kInvalidArgument} "<op>: <arg>: expected ..., found ..." naming every expected extent.
+struct ByteTensor {
+  const std::uint8_t* data = nullptr;
+  std::int64_t count = 0;  // leading extent (experts)
+};
+ByteTensor check_byte_tensor(const char* op, const char* arg, const DLTensor* tensor, int device,
+                             std::initializer_list<std::int64_t> dims_after_leading,
+                             bool leading_optional, const char* dims_text);
+
+}  // namespace moejit::detail

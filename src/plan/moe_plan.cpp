@@ -1,0 +1,392 @@
+// The MoE layer's plan: the config per token count, the sizes that follow from it, and the
+// arch facts supports() checks.
+#include "plan/moe_plan.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/route_params.cuh>
+
+namespace moejit::detail {
+
+namespace {
+
+// One grouped-GEMM tile, used for T up to `max_tokens` (measured on the H200 with the standalone
+// harness, tools/PERF_LOG.md "marlin_moe": best config at T = 1, 7..96, 256, 1000, 4096 on
+// gpt-oss-120b and deepseek-v4-flash-tp4; the switch points sit between the measured T, near
+// their geometric means).
+struct GemmTile {
+  int max_tokens;
+  int block_m, block_n, block_k, stages, warps_m, warps_n, warps_k, min_blocks_per_sm;
+};
+
+constexpr GemmTile kGemmTiles[] = {
+    // T = 1: few experts touched; 32-row CTAs with K split over two warps put more CTAs on them.
+    {2, 32, 8, 256, 4, 2, 1, 2, 4},
+    // T = 7..96: one n8 token tile, 64 weight rows per CTA, four CTAs per SM.
+    {160, 64, 8, 256, 4, 4, 1, 1, 4},
+    // T ~ 256: 16-token blocks halve the dequant work per weight byte of an 8-row block.
+    {512, 64, 16, 256, 3, 4, 1, 1, 4},
+    // T ~ 1000: 32-token blocks, shorter K stages.
+    {2048, 64, 32, 128, 4, 4, 1, 1, 3},
+    // T >= 4096: 128 x 64 tiles, eight warps along M.
+    {INT_MAX, 128, 64, 128, 4, 8, 1, 1, 2},
+};
+
+// Route: N = T * K <= kRouteSingleRows ranks in one CTA (one launch); above it the three-launch
+// path with chunks of kRouteChunkRows, and kRouteLargeChunkRows once N > kRouteLargeRows.
+// Why (kernels/moe/route.cuh, measured on the H200): one CTA is best while N is small (kimi T = 6:
+// 5.7 us); from about N = 1024 its single SM is the limit and C = 1024 chunks win (kimi N = 4096:
+// 16.4 us against 26.7 us); for very large N, C = 4096 keeps the scan's columns short.
+constexpr int kRouteSingleRows = 1024;
+constexpr int kRouteChunkRows = 1024;
+constexpr int kRouteLargeRows = 32768;
+constexpr int kRouteLargeChunkRows = 4096;
+constexpr int kRouteMaxItems = 32;  // RouteTraits: ChunkRows / BlockThreads <= 32
+
+// Combine: T <= kCombineSmallTokens uses small CTAs so one token's H / 8 threads spread over
+// several SMs (kimi T = 1: 448 threads = 7 CTAs of 64 instead of 2 of 256).
+constexpr int kCombineSmallTokens = 16;
+constexpr int kCombineSmallThreads = 64;
+constexpr int kCombineThreads = 256;
+
+constexpr int kNarrowIdsThreads = 256;
+constexpr int kRepackThreads = 256;
+
+const GemmTile& tile_for(int tokens) {
+  for (const GemmTile& tile : kGemmTiles) {
+    if (tokens <= tile.max_tokens) return tile;
+  }
+  return kGemmTiles[sizeof(kGemmTiles) / sizeof(kGemmTiles[0]) - 1];
+}
+
+// Why the most threads that fit: the rank phase keeps a 16-bit counter per (warp, expert) in
+// 48 KB of static shared memory, so E = 896 takes 512 threads and E <= 384 takes 1024.
+int route_threads(int num_experts) {
+  for (int threads = 1024; threads > 32; threads /= 2) {
+    if (route_rank_shared_bytes(num_experts, threads) <= kRouteStaticSharedLimit) return threads;
+  }
+  return 32;
+}
+
+MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const ModelShape& shape) {
+  MarlinMoeParams p;
+  p.stage = stage;
+  p.block_m = tile.block_m;
+  p.block_n = tile.block_n;
+  p.block_k = tile.block_k;
+  p.stages = tile.stages;
+  p.warps_m = tile.warps_m;
+  p.warps_n = tile.warps_n;
+  p.warps_k = tile.warps_k;
+  p.min_blocks_per_sm = tile.min_blocks_per_sm;
+  p.has_bias = shape.has_bias;
+  if (stage == MoeGemmStage::kFc1) {
+    // Why not early: FC1 reads the route's block map, which the previous kernel writes, so it
+    // must wait before anything else.
+    p.early_weights = false;
+    p.activation = shape.activation;
+    p.out_dtype = DType::kBF16;
+  } else {
+    // Why early: FC2's dependency is FC1, which starts only after route finished, so FC2 may
+    // stream its weights while FC1 drains (programmatic dependent launch).
+    p.early_weights = true;
+    p.activation = Activation{};
+    // Why fp32: each (token, slot) row is summed by combine; fp32 keeps the sum to one bf16
+    // rounding at the end.
+    p.out_dtype = DType::kF32;
+  }
+  return p;
+}
+
+KernelSpec make_spec(Family family, const Arch& arch, FamilyParams params) {
+  KernelSpec spec;
+  spec.family = family;
+  spec.arch = arch;
+  spec.params = std::move(params);
+  return spec;
+}
+
+std::size_t to_size(unsigned long long v) { return static_cast<std::size_t>(v); }
+
+std::size_t align_up(std::size_t bytes) {
+  const std::size_t a = static_cast<std::size_t>(kern::moe::kRouteAlign);
+  return (bytes + a - 1) / a * a;
+}
+
+}  // namespace
+
+std::optional<FloatRatio> float_ratio(float value) {
+  if (!std::isfinite(value)) return std::nullopt;
+  if (value == 0.f) return FloatRatio{0, 1};
+  const auto exact = [value](long long num, long long den) {
+    return static_cast<float>(num) / static_cast<float>(den) == value;
+  };
+  for (long long den = 1; den <= 1000000000LL; den *= 10) {
+    const double scaled = std::nearbyint(static_cast<double>(value) * static_cast<double>(den));
+    if (std::fabs(scaled) > static_cast<double>(INT_MAX)) break;
+    const long long num = static_cast<long long>(scaled);
+    if (exact(num, den)) return FloatRatio{static_cast<int>(num), static_cast<int>(den)};
+  }
+  // value = mantissa * 2^exponent with an integer mantissa of at most 24 bits.
+  int exponent = 0;
+  const double fraction = std::frexp(static_cast<double>(value), &exponent);
+  long long mantissa = static_cast<long long>(std::ldexp(fraction, 24));
+  exponent -= 24;
+  while (mantissa % 2 == 0 && exponent < 0) {
+    mantissa /= 2;
+    ++exponent;
+  }
+  if (exponent >= 0) {
+    if (exponent > 30) return std::nullopt;
+    const long long num = mantissa * (1LL << exponent);
+    if (num > INT_MAX || num < -static_cast<long long>(INT_MAX)) return std::nullopt;
+    if (exact(num, 1)) return FloatRatio{static_cast<int>(num), 1};
+    return std::nullopt;
+  }
+  if (-exponent > 30) return std::nullopt;
+  const long long den = 1LL << -exponent;
+  if (exact(mantissa, den)) return FloatRatio{static_cast<int>(mantissa), static_cast<int>(den)};
+  return std::nullopt;
+}
+
+int marlin_moe_threads(const MarlinMoeParams& p) {
+  return 32 * p.warps_m * p.warps_n * p.warps_k;
+}
+
+long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
+  if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
+  const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
+  const long long atoms_k = p.block_k / kern::moe::layout::kAtomK;
+  const long long warp_atoms_m = atoms_m / p.warps_m;
+  const long long warp_tiles_n = p.block_n / 8 / p.warps_n;
+  const long long stage_weight = atoms_m * atoms_k * kern::moe::layout::kAtomBytes;
+  const long long stage_scale = atoms_m * atoms_k * kern::moe::layout::kAtomScaleBytes;
+  const long long input_row = static_cast<long long>(p.block_k) * 2 + 16;
+  const long long stage_input = static_cast<long long>(p.block_n) * input_row;
+  const long long stage = stage_weight + stage_scale + stage_input;
+  const long long acc_regs = warp_atoms_m * warp_tiles_n * 4;
+  const long long reduce =
+      static_cast<long long>(p.warps_k - 1) * p.warps_m * p.warps_n * acc_regs * 32 * 4;
+  const long long pipe = std::max(static_cast<long long>(p.stages) * stage, reduce);
+  return pipe + 2LL * p.block_n * 4;
+}
+
+long long route_rank_shared_bytes(int num_experts, int block_threads) {
+  const long long e = num_experts;
+  const long long warps = block_threads / 32;
+  return (warps * e * 2 + 3) / 4 * 4 + e * 4 + (e + 1) * 4 + warps * 4;
+}
+
+long long max_dynamic_smem_bytes(const Arch& arch) {
+  switch (arch.sm) {
+    case 70:
+    case 72:
+      return 96 * 1024;
+    case 75:
+      return 64 * 1024;
+    case 80:
+    case 87:
+      return 163 * 1024;
+    case 86:
+    case 89:
+    case 120:
+    case 121:
+      return 99 * 1024;
+    case 90:
+    case 100:
+    case 101:
+    case 103:
+    case 110:
+      return 227 * 1024;
+    default:
+      // Why: an arch this table does not know gets the limit every CUDA GPU allows.
+      return 48 * 1024;
+  }
+}
+
+MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
+  MoeForwardConfig c;
+  c.tokens = tokens;
+  c.narrow_ids = shape.id_dtype == DType::kI64;
+  c.narrow.block_threads = kNarrowIdsThreads;
+
+  const GemmTile& tile = tile_for(tokens);
+  c.fc1 = gemm_params(tile, MoeGemmStage::kFc1, shape);
+  c.fc2 = gemm_params(tile, MoeGemmStage::kFc2, shape);
+
+  const long long rows = static_cast<long long>(tokens) * shape.top_k;
+  const int threads = route_threads(shape.num_experts);
+  c.route.num_experts = shape.num_experts;
+  c.route.top_k = shape.top_k;
+  c.route.block_m = tile.block_n;  // route block == the GEMM's token tile
+  c.route.block_threads = threads;
+  c.route_single = rows <= kRouteSingleRows;
+  c.route.kernel = c.route_single ? RouteKernel::kSingle : RouteKernel::kRank;
+  if (rows <= kRouteLargeRows) {
+    c.route.chunk_rows = std::min(kRouteChunkRows, kRouteMaxItems * threads);
+  } else {
+    c.route.chunk_rows = std::min(kRouteLargeChunkRows, kRouteMaxItems * threads);
+  }
+  // Why: the single-CTA path needs N <= C; C never drops below kRouteSingleRows (32 threads x 32).
+
+  c.combine.hidden = shape.hidden;
+  c.combine.top_k = shape.top_k;
+  c.combine.in_dtype = c.fc2.out_dtype;
+  c.combine.block_threads = tokens <= kCombineSmallTokens ? kCombineSmallThreads : kCombineThreads;
+  return c;
+}
+
+MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch) {
+  MoeForwardSpecs s;
+  s.has_narrow = config.narrow_ids;
+  if (s.has_narrow) s.narrow = make_spec(Family::kNarrowIds, arch, config.narrow);
+  static constexpr RouteKernel kMulti[] = {RouteKernel::kRank, RouteKernel::kScan,
+                                           RouteKernel::kScatter};
+  s.route_count = config.route_single ? 1 : 3;
+  for (int i = 0; i < s.route_count; ++i) {
+    MoeRouteParams part = config.route;
+    part.kernel = config.route_single ? RouteKernel::kSingle : kMulti[i];
+    s.route[i] = make_spec(Family::kRoute, arch, part);
+  }
+  s.fc1 = make_spec(Family::kMarlinMoe, arch, config.fc1);
+  s.fc2 = make_spec(Family::kMarlinMoe, arch, config.fc2);
+  s.combine = make_spec(Family::kCombine, arch, config.combine);
+  return s;
+}
+
+std::vector<KernelSpec> moe_config_specs(const MoeForwardConfig& config, const Arch& arch) {
+  const MoeForwardSpecs s = moe_forward_specs(config, arch);
+  std::vector<KernelSpec> specs;
+  if (s.has_narrow) specs.push_back(s.narrow);
+  for (int i = 0; i < s.route_count; ++i) specs.push_back(s.route[i]);
+  specs.push_back(s.fc1);
+  specs.push_back(s.fc2);
+  specs.push_back(s.combine);
+  return specs;
+}
+
+std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens) {
+  std::vector<int> ends;
+  if (max_tokens < 1) return ends;
+  const int k = std::max(shape.top_k, 1);
+  std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
+                                       kRouteLargeRows / k};
+  for (const GemmTile& tile : kGemmTiles) thresholds.push_back(tile.max_tokens);
+  for (long long t : thresholds) {
+    if (t >= 1 && t < max_tokens) ends.push_back(static_cast<int>(t));
+  }
+  ends.push_back(max_tokens);
+  std::sort(ends.begin(), ends.end());
+  ends.erase(std::unique(ends.begin(), ends.end()), ends.end());
+  return ends;
+}
+
+MoeRepackParams moe_repack_params(bool gate_up) {
+  MoeRepackParams p;
+  p.gate_up = gate_up;
+  p.block_threads = kRepackThreads;
+  return p;
+}
+
+MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config) {
+  const long long rows = static_cast<long long>(config.tokens) * shape.top_k;
+  const kern::moe::RouteWorkspaceLayout route = kern::moe::route_workspace_layout(
+      rows, shape.num_experts, config.route.block_m, config.route.chunk_rows);
+  MoeWorkspaceLayout w;
+  w.expert_counts = to_size(route.expert_counts);
+  w.expert_block_offset = to_size(route.expert_block_offset);
+  w.sorted_rows = to_size(route.sorted_rows);
+  w.block_expert = to_size(route.block_expert);
+  w.slot_row = to_size(route.slot_row);
+  w.total_blocks = to_size(route.total_blocks);
+  w.chunk_base = to_size(route.chunk_base);
+  w.max_blocks = kern::moe::route_max_blocks(rows, shape.num_experts, config.route.block_m);
+  w.padded_rows = kern::moe::route_max_padded_rows(rows, shape.num_experts, config.route.block_m);
+  std::size_t at = to_size(route.bytes);
+  w.ids32 = at;
+  if (config.narrow_ids) at = align_up(at + static_cast<std::size_t>(rows) * 4);
+  w.inter = at;
+  at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
+                         static_cast<std::size_t>(shape.intermediate) * 2);
+  w.out2 = at;
+  const std::size_t out2_elem = config.fc2.out_dtype == DType::kF32 ? 4 : 2;
+  at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
+                         static_cast<std::size_t>(shape.hidden) * out2_elem);
+  w.bytes = at;
+  return w;
+}
+
+std::size_t moe_workspace_bytes_for(const ModelShape& shape, int max_tokens) {
+  // Why only the segment ends: within a segment the config is fixed and every buffer grows
+  // with T, so the largest T of each segment bounds the segment.
+  std::size_t bytes = 0;
+  for (int t : moe_config_segment_ends(shape, max_tokens)) {
+    bytes = std::max(bytes, moe_workspace_layout(shape, choose_moe_config(shape, t)).bytes);
+  }
+  return bytes;
+}
+
+MoeWeightSizes moe_weight_sizes(const ModelShape& shape) {
+  namespace layout = kern::moe::layout;
+  const layout::Dims fc1 = layout::fc1_dims(shape.intermediate, shape.hidden);
+  const layout::Dims fc2 = layout::fc2_dims(shape.intermediate, shape.hidden);
+  MoeWeightSizes s;
+  s.fc1_m_atoms = fc1.m_atoms;
+  s.fc1_k_atoms = fc1.k_atoms;
+  s.fc2_m_atoms = fc2.m_atoms;
+  s.fc2_k_atoms = fc2.k_atoms;
+  s.w13 = static_cast<std::size_t>(layout::weight_bytes(fc1, shape.num_experts));
+  s.w13_scales = static_cast<std::size_t>(layout::scale_bytes(fc1, shape.num_experts));
+  s.w2 = static_cast<std::size_t>(layout::weight_bytes(fc2, shape.num_experts));
+  s.w2_scales = static_cast<std::size_t>(layout::scale_bytes(fc2, shape.num_experts));
+  if (shape.has_bias) {
+    s.b13 = static_cast<std::size_t>(shape.num_experts) *
+            static_cast<std::size_t>(shape.intermediate) * 2 * 2;
+    s.b2 = static_cast<std::size_t>(shape.num_experts) * static_cast<std::size_t>(shape.hidden) *
+           2;
+  }
+  return s;
+}
+
+std::string moe_shape_problem(const ModelShape& shape) {
+  const auto field = [&](const char* name, long long value, const std::string& allowed) {
+    return "shape \"" + shape.name + "\": " + name + " = " + std::to_string(value) +
+           "; the MoE kernels need " + allowed;
+  };
+  if (shape.num_experts < 1) return field("num_experts", shape.num_experts, ">= 1");
+  if (shape.top_k < 1 || shape.top_k > 64) return field("top_k", shape.top_k, "1..64");
+  if (shape.hidden < 32 || shape.hidden % 32 != 0 || shape.hidden > 65536) {
+    return field("hidden", shape.hidden,
+                 "a multiple of 32 (one MXFP4 scale per 32 weights along K) in 32..65536");
+  }
+  if (shape.intermediate < 32 || shape.intermediate % 32 != 0 || shape.intermediate > 65536) {
+    return field("intermediate", shape.intermediate,
+                 "a multiple of 32 (one MXFP4 scale per 32 weights along K) in 32..65536");
+  }
+  if (shape.expert_offset < 0 ||
+      static_cast<long long>(shape.expert_offset) + shape.num_experts > INT_MAX) {
+    return field("expert_offset", shape.expert_offset,
+                 ">= 0 with expert_offset + num_experts <= 2^31 - 1");
+  }
+  if (shape.max_tokens < 1 || shape.max_tokens > (1 << 20)) {
+    return field("max_tokens", shape.max_tokens, "1..1048576");
+  }
+  if (shape.id_dtype != DType::kI32 && shape.id_dtype != DType::kI64) {
+    return std::string("shape \"") + shape.name + "\": id_dtype = " + dtype_name(shape.id_dtype) +
+           "; the MoE kernels need int32 or int64 ids";
+  }
+  if (shape.activation_dtype != DType::kBF16) {
+    return std::string("shape \"") + shape.name +
+           "\": activation_dtype = " + dtype_name(shape.activation_dtype) +
+           "; the MoE kernels take bf16 activations";
+  }
+  if (shape.weight_format != WeightFormat::kMXFP4) {
+    return "shape \"" + shape.name + "\": the MoE kernels take MXFP4 weights only";
+  }
+  return "";
+}
+
+}  // namespace moejit::detail
