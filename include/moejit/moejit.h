@@ -4,6 +4,7 @@
 #define MOEJIT_MOEJIT_H_
 
 #include <dlpack/dlpack.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -41,6 +42,67 @@ moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* top
                                    const DLTensor* shared_logits, DLTensor* out_ids,
                                    DLTensor* out_weights, int64_t shared_base, float scale,
                                    moejit_shared_gate gate, void* stream);
+
+/* ---- MoE layer (moejit/moe.hpp) ---------------------------------------------------------------
+ * A moejit_moe is a registered shape resolved once (moejit_register_shapes_file first), so the
+ * per-layer call looks nothing up by name. Tensors are DLTensors on the current CUDA context's
+ * device; stream is a CUstream / cudaStream_t. */
+
+typedef struct moejit_moe moejit_moe;
+
+/* Resolves the registered shape `shape_name`; *out must be released with moejit_moe_destroy. */
+moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out);
+void moejit_moe_destroy(moejit_moe* moe);
+
+/* Bytes of each repacked weight buffer (b13 / b2 are 0 when the shape has no biases). */
+typedef struct moejit_moe_weight_layout {
+  size_t w13_bytes;
+  size_t w13_scale_bytes;
+  size_t w2_bytes;
+  size_t w2_scale_bytes;
+  size_t b13_bytes;
+  size_t b2_bytes;
+} moejit_moe_weight_layout;
+moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_weight_layout* out);
+
+/* Repacked weights (device pointers); b13 / b2: bf16 biases as the checkpoint stores them, null
+ * when the shape has none. */
+typedef struct moejit_moe_weights {
+  void* w13;
+  void* w13_scales;
+  void* w2;
+  void* w2_scales;
+  const void* b13;
+  const void* b2;
+} moejit_moe_weights;
+
+/* Repack a gpt-oss checkpoint (w13 interleaved) or a separate w1 / w3 / w2 one into `target`'s
+ * w13, w13_scales, w2, w2_scales; checkpoint expert 0 becomes local expert first_expert.
+ * bad_scale_count: optional int32 device counter, incremented by the scale bytes that can't be
+ * dequantized exactly. Shapes of the tensors: see moejit/moe.hpp. */
+moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w13_blocks,
+                                        const DLTensor* w13_scales, const DLTensor* w2_blocks,
+                                        const DLTensor* w2_scales,
+                                        const moejit_moe_weights* target, int first_expert,
+                                        int32_t* bad_scale_count, void* stream);
+moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* w1_blocks,
+                                         const DLTensor* w1_scales, const DLTensor* w3_blocks,
+                                         const DLTensor* w3_scales, const DLTensor* w2_blocks,
+                                         const DLTensor* w2_scales,
+                                         const moejit_moe_weights* target, int first_expert,
+                                         int32_t* bad_scale_count, void* stream);
+
+/* Device workspace bytes moejit_moe_forward needs for any T <= max_tokens. */
+moejit_status moejit_moe_workspace_bytes(const moejit_moe* moe, int max_tokens, size_t* out);
+
+/* out [T, H] bf16 = the routed-expert layer of hidden [T, H] bf16 with topk_ids [T, K] (int32, or
+ * int64 when the shape says) and topk_weights [T, K] fp32. No allocation, no host sync, CUDA-graph
+ * capturable after a prewarm. */
+moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
+                                 const DLTensor* topk_ids, const DLTensor* topk_weights,
+                                 const moejit_moe_weights* weights, void* workspace,
+                                 size_t workspace_bytes, DLTensor* out, void* stream);
+/* ---- end of MoE layer ------------------------------------------------------------------------ */
 
 #ifdef __cplusplus
 }

@@ -4,6 +4,7 @@
 #include <new>
 #include <string>
 
+#include "capi/capi_guard.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moejit.h"
 #include "moejit/ops.hpp"
@@ -59,6 +60,10 @@ moejit_status guarded(Body&& body) noexcept {
 }
 
 }  // namespace
+
+moejit_status moejit::detail::capi_guarded(void (*body)(void*), void* context) noexcept {
+  return guarded([&] { body(context); });
+}
 
 extern "C" {
 

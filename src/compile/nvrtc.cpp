@@ -21,7 +21,12 @@
 #include <system_error>
 #include <utility>
 
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
 #include "codegen/embedded.hpp"
+#include "common/hash.hpp"
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "common/log.hpp"
@@ -193,7 +198,28 @@ std::string include_name(const fs::path& file, const std::vector<std::string>& d
 
 // Walk every toolkit file the embedded headers can reach and hash (include name, content) of
 // each, in include-name order; names that resolve nowhere are hashed as missing.
-void fingerprint(ToolkitHeaders& toolkit) {
+// What fingerprint() looked at, so a later process can tell cheaply whether it would see the
+// same: every file it read (with its stat) and every include candidate that did not exist.
+struct Probes {
+  struct Seen {
+    std::string path;
+    int64_t size = 0;
+    int64_t mtime_ns = 0;
+    int64_t inode = 0;
+  };
+  std::vector<Seen> read;
+  std::set<std::string> absent;
+};
+
+std::optional<Probes::Seen> stat_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  return Probes::Seen{path, static_cast<int64_t>(st.st_size),
+                      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
+                      static_cast<int64_t>(st.st_ino)};
+}
+
+void fingerprint(ToolkitHeaders& toolkit, Probes* probes) {
   std::vector<std::pair<fs::path, IncludeRef>> pending;  // (including file's dir, reference)
   for (const EmbeddedHeader& header : embedded_headers()) {
     for (IncludeRef& ref : scan_includes(header.content)) {
@@ -209,10 +235,16 @@ void fingerprint(ToolkitHeaders& toolkit) {
     auto [from, ref] = std::move(pending.back());
     pending.pop_back();
     std::optional<fs::path> found;
-    if (ref.quoted && !from.empty() && is_file(from / ref.name)) found = from / ref.name;
+    auto try_candidate = [&](const fs::path& candidate) {
+      if (is_file(candidate)) {
+        found = candidate;
+      } else {
+        probes->absent.insert(candidate.string());
+      }
+    };
+    if (ref.quoted && !from.empty()) try_candidate(from / ref.name);
     for (std::size_t d = 0; !found && d < toolkit.include_dirs.size(); ++d) {
-      const fs::path candidate = fs::path(toolkit.include_dirs[d]) / ref.name;
-      if (is_file(candidate)) found = candidate;
+      try_candidate(fs::path(toolkit.include_dirs[d]) / ref.name);
     }
     if (!found) {
       missing.insert(ref.name);
@@ -220,6 +252,9 @@ void fingerprint(ToolkitHeaders& toolkit) {
     }
     const fs::path file = canonical_or_self(*found);
     if (!seen.insert(file).second) continue;
+    if (std::optional<Probes::Seen> seen_stat = stat_file(file.string())) {
+      probes->read.push_back(*seen_stat);
+    }
     std::optional<std::string> content = read_file(file);
     MOEJIT_CHECK(content.has_value(), ErrorCode::kIo,
                  "could not read toolkit header " << file.string()
@@ -240,12 +275,104 @@ void fingerprint(ToolkitHeaders& toolkit) {
   toolkit.digest = hasher.digest();
 }
 
-ToolkitHeaders locate(const std::string& configured) {
-  auto found = [](Probe&& p) {
+// The digest of the embedded headers: the stamp is only valid for the kernels it was made from.
+const std::string& embedded_digest() {
+  static const std::string digest = [] {
+    Hasher hasher;
+    for (const EmbeddedHeader& header : embedded_headers()) {
+      hasher.field(header.path).field(header.content);
+    }
+    return hasher.digest().hex();
+  }();
+  return digest;
+}
+
+fs::path stamp_path(const std::string& stamp_dir, const std::vector<std::string>& include_dirs) {
+  Hasher hasher;
+  hasher.field(embedded_digest());
+  for (const std::string& dir : include_dirs) hasher.field(dir);
+  return fs::path(stamp_dir) / ("toolkit-" + hasher.digest().hex() + ".json");
+}
+
+// The fingerprint from a stamp whose every recorded probe still holds, else nullopt.
+std::optional<ToolkitHeaders> read_stamp(const fs::path& path,
+                                         const std::vector<std::string>& include_dirs) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  const bool trusted_owner = st.st_uid == ::geteuid() || st.st_uid == 0;
+  if (!trusted_owner || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    log().warn("ignoring toolkit stamp {}: not owned by this user or writable by others", path.string());
+    return std::nullopt;
+  }
+  std::optional<std::string> text = read_file(path);
+  if (!text) return std::nullopt;
+  try {
+    const nlohmann::json stamp = nlohmann::json::parse(*text);
+    if (stamp.at("embedded").get<std::string>() != embedded_digest() ||
+        stamp.at("include_dirs").get<std::vector<std::string>>() != include_dirs) {
+      return std::nullopt;
+    }
+    for (const nlohmann::json& seen : stamp.at("read")) {
+      std::optional<Probes::Seen> now = stat_file(seen.at(0).get<std::string>());
+      if (!now || now->size != seen.at(1).get<int64_t>() ||
+          now->mtime_ns != seen.at(2).get<int64_t>() || now->inode != seen.at(3).get<int64_t>()) {
+        return std::nullopt;
+      }
+    }
+    for (const nlohmann::json& absent : stamp.at("absent")) {
+      if (::access(absent.get<std::string>().c_str(), F_OK) == 0) return std::nullopt;
+    }
+    ToolkitHeaders out;
+    out.include_dirs = include_dirs;
+    out.include_dir = include_dirs.front();
+    out.files = stamp.at("files").get<std::vector<std::string>>();
+    out.digest.high = std::stoull(stamp.at("digest").get<std::string>().substr(0, 16), nullptr, 16);
+    out.digest.low = std::stoull(stamp.at("digest").get<std::string>().substr(16, 16), nullptr, 16);
+    return out;
+  } catch (const std::exception& e) {
+    log().debug("toolkit stamp {} unusable ({}): fingerprinting the headers", path.string(), e.what());
+    return std::nullopt;
+  }
+}
+
+// Best effort: a stamp that can't be written only costs the next process a fingerprint.
+void write_stamp(const fs::path& path, const ToolkitHeaders& toolkit, const Probes& probes) {
+  nlohmann::json stamp;
+  stamp["embedded"] = embedded_digest();
+  stamp["include_dirs"] = toolkit.include_dirs;
+  stamp["files"] = toolkit.files;
+  stamp["digest"] = toolkit.digest.hex();
+  nlohmann::json read = nlohmann::json::array();
+  for (const Probes::Seen& seen : probes.read) {
+    read.push_back(nlohmann::json::array({seen.path, seen.size, seen.mtime_ns, seen.inode}));
+  }
+  stamp["read"] = std::move(read);
+  stamp["absent"] = probes.absent;
+  const std::string text = stamp.dump();
+  const std::string temp = path.string() + "." + std::to_string(::getpid()) + ".tmp";
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return;
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  const bool closed = ::close(fd) == 0;
+  if (!written || !closed || ::rename(temp.c_str(), path.c_str()) != 0) ::unlink(temp.c_str());
+}
+
+ToolkitHeaders locate(const std::string& configured, const std::string& stamp_dir,
+                      bool stamp_writable) {
+  auto found = [&](Probe&& p) {
     ToolkitHeaders out;
     out.include_dir = p.include_dirs.front();
     out.include_dirs = std::move(p.include_dirs);
-    fingerprint(out);
+    const fs::path stamp = stamp_dir.empty() ? fs::path() : stamp_path(stamp_dir, out.include_dirs);
+    if (!stamp.empty()) {
+      if (std::optional<ToolkitHeaders> remembered = read_stamp(stamp, out.include_dirs)) {
+        log().debug("CUDA headers: {} unchanged since {}", out.include_dir, stamp.string());
+        return std::move(*remembered);
+      }
+    }
+    Probes probes;
+    fingerprint(out, &probes);
+    if (!stamp.empty() && stamp_writable) write_stamp(stamp, out, probes);
     log().debug("CUDA headers: {} ({} files, digest {})", out.include_dir, out.files.size(),
                 out.digest.hex());
     return out;
@@ -424,10 +551,17 @@ std::string kernel_label(const GeneratedSource& src) {
 
 }  // namespace
 
-const ToolkitHeaders& toolkit_headers(const std::string& configured) {
+ToolkitHeaders locate_toolkit_headers(const std::string& configured, const std::string& stamp_dir,
+                                      bool stamp_writable) {
+  return locate(configured, stamp_dir, stamp_writable);
+}
+
+const ToolkitHeaders& toolkit_headers(const std::string& configured, const std::string& stamp_dir,
+                                      bool stamp_writable) {
   static std::mutex mutex;
   static std::map<std::string, std::unique_ptr<const ToolkitHeaders>> memo;
-  // Why: keyed by every input of the search, so a changed environment is searched afresh.
+  // Why: keyed by every input of the search, so a changed environment is searched afresh. The
+  // stamp directory is not part of it: a stamp only ever reproduces what fingerprint() computes.
   std::string key = configured;
   for (const char* name : {"MOEJIT_CUDA_INCLUDE", "CUDA_HOME", "CUDA_PATH"}) {
     key += '\0';
@@ -436,7 +570,7 @@ const ToolkitHeaders& toolkit_headers(const std::string& configured) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = memo.find(key);
   if (it != memo.end()) return *it->second;
-  auto made = std::make_unique<const ToolkitHeaders>(locate(configured));
+  auto made = std::make_unique<const ToolkitHeaders>(locate(configured, stamp_dir, stamp_writable));
   return *memo.emplace(key, std::move(made)).first->second;
 }
 

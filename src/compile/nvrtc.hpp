@@ -33,7 +33,21 @@ struct ToolkitHeaders {
 // wins, and when none does, Error{kCompileFailed} lists every path tried and why each failed.
 // Memoized per (configured, MOEJIT_CUDA_INCLUDE, CUDA_HOME, CUDA_PATH), successes only; the
 // reference stays valid for the life of the process.
-const ToolkitHeaders& toolkit_headers(const std::string& configured);
+//
+// Fingerprinting reads every reachable header (~10-20 ms), too slow for the first kernel request
+// of a fresh process. With `stamp_dir` (the cache directory) the result is remembered there in a
+// stamp that lists each file read with its size, mtime and inode, and each include candidate that
+// was absent; a later process that finds every file unchanged and every absent one still absent
+// takes the digest from the stamp (a few stat calls) instead of reading the headers again. The
+// stamp is written only when `stamp_writable`, and ignored unless owned by this user or root and
+// not group/world writable.
+const ToolkitHeaders& toolkit_headers(const std::string& configured,
+                                      const std::string& stamp_dir = {},
+                                      bool stamp_writable = false);
+
+// toolkit_headers without the per-process memo (for tests and tools that look at the stamp).
+ToolkitHeaders locate_toolkit_headers(const std::string& configured, const std::string& stamp_dir,
+                                      bool stamp_writable);
 
 // "13.0" (nvrtcVersion).
 std::string nvrtc_version();

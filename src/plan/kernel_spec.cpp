@@ -163,8 +163,9 @@ std::string constant_problem(const char* name, float value, bool taken) {
     os << "activation constant " << name << " = " << value << "; allowed: finite and > 0";
   } else if (!detail::float_ratio(value)) {
     os << "activation constant " << name << " = " << value
-       << " has no exact int ratio num / den (the kernel's template form); allowed: values "
-          "between about 2^-30 and 2^31";
+       << " has no exact int ratio num / den (the kernel's template form); allowed: a value "
+          "that some num / den with |num|, den < 2^31 rounds to (magnitudes from about 1e-9 to "
+          "2e9)";
   }
   return os.str();
 }

@@ -130,6 +130,32 @@ std::optional<FloatRatio> float_ratio(float value) {
     const long long num = static_cast<long long>(scaled);
     if (exact(num, den)) return FloatRatio{static_cast<int>(num), static_cast<int>(den)};
   }
+  // The convergents of the continued fraction: the best approximations num / den; the first
+  // whose float quotient rounds to `value` will do.
+  {
+    const double x0 = std::fabs(static_cast<double>(value));
+    const long long sign = value < 0.f ? -1 : 1;
+    long long h_prev = 1, h_prev2 = 0, k_prev = 0, k_prev2 = 1;
+    double x = x0;
+    for (int iteration = 0; iteration < 64; ++iteration) {
+      const double a = std::floor(x);
+      if (a > static_cast<double>(INT_MAX)) break;
+      const long long ai = static_cast<long long>(a);
+      const long long h = ai * h_prev + h_prev2;
+      const long long k = ai * k_prev + k_prev2;
+      if (h > INT_MAX || k > INT_MAX) break;
+      if (k > 0 && exact(sign * h, k)) {
+        return FloatRatio{static_cast<int>(sign * h), static_cast<int>(k)};
+      }
+      h_prev2 = h_prev;
+      h_prev = h;
+      k_prev2 = k_prev;
+      k_prev = k;
+      const double fraction = x - a;
+      if (fraction <= 0.0) break;
+      x = 1.0 / fraction;
+    }
+  }
   // value = mantissa * 2^exponent with an integer mantissa of at most 24 bits.
   int exponent = 0;
   const double fraction = std::frexp(static_cast<double>(value), &exponent);

@@ -19,8 +19,9 @@ namespace moejit::detail {
 
 // A float constant as an exact ratio of ints: float(num) / float(den) == value (a correctly
 // rounded division, as kernels/moe/activation.cuh evaluates it). Tries decimal denominators
-// first (1.702 -> 1702 / 1000, readable in the source), then the float's own binary fraction.
-// Empty when neither fits an int (|value| beyond 2^31, or below about 2^-30).
+// first (1.702 -> 1702 / 1000, readable in the source), then the continued fraction's
+// convergents, then the float's own binary fraction. Empty when none fits an int (|value|
+// beyond 2^31, or so small that no num / den with den < 2^31 rounds to it).
 struct FloatRatio {
   int num = 0;
   int den = 1;

@@ -13,6 +13,7 @@
 #include <ctime>
 #include <exception>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <system_error>
 #include <thread>
@@ -222,6 +223,18 @@ void Runtime::configure(const RuntimeConfig& config) {
                                                             : "memory");
 }
 
+namespace {
+
+// The toolkit fingerprint, remembered in the cache directory so a fresh process's first kernel
+// request costs a few stat calls rather than reading every toolkit header (see toolkit_headers).
+const ToolkitHeaders& toolkit_for(const RuntimeConfig& config, const DiskCache& disk) {
+  const bool on_disk = disk.effective_mode() != CacheMode::kMemoryOnly;
+  return toolkit_headers(config.cuda_include_dir, on_disk ? disk.dir() : std::string(),
+                         disk.effective_mode() == CacheMode::kReadWrite);
+}
+
+}  // namespace
+
 std::shared_ptr<KernelStore> Runtime::current_store(RuntimeConfig* config_out) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
   if (!store_) {
@@ -236,37 +249,26 @@ KernelStore& Runtime::store() { return *current_store(nullptr); }
 
 KeyInputs Runtime::key_inputs(const KernelSpec& spec) {
   RuntimeConfig config;
-  current_store(&config);
+  std::shared_ptr<KernelStore> store = current_store(&config);
   const GeneratedSource source = render(spec);
-  return make_key_inputs(source, spec.arch, toolkit_headers(config.cuda_include_dir));
+  return make_key_inputs(source, spec.arch, toolkit_for(config, store->disk()));
 }
 
 std::string Runtime::cache_key(const KernelSpec& spec) { return compute_key(key_inputs(spec)); }
 
-BuildResult Runtime::build(const KernelSpec& spec) { return build_impl(spec, true, nullptr, nullptr); }
+BuildResult Runtime::build(const KernelSpec& spec) { return build_impl(spec, nullptr); }
 
-BuildResult Runtime::build_impl(const KernelSpec& spec, bool may_compile,
-                                const char* capture_context,
-                                std::shared_ptr<const Entry>* entry_out) {
+BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const Entry>* entry_out) {
   RuntimeConfig config;
   std::shared_ptr<KernelStore> store = current_store(&config);
   const GeneratedSource source = render(spec);
-  const ToolkitHeaders& toolkit = toolkit_headers(config.cuda_include_dir);
+  const ToolkitHeaders& toolkit = toolkit_for(config, store->disk());
   const std::string key = compute_key(make_key_inputs(source, spec.arch, toolkit));
   const std::string name = spec.display_name();
 
   bool compiled_here = false;
   auto compile_entry = [&]() -> Entry {
     compiled_here = true;
-    if (!may_compile) {
-      throw Error(ErrorCode::kCaptureMiss,
-                  "kernel " + name + " (cache key " + key + ") is in neither the memory nor the "
-                  "disk cache, and " + capture_context +
-                  ": compiling it now would stall the capture and cannot be recorded in a graph. "
-                  "Prewarm before capture: run the op once, or call moejit::build_kernel / "
-                  "moejit::prewarm (or `moejit prewarm`) for this shape; or set "
-                  "MOEJIT_ALLOW_CAPTURE_COMPILE=1 to compile during capture anyway");
-    }
     log().debug("cache miss: {} (key {}): compiling", name, key);
     CompiledKernel compiled = compile(source, spec.arch, toolkit, failure_dir_for(store->disk()));
     Entry entry;
@@ -357,19 +359,59 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
                     " is " + device.arch.name() + ": build the spec with Runtime::current_arch()");
   }
   const bool capturing = stream_capturing(api, stream);
-  bool allow_compile = true;
-  if (capturing) {
-    std::lock_guard<std::mutex> lock(setup_mutex_);
-    allow_compile = config_.allow_compile_during_capture;
-  }
   const std::string capture_context = "stream " + stream_text(stream) + " is capturing a CUDA graph";
+  if (capturing) {
+    bool allowed = false;
+    {
+      std::lock_guard<std::mutex> lock(setup_mutex_);
+      allowed = config_.allow_compile_during_capture;
+    }
+    // Why refuse before touching the cache: loading a module (let alone compiling) inside a
+    // capture stalls it and, in global capture mode, may invalidate it; a clear error at the call
+    // that needs the kernel beats a broken graph found later.
+    if (!allowed) {
+      throw Error(ErrorCode::kCaptureMiss,
+                  "kernel " + spec.display_name() + " is not loaded in this process yet, and " +
+                      capture_context +
+                      ": it would have to be loaded (and compiled, unless cached) during the "
+                      "capture. Prewarm before capturing: call moejit::prewarm for the shape "
+                      "with this device's context current (it compiles and loads), or run the "
+                      "op once (a warm-up pass); `moejit prewarm` only fills the disk cache. Or "
+                      "set MOEJIT_ALLOW_CAPTURE_COMPILE=1 to compile and load during capture");
+    }
+  }
   log().debug("kernel table miss: {}{}", spec.display_name(),
-              capturing ? " (stream capturing)" : "");
+              capturing ? " (stream capturing; allowed by MOEJIT_ALLOW_CAPTURE_COMPILE)" : "");
   std::shared_ptr<const Entry> entry;
-  const BuildResult built = build_impl(spec, allow_compile, capture_context.c_str(), &entry);
+  const BuildResult built = build_impl(spec, &entry);
+  CUresult failure = CUDA_SUCCESS;
+  try {
+    return load_built(spec, *entry, built.key, &failure);
+  } catch (const Error& e) {
+    if (capturing && is_capture_error(failure)) {
+      throw Error(ErrorCode::kCaptureMiss,
+                  std::string(e.what()) + ". The driver refuses to load code while " +
+                      capture_context +
+                      " (even with MOEJIT_ALLOW_CAPTURE_COMPILE=1): run the op once before "
+                      "capturing");
+    }
+    throw;
+  }
+}
 
+BuildResult Runtime::build_and_load(const KernelSpec& spec) {
+  std::shared_ptr<const Entry> entry;
+  BuildResult built = build_impl(spec, &entry);
+  CUresult failure = CUDA_SUCCESS;
+  load_built(spec, *entry, built.key, &failure);
+  return built;
+}
+
+CUkernel Runtime::load_built(const KernelSpec& spec, const Entry& entry, const std::string& key,
+                             CUresult* failure) {
+  const DriverApi& api = driver();
   // Why a mutex across the load: two threads that missed together load the library once; the
-  // lock is not held across the build above.
+  // lock is not held across the build before it.
   std::lock_guard<std::mutex> load_lock(load_mutex_);
   {
     std::shared_lock<std::shared_mutex> lock(loaded_mutex_);
@@ -378,18 +420,15 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
   }
   const auto start = std::chrono::steady_clock::now();
   CUlibrary library = nullptr;
-  CUresult result = api.cuLibraryLoadData(&library, entry->cubin.data(), nullptr, nullptr, 0,
+  // Why cuLibraryLoadData: a library is context-independent, so one load serves every context
+  // and device of this arch in the process, and its CUkernel handles never need reloading.
+  CUresult result = api.cuLibraryLoadData(&library, entry.cubin.data(), nullptr, nullptr, 0,
                                           nullptr, nullptr, 0);
   if (result != CUDA_SUCCESS) {
-    std::string message = "loading kernel " + spec.display_name() + " (cache key " + built.key +
-                          ", " + std::to_string(entry->cubin.size()) +
+    *failure = result;
+    std::string message = "loading kernel " + spec.display_name() + " (cache key " + key + ", " +
+                          std::to_string(entry.cubin.size()) +
                           " bytes): cuLibraryLoadData failed: " + describe(result);
-    if (capturing && is_capture_error(result)) {
-      throw Error(ErrorCode::kCaptureMiss,
-                  message + ". The kernel is built but was not loaded before " + capture_context +
-                      ", and the driver refuses to load code during this capture: run the op "
-                      "once before capturing");
-    }
     if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_IMAGE ||
         result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
       message += ". The cubin was compiled by NVRTC " + nvrtc_version() + " for " +
@@ -398,12 +437,13 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
     throw Error(ErrorCode::kDriver, message);
   }
   CUkernel kernel = nullptr;
-  result = api.cuLibraryGetKernel(&kernel, library, entry->manifest.lowered_name.c_str());
+  result = api.cuLibraryGetKernel(&kernel, library, entry.manifest.lowered_name.c_str());
   if (result != CUDA_SUCCESS) {
+    *failure = result;
     api.cuLibraryUnload(library);
-    throw Error(ErrorCode::kDriver, "kernel " + spec.display_name() + " (cache key " + built.key +
+    throw Error(ErrorCode::kDriver, "kernel " + spec.display_name() + " (cache key " + key +
                                         "): cuLibraryGetKernel(\"" +
-                                        entry->manifest.lowered_name + "\") failed: " +
+                                        entry.manifest.lowered_name + "\") failed: " +
                                         describe(result));
   }
   gpu_loaded_.store(true);
@@ -413,7 +453,7 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
   }
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  log().debug("loaded {} ({} bytes) in {:.3f} ms", spec.display_name(), entry->cubin.size(), ms);
+  log().debug("loaded {} ({} bytes) in {:.3f} ms", spec.display_name(), entry.cubin.size(), ms);
   return kernel;
 }
 
@@ -459,6 +499,14 @@ std::vector<BuildResult> prewarm(
   if (total == 0) return results;
 
   detail::Runtime& runtime = detail::Runtime::instance();
+  // Why load as well: a kernel already in the table needs no load when its op is captured into a
+  // CUDA graph, so "prewarm, then capture" works without a warm-up pass. Only for the arch of the
+  // device whose context is current on the calling thread; a CPU-only builder just compiles.
+  std::optional<Arch> load_arch;
+  if (const detail::DriverApi* api = detail::try_driver()) {
+    CUdevice device = 0;
+    if (api->cuCtxGetDevice(&device) == CUDA_SUCCESS) load_arch = runtime.current_arch();
+  }
   std::atomic<std::size_t> next{0};
   std::mutex progress_mutex;
   std::size_t done = 0;
@@ -467,7 +515,8 @@ std::vector<BuildResult> prewarm(
     for (std::size_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       BuildResult result;
       try {
-        result = runtime.build(specs[i]);
+        result = load_arch && specs[i].arch == *load_arch ? runtime.build_and_load(specs[i])
+                                                          : runtime.build(specs[i]);
       } catch (const std::exception& e) {
         result = BuildResult{};
         result.spec = specs[i];

@@ -48,6 +48,9 @@ class Runtime {
 
   // Build (memory / disk / compile) one kernel; never loads it on a GPU. Throws on failure.
   BuildResult build(const KernelSpec& spec);
+  // Build, then load into the kernel table (no context needed: libraries are
+  // context-independent), so a later kernel() hit needs no load, even during graph capture.
+  BuildResult build_and_load(const KernelSpec& spec);
   // The cache key of `spec` (codegen + options + toolkit digest + NVRTC version + schema).
   std::string cache_key(const KernelSpec& spec);
   // What cache_key() hashes for `spec`.
@@ -59,9 +62,10 @@ class Runtime {
   Arch current_arch() { return current_device().arch; }
 
   // Hot path. The loaded kernel for `spec` (spec.arch must be the current device's arch). A hit
-  // is a shared lock and a hash lookup. A miss builds and loads it, unless `stream` is capturing
-  // and the kernel would have to be compiled (Error{kCaptureMiss}, unless the config allows it).
-  // The handle is context-independent and stays valid for the life of the process.
+  // is a shared lock and a hash lookup. A miss builds (memory / disk / compile) and loads it,
+  // unless `stream` is capturing: then Error{kCaptureMiss}, unless the config allows compiling
+  // during capture. The handle is context-independent and stays valid for the life of the
+  // process.
   CUkernel kernel(const KernelSpec& spec, CUstream stream) {
     {
       std::shared_lock<std::shared_mutex> lock(loaded_mutex_);
@@ -77,9 +81,11 @@ class Runtime {
  private:
   Runtime();
   std::shared_ptr<KernelStore> current_store(RuntimeConfig* config_out);
-  BuildResult build_impl(const KernelSpec& spec, bool may_compile, const char* capture_context,
-                         std::shared_ptr<const Entry>* entry_out);
+  BuildResult build_impl(const KernelSpec& spec, std::shared_ptr<const Entry>* entry_out);
   CUkernel load(const KernelSpec& spec, CUstream stream);
+  // Loads a built entry once per process; on a driver failure sets *failure, then throws.
+  CUkernel load_built(const KernelSpec& spec, const Entry& entry, const std::string& key,
+                      CUresult* failure);
   CurrentDevice query_device(int ordinal);
 
   RuntimeConfig config_;

@@ -1,11 +1,13 @@
 // append_shared on the GPU: every size, gate, logit and id dtype against an fp64 reference on
 // fresh random inputs with poisoned outputs, through C++ and the C ABI; CUDA-graph capture and
 // replay; a cold miss during capture; argument checks that refuse without launching.
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu/gpu_support.hpp"
@@ -13,6 +15,7 @@
 #include "moejit/moejit.h"
 #include "moejit/ops.hpp"
 #include "moejit/runtime.hpp"
+#include "ops/append_shared_spec.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace {
@@ -51,33 +54,41 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-// Every kernel of the sweep, compiled in parallel through the public prewarm.
+// Every kernel of the sweep, compiled 16 at a time before the sweep runs.
 void prewarm_sweep() {
-  std::vector<moejit::ModelShape> shapes;
+  const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
+  std::vector<moejit::KernelSpec> specs;
   for (int k : kTopKs) {
     for (int s : kShared) {
       for (DType id : kIdTypes) {
         for (const GateVariant& v : kGateVariants) {
-          moejit::ModelShape shape;
-          shape.name = "sweep-" + std::to_string(shapes.size());
-          shape.num_experts = 64;
-          shape.top_k = k;
-          shape.hidden = 2048;
-          shape.intermediate = 768;
-          shape.id_dtype = id;
-          shape.shared.count = s;
-          shape.shared.intermediate = 768;
-          shape.shared.gate = v.gate;
-          shape.shared.logit_dtype = v.logit;
-          shapes.push_back(shape);
+          moejit::KernelSpec spec;
+          spec.family = moejit::Family::kAppendShared;
+          spec.arch = arch;
+          spec.params = moejit::detail::append_shared_params(k, s, id, v.gate, v.logit);
+          specs.push_back(spec);
         }
       }
     }
   }
-  const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
-  for (const moejit::BuildResult& result : moejit::prewarm(shapes, {arch}, 16)) {
-    INFO(result.spec.display_name() << ": " << result.error);
-    REQUIRE(result.error.empty());
+  std::vector<std::string> errors(specs.size());
+  std::atomic<std::size_t> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < 16; ++t) {
+    pool.emplace_back([&] {
+      for (std::size_t i = next++; i < specs.size(); i = next++) {
+        try {
+          moejit::build_kernel(specs[i]);
+        } catch (const std::exception& e) {
+          errors[i] = e.what();
+        }
+      }
+    });
+  }
+  for (std::thread& thread : pool) thread.join();
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    INFO(specs[i].display_name() << ": " << errors[i]);
+    CHECK(errors[i].empty());
   }
 }
 
@@ -223,8 +234,35 @@ TEST_CASE("append_shared: a cold kernel during capture is refused with kCaptureM
   CHECK(contains(message, "append_shared<k5,s3"));
   CHECK(contains(message, "MOEJIT_ALLOW_CAPTURE_COMPILE"));
   CHECK(contains(message, "prewarm"));
+  CHECK(contains(message, "Prewarm before capturing"));
   CHECK(status == MOEJIT_ERROR_CAPTURE_MISS);
   CHECK(contains(c_message, "MOEJIT_ALLOW_CAPTURE_COMPILE"));
+
+  // A kernel that is built (here: in memory) but not loaded yet is refused the same way: loading
+  // a module inside a capture is not done, and the capture stays valid.
+  AppendCase built_case = c;
+  built_case.top_k = 3;
+  built_case.num_shared = 2;
+  built_case.id_dtype = DType::kI64;
+  built_case.logit_dtype = DType::kF16;
+  auto built = make_append_data(built_case, rng);
+  moejit::KernelSpec built_spec;
+  built_spec.family = moejit::Family::kAppendShared;
+  built_spec.arch = moejit::detail::Runtime::instance().current_arch();
+  built_spec.params = moejit::detail::append_shared_params(3, 2, DType::kI64, SharedGate::kSigmoid,
+                                                           DType::kF16);
+  moejit::build_kernel(built_spec);
+  MOEJIT_TEST_CU(cu().cuStreamBeginCapture(stream.get(), CU_STREAM_CAPTURE_MODE_GLOBAL));
+  ErrorCode built_code = ErrorCode::kInternal;
+  try {
+    moejit::append_shared(built->args(), stream.get());
+  } catch (const Error& e) {
+    built_code = e.code();
+  }
+  graph = nullptr;
+  MOEJIT_TEST_CU(cu().cuStreamEndCapture(stream.get(), &graph));
+  if (graph != nullptr) cu().cuGraphDestroy(graph);
+  CHECK(built_code == ErrorCode::kCaptureMiss);
 
   // Nothing ran; outside capture the same call compiles, loads and is right.
   for (float w : data->downloaded_weights()) {
@@ -235,6 +273,58 @@ TEST_CASE("append_shared: a cold kernel during capture is refused with kCaptureM
   moejit::append_shared(data->args(), stream.get());
   stream.sync();
   CHECK(data->verify().empty());
+}
+
+TEST_CASE("append_shared: prewarm with a current context, then capture without a warm-up run",
+          "[gpu]") {
+  gpu();
+  // K = 4, S = 2, constant gate: a spec no other test uses, so nothing loaded it before.
+  moejit::ModelShape shape;
+  shape.name = "prewarm-then-capture";
+  shape.num_experts = 64;
+  shape.top_k = 4;
+  shape.hidden = 2048;
+  shape.intermediate = 768;
+  shape.max_tokens = 16;
+  shape.shared.count = 2;
+  shape.shared.intermediate = 768;
+  shape.shared.gate = SharedGate::kConstant;
+  shape.shared.scale = 0.5f;
+  const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
+  for (const moejit::BuildResult& result : moejit::prewarm({shape}, {arch}, 16)) {
+    INFO(result.spec.display_name() << ": " << result.error);
+    REQUIRE(result.error.empty());
+  }
+
+  TestStream stream;
+  std::mt19937_64 rng(fresh_seed());
+  AppendCase c;
+  c.tokens = 16;
+  c.top_k = 4;
+  c.num_shared = 2;
+  c.scale = 0.5f;
+  c.gate = SharedGate::kConstant;
+  auto data = make_append_data(c, rng);
+  CUgraph graph = nullptr;
+  MOEJIT_TEST_CU(cu().cuStreamBeginCapture(stream.get(), CU_STREAM_CAPTURE_MODE_GLOBAL));
+  std::string error;
+  try {
+    moejit::append_shared(data->args(), stream.get());
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  MOEJIT_TEST_CU(cu().cuStreamEndCapture(stream.get(), &graph));
+  INFO(error);
+  REQUIRE(error.empty());
+  REQUIRE(graph != nullptr);
+  CUgraphExec exec = nullptr;
+  MOEJIT_TEST_CU(cu().cuGraphInstantiate(&exec, graph, 0));
+  data->poison(stream.get());
+  MOEJIT_TEST_CU(cu().cuGraphLaunch(exec, stream.get()));
+  stream.sync();
+  CHECK(data->verify().empty());
+  cu().cuGraphExecDestroy(exec);
+  cu().cuGraphDestroy(graph);
 }
 
 TEST_CASE("append_shared: T = 0 launches nothing and needs no data", "[gpu]") {
@@ -315,6 +405,7 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
     DLTensor out_weights = *data->out_weights->dl();
     int64_t shape[2] = {c.tokens, c.top_k + c.num_shared + 1};
     out_weights.shape = shape;
+    args.out_weights = &out_weights;
     expect_refused({"out_weights wider than out_ids", {"out_weights", "[4, 7]", "[4, 8]"}}, args);
   }
   {  // T mismatch

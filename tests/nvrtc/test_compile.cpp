@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
@@ -376,4 +378,51 @@ TEST_CASE("compile options: arch first, C++17, ptxas report, never fast-math", "
   const std::string version = moejit::detail::nvrtc_version();
   CHECK(version.find('.') != std::string::npos);
   CHECK(version.find_first_not_of("0123456789.") == std::string::npos);
+}
+
+TEST_CASE("toolkit fingerprint: a stamp in the cache dir is reused only while it holds",
+          "[nvrtc]") {
+  using moejit::detail::locate_toolkit_headers;
+  moejit::test::TempDir dir;
+  const auto& reference = moejit::detail::toolkit_headers("");
+  const moejit::detail::ToolkitHeaders first = locate_toolkit_headers("", dir.path(), true);
+  CHECK(first.digest == reference.digest);
+  std::vector<std::filesystem::path> stamps;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) stamps.push_back(e.path());
+  REQUIRE(stamps.size() == 1);
+  CHECK(stamps[0].filename().string().rfind("toolkit-", 0) == 0);
+
+  // Read back: same fingerprint, taken from the stamp (a forged digest shows it was read).
+  auto rewrite = [&](const std::function<void(nlohmann::json&)>& edit) {
+    std::ifstream in(stamps[0]);
+    nlohmann::json stamp = nlohmann::json::parse(in);
+    in.close();
+    edit(stamp);
+    std::ofstream(stamps[0], std::ios::trunc) << stamp.dump();
+  };
+  const moejit::detail::ToolkitHeaders second = locate_toolkit_headers("", dir.path(), false);
+  CHECK(second.digest == first.digest);
+  CHECK(second.files == first.files);
+  rewrite([](nlohmann::json& s) { s["digest"] = std::string(32, 'a'); });
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest.hex() == std::string(32, 'a'));
+
+  // A recorded file that changed (here: its recorded size no longer matches) voids the stamp.
+  rewrite([](nlohmann::json& s) { s["read"][0][1] = s["read"][0][1].get<int64_t>() + 1; });
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest == reference.digest);
+  // A candidate recorded as absent that now exists voids it too.
+  moejit::test::TempDir other;
+  const std::string appeared = other.path() + "/appeared.h";
+  std::ofstream(appeared) << "// new\n";
+  rewrite([&](nlohmann::json& s) {
+    s["read"][0][1] = s["read"][0][1].get<int64_t>() - 1;
+    s["digest"] = std::string(32, 'b');
+    s["absent"].push_back(appeared);
+  });
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest == reference.digest);
+  // A stamp others can write is never trusted.
+  rewrite([&](nlohmann::json& s) { s["absent"].erase(s["absent"].size() - 1); });
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest.hex() == std::string(32, 'b'));
+  std::filesystem::permissions(stamps[0], std::filesystem::perms::group_write,
+                               std::filesystem::perm_options::add);
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest == reference.digest);
 }

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -29,6 +30,7 @@
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
+#include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
 #include "ops/append_shared_spec.hpp"
@@ -475,8 +477,9 @@ TEST_CASE("runtime: prewarm of the reference shapes for sm_90a reports no errors
   std::mutex mutex;
   std::vector<std::size_t> dones;
   std::size_t reported_total = 0;
+  const int jobs = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
   const std::vector<BuildResult> results = moejit::prewarm(
-      shapes, {Arch::parse("sm_90a")}, 2,
+      shapes, {Arch::parse("sm_90a")}, jobs,
       [&](const BuildResult&, std::size_t done, std::size_t total) {
         std::lock_guard<std::mutex> lock(mutex);
         dones.push_back(done);
@@ -502,21 +505,34 @@ TEST_CASE("runtime: prewarm of the reference shapes for sm_90a reports no errors
   }
 }
 
-TEST_CASE("runtime: prewarm reports one kernel's failure without throwing", "[runtime]") {
+TEST_CASE("runtime: prewarm reports each kernel's failure without throwing", "[runtime]") {
   moejit::test::TempDir dir;
   use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
   moejit::ModelShape shape;
-  shape.name = "too-wide";
+  shape.name = "probe";
   shape.num_experts = 64;
-  shape.top_k = 100;  // beyond what append_shared serves
+  shape.top_k = 8;
   shape.hidden = 2048;
   shape.intermediate = 768;
   shape.shared.count = 1;
+  shape.shared.intermediate = 768;
   shape.shared.gate = SharedGate::kConstant;
-  const std::vector<BuildResult> results = moejit::prewarm({shape}, {Arch::parse("sm_90a")}, 2);
-  REQUIRE(results.size() == 1);
-  CHECK_FALSE(results[0].error.empty());
-  CHECK(results[0].error.find("top_k") != std::string::npos);
+  // Why sm_71: a valid spelling that no NVRTC targets, so every kernel fails fast in compile().
+  Arch unknown;
+  unknown.sm = 71;
+  std::size_t calls = 0;
+  const std::vector<BuildResult> results = moejit::prewarm(
+      {shape}, {unknown}, 2, [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
+  REQUIRE_FALSE(results.empty());
+  CHECK(calls == results.size());
+  bool has_append_shared = false;
+  for (const BuildResult& result : results) {
+    INFO(result.spec.display_name());
+    CHECK(result.spec.arch == unknown);
+    CHECK(result.error.find("sm_71") != std::string::npos);
+    has_append_shared = has_append_shared || result.spec.family == moejit::Family::kAppendShared;
+  }
+  CHECK(has_append_shared);
 }
 
 TEST_CASE("runtime: configuration from the environment", "[runtime]") {
@@ -590,5 +606,42 @@ TEST_CASE("runtime: without a driver, current_arch says why instead of crashing"
   } catch (const moejit::Error& e) {
     CHECK(e.code() == moejit::ErrorCode::kDriver);
     CHECK(std::string(e.what()).find(why) != std::string::npos);
+  }
+}
+
+TEST_CASE("runtime: the C ABI maps errors to statuses and clears the message on success",
+          "[runtime]") {
+  CHECK(moejit_register_shapes_file(nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moejit_last_error()).find("null") != std::string::npos);
+
+  moejit::test::TempDir dir;
+  const std::string missing = dir.path() + "/missing.json";
+  CHECK(moejit_register_shapes_file(missing.c_str()) != MOEJIT_OK);
+  CHECK(std::string(moejit_last_error()).find("missing.json") != std::string::npos);
+
+  const std::string broken = dir.path() + "/broken.json";
+  write_file(broken, "{\"shapes\": [{\"name\": \"capi-broken\", \"top_k\": \"six\"}]}");
+  CHECK(moejit_register_shapes_file(broken.c_str()) == MOEJIT_ERROR_INVALID_DESCRIPTOR);
+  CHECK(std::string(moejit_last_error()).find("broken.json") != std::string::npos);
+
+  const std::string good = dir.path() + "/good.json";
+  write_file(good, R"({"name": "capi-probe-shape", "num_experts": 64, "top_k": 8,
+    "hidden": 2048, "intermediate": 768, "activation": {"kind": "swiglu"}})");
+  const moejit_status status = moejit_register_shapes_file(good.c_str());
+  INFO(moejit_last_error());
+  CHECK(status == MOEJIT_OK);
+  CHECK(std::string(moejit_last_error()).empty());
+
+  // The message is per thread: another thread's failure leaves this thread's "" alone.
+  std::thread other([] { moejit_register_shapes_file(nullptr); });
+  other.join();
+  CHECK(std::string(moejit_last_error()).empty());
+
+  std::string why;
+  if (moejit::detail::try_driver(&why) == nullptr) {
+    // No driver: the op fails with a status and says why, it does not crash.
+    CHECK(moejit_append_shared(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.f,
+                               MOEJIT_SHARED_CONSTANT, nullptr) == MOEJIT_ERROR_DRIVER);
+    CHECK(std::string(moejit_last_error()).find(why) != std::string::npos);
   }
 }

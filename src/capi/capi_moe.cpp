@@ -1,0 +1,160 @@
+// The C ABI of the MoE layer (moejit/moe.hpp): a handle per registered shape, so the per-layer
+// call copies no shape and looks up no name.
+#include <string>
+
+#include "capi/capi_guard.hpp"
+#include "moejit/error.hpp"
+#include "moejit/moe.hpp"
+#include "moejit/moejit.h"
+#include "moejit/runtime.hpp"
+
+struct moejit_moe {
+  moejit::ModelShape shape;
+};
+
+namespace {
+
+using moejit::Error;
+using moejit::ErrorCode;
+
+const moejit::ModelShape& shape_of(const char* call, const moejit_moe* moe) {
+  if (moe == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(call) + ": moe: expected a handle from moejit_moe_create, found null");
+  }
+  return moe->shape;
+}
+
+moejit::MoeWeights weights_of(const char* call, const char* arg, const moejit_moe_weights* w) {
+  if (w == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(call) + ": " + arg + ": expected a moejit_moe_weights, found null");
+  }
+  moejit::MoeWeights out;
+  out.w13 = w->w13;
+  out.w13_scales = w->w13_scales;
+  out.w2 = w->w2;
+  out.w2_scales = w->w2_scales;
+  out.b13 = w->b13;
+  out.b2 = w->b2;
+  return out;
+}
+
+void require_out(const char* call, const void* out) {
+  if (out == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(call) + ": out: expected a pointer to write the result to, found null");
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out) {
+  return moejit::detail::capi_call([&] {
+    require_out("moejit_moe_create", out);
+    *out = nullptr;
+    if (shape_name == nullptr) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "moejit_moe_create: shape_name: expected a registered shape's name, found null");
+    }
+    moejit::ModelShape shape = moejit::registered_shape(shape_name);
+    // Why here: a shape the MoE kernels can't serve is refused when the handle is made, not on
+    // the first forward.
+    moejit::moe_weight_layout(shape);
+    *out = new moejit_moe{std::move(shape)};
+  });
+}
+
+void moejit_moe_destroy(moejit_moe* moe) { delete moe; }
+
+moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_weight_layout* out) {
+  return moejit::detail::capi_call([&] {
+    const char* call = "moejit_moe_get_weight_layout";
+    const moejit::ModelShape& shape = shape_of(call, moe);
+    require_out(call, out);
+    const moejit::MoeWeightLayout layout = moejit::moe_weight_layout(shape);
+    out->w13_bytes = layout.w13_bytes;
+    out->w13_scale_bytes = layout.w13_scale_bytes;
+    out->w2_bytes = layout.w2_bytes;
+    out->w2_scale_bytes = layout.w2_scale_bytes;
+    out->b13_bytes = layout.b13_bytes;
+    out->b2_bytes = layout.b2_bytes;
+  });
+}
+
+moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w13_blocks,
+                                        const DLTensor* w13_scales, const DLTensor* w2_blocks,
+                                        const DLTensor* w2_scales,
+                                        const moejit_moe_weights* target, int first_expert,
+                                        int32_t* bad_scale_count, void* stream) {
+  return moejit::detail::capi_call([&] {
+    const char* call = "moejit_moe_repack_gpt_oss";
+    const moejit::ModelShape& shape = shape_of(call, moe);
+    moejit::GptOssCheckpoint checkpoint;
+    checkpoint.w13_blocks = w13_blocks;
+    checkpoint.w13_scales = w13_scales;
+    checkpoint.w2_blocks = w2_blocks;
+    checkpoint.w2_scales = w2_scales;
+    moejit::MoeRepackTarget into;
+    into.weights = weights_of(call, "target", target);
+    into.first_expert = first_expert;
+    into.bad_scale_count = bad_scale_count;
+    moejit::moe_repack_gpt_oss(shape, checkpoint, into, static_cast<moejit::Stream>(stream));
+  });
+}
+
+moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* w1_blocks,
+                                         const DLTensor* w1_scales, const DLTensor* w3_blocks,
+                                         const DLTensor* w3_scales, const DLTensor* w2_blocks,
+                                         const DLTensor* w2_scales,
+                                         const moejit_moe_weights* target, int first_expert,
+                                         int32_t* bad_scale_count, void* stream) {
+  return moejit::detail::capi_call([&] {
+    const char* call = "moejit_moe_repack_separate";
+    const moejit::ModelShape& shape = shape_of(call, moe);
+    moejit::SeparateCheckpoint checkpoint;
+    checkpoint.w1_blocks = w1_blocks;
+    checkpoint.w1_scales = w1_scales;
+    checkpoint.w3_blocks = w3_blocks;
+    checkpoint.w3_scales = w3_scales;
+    checkpoint.w2_blocks = w2_blocks;
+    checkpoint.w2_scales = w2_scales;
+    moejit::MoeRepackTarget into;
+    into.weights = weights_of(call, "target", target);
+    into.first_expert = first_expert;
+    into.bad_scale_count = bad_scale_count;
+    moejit::moe_repack_separate(shape, checkpoint, into, static_cast<moejit::Stream>(stream));
+  });
+}
+
+moejit_status moejit_moe_workspace_bytes(const moejit_moe* moe, int max_tokens, size_t* out) {
+  return moejit::detail::capi_call([&] {
+    const char* call = "moejit_moe_workspace_bytes";
+    const moejit::ModelShape& shape = shape_of(call, moe);
+    require_out(call, out);
+    *out = moejit::moe_workspace_bytes(shape, max_tokens);
+  });
+}
+
+moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
+                                 const DLTensor* topk_ids, const DLTensor* topk_weights,
+                                 const moejit_moe_weights* weights, void* workspace,
+                                 size_t workspace_bytes, DLTensor* out, void* stream) {
+  return moejit::detail::capi_call([&] {
+    const char* call = "moejit_moe_forward";
+    const moejit::ModelShape& shape = shape_of(call, moe);
+    moejit::MoeForwardArgs args;
+    args.hidden = hidden;
+    args.topk_ids = topk_ids;
+    args.topk_weights = topk_weights;
+    args.weights = weights_of(call, "weights", weights);
+    args.workspace = workspace;
+    args.workspace_bytes = workspace_bytes;
+    args.out = out;
+    moejit::moe_forward(shape, args, static_cast<moejit::Stream>(stream));
+  });
+}
+
+}  // extern "C"

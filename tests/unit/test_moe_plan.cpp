@@ -1,0 +1,733 @@
+// The MoE plan: the kernels every reference shape needs, the config chosen per T (and that it is
+// always one plan_kernels lists, so a prewarm covers every call), the supports() refusals of the
+// MoE families, their names, hashes and generated source, and the workspace and weight sizes.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cfloat>
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <string>
+#include <unordered_set>
+#include <variant>
+#include <vector>
+
+#include "codegen/codegen.hpp"
+#include "moejit/error.hpp"
+#include "moejit/kernel_spec.hpp"
+#include "moejit/moe.hpp"
+#include "moejit/runtime.hpp"
+#include "moejit/shape.hpp"
+#include "plan/moe_plan.hpp"
+#include "support/support.hpp"
+
+namespace {
+
+using moejit::Activation;
+using moejit::ActivationKind;
+using moejit::Arch;
+using moejit::DType;
+using moejit::Error;
+using moejit::ErrorCode;
+using moejit::Family;
+using moejit::KernelSpec;
+using moejit::MarlinMoeParams;
+using moejit::ModelShape;
+using moejit::MoeCombineParams;
+using moejit::MoeGemmStage;
+using moejit::MoeRepackParams;
+using moejit::MoeRouteParams;
+using moejit::NarrowIdsParams;
+using moejit::RouteKernel;
+namespace detail = moejit::detail;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+struct SpecHash {
+  std::size_t operator()(const KernelSpec& spec) const noexcept { return spec.hash(); }
+};
+using SpecSet = std::unordered_set<KernelSpec, SpecHash>;
+
+std::vector<ModelShape> reference_shapes() {
+  const std::string path = moejit::test::shapes_dir() + "/reference.json";
+  INFO(path);
+  REQUIRE(std::filesystem::exists(path));
+  return moejit::load_shapes_file(path);
+}
+
+const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name) {
+  for (const ModelShape& shape : shapes) {
+    if (shape.name == name) return shape;
+  }
+  FAIL("no reference shape named " << name);
+  throw std::logic_error("unreachable");
+}
+
+KernelSpec spec_of(Family family, moejit::FamilyParams params, const char* arch = "sm_90a") {
+  KernelSpec spec;
+  spec.family = family;
+  spec.arch = Arch::parse(arch);
+  spec.params = params;
+  return spec;
+}
+
+// The measured tile of each T bucket: block_m, block_n, block_k, stages, warps m/n/k, min blocks.
+struct Tile {
+  int m, n, k, stages, wm, wn, wk, occupancy;
+};
+
+Tile tile_of(const MarlinMoeParams& p) {
+  return Tile{p.block_m, p.block_n, p.block_k, p.stages, p.warps_m, p.warps_n, p.warps_k,
+              p.min_blocks_per_sm};
+}
+
+bool same_tile(const Tile& a, const Tile& b) {
+  return a.m == b.m && a.n == b.n && a.k == b.k && a.stages == b.stages && a.wm == b.wm &&
+         a.wn == b.wn && a.wk == b.wk && a.occupancy == b.occupancy;
+}
+
+MarlinMoeParams fc1_of(const ModelShape& shape, int tokens) {
+  return detail::choose_moe_config(shape, tokens).fc1;
+}
+
+// A valid FC1 spec to break one field of.
+MarlinMoeParams good_fc1() {
+  MarlinMoeParams p;
+  p.stage = MoeGemmStage::kFc1;
+  p.block_m = 64;
+  p.block_n = 8;
+  p.block_k = 256;
+  p.stages = 4;
+  p.warps_m = 4;
+  p.warps_n = 1;
+  p.warps_k = 1;
+  p.min_blocks_per_sm = 4;
+  p.early_weights = false;
+  p.has_bias = true;
+  p.activation.kind = ActivationKind::kGptOss;
+  p.activation.limit = 7.f;
+  p.activation.alpha = 1.702f;
+  p.out_dtype = DType::kBF16;
+  return p;
+}
+
+MarlinMoeParams good_fc2() {
+  MarlinMoeParams p = good_fc1();
+  p.stage = MoeGemmStage::kFc2;
+  p.early_weights = true;
+  p.activation = Activation{};
+  p.out_dtype = DType::kF32;
+  return p;
+}
+
+MoeRouteParams good_route() {
+  MoeRouteParams p;
+  p.kernel = RouteKernel::kSingle;
+  p.num_experts = 128;
+  p.top_k = 4;
+  p.block_m = 8;
+  p.block_threads = 1024;
+  p.chunk_rows = 1024;
+  return p;
+}
+
+MoeCombineParams good_combine() {
+  MoeCombineParams p;
+  p.hidden = 2880;
+  p.top_k = 4;
+  p.in_dtype = DType::kF32;
+  p.block_threads = 256;
+  return p;
+}
+
+// supports() of a spec built from `params` must name every part of `expected`.
+void expect_refused(Family family, const moejit::FamilyParams& params,
+                    const std::vector<std::string>& expected, const char* arch = "sm_90a") {
+  const KernelSpec spec = spec_of(family, params, arch);
+  const std::string reason = moejit::supports(spec);
+  INFO(spec.display_name() << " -> \"" << reason << "\"");
+  REQUIRE_FALSE(reason.empty());
+  CHECK(contains(reason, spec.display_name()));
+  for (const std::string& part : expected) CHECK(contains(reason, part));
+  // Codegen refuses the same spec, with the same reason, before anything compiles.
+  try {
+    detail::render(spec);
+    FAIL("render accepted " << spec.display_name());
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kUnsupported);
+    CHECK(contains(e.what(), reason));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and combine", "[plan]") {
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    for (const char* arch : {"sm_90a", "sm_100a"}) {
+      const std::vector<KernelSpec> specs = moejit::plan_kernels(shape, Arch::parse(arch));
+      std::map<Family, int> count;
+      std::set<std::pair<int, int>> fc1_tiles;
+      std::set<int> route_blocks;
+      std::set<RouteKernel> route_kernels;
+      for (const KernelSpec& spec : specs) {
+        INFO(spec.display_name());
+        CHECK(moejit::supports(spec).empty());
+        CHECK(spec.arch == Arch::parse(arch));
+        ++count[spec.family];
+        if (const auto* p = std::get_if<MarlinMoeParams>(&spec.params)) {
+          if (p->stage == MoeGemmStage::kFc1) {
+            fc1_tiles.insert({p->block_m, p->block_n});
+            CHECK(p->activation.kind == shape.activation.kind);
+            CHECK_FALSE(p->early_weights);
+            CHECK(p->out_dtype == DType::kBF16);
+          } else {
+            CHECK(p->early_weights);
+            CHECK(p->out_dtype == DType::kF32);
+          }
+          CHECK(p->has_bias == shape.has_bias);
+        }
+        if (const auto* p = std::get_if<MoeRouteParams>(&spec.params)) {
+          CHECK(p->num_experts == shape.num_experts);
+          CHECK(p->top_k == shape.top_k);
+          route_blocks.insert(p->block_m);
+          route_kernels.insert(p->kernel);
+        }
+        if (const auto* p = std::get_if<MoeCombineParams>(&spec.params)) {
+          CHECK(p->hidden == shape.hidden);
+          CHECK(p->top_k == shape.top_k);
+        }
+      }
+      // Distinct specs only.
+      const SpecSet distinct(specs.begin(), specs.end());
+      CHECK(distinct.size() == specs.size());
+      // Five measured tiles (T = 1, <= 160, <= 512, <= 2048, above), FC1 and FC2 each.
+      CHECK(count[Family::kMarlinMoe] == 10);
+      CHECK(fc1_tiles == std::set<std::pair<int, int>>{{32, 8}, {64, 8}, {64, 16}, {64, 32},
+                                                       {128, 64}});
+      CHECK(route_blocks == std::set<int>{8, 16, 32, 64});
+      // max_tokens 16384 with K >= 4: both the one-launch and the three-launch route paths.
+      CHECK(route_kernels == std::set<RouteKernel>{RouteKernel::kSingle, RouteKernel::kRank,
+                                                   RouteKernel::kScan, RouteKernel::kScatter});
+      CHECK(count[Family::kRepack] == 2);
+      CHECK(count[Family::kCombine] == 2);  // small-T and large-T CTAs
+      CHECK(count[Family::kNarrowIds] == (shape.id_dtype == DType::kI64 ? 1 : 0));
+      CHECK(count[Family::kAppendShared] == (shape.shared.count > 0 ? 1 : 0));
+    }
+  }
+}
+
+TEST_CASE("moe plan: the config for every T in 1..16384 is one plan_kernels lists", "[plan]") {
+  std::vector<ModelShape> shapes = reference_shapes();
+  // An int64-id shape, and one with a small max_tokens (fewer buckets planned).
+  ModelShape wide = find_shape(shapes, "qwen3-30b-a3b");
+  wide.name = "qwen3-int64-ids";
+  wide.id_dtype = DType::kI64;
+  shapes.push_back(wide);
+  ModelShape small = find_shape(shapes, "deepseek-v4-flash-tp4");
+  small.name = "deepseek-max-300";
+  small.max_tokens = 300;
+  shapes.push_back(small);
+  const Arch arch = Arch::parse("sm_90a");
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    const std::vector<KernelSpec> planned = moejit::plan_kernels(shape, arch);
+    const SpecSet plan(planned.begin(), planned.end());
+    SpecSet used;
+    int misses = 0;
+    for (int tokens = 1; tokens <= shape.max_tokens; ++tokens) {
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+      for (const KernelSpec& spec : detail::moe_config_specs(config, arch)) {
+        used.insert(spec);
+        if (plan.count(spec) == 0 && ++misses <= 5) {
+          FAIL_CHECK("T = " << tokens << " uses " << spec.display_name()
+                            << ", which plan_kernels does not list");
+        }
+      }
+    }
+    CHECK(misses == 0);
+    // And nothing is planned that no T uses (besides repack and append_shared).
+    for (const KernelSpec& spec : planned) {
+      if (spec.family == Family::kRepack || spec.family == Family::kAppendShared) continue;
+      INFO(spec.display_name());
+      CHECK(used.count(spec) == 1);
+    }
+  }
+}
+
+TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan]") {
+  const std::vector<ModelShape> shapes = reference_shapes();
+  const ModelShape& gpt = find_shape(shapes, "gpt-oss-120b");
+  const Tile t1{32, 8, 256, 4, 2, 1, 2, 4};
+  const Tile t96{64, 8, 256, 4, 4, 1, 1, 4};
+  const Tile t256{64, 16, 256, 3, 4, 1, 1, 4};
+  const Tile t1000{64, 32, 128, 4, 4, 1, 1, 3};
+  const Tile t4096{128, 64, 128, 4, 8, 1, 1, 2};
+  const std::vector<std::pair<int, Tile>> expected = {
+      {1, t1},      {2, t1},      {3, t96},    {7, t96},     {96, t96},     {160, t96},
+      {161, t256},  {256, t256},  {512, t256}, {513, t1000}, {1000, t1000}, {2048, t1000},
+      {2049, t4096}, {4096, t4096}, {16384, t4096}};
+  for (const auto& [tokens, tile] : expected) {
+    INFO("T = " << tokens);
+    const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
+    CHECK(same_tile(tile_of(c.fc1), tile));
+    CHECK(same_tile(tile_of(c.fc2), tile));
+    CHECK(c.route.block_m == c.fc1.block_n);  // route pads to the GEMM's token tile
+    CHECK(c.combine.in_dtype == c.fc2.out_dtype);
+    CHECK(c.tokens == tokens);
+  }
+
+  // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 1024.
+  CHECK(detail::choose_moe_config(gpt, 256).route_single);
+  CHECK(detail::choose_moe_config(gpt, 256).route.block_threads == 1024);
+  CHECK_FALSE(detail::choose_moe_config(gpt, 257).route_single);
+  CHECK(detail::choose_moe_config(gpt, 257).route.kernel == RouteKernel::kRank);
+  CHECK(detail::choose_moe_config(gpt, 257).route.chunk_rows == 1024);
+  CHECK(detail::choose_moe_config(gpt, 8192).route.chunk_rows == 1024);   // N = 32768
+  CHECK(detail::choose_moe_config(gpt, 8193).route.chunk_rows == 4096);   // N > 32768
+
+  // kimi (E = 896, K = 16): the rank counters of 1024 threads would not fit in 48 KB.
+  const ModelShape& kimi = find_shape(shapes, "kimi-k3.1-tp8");
+  const detail::MoeForwardConfig k1 = detail::choose_moe_config(kimi, 1);
+  CHECK(k1.route.block_threads == 512);
+  CHECK(detail::route_rank_shared_bytes(896, 1024) > detail::kRouteStaticSharedLimit);
+  CHECK(detail::route_rank_shared_bytes(896, 512) <= detail::kRouteStaticSharedLimit);
+  CHECK(detail::choose_moe_config(kimi, 64).route_single);
+  CHECK_FALSE(detail::choose_moe_config(kimi, 65).route_single);
+
+  // Activations and epilogues follow the shape.
+  CHECK(k1.fc1.activation.kind == ActivationKind::kSiTU);
+  CHECK(k1.fc1.activation.beta == 4.f);
+  CHECK(k1.fc1.activation.linear_beta == 25.f);
+  CHECK_FALSE(k1.fc1.has_bias);
+  const detail::MoeForwardConfig g1 = detail::choose_moe_config(gpt, 1);
+  CHECK(g1.fc1.activation.kind == ActivationKind::kGptOss);
+  CHECK(g1.fc1.has_bias);
+  CHECK(g1.fc2.has_bias);
+  CHECK_FALSE(g1.fc1.early_weights);
+  CHECK(g1.fc2.early_weights);
+  CHECK(g1.fc2.activation.kind == ActivationKind::kSwiGLU);
+  CHECK(g1.fc2.activation.limit == 0.f);
+  CHECK(g1.combine.block_threads == 64);
+  CHECK(detail::choose_moe_config(gpt, 17).combine.block_threads == 256);
+  CHECK_FALSE(g1.narrow_ids);
+
+  // The kernels of one config, in launch order.
+  const std::vector<KernelSpec> single = detail::moe_config_specs(g1, Arch::parse("sm_90a"));
+  REQUIRE(single.size() == 4);
+  CHECK(single[0].family == Family::kRoute);
+  CHECK(single[1].family == Family::kMarlinMoe);
+  CHECK(std::get<MarlinMoeParams>(single[1].params).stage == MoeGemmStage::kFc1);
+  CHECK(std::get<MarlinMoeParams>(single[2].params).stage == MoeGemmStage::kFc2);
+  CHECK(single[3].family == Family::kCombine);
+  ModelShape wide = gpt;
+  wide.id_dtype = DType::kI64;
+  const std::vector<KernelSpec> multi =
+      detail::moe_config_specs(detail::choose_moe_config(wide, 4096), Arch::parse("sm_90a"));
+  REQUIRE(multi.size() == 7);
+  CHECK(multi[0].family == Family::kNarrowIds);
+  CHECK(std::get<MoeRouteParams>(multi[1].params).kernel == RouteKernel::kRank);
+  CHECK(std::get<MoeRouteParams>(multi[2].params).kernel == RouteKernel::kScan);
+  CHECK(std::get<MoeRouteParams>(multi[3].params).kernel == RouteKernel::kScatter);
+}
+
+TEST_CASE("moe plan: segment ends cover [1, max_tokens]", "[plan]") {
+  const ModelShape gpt = find_shape(reference_shapes(), "gpt-oss-120b");
+  const std::vector<int> ends = detail::moe_config_segment_ends(gpt, 16384);
+  REQUIRE_FALSE(ends.empty());
+  CHECK(ends.back() == 16384);
+  CHECK(std::is_sorted(ends.begin(), ends.end()));
+  CHECK(detail::moe_config_segment_ends(gpt, 0).empty());
+  CHECK(detail::moe_config_segment_ends(gpt, 1) == std::vector<int>{1});
+  // Consecutive T inside one segment share a config; a change happens only at an end.
+  int previous_end = 0;
+  for (int end : ends) {
+    const std::vector<KernelSpec> at_end =
+        detail::moe_config_specs(detail::choose_moe_config(gpt, end), Arch::parse("sm_90a"));
+    for (int t : {previous_end + 1, (previous_end + 1 + end) / 2}) {
+      INFO("T = " << t << " in (" << previous_end << ", " << end << "]");
+      CHECK(detail::moe_config_specs(detail::choose_moe_config(gpt, t), Arch::parse("sm_90a")) ==
+            at_end);
+    }
+    previous_end = end;
+  }
+}
+
+TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the reason",
+          "[plan]") {
+  CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_fc1())).empty());
+  CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_fc2())).empty());
+  CHECK(moejit::supports(spec_of(Family::kRoute, good_route())).empty());
+  CHECK(moejit::supports(spec_of(Family::kCombine, good_combine())).empty());
+  CHECK(moejit::supports(spec_of(Family::kNarrowIds, NarrowIdsParams{})).empty());
+  CHECK(moejit::supports(spec_of(Family::kRepack, MoeRepackParams{})).empty());
+
+  struct GemmCase {
+    std::function<void(MarlinMoeParams&)> edit;
+    std::vector<std::string> expected;
+    const char* arch;
+  };
+  const std::vector<GemmCase> gemm_cases = {
+      {[](MarlinMoeParams& p) { p.block_m = 48; }, {"block_m = 48", "16 * warps_m = 64"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.warps_m = 0; }, {"warps = 0x1x1"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.block_n = 24; }, {"block_n = 24", "8, 16, 32, 64, 128"}, "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.block_n = 8;
+         p.warps_n = 2;
+         p.block_m = 32;
+         p.warps_m = 2;
+       },
+       {"block_n = 8", "8 * warps_n = 16"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.block_k = 96; }, {"block_k = 96", "64 * warps_k = 64"}, "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.block_k = 128;
+         p.warps_k = 4;
+       },
+       {"block_k = 128", "64 * warps_k = 256"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.stages = 1; }, {"stages = 1", ">= 2"}, "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.block_m = 1024;
+         p.warps_m = 64;
+       },
+       {"64 warps", "1024 threads"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.min_blocks_per_sm = 0; }, {"min_blocks_per_sm = 0"}, "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.stages = 16;
+         p.block_n = 128;
+       },
+       {"bytes of shared memory", "232448", "lower stages"},
+       "sm_90a"},
+      // 4 stages of 128 x 64 x 128 tiles: 104960 bytes, more than sm_86 gives a CTA.
+      {[](MarlinMoeParams& p) {
+         p.block_m = 128;
+         p.block_n = 64;
+         p.block_k = 128;
+         p.warps_m = 8;
+       },
+       {"sm_86 allows at most 101376"},
+       "sm_86"},
+      {[](MarlinMoeParams&) {}, {"sm_80 or newer", "sm_75"}, "sm_75"},
+      {[](MarlinMoeParams& p) { p.early_weights = true; }, {"early_weights", "fc2 only"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.out_dtype = DType::kF32; }, {"out_dtype = f32", "bf16"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.limit = -1.f; }, {"limit = -1", "finite and > 0"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.alpha = std::nanf(""); }, {"alpha", "finite"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.limit = 1e-20f; }, {"limit", "exact int ratio"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.beta = 4.f; }, {"beta = 4", "not taken"}, "sm_90a"},
+  };
+  for (const GemmCase& c : gemm_cases) {
+    MarlinMoeParams p = good_fc1();
+    c.edit(p);
+    expect_refused(Family::kMarlinMoe, p, c.expected, c.arch);
+  }
+  MarlinMoeParams fc2 = good_fc2();
+  fc2.activation.kind = ActivationKind::kSiTU;
+  expect_refused(Family::kMarlinMoe, fc2, {"with stage fc2", "FC2 applies none"});
+  fc2 = good_fc2();
+  fc2.out_dtype = DType::kI32;
+  expect_refused(Family::kMarlinMoe, fc2, {"out_dtype = i32", "f32, bf16"});
+  // The same tile on sm_80 (163 KB) is fine.
+  MarlinMoeParams big = good_fc1();
+  big.block_m = 128;
+  big.block_n = 64;
+  big.block_k = 128;
+  big.warps_m = 8;
+  CHECK(detail::marlin_moe_smem_bytes(big) == 104960);
+  CHECK(moejit::supports(spec_of(Family::kMarlinMoe, big, "sm_80")).empty());
+
+  struct RouteCase {
+    std::function<void(MoeRouteParams&)> edit;
+    std::vector<std::string> expected;
+  };
+  const std::vector<RouteCase> route_cases = {
+      {[](MoeRouteParams& p) { p.num_experts = 40000; }, {"num_experts = 40000", "1..32767"}},
+      {[](MoeRouteParams& p) { p.num_experts = 0; }, {"num_experts = 0"}},
+      {[](MoeRouteParams& p) { p.top_k = 65; }, {"top_k = 65", "1..64"}},
+      {[](MoeRouteParams& p) { p.block_m = 12; }, {"block_m = 12", "8, 16, 32, 64, 128"}},
+      {[](MoeRouteParams& p) { p.block_threads = 100; }, {"block_threads = 100"}},
+      {[](MoeRouteParams& p) { p.chunk_rows = 1536; }, {"chunk_rows = 1536", "multiple"}},
+      {[](MoeRouteParams& p) { p.chunk_rows = 65536; }, {"chunk_rows = 65536", "16-bit"}},
+      {[](MoeRouteParams& p) {
+         p.block_threads = 32;
+         p.chunk_rows = 2048;
+       },
+       {"64 entries per thread", "at most 32"}},
+      {[](MoeRouteParams& p) { p.num_experts = 896; }, {"static shared memory", "lower block_threads"}},
+  };
+  for (const RouteCase& c : route_cases) {
+    MoeRouteParams p = good_route();
+    c.edit(p);
+    expect_refused(Family::kRoute, p, c.expected);
+  }
+
+  MoeCombineParams combine = good_combine();
+  combine.hidden = 12;
+  expect_refused(Family::kCombine, combine, {"hidden = 12", "multiple of 8"});
+  combine = good_combine();
+  combine.top_k = 0;
+  expect_refused(Family::kCombine, combine, {"top_k = 0"});
+  combine = good_combine();
+  combine.in_dtype = DType::kF16;
+  expect_refused(Family::kCombine, combine, {"in_dtype = f16"});
+  combine = good_combine();
+  combine.block_threads = 2048;
+  expect_refused(Family::kCombine, combine, {"block_threads = 2048"});
+  NarrowIdsParams narrow;
+  narrow.block_threads = 48;
+  expect_refused(Family::kNarrowIds, narrow, {"block_threads = 48"});
+  MoeRepackParams repack;
+  repack.block_threads = 0;
+  expect_refused(Family::kRepack, repack, {"block_threads = 0"});
+
+  // Params of one family under another family's name.
+  const std::string mixed = moejit::supports(spec_of(Family::kCombine, good_route()));
+  CHECK(contains(mixed, "names family combine"));
+  CHECK(contains(mixed, "parameters of route"));
+}
+
+TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compile", "[plan]") {
+  ModelShape shape = find_shape(reference_shapes(), "qwen3-30b-a3b");
+  shape.name = "too-many-experts";
+  shape.num_experts = 40000;
+  shape.global_experts = 40000;
+  bool refused = false;
+  for (const KernelSpec& spec : moejit::plan_kernels(shape, Arch::parse("sm_90a"))) {
+    if (spec.family != Family::kRoute) continue;
+    const std::string reason = moejit::supports(spec);
+    INFO(spec.display_name());
+    CHECK(contains(reason, "num_experts = 40000"));
+    refused = refused || !reason.empty();
+  }
+  CHECK(refused);
+
+  ModelShape odd = find_shape(reference_shapes(), "qwen3-30b-a3b");
+  odd.hidden = 48;
+  try {
+    moejit::moe_weight_layout(odd);
+    FAIL("moe_weight_layout accepted hidden = 48");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidDescriptor);
+    CHECK(contains(e.what(), "hidden = 48"));
+    CHECK(contains(e.what(), "multiple of 32"));
+  }
+}
+
+TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
+  for (Family family : {Family::kRoute, Family::kRepack, Family::kMarlinMoe, Family::kCombine,
+                        Family::kNarrowIds}) {
+    CHECK(moejit::parse_family(moejit::family_name(family)) == family);
+  }
+  CHECK(std::string(moejit::family_name(Family::kMarlinMoe)) == "marlin_moe");
+
+  const KernelSpec fc1 = spec_of(Family::kMarlinMoe, good_fc1());
+  CHECK(fc1.display_name() ==
+        "marlin_moe<fc1,m64,n8,k256,s4,w4x1x1,o4,gpt_oss(limit=7,alpha=1.702),bias,bf16>@sm_90a");
+  const KernelSpec fc2 = spec_of(Family::kMarlinMoe, good_fc2());
+  CHECK(fc2.display_name() == "marlin_moe<fc2,m64,n8,k256,s4,w4x1x1,o4,early,bias,f32>@sm_90a");
+  CHECK(spec_of(Family::kRoute, good_route()).display_name() ==
+        "route<single,e128,k4,b8,t1024,c1024>@sm_90a");
+  CHECK(spec_of(Family::kCombine, good_combine()).display_name() ==
+        "combine<h2880,k4,f32,t256>@sm_90a");
+  CHECK(spec_of(Family::kRepack, MoeRepackParams{}).display_name() ==
+        "repack<gate_up,t256>@sm_90a");
+  CHECK(spec_of(Family::kNarrowIds, NarrowIdsParams{}).display_name() == "narrow_ids<t256>@sm_90a");
+
+  const auto json = nlohmann::json::parse(fc1.to_json());
+  CHECK(json["family"] == "marlin_moe");
+  CHECK(json["params"]["stage"] == "fc1");
+  CHECK(json["params"]["block_k"] == 256);
+  CHECK(json["params"]["activation"]["kind"] == "gpt_oss");
+  CHECK(json["params"]["activation"]["alpha"].get<float>() == 1.702f);
+  CHECK(json["params"]["out_dtype"] == "bf16");
+  CHECK(nlohmann::json::parse(spec_of(Family::kRoute, good_route()).to_json())["params"]["kernel"] ==
+        "single");
+
+  // Every field is in equality and (for these variations) in the hash.
+  std::vector<KernelSpec> variants = {fc1, fc2};
+  const std::vector<std::function<void(MarlinMoeParams&)>> edits = {
+      [](MarlinMoeParams& p) { p.block_m = 128; },
+      [](MarlinMoeParams& p) { p.block_n = 16; },
+      [](MarlinMoeParams& p) { p.block_k = 128; },
+      [](MarlinMoeParams& p) { p.stages = 3; },
+      [](MarlinMoeParams& p) { p.warps_m = 2; },
+      [](MarlinMoeParams& p) {
+        p.block_n = 16;
+        p.warps_n = 2;
+      },
+      [](MarlinMoeParams& p) { p.warps_k = 2; },
+      [](MarlinMoeParams& p) { p.min_blocks_per_sm = 3; },
+      [](MarlinMoeParams& p) { p.has_bias = false; },
+      [](MarlinMoeParams& p) { p.activation.limit = 8.f; },
+      [](MarlinMoeParams& p) { p.activation.alpha = 1.7f; },
+      [](MarlinMoeParams& p) {
+        p.activation.kind = ActivationKind::kClampedSwiGLU;
+        p.activation.alpha = 0.f;
+      },
+  };
+  for (const auto& edit : edits) {
+    MarlinMoeParams p = good_fc1();
+    edit(p);
+    variants.push_back(spec_of(Family::kMarlinMoe, p));
+  }
+  const std::vector<std::function<void(MoeRouteParams&)>> route_edits = {
+      [](MoeRouteParams&) {},
+      [](MoeRouteParams& p) { p.kernel = RouteKernel::kScan; },
+      [](MoeRouteParams& p) { p.num_experts = 64; },
+      [](MoeRouteParams& p) { p.top_k = 8; },
+      [](MoeRouteParams& p) { p.block_m = 16; },
+      [](MoeRouteParams& p) { p.block_threads = 512; },
+      [](MoeRouteParams& p) { p.chunk_rows = 4096; },
+  };
+  for (const auto& edit : route_edits) {
+    MoeRouteParams p = good_route();
+    edit(p);
+    variants.push_back(spec_of(Family::kRoute, p));
+  }
+  variants.push_back(spec_of(Family::kCombine, good_combine()));
+  MoeCombineParams bf16_in = good_combine();
+  bf16_in.in_dtype = DType::kBF16;
+  variants.push_back(spec_of(Family::kCombine, bf16_in));
+  variants.push_back(spec_of(Family::kRepack, MoeRepackParams{}));
+  variants.push_back(spec_of(Family::kRepack, moejit::MoeRepackParams{false, 256}));
+  variants.push_back(spec_of(Family::kNarrowIds, NarrowIdsParams{}));
+  for (std::size_t i = 0; i < variants.size(); ++i) {
+    CHECK(variants[i] == variants[i]);
+    for (std::size_t j = i + 1; j < variants.size(); ++j) {
+      INFO(variants[i].display_name() << " vs " << variants[j].display_name());
+      CHECK_FALSE(variants[i] == variants[j]);
+      CHECK(variants[i].hash() != variants[j].hash());
+      CHECK(variants[i].display_name() != variants[j].display_name());
+      CHECK(detail::render(variants[i]).file_name != detail::render(variants[j]).file_name);
+    }
+  }
+
+  // Typed values become template arguments; activation constants become exact ratios.
+  const detail::GeneratedSource src = detail::render(fc1);
+  CHECK(contains(src.source, "#include <moejit/kern/moe/moe_gemm.cuh>"));
+  CHECK(src.name_expression ==
+        "moejit::kern::moe::moe_gemm<moejit::kern::moe::MoeGemmTraits<64, 8, 256, 4, 4, 1, 1, 4, "
+        "false, moejit::kern::moe::Fc1Epilogue<moejit::kern::moe::act::GptOssSwiGLU<1702, 1000, "
+        "7, 1>, true>>>");
+  CHECK(detail::render(fc2).name_expression ==
+        "moejit::kern::moe::moe_gemm<moejit::kern::moe::MoeGemmTraits<64, 8, 256, 4, 4, 1, 1, 4, "
+        "true, moejit::kern::moe::Fc2Epilogue<false, true>>>");
+  MarlinMoeParams situ = good_fc1();
+  situ.has_bias = false;
+  situ.activation = Activation{};
+  situ.activation.kind = ActivationKind::kSiTU;
+  situ.activation.beta = 4.f;
+  situ.activation.linear_beta = 25.f;
+  CHECK(contains(detail::render(spec_of(Family::kMarlinMoe, situ)).name_expression,
+                 "act::SiTU<4, 1, 25, 1>, false>"));
+  MarlinMoeParams clamped = situ;
+  clamped.activation = Activation{};
+  clamped.activation.kind = ActivationKind::kClampedSwiGLU;
+  clamped.activation.limit = 10.f;
+  CHECK(contains(detail::render(spec_of(Family::kMarlinMoe, clamped)).name_expression,
+                 "act::ClampedSwiGLU<10, 1>"));
+  CHECK(detail::render(spec_of(Family::kRoute, good_route())).name_expression ==
+        "moejit::kern::moe::route_single_kernel<moejit::kern::moe::RouteTraits<128, 4, 8, 1024, "
+        "1024>>");
+  CHECK(detail::render(spec_of(Family::kCombine, good_combine())).name_expression ==
+        "moejit::kern::moe::combine_kernel<moejit::kern::moe::CombineTraits<2880, 4, false, "
+        "256>>");
+  CHECK(detail::render(spec_of(Family::kRepack, MoeRepackParams{})).name_expression ==
+        "moejit::kern::moe::repack_mxfp4<moejit::kern::moe::RepackTraits<true, 256>>");
+  CHECK(detail::render(spec_of(Family::kNarrowIds, NarrowIdsParams{})).name_expression ==
+        "moejit::kern::moe::narrow_ids_kernel<moejit::kern::moe::NarrowIdsTraits<256>>");
+}
+
+TEST_CASE("float_ratio: exact int ratios of activation constants", "[plan]") {
+  const auto ratio = [](float v) {
+    const auto r = detail::float_ratio(v);
+    REQUIRE(r.has_value());
+    return std::make_pair(r->num, r->den);
+  };
+  CHECK(ratio(1.702f) == std::make_pair(1702, 1000));
+  CHECK(ratio(7.f) == std::make_pair(7, 1));
+  CHECK(ratio(25.f) == std::make_pair(25, 1));
+  CHECK(ratio(0.1f) == std::make_pair(1, 10));
+  CHECK(ratio(0.f) == std::make_pair(0, 1));
+  CHECK(ratio(-2.5f) == std::make_pair(-25, 10));
+  CHECK_FALSE(detail::float_ratio(1e-20f).has_value());
+  CHECK_FALSE(detail::float_ratio(3e38f).has_value());
+  CHECK_FALSE(detail::float_ratio(std::nanf("")).has_value());
+  CHECK_FALSE(detail::float_ratio(INFINITY).has_value());
+  // Whatever is returned reads back exactly, as the kernel evaluates it.
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1000.f, 1000.f);
+  for (int i = 0; i < 20000; ++i) {
+    const float v = i % 2 == 0 ? dist(rng) : std::ldexp(dist(rng), -20);
+    const auto r = detail::float_ratio(v);
+    INFO(v);
+    REQUIRE(r.has_value());
+    CHECK(static_cast<float>(r->num) / static_cast<float>(r->den) == v);
+  }
+}
+
+TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
+  const std::vector<ModelShape> shapes = reference_shapes();
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    const std::size_t whole = moejit::moe_workspace_bytes(shape, shape.max_tokens);
+    CHECK(moejit::moe_workspace_bytes(shape, 0) == 0);
+    std::size_t largest = 0;
+    for (int tokens = 1; tokens <= shape.max_tokens; tokens += tokens < 64 ? 1 : 37) {
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+      const detail::MoeWorkspaceLayout w = detail::moe_workspace_layout(shape, config);
+      largest = std::max(largest, w.bytes);
+      // Regions are ordered, aligned, and large enough for the padded rows.
+      CHECK(w.inter % 256 == 0);
+      CHECK(w.out2 % 256 == 0);
+      CHECK(w.slot_row % 256 == 0);
+      CHECK(w.out2 >= w.inter + static_cast<std::size_t>(w.padded_rows) * shape.intermediate * 2);
+      CHECK(w.bytes >= w.out2 + static_cast<std::size_t>(w.padded_rows) * shape.hidden * 4);
+      CHECK(w.padded_rows == w.max_blocks * config.route.block_m);
+      CHECK(w.max_blocks >= 1);
+      if (tokens <= 300) {
+        CHECK(moejit::moe_workspace_bytes(shape, tokens) >= w.bytes);
+      }
+    }
+    CHECK(whole >= largest);
+    try {
+      moejit::moe_workspace_bytes(shape, shape.max_tokens + 1);
+      FAIL("moe_workspace_bytes accepted max_tokens above the shape's");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kInvalidArgument);
+      CHECK(contains(e.what(), "max_tokens"));
+    }
+  }
+
+  // gpt-oss-120b: H = I = 2880 is 45 whole 64-wide atoms and 360 gate/up row pairs: no padding.
+  const ModelShape& gpt = find_shape(shapes, "gpt-oss-120b");
+  const moejit::MoeWeightLayout g = moejit::moe_weight_layout(gpt);
+  CHECK(g.w13_bytes == 128ull * 2 * 2880 * 2880 / 2);
+  CHECK(g.w13_scale_bytes == 128ull * 2 * 2880 * 2880 / 32);
+  CHECK(g.w2_bytes == 128ull * 2880 * 2880 / 2);
+  CHECK(g.w2_scale_bytes == 128ull * 2880 * 2880 / 32);
+  CHECK(g.b13_bytes == 128ull * 2 * 2880 * 2);
+  CHECK(g.b2_bytes == 128ull * 2880 * 2);
+  // kimi: I = 384 is 6 atoms of K for FC2; H = 3584 is 56; no biases.
+  const moejit::MoeWeightLayout k = moejit::moe_weight_layout(find_shape(shapes, "kimi-k3.1-tp8"));
+  CHECK(k.w13_bytes == 896ull * 2 * 384 * 3584 / 2);
+  CHECK(k.w2_bytes == 896ull * 3584 * 384 / 2);
+  CHECK(k.b13_bytes == 0);
+  CHECK(k.b2_bytes == 0);
+  // A K that is not a whole atom is padded to one: I = 96 is 1.5 atoms of FC2's K.
+  ModelShape odd = find_shape(shapes, "qwen3-30b-a3b");
+  odd.intermediate = 96;
+  const moejit::MoeWeightLayout o = moejit::moe_weight_layout(odd);
+  CHECK(o.w2_bytes == 128ull * 2048 * 128 / 2);
+  CHECK(o.w13_bytes == 128ull * 2 * 96 * 2048 / 2);
+}

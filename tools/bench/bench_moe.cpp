@@ -1,0 +1,1272 @@
+// moejit_bench_moe: the routed-expert MXFP4 MoE layer (moejit::moe_forward) on the GPU, per model
+// and token count, as a table (and JSON with --json PATH). Every figure is a median.
+//
+// Per row (model, T):
+//   - the whole layer: one CUDA graph of N back-to-back moe_forward calls, replayed; median
+//     replay time / N (so launch gaps are not counted as kernel time at small T);
+//   - each kernel: the same graph cut after each kernel of the layer (graph prefixes in launch
+//     order); a kernel's time is what it adds to the prefix before it (with programmatic
+//     dependent launch, the part of it that does not overlap the previous kernel);
+//   - experts touched and bytes of MXFP4 weights touched (kernel layout: nibbles + scales), and
+//     that traffic over the layer time as a fraction of the device-to-device copy bandwidth
+//     measured in the same run (bytes read + written / time);
+//   - TFLOP/s = 2·T·k·3·H·I / time, beside a dense bf16 baseline measured in the same run:
+//     cuBLAS bf16 GEMMs (fp32 accumulate) over the same routing, one [m_e x H] x [H x 2I] and one
+//     [m_e x I] x [I x H] per touched expert (inputs pre-gathered; no activation or combine),
+//     captured in a CUDA graph; and one GEMM pair of the same FLOPs (M = T·k rows, one expert's
+//     weights) as the dense compute roofline.
+// Weights stay out of L2 between timed iterations: iteration i reads weight copy i mod R, with R
+// chosen so that the other R - 1 copies' traffic covers L2 twice (both the MXFP4 and the dense
+// weights). Weights are random (nibbles uniform, scales 2^-10..2^3); routing is uniform over the
+// experts, distinct per token, with normalized weights; hidden states are bf16 with FC1
+// pre-activations near unit scale.
+//
+// Kernels are compiled (or loaded from the cache the environment names, MOEJIT_CACHE_DIR) by
+// moejit::prewarm before any timing; the compile time is reported, not timed as part of a row.
+#include <cublas_v2.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cxxabi.h>
+#include <dlfcn.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "driver/driver.hpp"
+#include "moejit/error.hpp"
+#include "moejit/moe.hpp"
+#include "moejit/runtime.hpp"
+#include "moejit/version.hpp"
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// ---- errors -----------------------------------------------------------------------------------
+
+void check(CUresult result, const char* call) {
+  if (result == CUDA_SUCCESS) return;
+  throw std::runtime_error(std::string(call) + " failed: " + moejit::detail::describe(result));
+}
+#define BENCH_CU(call) check((call), #call)
+
+void check_blas(cublasStatus_t status, const char* call) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw std::runtime_error(std::string(call) + " failed: " + cublasGetStatusString(status));
+}
+#define BENCH_BLAS(call) check_blas((call), #call)
+
+// ---- the driver -------------------------------------------------------------------------------
+
+// The driver as libmoejit loaded it (dlopen at run time: the program starts, and says why, where
+// no driver is installed).
+const moejit::detail::DriverApi& cu() { return moejit::detail::driver(); }
+
+// Graph inspection and editing calls libmoejit does not use (per-kernel times), fetched from the
+// same libcuda with cuGetProcAddress at the ABI versions cudaTypedefs.h names.
+struct GraphApi {
+  PFN_cuGraphGetNodes_v10000 get_nodes = nullptr;
+  PFN_cuGraphGetEdges_v12030 get_edges = nullptr;
+  PFN_cuGraphNodeGetType_v10000 node_get_type = nullptr;
+  PFN_cuGraphKernelNodeGetParams_v12000 kernel_node_get_params = nullptr;
+  PFN_cuFuncGetName_v12030 func_get_name = nullptr;
+  PFN_cuKernelGetName_v12030 kernel_get_name = nullptr;
+  PFN_cuGraphClone_v10000 clone = nullptr;
+  PFN_cuGraphNodeFindInClone_v10000 node_find_in_clone = nullptr;
+  PFN_cuGraphDestroyNode_v10000 destroy_node = nullptr;
+  PFN_cuGraphCreate_v10000 create = nullptr;
+  PFN_cuGraphAddChildGraphNode_v10000 add_child_graph_node = nullptr;
+};
+
+template <typename Fn>
+void load_entry(PFN_cuGetProcAddress_v12000 get, const char* name, int version, Fn* fn) {
+  void* pointer = nullptr;
+  CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  const CUresult result = get(name, &pointer, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+  if (result != CUDA_SUCCESS || pointer == nullptr || status != CU_GET_PROC_ADDRESS_SUCCESS) {
+    throw std::runtime_error(std::string("the driver has no ") + name + " (ABI of CUDA " +
+                             std::to_string(version / 1000) + "." +
+                             std::to_string(version % 1000 / 10) + "); update the NVIDIA driver");
+  }
+  *fn = reinterpret_cast<Fn>(pointer);
+}
+
+const GraphApi& graph_api() {
+  static const GraphApi api = [] {
+    cu();  // loads libcuda (throws moejit::Error{kDriver} saying why when it can't)
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) throw std::runtime_error(std::string("dlopen libcuda.so.1: ") + dlerror());
+    auto get = reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(lib, "cuGetProcAddress_v2"));
+    if (get == nullptr) throw std::runtime_error("libcuda.so.1 has no cuGetProcAddress_v2");
+    GraphApi a;
+    load_entry(get, "cuGraphGetNodes", 10000, &a.get_nodes);
+    load_entry(get, "cuGraphGetEdges", 12030, &a.get_edges);
+    load_entry(get, "cuGraphNodeGetType", 10000, &a.node_get_type);
+    load_entry(get, "cuGraphKernelNodeGetParams", 12000, &a.kernel_node_get_params);
+    load_entry(get, "cuFuncGetName", 12030, &a.func_get_name);
+    load_entry(get, "cuKernelGetName", 12030, &a.kernel_get_name);
+    load_entry(get, "cuGraphClone", 10000, &a.clone);
+    load_entry(get, "cuGraphNodeFindInClone", 10000, &a.node_find_in_clone);
+    load_entry(get, "cuGraphDestroyNode", 10000, &a.destroy_node);
+    load_entry(get, "cuGraphCreate", 10000, &a.create);
+    load_entry(get, "cuGraphAddChildGraphNode", 10000, &a.add_child_graph_node);
+    return a;
+  }();
+  return api;
+}
+
+// ---- small helpers ------------------------------------------------------------------------------
+
+std::size_t to_size(int64_t n) { return static_cast<std::size_t>(n); }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string fixed(double value, int digits) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", digits, value);
+  return text;
+}
+
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A uniform double in [0, 1) from (seed, i).
+double unit(uint64_t seed, uint64_t i) {
+  return static_cast<double>(mix64(seed * 0x100000001B3ull + i) >> 11) * 0x1p-53;
+}
+
+uint16_t bf16_bits(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// A normal sample from (seed, i) (Box-Muller).
+double normal(uint64_t seed, uint64_t i) {
+  const double u1 = std::max(unit(seed, 2 * i), 1e-300);
+  const double u2 = unit(seed, 2 * i + 1);
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+void print_table(const std::string& title, const std::vector<std::string>& header,
+                 const std::vector<std::vector<std::string>>& rows) {
+  std::vector<std::size_t> width(header.size(), 0);
+  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
+  for (const auto& r : rows) {
+    for (std::size_t c = 0; c < r.size() && c < width.size(); ++c) {
+      width[c] = std::max(width[c], r[c].size());
+    }
+  }
+  auto line = [&width](const std::vector<std::string>& cells) {
+    std::string out = " ";
+    for (std::size_t c = 0; c < width.size(); ++c) {
+      const std::string cell = c < cells.size() ? cells[c] : "";
+      const std::string pad(width[c] - cell.size(), ' ');
+      out += " " + (c == 0 ? cell + pad : pad + cell) + " ";
+    }
+    return out;
+  };
+  std::cout << "\n" << title << "\n" << line(header) << "\n";
+  std::size_t total = 1;
+  for (std::size_t w : width) total += w + 2;
+  std::cout << " " << std::string(total, '-') << "\n";
+  for (const auto& r : rows) std::cout << line(r) << "\n";
+  std::cout.flush();
+}
+
+// ---- device memory ------------------------------------------------------------------------------
+
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) BENCH_CU(cu().cuMemAlloc(&ptr_, bytes_));
+  }
+  ~Buffer() {
+    if (ptr_ != 0) cu().cuMemFree(ptr_);
+  }
+  Buffer(Buffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) {
+    other.ptr_ = 0;
+    other.bytes_ = 0;
+  }
+  Buffer& operator=(Buffer&& other) noexcept {
+    std::swap(ptr_, other.ptr_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  CUdeviceptr ptr() const { return ptr_; }
+  void* data() const { return reinterpret_cast<void*>(static_cast<uintptr_t>(ptr_)); }
+  void* at(std::size_t offset) const {
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(ptr_ + offset));
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  CUdeviceptr ptr_ = 0;
+  std::size_t bytes_ = 0;
+};
+
+template <typename T>
+void upload(const Buffer& buffer, std::size_t offset, const std::vector<T>& host) {
+  if (!host.empty())
+    BENCH_CU(cu().cuMemcpyHtoD(buffer.ptr() + offset, host.data(), host.size() * sizeof(T)));
+}
+
+// Fills `bytes` bytes at `dst` with copies of `pattern` (uploaded once, then doubled on the
+// device), so large buffers get random content without a host buffer of their size.
+void fill_with_pattern(CUdeviceptr dst, std::size_t bytes, const std::vector<uint8_t>& pattern,
+                       CUstream stream) {
+  if (bytes == 0) return;
+  const std::size_t first = std::min(bytes, pattern.size());
+  BENCH_CU(cu().cuMemcpyHtoD(dst, pattern.data(), first));
+  std::size_t done = first;
+  while (done < bytes) {
+    const std::size_t n = std::min(done, bytes - done);
+    BENCH_CU(cu().cuMemcpyDtoDAsync(dst + done, dst, n, stream));
+    done += n;
+  }
+  BENCH_CU(cu().cuStreamSynchronize(stream));
+}
+
+std::vector<uint8_t> random_bytes(std::size_t count, uint64_t seed) {
+  std::vector<uint8_t> v(count);
+  for (std::size_t i = 0; i < count; i += 8) {
+    const uint64_t r = mix64(seed ^ (static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull));
+    for (std::size_t j = i; j < std::min(count, i + 8); ++j) {
+      v[j] = static_cast<uint8_t>(r >> (8 * (j - i)));
+    }
+  }
+  return v;
+}
+
+// E8M0 bytes 2^-10 .. 2^3 (117 .. 130), uniform.
+std::vector<uint8_t> random_scales(std::size_t count, uint64_t seed) {
+  std::vector<uint8_t> v = random_bytes(count, seed);
+  for (uint8_t& b : v) b = static_cast<uint8_t>(117 + b % 14);
+  return v;
+}
+
+// Random bf16 values in [-1, 1) (dense baseline data).
+std::vector<uint8_t> random_bf16_bytes(std::size_t count, uint64_t seed) {
+  std::vector<uint8_t> v(count * 2);
+  for (std::size_t i = 0; i < count; ++i) {
+    const uint16_t b = bf16_bits(static_cast<float>(2.0 * unit(seed, i) - 1.0));
+    std::memcpy(&v[2 * i], &b, 2);
+  }
+  return v;
+}
+
+// ---- DLPack views -------------------------------------------------------------------------------
+
+class TensorView {
+ public:
+  TensorView(void* data, std::vector<int64_t> shape, DLDataType dtype) : shape_(std::move(shape)) {
+    tensor_.data = data;
+    tensor_.device = DLDevice{kDLCUDA, 0};
+    tensor_.ndim = static_cast<int32_t>(shape_.size());
+    tensor_.dtype = dtype;
+    tensor_.shape = shape_.data();
+    tensor_.strides = nullptr;
+    tensor_.byte_offset = 0;
+  }
+  TensorView(const TensorView&) = delete;
+  TensorView& operator=(const TensorView&) = delete;
+  DLTensor* dl() { return &tensor_; }
+
+ private:
+  std::vector<int64_t> shape_;
+  DLTensor tensor_{};
+};
+
+const DLDataType kU8{kDLUInt, 8, 1};
+const DLDataType kBf16{kDLBfloat, 16, 1};
+const DLDataType kI32{kDLInt, 32, 1};
+const DLDataType kF32{kDLFloat, 32, 1};
+
+// ---- timing -------------------------------------------------------------------------------------
+
+class Events {
+ public:
+  Events() {
+    BENCH_CU(cu().cuEventCreate(&start_, CU_EVENT_DEFAULT));
+    BENCH_CU(cu().cuEventCreate(&stop_, CU_EVENT_DEFAULT));
+  }
+  ~Events() {
+    cu().cuEventDestroy(start_);
+    cu().cuEventDestroy(stop_);
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+
+  // Microseconds of `body` on `stream` (events around it).
+  double time_us(CUstream stream, const std::function<void()>& body) {
+    BENCH_CU(cu().cuEventRecord(start_, stream));
+    body();
+    BENCH_CU(cu().cuEventRecord(stop_, stream));
+    BENCH_CU(cu().cuEventSynchronize(stop_));
+    float ms = 0;
+    BENCH_CU(cu().cuEventElapsedTime(&ms, start_, stop_));
+    return static_cast<double>(ms) * 1000.0;
+  }
+
+ private:
+  CUevent start_ = nullptr;
+  CUevent stop_ = nullptr;
+};
+
+struct Graph {
+  CUgraph graph = nullptr;
+  Graph() = default;
+  explicit Graph(CUgraph g) : graph(g) {}
+  ~Graph() {
+    if (graph != nullptr) cu().cuGraphDestroy(graph);
+  }
+  Graph(Graph&& other) noexcept : graph(other.graph) { other.graph = nullptr; }
+  Graph& operator=(Graph&& other) noexcept {
+    std::swap(graph, other.graph);
+    return *this;
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+};
+
+Graph capture(CUstream stream, const std::function<void()>& body) {
+  BENCH_CU(cu().cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+  try {
+    body();
+  } catch (...) {
+    CUgraph broken = nullptr;
+    cu().cuStreamEndCapture(stream, &broken);
+    if (broken != nullptr) cu().cuGraphDestroy(broken);
+    throw;
+  }
+  CUgraph graph = nullptr;
+  BENCH_CU(cu().cuStreamEndCapture(stream, &graph));
+  return Graph(graph);
+}
+
+// Median over `trials` replays of `graph` (after two warm-up replays) divided by `per_replay`.
+double replay_us(const Graph& graph, CUstream stream, int trials, int per_replay, Events& events) {
+  CUgraphExec exec = nullptr;
+  BENCH_CU(cu().cuGraphInstantiate(&exec, graph.graph, 0));
+  std::vector<double> us;
+  try {
+    for (int w = 0; w < 2; ++w) BENCH_CU(cu().cuGraphLaunch(exec, stream));
+    BENCH_CU(cu().cuStreamSynchronize(stream));
+    for (int t = 0; t < trials; ++t) {
+      us.push_back(events.time_us(stream, [&] { BENCH_CU(cu().cuGraphLaunch(exec, stream)); }) /
+                   per_replay);
+    }
+  } catch (...) {
+    cu().cuGraphExecDestroy(exec);
+    throw;
+  }
+  cu().cuGraphExecDestroy(exec);
+  return median(us);
+}
+
+// The nodes of `graph` in a topological order (for a captured stream: launch order).
+std::vector<CUgraphNode> topological_nodes(CUgraph graph) {
+  std::size_t count = 0;
+  BENCH_CU(graph_api().get_nodes(graph, nullptr, &count));
+  std::vector<CUgraphNode> nodes(count);
+  BENCH_CU(graph_api().get_nodes(graph, nodes.data(), &count));
+  std::size_t edges = 0;
+  BENCH_CU(graph_api().get_edges(graph, nullptr, nullptr, nullptr, &edges));
+  std::vector<CUgraphNode> from(edges);
+  std::vector<CUgraphNode> to(edges);
+  std::vector<CUgraphEdgeData> data(edges);
+  if (edges > 0)
+    BENCH_CU(graph_api().get_edges(graph, from.data(), to.data(), data.data(), &edges));
+  std::vector<int> indegree(count, 0);
+  auto index = [&](CUgraphNode n) {
+    return static_cast<std::size_t>(std::find(nodes.begin(), nodes.end(), n) - nodes.begin());
+  };
+  for (std::size_t e = 0; e < edges; ++e) ++indegree[index(to[e])];
+  std::vector<CUgraphNode> order;
+  std::vector<bool> done(count, false);
+  while (order.size() < count) {
+    std::size_t pick = count;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (!done[i] && indegree[i] == 0) {
+        pick = i;
+        break;
+      }
+    }
+    if (pick == count) throw std::runtime_error("captured graph has a cycle");
+    done[pick] = true;
+    order.push_back(nodes[pick]);
+    for (std::size_t e = 0; e < edges; ++e) {
+      if (from[e] == nodes[pick]) --indegree[index(to[e])];
+    }
+  }
+  return order;
+}
+
+// A short name for a graph node: the kernel's function name (demangled, namespace and template
+// arguments dropped), with the grouped GEMM's stage; else the node type.
+std::string node_label(CUgraphNode node) {
+  CUgraphNodeType type;
+  BENCH_CU(graph_api().node_get_type(node, &type));
+  if (type == CU_GRAPH_NODE_TYPE_MEMSET) return "memset";
+  if (type == CU_GRAPH_NODE_TYPE_MEMCPY) return "memcpy";
+  if (type != CU_GRAPH_NODE_TYPE_KERNEL)
+    return "node type " + std::to_string(static_cast<int>(type));
+  CUDA_KERNEL_NODE_PARAMS params{};
+  BENCH_CU(graph_api().kernel_node_get_params(node, &params));
+  // Why three tries: a node captured from a launch of a CUkernel (cast to CUfunction, as the
+  // library launches) may name its kernel either way.
+  const char* mangled = nullptr;
+  if (!(params.func != nullptr &&
+        graph_api().func_get_name(&mangled, params.func) == CUDA_SUCCESS) &&
+      !(params.kern != nullptr &&
+        graph_api().kernel_get_name(&mangled, params.kern) == CUDA_SUCCESS) &&
+      !(params.func != nullptr &&
+        graph_api().kernel_get_name(&mangled, reinterpret_cast<CUkernel>(params.func)) ==
+            CUDA_SUCCESS)) {
+    return "kernel";
+  }
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  const std::string full = status == 0 && demangled != nullptr ? demangled : mangled;
+  std::free(demangled);
+  std::string name = full.substr(0, full.find_first_of("<("));
+  const std::size_t space = name.rfind(' ');
+  if (space != std::string::npos) name = name.substr(space + 1);
+  const std::size_t colon = name.rfind("::");
+  if (colon != std::string::npos) name = name.substr(colon + 2);
+  const std::string suffix = "_kernel";
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    name.resize(name.size() - suffix.size());
+  }
+  if (name == "route_single") name = "route";
+  if (full.find("Fc1Epilogue") != std::string::npos) name += " fc1";
+  if (full.find("Fc2Epilogue") != std::string::npos) name += " fc2";
+  return name;
+}
+
+// A copy of `graph` holding only the first `keep` nodes of `order` (a topological order of it).
+Graph prefix_of(CUgraph graph, const std::vector<CUgraphNode>& order, std::size_t keep) {
+  CUgraph clone = nullptr;
+  BENCH_CU(graph_api().clone(&clone, graph));
+  Graph out(clone);
+  for (std::size_t i = order.size(); i > keep; --i) {
+    CUgraphNode copy = nullptr;
+    BENCH_CU(graph_api().node_find_in_clone(&copy, order[i - 1], clone));
+    BENCH_CU(graph_api().destroy_node(copy));
+  }
+  return out;
+}
+
+// One graph that runs parts[i % parts.size()] for i = 0 .. iterations - 1, one after another.
+Graph chain_of(const std::vector<Graph>& parts, int iterations) {
+  CUgraph graph = nullptr;
+  BENCH_CU(graph_api().create(&graph, 0));
+  Graph out(graph);
+  CUgraphNode previous = nullptr;
+  for (int i = 0; i < iterations; ++i) {
+    CUgraphNode node = nullptr;
+    BENCH_CU(graph_api().add_child_graph_node(
+        &node, graph, previous != nullptr ? &previous : nullptr, previous != nullptr ? 1 : 0,
+        parts[to_size(i) % parts.size()].graph));
+    previous = node;
+  }
+  return out;
+}
+
+// ---- the models ---------------------------------------------------------------------------------
+
+constexpr std::size_t kAlign = 256;
+std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// One set of kernel-layout weights in one allocation.
+struct WeightSet {
+  Buffer buffer;
+  moejit::MoeWeights weights;
+};
+
+struct Routing {
+  int tokens = 0;
+  std::vector<int32_t> ids;     // [T, K]
+  std::vector<float> weights;   // [T, K]
+  std::vector<int> per_expert;  // [E] entries per expert
+  int touched = 0;              // experts with at least one entry
+};
+
+Routing make_routing(const moejit::ModelShape& s, int tokens, uint64_t seed) {
+  Routing r;
+  r.tokens = tokens;
+  const int k = s.top_k;
+  r.ids.resize(to_size(static_cast<int64_t>(tokens) * k));
+  r.weights.resize(r.ids.size());
+  r.per_expert.assign(to_size(s.num_experts), 0);
+  uint64_t draw = 0;
+  for (int t = 0; t < tokens; ++t) {
+    int32_t* row = r.ids.data() + static_cast<int64_t>(t) * k;
+    double sum = 0;
+    for (int j = 0; j < k; ++j) {
+      int32_t e = 0;
+      do {
+        e = static_cast<int32_t>(mix64(seed ^ (draw++ * 0x9E3779B97F4A7C15ull)) %
+                                 static_cast<uint64_t>(s.num_experts));
+      } while (std::find(row, row + j, e) != row + j);
+      row[j] = e;
+      const float w = static_cast<float>(0.05 + unit(seed + 1, draw));
+      r.weights[to_size(static_cast<int64_t>(t) * k + j)] = w;
+      sum += w;
+    }
+    for (int j = 0; j < k; ++j) {
+      float& w = r.weights[to_size(static_cast<int64_t>(t) * k + j)];
+      w = static_cast<float>(w / sum);
+      ++r.per_expert[to_size(row[j])];
+    }
+  }
+  for (int c : r.per_expert) r.touched += c > 0 ? 1 : 0;
+  return r;
+}
+
+struct Options {
+  std::vector<std::string> models = {"gpt-oss-120b", "deepseek-v4-flash-tp4", "qwen3-30b-a3b",
+                                     "kimi-k3.1-tp8"};
+  std::vector<int> tokens = {1, 6, 24, 96, 256, 1024, 4096};
+  std::string shapes_file;
+  std::string json_path;
+  int trials = 15;
+  double target_ms = 10;  // graph replay length the iteration count aims at
+  double budget_gb = 48;  // device memory for rotated weight copies, per model
+  int max_rotation = 16;
+  bool dense = true;
+  uint64_t seed = 20261130;
+};
+
+std::string find_shapes_file(const std::string& given) {
+  if (!given.empty()) return given;
+  for (const std::string& candidate :
+       {std::string("tools/shapes/reference.json"), std::string(MOEJIT_BENCH_SHAPES_FILE)}) {
+    if (std::filesystem::exists(candidate)) return candidate;
+  }
+  throw std::runtime_error(
+      "tools/shapes/reference.json not found from the current directory nor at " +
+      std::string(MOEJIT_BENCH_SHAPES_FILE) + "; pass --shapes PATH");
+}
+
+struct Device {
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  std::string name;
+  int sms = 0;
+  std::size_t l2_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+// Device-to-device copy bandwidth: (bytes read + bytes written) / time, 1 GiB buffers.
+double copy_bandwidth_gbs(CUstream stream, Events& events) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  Buffer a(bytes);
+  Buffer b(bytes);
+  BENCH_CU(cu().cuMemsetD8Async(a.ptr(), 1, bytes, stream));
+  std::vector<double> us;
+  for (int i = 0; i < 23; ++i) {
+    const double t = events.time_us(
+        stream, [&] { BENCH_CU(cu().cuMemcpyDtoDAsync(b.ptr(), a.ptr(), bytes, stream)); });
+    if (i >= 3) us.push_back(t);
+  }
+  return 2.0 * static_cast<double>(bytes) / (median(us) * 1e-6) / 1e9;
+}
+
+// C [m x n] = A [m x k] x B^T, B [n x k], all row-major bf16, fp32 accumulate (cuBLAS is
+// column-major: C^T = B x A^T, i.e. op(B) = T with ld k, op(A^T) = N with ld lda).
+void gemm_bf16(cublasHandle_t handle, int m, int n, int k, const void* a, int lda, const void* b,
+               int ldb, void* c, int ldc) {
+  const float one = 1.0f;
+  const float zero = 0.0f;
+  BENCH_BLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, b, CUDA_R_16BF, ldb, a,
+                          CUDA_R_16BF, lda, &zero, c, CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT));
+}
+
+// Dense bf16 peak: one 8192^3 GEMM, graph replays.
+double dense_peak_tflops(cublasHandle_t handle, CUstream stream, Events& events, int trials) {
+  const int n = 8192;
+  const std::size_t elems = static_cast<std::size_t>(n) * n;
+  Buffer a(elems * 2);
+  Buffer b(elems * 2);
+  Buffer c(elems * 2);
+  const std::vector<uint8_t> pattern = random_bf16_bytes(1 << 22, 7);
+  fill_with_pattern(a.ptr(), a.bytes(), pattern, stream);
+  fill_with_pattern(b.ptr(), b.bytes(), pattern, stream);
+  const int per = 5;
+  // Eager first: cuBLAS picks and loads its kernel outside the capture.
+  gemm_bf16(handle, n, n, n, a.data(), n, b.data(), n, c.data(), n);
+  BENCH_CU(cu().cuStreamSynchronize(stream));
+  Graph g = capture(stream, [&] {
+    for (int i = 0; i < per; ++i) gemm_bf16(handle, n, n, n, a.data(), n, b.data(), n, c.data(), n);
+  });
+  const double us = replay_us(g, stream, trials, per, events);
+  return 2.0 * n * static_cast<double>(n) * n / (us * 1e-6) / 1e12;
+}
+
+struct KernelTime {
+  std::string name;
+  double us = 0;
+};
+
+struct Row {
+  int tokens = 0;
+  int touched = 0;
+  double mxfp4_bytes = 0;
+  double layer_us = 0;
+  std::vector<KernelTime> kernels;
+  std::string kernels_note;  // why per-kernel times are missing, if they are
+  double copy_fraction = 0;
+  double tflops = 0;
+  double dense_us = 0;
+  double dense_tflops = 0;
+  double dense_single_tflops = 0;
+  int rotation = 1;
+  int dense_rotation = 1;
+  int iterations = 0;
+  int dense_iterations = 0;
+  int64_t nonfinite = 0;
+};
+
+class ModelBench {
+ public:
+  ModelBench(const moejit::ModelShape& shape, const Options& o, const Device& device,
+             CUstream stream, cublasHandle_t blas, double copy_gbs)
+      : s_(shape), o_(o), device_(device), stream_(stream), blas_(blas), copy_gbs_(copy_gbs) {}
+
+  json run(std::vector<std::vector<std::string>>* table) {
+    const auto& s = s_;
+    std::cout << "\n== " << s.name << ": E " << s.num_experts << ", top-k " << s.top_k << ", H "
+              << s.hidden << ", I " << s.intermediate << ", "
+              << moejit::activation_kind_name(s.activation.kind) << (s.has_bias ? ", biases" : "")
+              << std::endl;
+    const auto compile_start = Clock::now();
+    int compiled = 0;
+    int loaded = 0;
+    CUdevice dev = 0;
+    BENCH_CU(cu().cuCtxGetDevice(&dev));
+    int major = 0;
+    int minor = 0;
+    BENCH_CU(cu().cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+    BENCH_CU(cu().cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
+    moejit::Arch arch;
+    arch.sm = major * 10 + minor;
+    arch.arch_specific = arch.sm >= 90;
+    for (const moejit::BuildResult& r : moejit::prewarm(
+             {s}, {arch}, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())))) {
+      if (!r.error.empty())
+        throw std::runtime_error("prewarm " + r.spec.display_name() + ": " + r.error);
+      if (r.outcome == moejit::CacheOutcome::kCompiled ||
+          r.outcome == moejit::CacheOutcome::kCompiledNotStored) {
+        ++compiled;
+      } else {
+        ++loaded;
+      }
+    }
+    const double compile_s = std::chrono::duration<double>(Clock::now() - compile_start).count();
+    std::cout << "   prewarm: " << compiled << " kernels compiled, " << loaded
+              << " found in the cache, " << fixed(compile_s, 1) << " s" << std::endl;
+
+    sizes_ = moejit::moe_weight_layout(s);
+    const double expert_bytes = static_cast<double>(sizes_.w13_bytes + sizes_.w13_scale_bytes +
+                                                    sizes_.w2_bytes + sizes_.w2_scale_bytes) /
+                                s.num_experts;
+    const double dense_expert_bytes = 3.0 * s.hidden * static_cast<double>(s.intermediate) * 2;
+
+    std::vector<Routing> routings;
+    for (int t : o_.tokens)
+      routings.push_back(make_routing(s, t, o_.seed + static_cast<uint64_t>(t)));
+    int want = 1;
+    int want_dense = 1;
+    for (const Routing& r : routings) {
+      want = std::max(want, rotation_for(r.touched * expert_bytes));
+      want_dense = std::max(want_dense, rotation_for(r.touched * dense_expert_bytes));
+    }
+    const double budget = o_.budget_gb * 1e9;
+    const double set_bytes = expert_bytes * s.num_experts;
+    const int copies = std::max(1, std::min(want, static_cast<int>(budget / 2 / set_bytes)));
+    prepare_weights(copies);
+    int dense_copies = 0;
+    if (o_.dense) {
+      dense_copies = std::max(
+          1, std::min(want_dense,
+                      static_cast<int>(budget / 2 / (dense_expert_bytes * s.num_experts))));
+      prepare_dense(dense_copies);
+    }
+    std::cout << "   weights: " << fixed(set_bytes / 1e9, 2) << " GB MXFP4 x " << copies
+              << " copies"
+              << (o_.dense ? ", " + fixed(dense_expert_bytes * s.num_experts / 1e9, 2) +
+                                 " GB bf16 x " + std::to_string(dense_copies) + " copies"
+                           : std::string())
+              << " (rotated so timed iterations read weights from DRAM, L2 "
+              << device_.l2_bytes / (1 << 20) << " MiB)" << std::endl;
+
+    json rows = json::array();
+    for (const Routing& r : routings) {
+      Row row = bench_row(r, expert_bytes, dense_expert_bytes, copies, dense_copies);
+      rows.push_back(row_json(row));
+      table->push_back(row_cells(row));
+      std::cout << "   T " << row.tokens << ": " << fixed(row.layer_us, 1) << " us, "
+                << fixed(100 * row.copy_fraction, 1) << "% of copy bandwidth, "
+                << fixed(row.tflops, 1) << " TFLOP/s" << std::endl;
+    }
+    json out = {{"model", s.name},
+                {"num_experts", s.num_experts},
+                {"top_k", s.top_k},
+                {"hidden", s.hidden},
+                {"intermediate", s.intermediate},
+                {"activation", moejit::activation_kind_name(s.activation.kind)},
+                {"has_bias", s.has_bias},
+                {"prewarm_seconds", compile_s},
+                {"kernels_compiled", compiled},
+                {"kernels_cached", loaded},
+                {"mxfp4_bytes_per_expert", expert_bytes},
+                {"weight_copies", copies},
+                {"dense_weight_copies", dense_copies},
+                {"rows", rows}};
+    return out;
+  }
+
+  std::vector<std::string> row_cells(const Row& row) const {
+    std::string kernels;
+    for (const KernelTime& k : row.kernels) {
+      kernels += (kernels.empty() ? "" : ", ") + k.name + " " + fixed(k.us, 1);
+    }
+    if (kernels.empty()) kernels = row.kernels_note;
+    return {s_.name,
+            std::to_string(row.tokens),
+            std::to_string(row.touched),
+            fixed(row.mxfp4_bytes / 1e6, 1),
+            fixed(row.layer_us, 1),
+            fixed(100 * row.copy_fraction, 1) + "%",
+            fixed(row.tflops, 1),
+            o_.dense ? fixed(row.dense_us, 1) : "-",
+            o_.dense ? fixed(row.dense_tflops, 1) : "-",
+            o_.dense ? fixed(row.dense_us / row.layer_us, 2) + "x" : "-",
+            o_.dense ? fixed(row.dense_single_tflops, 1) : "-",
+            row.nonfinite == 0 ? "ok" : std::to_string(row.nonfinite) + " NaN",
+            kernels};
+  }
+
+ private:
+  // Copies to rotate through so that the R - 1 other copies' traffic covers L2 twice.
+  int rotation_for(double touched_bytes) const {
+    if (touched_bytes <= 0) return 1;
+    const double need = 2.0 * static_cast<double>(device_.l2_bytes) / touched_bytes;
+    return std::min(o_.max_rotation, 1 + static_cast<int>(std::ceil(need)));
+  }
+
+  void prepare_weights(int copies) {
+    const auto& s = s_;
+    const int64_t e = s.num_experts;
+    const int64_t h = s.hidden;
+    const int64_t i = s.intermediate;
+    const std::size_t o13 = 0;
+    const std::size_t os13 = align_up(o13 + sizes_.w13_bytes);
+    const std::size_t o2 = align_up(os13 + sizes_.w13_scale_bytes);
+    const std::size_t os2 = align_up(o2 + sizes_.w2_bytes);
+    const std::size_t total = align_up(os2 + sizes_.w2_scale_bytes);
+    sets_.clear();
+    sets_.resize(to_size(copies));
+    for (WeightSet& set : sets_) {
+      set.buffer = Buffer(total);
+      set.weights.w13 = set.buffer.at(o13);
+      set.weights.w13_scales = set.buffer.at(os13);
+      set.weights.w2 = set.buffer.at(o2);
+      set.weights.w2_scales = set.buffer.at(os2);
+    }
+    if (s.has_bias) {
+      std::vector<uint16_t> b13(to_size(e * 2 * i));
+      std::vector<uint16_t> b2(to_size(e * h));
+      for (std::size_t j = 0; j < b13.size(); ++j)
+        b13[j] = bf16_bits(static_cast<float>(normal(o_.seed + 11, j)));
+      for (std::size_t j = 0; j < b2.size(); ++j)
+        b2[j] = bf16_bits(static_cast<float>(normal(o_.seed + 12, j)));
+      bias13_ = Buffer(b13.size() * 2);
+      bias2_ = Buffer(b2.size() * 2);
+      upload(bias13_, 0, b13);
+      upload(bias2_, 0, b2);
+      for (WeightSet& set : sets_) {
+        set.weights.b13 = bias13_.data();
+        set.weights.b2 = bias2_.data();
+      }
+    }
+    // A checkpoint in its own layout on the device (random content from repeated patterns),
+    // repacked into copy 0 by the library, then copied.
+    const std::vector<uint8_t> nibbles = random_bytes(std::size_t{1} << 24, o_.seed + 21);
+    const std::vector<uint8_t> scales =
+        random_scales((std::size_t{1} << 24) / 16 + 4093, o_.seed + 22);
+    moejit::MoeRepackTarget target;
+    target.weights = sets_[0].weights;
+    Buffer bad(sizeof(int32_t));
+    BENCH_CU(cu().cuMemsetD8Async(bad.ptr(), 0, bad.bytes(), stream_));
+    target.bad_scale_count = static_cast<int32_t*>(bad.data());
+    const bool gpt_oss = s.activation.kind == moejit::ActivationKind::kGptOss;
+    if (gpt_oss) {
+      Buffer w13b(to_size(e * 2 * i * h / 2));
+      Buffer w13s(to_size(e * 2 * i * h / 32));
+      Buffer w2b(to_size(e * h * i / 2));
+      Buffer w2s(to_size(e * h * i / 32));
+      fill_with_pattern(w13b.ptr(), w13b.bytes(), nibbles, stream_);
+      fill_with_pattern(w13s.ptr(), w13s.bytes(), scales, stream_);
+      fill_with_pattern(w2b.ptr(), w2b.bytes(), nibbles, stream_);
+      fill_with_pattern(w2s.ptr(), w2s.bytes(), scales, stream_);
+      TensorView a(w13b.data(), {e, 2 * i, h / 32, 16}, kU8);
+      TensorView b(w13s.data(), {e, 2 * i, h / 32}, kU8);
+      TensorView c(w2b.data(), {e, h, i / 32, 16}, kU8);
+      TensorView d(w2s.data(), {e, h, i / 32}, kU8);
+      moejit::GptOssCheckpoint ck;
+      ck.w13_blocks = a.dl();
+      ck.w13_scales = b.dl();
+      ck.w2_blocks = c.dl();
+      ck.w2_scales = d.dl();
+      moejit::moe_repack_gpt_oss(s, ck, target, stream_);
+      BENCH_CU(cu().cuStreamSynchronize(stream_));
+    } else {
+      Buffer w1b(to_size(e * i * h / 2));
+      Buffer w1s(to_size(e * i * h / 32));
+      Buffer w2b(to_size(e * h * i / 2));
+      Buffer w2s(to_size(e * h * i / 32));
+      fill_with_pattern(w1b.ptr(), w1b.bytes(), nibbles, stream_);
+      fill_with_pattern(w1s.ptr(), w1s.bytes(), scales, stream_);
+      fill_with_pattern(w2b.ptr(), w2b.bytes(), nibbles, stream_);
+      fill_with_pattern(w2s.ptr(), w2s.bytes(), scales, stream_);
+      TensorView a(w1b.data(), {e, i, h / 32, 16}, kU8);
+      TensorView b(w1s.data(), {e, i, h / 32}, kU8);
+      TensorView c(w2b.data(), {e, h, i / 32, 16}, kU8);
+      TensorView d(w2s.data(), {e, h, i / 32}, kU8);
+      moejit::SeparateCheckpoint ck;
+      // Why w1 for w3 too: the content is random either way, and one buffer less fits kimi's
+      // 896 experts beside the rotated copies.
+      ck.w1_blocks = a.dl();
+      ck.w1_scales = b.dl();
+      ck.w3_blocks = a.dl();
+      ck.w3_scales = b.dl();
+      ck.w2_blocks = c.dl();
+      ck.w2_scales = d.dl();
+      moejit::moe_repack_separate(s, ck, target, stream_);
+      BENCH_CU(cu().cuStreamSynchronize(stream_));
+    }
+    int32_t bad_count = 0;
+    BENCH_CU(cu().cuMemcpyDtoH(&bad_count, bad.ptr(), sizeof(bad_count)));
+    if (bad_count != 0) {
+      throw std::runtime_error("repack counted " + std::to_string(bad_count) +
+                               " scale bytes out of range in random scales 2^-10..2^3");
+    }
+    for (std::size_t c = 1; c < sets_.size(); ++c) {
+      BENCH_CU(
+          cu().cuMemcpyDtoDAsync(sets_[c].buffer.ptr(), sets_[0].buffer.ptr(), total, stream_));
+    }
+    BENCH_CU(cu().cuStreamSynchronize(stream_));
+  }
+
+  void prepare_dense(int copies) {
+    const auto& s = s_;
+    const std::size_t per =
+        to_size(static_cast<int64_t>(s.num_experts) * 3 * s.hidden * s.intermediate * 2);
+    const std::vector<uint8_t> pattern = random_bf16_bytes(std::size_t{1} << 23, o_.seed + 31);
+    dense_.clear();
+    for (int c = 0; c < copies; ++c) {
+      dense_.emplace_back(per);
+      fill_with_pattern(dense_.back().ptr(), per, pattern, stream_);
+    }
+  }
+
+  // W13 of expert e ([2I, H] row-major) and W2 ([H, I]) in dense copy c.
+  const void* dense_w13(int c, int e) const {
+    const std::size_t h = to_size(s_.hidden);
+    const std::size_t i = to_size(s_.intermediate);
+    return dense_[to_size(c)].at(to_size(e) * 2 * i * h * 2);
+  }
+  const void* dense_w2(int c, int e) const {
+    const std::size_t h = to_size(s_.hidden);
+    const std::size_t i = to_size(s_.intermediate);
+    return dense_[to_size(c)].at(to_size(s_.num_experts) * 2 * i * h * 2 + to_size(e) * h * i * 2);
+  }
+
+  Row bench_row(const Routing& r, double expert_bytes, double dense_expert_bytes, int copies,
+                int dense_copies) {
+    const auto& s = s_;
+    const int64_t t = r.tokens;
+    const int64_t k = s.top_k;
+    const int64_t h = s.hidden;
+    const int64_t i = s.intermediate;
+    Row row;
+    row.tokens = r.tokens;
+    row.touched = r.touched;
+    row.mxfp4_bytes = r.touched * expert_bytes;
+    const double flops = 2.0 * static_cast<double>(t * k) * 3.0 * static_cast<double>(h * i);
+    row.rotation = std::min(copies, rotation_for(row.mxfp4_bytes));
+
+    // Inputs: hidden bf16 with FC1 pre-activations near unit scale.
+    double scale_sq = 0;
+    for (int u = -10; u <= 3; ++u) scale_sq += std::ldexp(1.0, 2 * u) / 14.0;
+    const double sigma = 1.0 / std::sqrt(static_cast<double>(h) * 8.5625 * scale_sq);
+    std::vector<uint16_t> hidden(to_size(t * h));
+    for (std::size_t j = 0; j < hidden.size(); ++j) {
+      hidden[j] = bf16_bits(static_cast<float>(normal(o_.seed + 41, j) * sigma));
+    }
+    Buffer d_hidden(hidden.size() * 2);
+    Buffer d_ids(r.ids.size() * 4);
+    Buffer d_weights(r.weights.size() * 4);
+    Buffer d_out(to_size(t * h * 2));
+    upload(d_hidden, 0, hidden);
+    upload(d_ids, 0, r.ids);
+    upload(d_weights, 0, r.weights);
+    const std::size_t ws_bytes = moejit::moe_workspace_bytes(s, r.tokens);
+    Buffer workspace(std::max<std::size_t>(ws_bytes, kAlign));
+    TensorView hidden_t(d_hidden.data(), {t, h}, kBf16);
+    TensorView ids_t(d_ids.data(), {t, k}, kI32);
+    TensorView weights_t(d_weights.data(), {t, k}, kF32);
+    TensorView out_t(d_out.data(), {t, h}, kBf16);
+    auto forward = [&](int copy) {
+      moejit::MoeForwardArgs a;
+      a.hidden = hidden_t.dl();
+      a.topk_ids = ids_t.dl();
+      a.topk_weights = weights_t.dl();
+      a.weights = sets_[to_size(copy)].weights;
+      a.workspace = workspace.data();
+      a.workspace_bytes = ws_bytes;
+      a.out = out_t.dl();
+      moejit::moe_forward(s, a, stream_);
+    };
+
+    // Eager: warm up, check the output is finite, estimate the layer time.
+    Events events;
+    BENCH_CU(cu().cuMemsetD8Async(d_out.ptr(), 0xFF, d_out.bytes(), stream_));
+    forward(0);
+    BENCH_CU(cu().cuStreamSynchronize(stream_));
+    std::vector<uint16_t> out(to_size(t * h));
+    BENCH_CU(cu().cuMemcpyDtoH(out.data(), d_out.ptr(), out.size() * 2));
+    for (uint16_t b : out) row.nonfinite += (b & 0x7F80u) == 0x7F80u ? 1 : 0;
+    std::vector<double> eager;
+    for (int rep = 0; rep < 3; ++rep) {
+      eager.push_back(events.time_us(stream_, [&] { forward(rep % row.rotation); }));
+    }
+    const double estimate = std::max(1.0, median(eager));
+    row.iterations = std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 3, 400);
+
+    // One captured layer per weight copy, and its kernels in launch order.
+    std::vector<Graph> layers;
+    for (int c = 0; c < row.rotation; ++c) layers.push_back(capture(stream_, [&] { forward(c); }));
+    const std::vector<CUgraphNode> order = topological_nodes(layers[0].graph);
+
+    // The whole layer: N calls captured back to back (iteration j reads copy j mod R).
+    {
+      Graph all = capture(stream_, [&] {
+        for (int j = 0; j < row.iterations; ++j) forward(j % row.rotation);
+      });
+      row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events);
+    }
+    // Each kernel: prefixes of the layer, chained N times.
+    try {
+      double before = 0;
+      for (std::size_t p = 1; p <= order.size(); ++p) {
+        std::vector<Graph> parts;
+        for (const Graph& layer : layers) {
+          parts.push_back(prefix_of(layer.graph, topological_nodes(layer.graph), p));
+        }
+        const Graph chained = chain_of(parts, row.iterations);
+        const double us = replay_us(chained, stream_, o_.trials, row.iterations, events);
+        row.kernels.push_back({node_label(order[p - 1]), us - before});
+        before = us;
+      }
+    } catch (const std::exception& e) {
+      row.kernels.clear();
+      row.kernels_note = std::string("per-kernel times unavailable: ") + e.what();
+    }
+    row.copy_fraction = row.mxfp4_bytes / (row.layer_us * 1e-6) / (copy_gbs_ * 1e9);
+    row.tflops = flops / (row.layer_us * 1e-6) / 1e12;
+
+    if (o_.dense) dense_row(r, dense_expert_bytes, dense_copies, flops, events, &row);
+    return row;
+  }
+
+  void dense_row(const Routing& r, double dense_expert_bytes, int dense_copies, double flops,
+                 Events& events, Row* row) {
+    const auto& s = s_;
+    const int64_t t = r.tokens;
+    const int h = s.hidden;
+    const int i = s.intermediate;
+    const int64_t rows = t * s.top_k;
+    row->dense_rotation = std::min(dense_copies, rotation_for(r.touched * dense_expert_bytes));
+    // Gathered inputs [T*K, H], FC1 out [T*K, 2I], FC2 out [T*K, H]; expert e's rows contiguous.
+    Buffer x(to_size(rows * h * 2));
+    Buffer y1(to_size(rows * 2 * i * 2));
+    Buffer y2(to_size(rows * h * 2));
+    const std::vector<uint8_t> pattern = random_bf16_bytes(std::size_t{1} << 20, o_.seed + 51);
+    fill_with_pattern(x.ptr(), x.bytes(), pattern, stream_);
+    BENCH_BLAS(cublasSetStream(blas_, reinterpret_cast<cudaStream_t>(stream_)));
+    auto grouped = [&](int copy) {
+      int64_t first = 0;
+      for (int e = 0; e < s.num_experts; ++e) {
+        const int m = r.per_expert[to_size(e)];
+        if (m == 0) continue;
+        gemm_bf16(blas_, m, 2 * i, h, x.at(to_size(first * h * 2)), h, dense_w13(copy, e), h,
+                  y1.at(to_size(first * 2 * i * 2)), 2 * i);
+        gemm_bf16(blas_, m, h, i, y1.at(to_size(first * 2 * i * 2)), 2 * i, dense_w2(copy, e), i,
+                  y2.at(to_size(first * h * 2)), h);
+        first += m;
+      }
+    };
+    grouped(0);
+    BENCH_CU(cu().cuStreamSynchronize(stream_));
+    std::vector<double> eager;
+    for (int rep = 0; rep < 3; ++rep) {
+      eager.push_back(events.time_us(stream_, [&] { grouped(rep % row->dense_rotation); }));
+    }
+    const double estimate = std::max(1.0, median(eager));
+    // Why the node cap: a graph of tens of thousands of GEMM nodes takes long to instantiate.
+    const int max_by_nodes = std::max(2, 6000 / std::max(1, 2 * r.touched));
+    row->dense_iterations = std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 2,
+                                       std::min(400, max_by_nodes));
+    {
+      Graph g = capture(stream_, [&] {
+        for (int j = 0; j < row->dense_iterations; ++j) grouped(j % row->dense_rotation);
+      });
+      row->dense_us = replay_us(g, stream_, o_.trials, row->dense_iterations, events);
+    }
+    row->dense_tflops = flops / (row->dense_us * 1e-6) / 1e12;
+    // The same FLOPs as one GEMM pair (M = T*K rows on expert 0's weights): the dense roofline.
+    {
+      const int m = static_cast<int>(rows);
+      gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
+      gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
+      BENCH_CU(cu().cuStreamSynchronize(stream_));
+      const int per =
+          std::clamp(static_cast<int>(o_.target_ms * 1000.0 / std::max(1.0, estimate)), 2, 50);
+      Graph g = capture(stream_, [&] {
+        for (int j = 0; j < per; ++j) {
+          gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
+          gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
+        }
+      });
+      const double us = replay_us(g, stream_, o_.trials, per, events);
+      row->dense_single_tflops = flops / (us * 1e-6) / 1e12;
+    }
+  }
+
+  json row_json(const Row& row) const {
+    json kernels = json::array();
+    for (const KernelTime& k : row.kernels) kernels.push_back({{"name", k.name}, {"us", k.us}});
+    json j = {{"tokens", row.tokens},
+              {"experts_touched", row.touched},
+              {"mxfp4_bytes_touched", row.mxfp4_bytes},
+              {"layer_us", row.layer_us},
+              {"kernels", kernels},
+              {"copy_bandwidth_fraction", row.copy_fraction},
+              {"tflops", row.tflops},
+              {"weight_rotation", row.rotation},
+              {"graph_iterations", row.iterations},
+              {"nonfinite_outputs", row.nonfinite}};
+    if (!row.kernels_note.empty()) j["kernels_note"] = row.kernels_note;
+    if (o_.dense) {
+      j["dense_grouped_us"] = row.dense_us;
+      j["dense_grouped_tflops"] = row.dense_tflops;
+      j["dense_single_gemm_tflops"] = row.dense_single_tflops;
+      j["dense_weight_rotation"] = row.dense_rotation;
+      j["dense_graph_iterations"] = row.dense_iterations;
+    }
+    return j;
+  }
+
+  moejit::ModelShape s_;
+  const Options& o_;
+  const Device& device_;
+  CUstream stream_;
+  cublasHandle_t blas_;
+  double copy_gbs_;
+  moejit::MoeWeightLayout sizes_;
+  std::vector<WeightSet> sets_;
+  Buffer bias13_;
+  Buffer bias2_;
+  std::vector<Buffer> dense_;
+};
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+int run(const Options& o) {
+  const std::string shapes_file = find_shapes_file(o.shapes_file);
+  const std::vector<moejit::ModelShape> all = moejit::load_shapes_file(shapes_file);
+  std::vector<moejit::ModelShape> shapes;
+  int max_tokens = 1;
+  for (int t : o.tokens) max_tokens = std::max(max_tokens, t);
+  for (const std::string& name : o.models) {
+    auto it = std::find_if(all.begin(), all.end(),
+                           [&](const moejit::ModelShape& s) { return s.name == name; });
+    if (it == all.end()) throw std::runtime_error("no shape \"" + name + "\" in " + shapes_file);
+    moejit::ModelShape s = *it;
+    // Why: prewarm builds the kernels of every T up to max_tokens; no more than the run needs.
+    s.max_tokens = max_tokens;
+    shapes.push_back(s);
+  }
+
+  BENCH_CU(cu().cuInit(0));
+  Device device;
+  int count = 0;
+  BENCH_CU(cu().cuDeviceGetCount(&count));
+  if (count == 0) throw std::runtime_error("no CUDA device");
+  BENCH_CU(cu().cuDeviceGet(&device.device, 0));
+  BENCH_CU(cu().cuDevicePrimaryCtxRetain(&device.context, device.device));
+  BENCH_CU(cu().cuCtxSetCurrent(device.context));
+  char name[256] = {};
+  BENCH_CU(cu().cuDeviceGetName(name, sizeof(name), device.device));
+  device.name = name;
+  int l2 = 0;
+  BENCH_CU(cu().cuDeviceGetAttribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, device.device));
+  device.l2_bytes = static_cast<std::size_t>(l2);
+  BENCH_CU(cu().cuDeviceGetAttribute(&device.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                     device.device));
+  BENCH_CU(cu().cuDeviceTotalMem(&device.total_bytes, device.device));
+  CUstream stream = nullptr;
+  BENCH_CU(cu().cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+
+  moejit::configure(moejit::RuntimeConfig::from_environment());
+  cublasHandle_t blas = nullptr;
+  BENCH_BLAS(cublasCreate(&blas));
+  // Why a fixed workspace: cuBLAS must not allocate while a stream is being captured.
+  Buffer blas_workspace(std::size_t{64} << 20);
+  BENCH_BLAS(cublasSetWorkspace(blas, blas_workspace.data(), blas_workspace.bytes()));
+  BENCH_BLAS(cublasSetStream(blas, reinterpret_cast<cudaStream_t>(stream)));
+
+  Events events;
+  std::cout << "moejit_bench_moe: libmoejit " << moejit::kVersionString << ", " << device.name
+            << ", " << device.sms << " SMs, L2 " << device.l2_bytes / (1 << 20) << " MiB, "
+            << device.total_bytes / (std::size_t{1} << 30) << " GiB; shapes from " << shapes_file
+            << std::endl;
+  const double copy_gbs = copy_bandwidth_gbs(stream, events);
+  std::cout << "copy bandwidth (cuMemcpyDtoDAsync 1 GiB, read + write): " << fixed(copy_gbs, 0)
+            << " GB/s" << std::endl;
+  double peak = 0;
+  if (o.dense) {
+    peak = dense_peak_tflops(blas, stream, events, o.trials);
+    std::cout << "dense bf16 GEMM 8192^3 (cuBLAS, fp32 accumulate): " << fixed(peak, 1)
+              << " TFLOP/s" << std::endl;
+  }
+
+  json report = {{"library_version", moejit::kVersionString},
+                 {"device", device.name},
+                 {"sms", device.sms},
+                 {"l2_bytes", device.l2_bytes},
+                 {"copy_bandwidth_GBps", copy_gbs},
+                 {"trials", o.trials},
+                 {"target_ms", o.target_ms}};
+  if (o.dense) report["dense_bf16_8192_tflops"] = peak;
+  json models = json::array();
+  std::vector<std::vector<std::string>> table;
+  for (const moejit::ModelShape& s : shapes) {
+    ModelBench bench(s, o, device, stream, blas, copy_gbs);
+    models.push_back(bench.run(&table));
+  }
+  report["models"] = models;
+  print_table("moe_forward, CUDA graph replay (median per layer); copy bandwidth " +
+                  fixed(copy_gbs, 0) + " GB/s" +
+                  (o.dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
+              {"model", "T", "experts", "MB", "layer us", "% copy", "TFLOP/s", "dense us",
+               "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "kernels (us)"},
+              table);
+  std::cout
+      << "\nMB: MXFP4 weights of the experts touched (nibbles + scales, kernel layout). % copy:"
+         " MB / layer time / copy bandwidth.\ndense: cuBLAS bf16 GEMMs per touched expert"
+         " (FC1 and FC2, same routing); speedup: dense us / layer us; 1-GEMM: the same FLOPs as "
+         "one\n"
+         "GEMM pair. output: NaN/inf count of one checked call. kernels:"
+         " what each kernel adds to the graph prefix before it (launch order).\n";
+  if (!o.json_path.empty()) {
+    std::ofstream file(o.json_path);
+    file << report.dump(2) << "\n";
+    if (!file) throw std::runtime_error("could not write " + o.json_path);
+    std::cout << "wrote " << o.json_path << "\n";
+  }
+  cublasDestroy(blas);
+  cu().cuStreamDestroy(stream);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  std::string models;
+  std::string tokens;
+  CLI::App app{"moejit_bench_moe: the MXFP4 MoE layer (moe_forward) on the GPU, per model and T"};
+  app.add_option("--models", models,
+                 "Comma-separated shape names (default gpt-oss-120b,deepseek-v4-flash-tp4,"
+                 "qwen3-30b-a3b,kimi-k3.1-tp8)");
+  app.add_option("--tokens", tokens,
+                 "Comma-separated token counts (default 1,6,24,96,256,1024,4096)");
+  app.add_option("--shapes", o.shapes_file, "Shape file (default tools/shapes/reference.json)");
+  app.add_option("--json", o.json_path, "Also write the results as JSON to PATH");
+  app.add_option("--trials", o.trials, "Timed graph replays per figure (median)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--target-ms", o.target_ms, "Length of one timed graph replay")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--budget-gb", o.budget_gb, "Device memory for rotated weight copies per model")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-rotation", o.max_rotation, "Most weight copies to rotate through")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--no-dense{false}", o.dense, "Skip the cuBLAS bf16 baseline");
+  app.add_option("--seed", o.seed, "Seed of the random weights, routing and inputs");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (!models.empty()) o.models = split_list(models);
+    if (!tokens.empty()) {
+      o.tokens.clear();
+      for (const std::string& t : split_list(tokens)) {
+        const int value = std::stoi(t);
+        if (value < 1) throw std::runtime_error("token counts must be >= 1; found " + t);
+        o.tokens.push_back(value);
+      }
+    }
+    return run(o);
+  } catch (const moejit::Error& e) {
+    std::cerr << "moejit_bench_moe: " << moejit::error_code_name(e.code()) << ": " << e.what()
+              << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "moejit_bench_moe: " << e.what() << "\n";
+  }
+  return 1;
+}
