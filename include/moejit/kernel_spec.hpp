@@ -34,7 +34,9 @@ enum class Family {
 };
 
 const char* family_name(Family family) noexcept;
-Family parse_family(const std::string& text);  // "append_shared", "marlin_moe", ...; throws Error{kInvalidArgument}
+// "append_shared", "route", "repack", "marlin_moe", "combine", "narrow_ids"; throws
+// Error{kInvalidArgument} naming the known families.
+Family parse_family(const std::string& text);
 
 // append_shared: routed top-k copied, then S shared experts appended, one launch.
 struct AppendSharedParams {
@@ -93,7 +95,7 @@ enum class MoeGemmStage {
 struct MarlinMoeParams {
   MoeGemmStage stage = MoeGemmStage::kFc1;
   int block_m = 0;            // weight rows per CTA (multiple of 16 * warps_m)
-  int block_n = 0;            // padded token rows per CTA = the route block (multiple of 8 * warps_n)
+  int block_n = 0;            // token rows per CTA = the route block (multiple of 8 * warps_n)
   int block_k = 0;            // K per pipeline stage (multiple of 64 * warps_k)
   int stages = 0;             // cp.async pipeline depth (>= 2)
   int warps_m = 0;            // warps splitting the CTA's rows

@@ -27,12 +27,12 @@ namespace moejit {
 // Bytes of each kernel-layout buffer of one rank's experts. The layout does not depend on T or
 // on the kernel configuration: one repack serves every call.
 struct MoeWeightLayout {
-  std::size_t w13_bytes = 0;         // FC1 nibbles (gate and up rows fused)
-  std::size_t w13_scale_bytes = 0;   // FC1 E8M0 scales
-  std::size_t w2_bytes = 0;          // FC2 nibbles
-  std::size_t w2_scale_bytes = 0;    // FC2 E8M0 scales
-  std::size_t b13_bytes = 0;         // FC1 bias, bf16 [E, 2I]; 0 when !shape.has_bias
-  std::size_t b2_bytes = 0;          // FC2 bias, bf16 [E, H]; 0 when !shape.has_bias
+  std::size_t w13_bytes = 0;        // FC1 nibbles (gate and up rows fused)
+  std::size_t w13_scale_bytes = 0;  // FC1 E8M0 scales
+  std::size_t w2_bytes = 0;         // FC2 nibbles
+  std::size_t w2_scale_bytes = 0;   // FC2 E8M0 scales
+  std::size_t b13_bytes = 0;        // FC1 bias, bf16 [E, 2I]; 0 when !shape.has_bias
+  std::size_t b2_bytes = 0;         // FC2 bias, bf16 [E, H]; 0 when !shape.has_bias
 };
 
 // Throws Error{kInvalidDescriptor} when the shape breaks a rule, Error{kUnsupported} when no
@@ -78,8 +78,8 @@ struct SeparateCheckpoint {
 };
 
 struct MoeRepackTarget {
-  MoeWeights weights;       // w13, w13_scales, w2, w2_scales written (biases untouched)
-  int first_expert = 0;     // local expert that checkpoint expert 0 becomes
+  MoeWeights weights;    // w13, w13_scales, w2, w2_scales written (biases untouched)
+  int first_expert = 0;  // local expert that checkpoint expert 0 becomes
   // Optional int32 [1] device counter: repack adds the number of scale bytes it cannot
   // dequantize exactly (0xFF = NaN, or a scale outside 2^-62 .. 2^64). Zero it first, read it
   // after the stream finishes; nonzero means the checkpoint should be refused. Null = not counted.
@@ -100,16 +100,19 @@ void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& chec
 std::size_t moe_workspace_bytes(const ModelShape& shape, int max_tokens);
 
 struct MoeForwardArgs {
-  const DLTensor* hidden = nullptr;        // [T, H] bf16
-  const DLTensor* topk_ids = nullptr;      // [T, K] global expert ids, int32 (int64 when
-                                           // shape.id_dtype is kI64); -1 or another rank's id
-                                           // contributes nothing
-  const DLTensor* topk_weights = nullptr;  // [T, K] fp32
+  // [T, H] bf16, 16-byte aligned.
+  const DLTensor* hidden = nullptr;
+  // [T, K] global expert ids, int32 (int64 when shape.id_dtype is kI64); -1 or another rank's
+  // id contributes nothing.
+  const DLTensor* topk_ids = nullptr;
+  // [T, K] fp32.
+  const DLTensor* topk_weights = nullptr;
   MoeWeights weights;
-  void* workspace = nullptr;               // moe_workspace_bytes(shape, >= T) bytes
+  // At least moe_workspace_bytes(shape, T) bytes (any larger max_tokens works), 256-byte aligned.
+  void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
-  DLTensor* out = nullptr;                 // [T, H] bf16; written completely (0 for a token
-                                           // with no local expert)
+  // [T, H] bf16, 16-byte aligned; written completely (0 for a token with no local expert).
+  DLTensor* out = nullptr;
 };
 
 // out[t] = sum over slots s with a local id e of topk_weights[t, s] *

@@ -86,9 +86,8 @@ moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_wei
 
 moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w13_blocks,
                                         const DLTensor* w13_scales, const DLTensor* w2_blocks,
-                                        const DLTensor* w2_scales,
-                                        const moejit_moe_weights* target, int first_expert,
-                                        int32_t* bad_scale_count, void* stream) {
+                                        const DLTensor* w2_scales, const moejit_moe_weights* target,
+                                        int first_expert, int32_t* bad_scale_count, void* stream) {
   return moejit::detail::capi_call([&] {
     const char* call = "moejit_moe_repack_gpt_oss";
     const moejit::ModelShape& shape = shape_of(call, moe);

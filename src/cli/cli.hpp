@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "cache/disk_cache.hpp"
+#include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
@@ -66,6 +68,11 @@ Arch arch_for_compute_capability(int major, int minor);
 // The runtime configured from the environment (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
 void configure_from_environment();
 const char* cache_mode_name(CacheMode mode);
+
+// The CUDA headers NVRTC will use, found as the runtime finds them: the fingerprint remembered
+// in (and, when writable, written to) the cache dir, so the CLI's lookup and the runtime's agree.
+// Throws Error{kCompileFailed} naming every path tried when none qualifies.
+const detail::ToolkitHeaders& toolkit_for(const detail::DiskCache& disk);
 
 int run_prewarm(const std::vector<std::string>& files, const std::vector<std::string>& arch_names,
                 int jobs);

@@ -189,6 +189,12 @@ void configure_from_environment() {
   }
 }
 
+const detail::ToolkitHeaders& toolkit_for(const detail::DiskCache& disk) {
+  const bool on_disk = disk.effective_mode() != CacheMode::kMemoryOnly;
+  return detail::toolkit_headers(config().cuda_include_dir, on_disk ? disk.dir() : std::string(),
+                                 disk.effective_mode() == CacheMode::kReadWrite);
+}
+
 const char* cache_mode_name(CacheMode mode) {
   switch (mode) {
     case CacheMode::kReadWrite: return "read-write";

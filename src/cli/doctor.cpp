@@ -64,8 +64,7 @@ int run_doctor() {
   }
   detail::Runtime& runtime = detail::Runtime::instance();
   try {
-    const detail::ToolkitHeaders& headers =
-        detail::toolkit_headers(runtime.config().cuda_include_dir);
+    const detail::ToolkitHeaders& headers = toolkit_for(runtime.store().disk());
     row("CUDA include", headers.include_dir + " (headers digest " + headers.digest.hex().substr(0, 12) +
                             ")");
   } catch (const Error& e) {

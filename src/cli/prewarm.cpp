@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "cli/cli.hpp"
-#include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
 #include "runtime/runtime_impl.hpp"
 
@@ -99,7 +98,7 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
     throw Failure{kExitEnvironment, "prewarm needs a writable cache: " + why};
   }
   try {
-    detail::toolkit_headers(runtime.config().cuda_include_dir);
+    toolkit_for(disk);
   } catch (const Error& e) {
     throw Failure{kExitEnvironment,
                   std::string("CUDA toolkit headers not found (NVRTC needs them): ") + e.what() +

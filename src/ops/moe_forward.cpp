@@ -4,11 +4,10 @@
 // path allocates nothing and never synchronizes: it is CUDA-graph capturable.
 #include <cuda.h>
 
-#include <moejit/kern/moe/params.cuh>
-#include <moejit/kern/moe/route_params.cuh>
-
 #include <climits>
 #include <cstdint>
+#include <moejit/kern/moe/params.cuh>
+#include <moejit/kern/moe/route_params.cuh>
 #include <string>
 
 #include "moejit/error.hpp"
@@ -78,9 +77,10 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   const Matrix hidden = detail::check_matrix(kOp, "hidden", args.hidden, device.ordinal);
   if (hidden.dtype != DType::kBF16) detail::throw_dtype(kOp, "hidden", "bfloat16", *args.hidden);
   if (hidden.cols != hidden_size) {
-    detail::throw_shape(kOp, "hidden", "[T, H] with H = " + std::to_string(hidden_size) +
-                                           " (shape \"" + shape.name + "\")",
-                        *args.hidden);
+    detail::throw_shape(
+        kOp, "hidden",
+        "[T, H] with H = " + std::to_string(hidden_size) + " (shape \"" + shape.name + "\")",
+        *args.hidden);
   }
   const int64_t tokens = hidden.rows;
 
@@ -102,8 +102,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     detail::throw_dtype(kOp, "topk_weights", "float32", *args.topk_weights);
   }
   if (weights.rows != tokens || weights.cols != top_k) {
-    detail::throw_shape(kOp, "topk_weights", "[T, K] = " + dims(tokens, top_k),
-                        *args.topk_weights);
+    detail::throw_shape(kOp, "topk_weights", "[T, K] = " + dims(tokens, top_k), *args.topk_weights);
   }
   const Matrix out = detail::check_matrix(kOp, "out", args.out, device.ordinal);
   if (out.dtype != DType::kBF16) detail::throw_dtype(kOp, "out", "bfloat16", *args.out);
@@ -133,27 +132,20 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                            "a bias pointer");
   }
   if (tokens == 0) return;
-  if (reinterpret_cast<uintptr_t>(hidden.data) % 16 != 0) {
-    detail::throw_argument(kOp, "hidden", "data aligned to 16 bytes (rows are read as 16-byte "
-                                          "vectors)",
-                           "a misaligned address");
-  }
-  if (reinterpret_cast<uintptr_t>(out.data) % 16 != 0) {
-    detail::throw_argument(kOp, "out", "data aligned to 16 bytes (rows are written as 16-byte "
-                                       "vectors)",
-                           "a misaligned address");
-  }
+  // Why 16 bytes: FC1 gathers hidden rows and combine writes out rows as 16-byte vectors.
+  detail::check_device_pointer(kOp, "hidden (data + byte_offset)", hidden.data, 16);
+  detail::check_device_pointer(kOp, "out (data + byte_offset)", out.data, 16);
 
   const int t = static_cast<int>(tokens);
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
   const detail::MoeWorkspaceLayout layout = detail::moe_workspace_layout(shape, config);
   detail::check_device_pointer(kOp, "workspace", args.workspace, 256);
   if (args.workspace_bytes < layout.bytes) {
-    detail::throw_argument(
-        kOp, "workspace_bytes",
-        "at least " + std::to_string(layout.bytes) + " bytes for T = " + std::to_string(t) +
-            " (size it with moe_workspace_bytes(shape, max T))",
-        std::to_string(args.workspace_bytes));
+    detail::throw_argument(kOp, "workspace_bytes",
+                           "at least " + std::to_string(layout.bytes) +
+                               " bytes for T = " + std::to_string(t) +
+                               " (size it with moe_workspace_bytes(shape, max T))",
+                           std::to_string(args.workspace_bytes));
   }
 
   // Every kernel first, so a capture miss (or any build failure) launches nothing.
@@ -204,15 +196,14 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   route.chunk_base = reinterpret_cast<int*>(base + layout.chunk_base);
   {
     void* route_args[] = {&route};
-    const unsigned chunks = static_cast<unsigned>(
-        kern::moe::route_num_chunks(rows, config.route.chunk_rows));
+    const unsigned chunks =
+        static_cast<unsigned>(kern::moe::route_num_chunks(rows, config.route.chunk_rows));
     for (int i = 0; i < specs.route_count; ++i) {
       detail::LaunchShape geometry;
       geometry.block = static_cast<unsigned>(config.route.block_threads);
       // single and scan: one CTA; rank and scatter: one per chunk.
       const RouteKernel kind = std::get<MoeRouteParams>(specs.route[i].params).kernel;
-      geometry.grid_x =
-          (kind == RouteKernel::kRank || kind == RouteKernel::kScatter) ? chunks : 1u;
+      geometry.grid_x = (kind == RouteKernel::kRank || kind == RouteKernel::kScatter) ? chunks : 1u;
       detail::launch_moe_kernel(kOp, specs.route[i], route_kernels[i], geometry, true, stream,
                                 route_args);
     }
@@ -289,9 +280,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     void* combine_args[] = {&combine};
     detail::LaunchShape geometry;
     geometry.block = static_cast<unsigned>(config.combine.block_threads);
-    geometry.grid_x =
-        ceil_div_u(static_cast<uint64_t>(tokens) * static_cast<uint64_t>(hidden_size / 8),
-                   geometry.block);
+    geometry.grid_x = ceil_div_u(
+        static_cast<uint64_t>(tokens) * static_cast<uint64_t>(hidden_size / 8), geometry.block);
     detail::launch_moe_kernel(kOp, specs.combine, combine_kernel, geometry, true, stream,
                               combine_args);
   }

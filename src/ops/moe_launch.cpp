@@ -93,12 +93,11 @@ void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel
   SmemOptIns& table = SmemOptIns::instance();
   if (table.contains(kernel, device, bytes)) return;
   const DriverApi& api = driver();
-  const CUresult result = api.cuKernelSetAttribute(
-      CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, kernel, device);
+  const CUresult result = api.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                   bytes, kernel, device);
   if (result != CUDA_SUCCESS) {
     int limit = 0;
-    api.cuDeviceGetAttribute(&limit, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                             device);
+    api.cuDeviceGetAttribute(&limit, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device);
     std::ostringstream os;
     os << op << ": " << spec.display_name() << " needs " << bytes
        << " bytes of dynamic shared memory per CTA; device " << device << " allows " << limit
@@ -128,7 +127,8 @@ ByteTensor check_byte_tensor(const char* op, const char* arg, const DLTensor* te
   const std::vector<std::int64_t> dims(dims_after_leading);
   const int full = static_cast<int>(dims.size()) + 1;
   const std::string expected_shape =
-      std::string(dims_text_expected) + (leading_optional ? " (or without the leading n: one expert)" : "");
+      std::string(dims_text_expected) +
+      (leading_optional ? " (or without the leading n: one expert)" : "");
   if (tensor == nullptr) throw_argument(op, arg, "a uint8 tensor " + expected_shape, "null");
   if (tensor->device.device_type != kDLCUDA || tensor->device.device_id != device) {
     throw_argument(op, arg,

@@ -3,10 +3,9 @@
 // matrix serves both layouts: the layouts differ only in the source strides passed here.
 #include <cuda.h>
 
-#include <moejit/kern/moe/params.cuh>
-
 #include <climits>
 #include <cstdint>
+#include <moejit/kern/moe/params.cuh>
 #include <string>
 
 #include "moejit/error.hpp"
@@ -69,26 +68,26 @@ void check_experts(const char* op, const ModelShape& shape, const MoeRepackTarge
                    int64_t count) {
   if (target.first_expert < 0 ||
       static_cast<int64_t>(target.first_expert) + count > shape.num_experts) {
-    detail::throw_argument(op, "target.first_expert",
-                           "[first_expert, first_expert + n) inside the shape's local experts [0, " +
-                               std::to_string(shape.num_experts) + ")",
-                           "first_expert = " + std::to_string(target.first_expert) +
-                               " with n = " + std::to_string(count) + " experts");
+    detail::throw_argument(
+        op, "target.first_expert",
+        "[first_expert, first_expert + n) inside the shape's local experts [0, " +
+            std::to_string(shape.num_experts) + ")",
+        "first_expert = " + std::to_string(target.first_expert) +
+            " with n = " + std::to_string(count) + " experts");
   }
 }
 
 // One repack_mxfp4 launch over `p.num_experts` experts.
-void launch_repack(const char* op, RepackContext& context, bool gate_up,
-                   kern::moe::RepackParams p, Stream stream) {
+void launch_repack(const char* op, RepackContext& context, bool gate_up, kern::moe::RepackParams p,
+                   Stream stream) {
   KernelSpec spec;
   spec.family = Family::kRepack;
   spec.arch = context.device.arch;
   spec.params = detail::moe_repack_params(gate_up);
   const MoeRepackParams& params = std::get<MoeRepackParams>(spec.params);
   const CUkernel kernel = context.runtime.kernel(spec, stream);
-  const uint64_t threads = static_cast<uint64_t>(p.num_experts) *
-                           static_cast<uint64_t>(p.m_atoms) * static_cast<uint64_t>(p.k_atoms) *
-                           32u;
+  const uint64_t threads = static_cast<uint64_t>(p.num_experts) * static_cast<uint64_t>(p.m_atoms) *
+                           static_cast<uint64_t>(p.k_atoms) * 32u;
   const uint64_t block = static_cast<uint64_t>(params.block_threads);
   const uint64_t grid = (threads + block - 1) / block;
   if (grid > static_cast<uint64_t>(INT_MAX)) {
@@ -141,10 +140,9 @@ kern::moe::RepackParams fc2_params(const ModelShape& shape, const RepackContext&
 
 [[noreturn]] void throw_count_mismatch(const char* op, const char* arg, int64_t found,
                                        int64_t expected) {
-  detail::throw_argument(op, arg,
-                         "the same expert count n as the first tensor (" +
-                             std::to_string(expected) + ")",
-                         "n = " + std::to_string(found));
+  detail::throw_argument(
+      op, arg, "the same expert count n as the first tensor (" + std::to_string(expected) + ")",
+      "n = " + std::to_string(found));
 }
 
 }  // namespace
@@ -160,9 +158,9 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
   const std::string s13_text = "[n, 2I, H/32] = " + extents({2 * i, h / 32});
   const std::string w2_text = "[n, H, I/32, 16] = " + extents({h, i / 32, 16});
   const std::string s2_text = "[n, H, I/32] = " + extents({h, i / 32});
-  const detail::ByteTensor w13 = detail::check_byte_tensor(
-      op, "w13_blocks", checkpoint.w13_blocks, ordinal, {2 * i, h / 32, 16}, false,
-      w13_text.c_str());
+  const detail::ByteTensor w13 =
+      detail::check_byte_tensor(op, "w13_blocks", checkpoint.w13_blocks, ordinal,
+                                {2 * i, h / 32, 16}, false, w13_text.c_str());
   const detail::ByteTensor s13 = detail::check_byte_tensor(
       op, "w13_scales", checkpoint.w13_scales, ordinal, {2 * i, h / 32}, false, s13_text.c_str());
   const detail::ByteTensor w2 = detail::check_byte_tensor(
@@ -180,8 +178,8 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
   // a row stride of two rows, up starting one row later.
   kern::moe::RepackParams fc1 = fc1_params(shape, context, target, n);
   fc1.src[0] = source(w13.data, s13.data, h, 2 * i * h / 2, h / 16, 2 * i * h / 32);
-  fc1.src[1] = source(w13.data + h / 2, s13.data + h / 32, h, 2 * i * h / 2, h / 16,
-                      2 * i * h / 32);
+  fc1.src[1] =
+      source(w13.data + h / 2, s13.data + h / 32, h, 2 * i * h / 2, h / 16, 2 * i * h / 32);
   launch_repack(op, context, true, fc1, stream);
   launch_repack(op, context, false, fc2_params(shape, context, target, n, w2.data, s2.data),
                 stream);

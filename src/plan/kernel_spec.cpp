@@ -125,9 +125,9 @@ std::string route_problem(const MoeRouteParams& p) {
        << " is not allowed; allowed: a multiple of 32 in 32..1024";
   } else if (p.chunk_rows < p.block_threads || p.chunk_rows > 32768 ||
              p.chunk_rows % p.block_threads != 0) {
-    os << "chunk_rows = " << p.chunk_rows << " is not allowed; allowed: a multiple of block_threads ("
-       << p.block_threads << ") in " << p.block_threads
-       << "..32768 (counters and in-chunk ranks are 16-bit)";
+    os << "chunk_rows = " << p.chunk_rows
+       << " is not allowed; allowed: a multiple of block_threads (" << p.block_threads
+       << ") in " << p.block_threads << "..32768 (counters and in-chunk ranks are 16-bit)";
   } else if (p.chunk_rows / p.block_threads > 32) {
     os << "chunk_rows / block_threads = " << p.chunk_rows / p.block_threads
        << " entries per thread; allowed: at most 32 (kept in registers): raise block_threads or "
@@ -178,7 +178,9 @@ std::string activation_problem(const Activation& a) {
            " is unknown; allowed: swiglu, clamped_swiglu, gpt_oss, situ";
   }
   std::string reason = constant_problem("limit", a.limit, clamps);
-  if (reason.empty()) reason = constant_problem("alpha", a.alpha, a.kind == ActivationKind::kGptOss);
+  if (reason.empty()) {
+    reason = constant_problem("alpha", a.alpha, a.kind == ActivationKind::kGptOss);
+  }
   if (reason.empty()) reason = constant_problem("beta", a.beta, situ);
   if (reason.empty()) reason = constant_problem("linear_beta", a.linear_beta, situ);
   return reason;
@@ -193,7 +195,8 @@ std::string marlin_problem(const MarlinMoeParams& p) {
   std::ostringstream os;
   const bool fc1 = p.stage == MoeGemmStage::kFc1;
   if (p.stage != MoeGemmStage::kFc1 && p.stage != MoeGemmStage::kFc2) {
-    os << "stage = " << static_cast<int>(p.stage) << " is not a GEMM of the layer; allowed: fc1, fc2";
+    os << "stage = " << static_cast<int>(p.stage)
+       << " is not a GEMM of the layer; allowed: fc1, fc2";
   } else if (p.warps_m < 1 || p.warps_n < 1 || p.warps_k < 1) {
     os << "warps = " << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
        << "; allowed: at least 1 warp along each of M, N and K";

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-
 #include <moejit/kern/moe/layout.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 
@@ -178,9 +177,7 @@ std::optional<FloatRatio> float_ratio(float value) {
   return std::nullopt;
 }
 
-int marlin_moe_threads(const MarlinMoeParams& p) {
-  return 32 * p.warps_m * p.warps_n * p.warps_k;
-}
+int marlin_moe_threads(const MarlinMoeParams& p) { return 32 * p.warps_m * p.warps_n * p.warps_k; }
 
 long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
@@ -371,8 +368,7 @@ MoeWeightSizes moe_weight_sizes(const ModelShape& shape) {
   if (shape.has_bias) {
     s.b13 = static_cast<std::size_t>(shape.num_experts) *
             static_cast<std::size_t>(shape.intermediate) * 2 * 2;
-    s.b2 = static_cast<std::size_t>(shape.num_experts) * static_cast<std::size_t>(shape.hidden) *
-           2;
+    s.b2 = static_cast<std::size_t>(shape.num_experts) * static_cast<std::size_t>(shape.hidden) * 2;
   }
   return s;
 }

@@ -44,10 +44,10 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // [narrow_ids] -> route (single, or rank + scan + scatter) -> FC1 -> FC2 -> combine.
 struct MoeForwardConfig {
   int tokens = 0;
-  bool narrow_ids = false;       // int64 ids: one narrowing launch first
+  bool narrow_ids = false;  // int64 ids: one narrowing launch first
   NarrowIdsParams narrow;
-  bool route_single = true;      // N = T * K <= route.chunk_rows: one route launch
-  MoeRouteParams route;          // kernel = kSingle, or kRank (scan and scatter share the rest)
+  bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
+  MoeRouteParams route;      // kernel = kSingle, or kRank (scan and scatter share the rest)
   MarlinMoeParams fc1;
   MarlinMoeParams fc2;
   MoeCombineParams combine;
@@ -92,12 +92,12 @@ struct MoeWorkspaceLayout {
   std::size_t slot_row = 0;
   std::size_t total_blocks = 0;
   std::size_t chunk_base = 0;
-  std::size_t ids32 = 0;       // narrowed ids [T * K] int32 (only with narrow_ids)
-  std::size_t inter = 0;       // FC1 output, bf16 [padded rows, I]
-  std::size_t out2 = 0;        // FC2 output, [padded rows, H] in fc2.out_dtype
-  std::size_t bytes = 0;       // total
-  long long max_blocks = 0;    // route blocks provisioned: the GEMMs' grid.x
-  long long padded_rows = 0;   // max_blocks * block
+  std::size_t ids32 = 0;      // narrowed ids [T * K] int32 (only with narrow_ids)
+  std::size_t inter = 0;      // FC1 output, bf16 [padded rows, I]
+  std::size_t out2 = 0;       // FC2 output, [padded rows, H] in fc2.out_dtype
+  std::size_t bytes = 0;      // total
+  long long max_blocks = 0;   // route blocks provisioned: the GEMMs' grid.x
+  long long padded_rows = 0;  // max_blocks * block
 };
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config);
 

@@ -74,17 +74,26 @@ const char* function_of(const KernelSpec& spec) {
   switch (spec.family) {
     case Family::kRoute:
       switch (std::get<MoeRouteParams>(spec.params).kernel) {
-        case moejit::RouteKernel::kSingle: return "route_single_kernel";
-        case moejit::RouteKernel::kRank: return "route_rank_kernel";
-        case moejit::RouteKernel::kScan: return "route_scan_kernel";
-        case moejit::RouteKernel::kScatter: return "route_scatter_kernel";
+        case moejit::RouteKernel::kSingle:
+          return "route_single_kernel";
+        case moejit::RouteKernel::kRank:
+          return "route_rank_kernel";
+        case moejit::RouteKernel::kScan:
+          return "route_scan_kernel";
+        case moejit::RouteKernel::kScatter:
+          return "route_scatter_kernel";
       }
       break;
-    case Family::kRepack: return "repack_mxfp4";
-    case Family::kMarlinMoe: return "moe_gemm";
-    case Family::kCombine: return "combine_kernel";
-    case Family::kNarrowIds: return "narrow_ids_kernel";
-    case Family::kAppendShared: return "append_shared_kernel";
+    case Family::kRepack:
+      return "repack_mxfp4";
+    case Family::kMarlinMoe:
+      return "moe_gemm";
+    case Family::kCombine:
+      return "combine_kernel";
+    case Family::kNarrowIds:
+      return "narrow_ids_kernel";
+    case Family::kAppendShared:
+      return "append_shared_kernel";
   }
   return "?";
 }
@@ -101,18 +110,18 @@ detail::GeneratedSource with_host_checks(const KernelSpec& spec) {
   detail::GeneratedSource src = detail::render(spec);
   const std::string traits = traits_of(src.name_expression);
   if (const auto* p = std::get_if<MarlinMoeParams>(&spec.params)) {
-    src.source += "static_assert(" + traits + "::kSmemBytes == " +
-                  std::to_string(detail::marlin_moe_smem_bytes(*p)) +
+    src.source += "static_assert(" + traits +
+                  "::kSmemBytes == " + std::to_string(detail::marlin_moe_smem_bytes(*p)) +
                   ", \"host marlin_moe_smem_bytes disagrees with kSmemBytes\");\n";
-    src.source += "static_assert(" + traits + "::kThreads == " +
-                  std::to_string(detail::marlin_moe_threads(*p)) +
+    src.source += "static_assert(" + traits +
+                  "::kThreads == " + std::to_string(detail::marlin_moe_threads(*p)) +
                   ", \"host marlin_moe_threads disagrees with kThreads\");\n";
   }
   if (const auto* p = std::get_if<MoeRouteParams>(&spec.params)) {
-    src.source += "static_assert(" + traits + "::kRankSharedBytes == " +
-                  std::to_string(detail::route_rank_shared_bytes(p->num_experts,
-                                                                 p->block_threads)) +
-                  ", \"host route_rank_shared_bytes disagrees with kRankSharedBytes\");\n";
+    src.source +=
+        "static_assert(" + traits + "::kRankSharedBytes == " +
+        std::to_string(detail::route_rank_shared_bytes(p->num_experts, p->block_threads)) +
+        ", \"host route_rank_shared_bytes disagrees with kRankSharedBytes\");\n";
   }
   return src;
 }
@@ -145,7 +154,9 @@ std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* w
         out.lowered = kernel.lowered_name;
         out.log = kernel.log;
         out.cubin_size = kernel.cubin.size();
-        out.elf = kernel.cubin.compare(0, 4, "\x7f" "ELF") == 0;
+        out.elf = kernel.cubin.compare(0, 4,
+                                       "\x7f"
+                                       "ELF") == 0;
         out.ms = kernel.compile_ms;
       } catch (const std::exception& e) {
         out.error = e.what();
@@ -155,8 +166,7 @@ std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* w
   std::vector<std::thread> pool;
   for (unsigned t = 0; t < threads; ++t) pool.emplace_back(worker);
   for (std::thread& t : pool) t.join();
-  *wall_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  *wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   *threads_used = threads;
   return outcomes;
 }
@@ -173,8 +183,7 @@ void check_outcomes(const std::vector<KernelSpec>& specs, const std::vector<Outc
   }
 }
 
-void report(const char* arch, const std::vector<Outcome>& outcomes, double wall,
-            unsigned threads) {
+void report(const char* arch, const std::vector<Outcome>& outcomes, double wall, unsigned threads) {
   double total_ms = 0;
   double slowest_ms = 0;
   std::string slowest;
@@ -185,17 +194,17 @@ void report(const char* arch, const std::vector<Outcome>& outcomes, double wall,
       slowest = out.name;
     }
   }
-  std::printf("moe compile %s: %zu kernels, %.1f s of NVRTC, %.1f s wall on %u threads; slowest "
-              "%s (%.2f s)\n",
-              arch, outcomes.size(), total_ms / 1000.0, wall, threads, slowest.c_str(),
-              slowest_ms / 1000.0);
+  std::printf(
+      "moe compile %s: %zu kernels, %.1f s of NVRTC, %.1f s wall on %u threads; slowest "
+      "%s (%.2f s)\n",
+      arch, outcomes.size(), total_ms / 1000.0, wall, threads, slowest.c_str(),
+      slowest_ms / 1000.0);
 }
 
 }  // namespace
 
 TEST_CASE("every planned MoE kernel of every reference shape compiles for sm_90a", "[nvrtc]") {
-  const std::vector<KernelSpec> specs =
-      planned_moe(reference_shapes(), Arch::parse("sm_90a"));
+  const std::vector<KernelSpec> specs = planned_moe(reference_shapes(), Arch::parse("sm_90a"));
   // Every family is there (the int64-id shape adds narrow_ids).
   for (Family family : {Family::kRoute, Family::kRepack, Family::kMarlinMoe, Family::kCombine,
                         Family::kNarrowIds}) {

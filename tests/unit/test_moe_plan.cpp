@@ -83,8 +83,8 @@ struct Tile {
 };
 
 Tile tile_of(const MarlinMoeParams& p) {
-  return Tile{p.block_m, p.block_n, p.block_k, p.stages, p.warps_m, p.warps_n, p.warps_k,
-              p.min_blocks_per_sm};
+  return Tile{p.block_m, p.block_n, p.block_k, p.stages,
+              p.warps_m, p.warps_n, p.warps_k, p.min_blocks_per_sm};
 }
 
 bool same_tile(const Tile& a, const Tile& b) {
@@ -209,8 +209,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       CHECK(distinct.size() == specs.size());
       // Five measured tiles (T = 1, <= 160, <= 512, <= 2048, above), FC1 and FC2 each.
       CHECK(count[Family::kMarlinMoe] == 10);
-      CHECK(fc1_tiles == std::set<std::pair<int, int>>{{32, 8}, {64, 8}, {64, 16}, {64, 32},
-                                                       {128, 64}});
+      CHECK(fc1_tiles ==
+            std::set<std::pair<int, int>>{{32, 8}, {64, 8}, {64, 16}, {64, 32}, {128, 64}});
       CHECK(route_blocks == std::set<int>{8, 16, 32, 64});
       // max_tokens 16384 with K >= 4: both the one-launch and the three-launch route paths.
       CHECK(route_kernels == std::set<RouteKernel>{RouteKernel::kSingle, RouteKernel::kRank,
@@ -270,9 +270,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   const Tile t1000{64, 32, 128, 4, 4, 1, 1, 3};
   const Tile t4096{128, 64, 128, 4, 8, 1, 1, 2};
   const std::vector<std::pair<int, Tile>> expected = {
-      {1, t1},      {2, t1},      {3, t96},    {7, t96},     {96, t96},     {160, t96},
-      {161, t256},  {256, t256},  {512, t256}, {513, t1000}, {1000, t1000}, {2048, t1000},
-      {2049, t4096}, {4096, t4096}, {16384, t4096}};
+      {1, t1},       {2, t1},       {3, t96},      {7, t96},      {96, t96},
+      {160, t96},    {161, t256},   {256, t256},   {512, t256},   {513, t1000},
+      {1000, t1000}, {2048, t1000}, {2049, t4096}, {4096, t4096}, {16384, t4096}};
   for (const auto& [tokens, tile] : expected) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
@@ -289,8 +289,8 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   CHECK_FALSE(detail::choose_moe_config(gpt, 257).route_single);
   CHECK(detail::choose_moe_config(gpt, 257).route.kernel == RouteKernel::kRank);
   CHECK(detail::choose_moe_config(gpt, 257).route.chunk_rows == 1024);
-  CHECK(detail::choose_moe_config(gpt, 8192).route.chunk_rows == 1024);   // N = 32768
-  CHECK(detail::choose_moe_config(gpt, 8193).route.chunk_rows == 4096);   // N > 32768
+  CHECK(detail::choose_moe_config(gpt, 8192).route.chunk_rows == 1024);  // N = 32768
+  CHECK(detail::choose_moe_config(gpt, 8193).route.chunk_rows == 4096);  // N > 32768
 
   // kimi (E = 896, K = 16): the rank counters of 1024 threads would not fit in 48 KB.
   const ModelShape& kimi = find_shape(shapes, "kimi-k3.1-tp8");
@@ -359,8 +359,7 @@ TEST_CASE("moe plan: segment ends cover [1, max_tokens]", "[plan]") {
   }
 }
 
-TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the reason",
-          "[plan]") {
+TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the reason", "[plan]") {
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_fc1())).empty());
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_fc2())).empty());
   CHECK(moejit::supports(spec_of(Family::kRoute, good_route())).empty());
@@ -376,7 +375,9 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
   const std::vector<GemmCase> gemm_cases = {
       {[](MarlinMoeParams& p) { p.block_m = 48; }, {"block_m = 48", "16 * warps_m = 64"}, "sm_90a"},
       {[](MarlinMoeParams& p) { p.warps_m = 0; }, {"warps = 0x1x1"}, "sm_90a"},
-      {[](MarlinMoeParams& p) { p.block_n = 24; }, {"block_n = 24", "8, 16, 32, 64, 128"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.block_n = 24; },
+       {"block_n = 24", "8, 16, 32, 64, 128"},
+       "sm_90a"},
       {[](MarlinMoeParams& p) {
          p.block_n = 8;
          p.warps_n = 2;
@@ -417,12 +418,17 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
        "sm_86"},
       {[](MarlinMoeParams&) {}, {"sm_80 or newer", "sm_75"}, "sm_75"},
       {[](MarlinMoeParams& p) { p.early_weights = true; }, {"early_weights", "fc2 only"}, "sm_90a"},
-      {[](MarlinMoeParams& p) { p.out_dtype = DType::kF32; }, {"out_dtype = f32", "bf16"}, "sm_90a"},
-      {[](MarlinMoeParams& p) { p.activation.limit = -1.f; }, {"limit = -1", "finite and > 0"},
+      {[](MarlinMoeParams& p) { p.out_dtype = DType::kF32; },
+       {"out_dtype = f32", "bf16"},
        "sm_90a"},
-      {[](MarlinMoeParams& p) { p.activation.alpha = std::nanf(""); }, {"alpha", "finite"},
+      {[](MarlinMoeParams& p) { p.activation.limit = -1.f; },
+       {"limit = -1", "finite and > 0"},
        "sm_90a"},
-      {[](MarlinMoeParams& p) { p.activation.limit = 1e-20f; }, {"limit", "exact int ratio"},
+      {[](MarlinMoeParams& p) { p.activation.alpha = std::nanf(""); },
+       {"alpha", "finite"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.limit = 1e-20f; },
+       {"limit", "exact int ratio"},
        "sm_90a"},
       {[](MarlinMoeParams& p) { p.activation.beta = 4.f; }, {"beta = 4", "not taken"}, "sm_90a"},
   };
@@ -463,7 +469,8 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
          p.chunk_rows = 2048;
        },
        {"64 entries per thread", "at most 32"}},
-      {[](MoeRouteParams& p) { p.num_experts = 896; }, {"static shared memory", "lower block_threads"}},
+      {[](MoeRouteParams& p) { p.num_experts = 896; },
+       {"static shared memory", "lower block_threads"}},
   };
   for (const RouteCase& c : route_cases) {
     MoeRouteParams p = good_route();
@@ -550,8 +557,8 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
   CHECK(json["params"]["activation"]["kind"] == "gpt_oss");
   CHECK(json["params"]["activation"]["alpha"].get<float>() == 1.702f);
   CHECK(json["params"]["out_dtype"] == "bf16");
-  CHECK(nlohmann::json::parse(spec_of(Family::kRoute, good_route()).to_json())["params"]["kernel"] ==
-        "single");
+  CHECK(nlohmann::json::parse(
+            spec_of(Family::kRoute, good_route()).to_json())["params"]["kernel"] == "single");
 
   // Every field is in equality and (for these variations) in the hash.
   std::vector<KernelSpec> variants = {fc1, fc2};

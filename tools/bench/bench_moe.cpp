@@ -251,6 +251,9 @@ void fill_with_pattern(CUdeviceptr dst, std::size_t bytes, const std::vector<uin
   if (bytes == 0) return;
   const std::size_t first = std::min(bytes, pattern.size());
   BENCH_CU(cu().cuMemcpyHtoD(dst, pattern.data(), first));
+  // Why: a pageable cuMemcpyHtoD may return before its DMA lands, and `stream` does not order
+  // after the legacy stream; the doubling copies below must read the finished pattern.
+  BENCH_CU(cu().cuCtxSynchronize());
   std::size_t done = first;
   while (done < bytes) {
     const std::size_t n = std::min(done, bytes - done);

@@ -349,7 +349,8 @@ int run_child(const ChildOptions& options) {
 
 json spawn_child(const std::string& cache_dir, const ChildOptions& options) {
   std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::string command = "MOEJIT_CACHE_DIR=" + shell_quote(cache_dir) + " " + shell_quote(exe) +
+  std::string command = "MOEJIT_CACHE_MODE=rw MOEJIT_CACHE_DIR=" + shell_quote(cache_dir) + " " +
+                        shell_quote(exe) +
                         " --child " + options.mode + " --child-spec " +
                         std::to_string(options.spec_index) + " --arch " + options.arch;
   FILE* pipe = popen(command.c_str(), "r");
