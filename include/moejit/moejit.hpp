@@ -3,6 +3,7 @@
 
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
+#include "moejit/moe.hpp"
 #include "moejit/ops.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"

@@ -2,10 +2,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "cache/disk_cache.hpp"
 #include "cli/cli.hpp"
@@ -23,7 +22,8 @@ const detail::DiskCache& open_cache(const char* command, bool needs_write) {
   if (requested == CacheMode::kMemoryOnly) {
     throw Failure{kExitEnvironment, std::string(command) +
                                         ": MOEJIT_CACHE_MODE=memory means no disk cache; unset it "
-                                        "to work on the cache at " + disk.dir()};
+                                        "to work on the cache at " +
+                                        disk.dir()};
   }
   if (disk.effective_mode() == CacheMode::kMemoryOnly) {
     throw Failure{kExitEnvironment, std::string(command) + ": the cache at " + disk.dir() +
@@ -106,7 +106,8 @@ int run_verify() {
             << ", " << bad << " bad";
   if (bad > 0) {
     std::cout << (disk.effective_mode() == CacheMode::kReadWrite
-                      ? " (quarantined under " + disk.dir() + "/quarantine; the next use rebuilds "
+                      ? " (quarantined under " + disk.dir() +
+                            "/quarantine; the next use rebuilds "
                             "them)"
                       : std::string(" (read-only cache: left in place, never loaded)"));
   }

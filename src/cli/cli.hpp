@@ -17,11 +17,11 @@ namespace moejit::cli {
 
 // The exit codes, documented in `moejit --help` and README.md.
 enum ExitCode : int {
-  kExitOk = 0,            // success
-  kExitWorkFailed = 1,    // some work failed: a kernel did not compile, a corrupt entry was found
-  kExitUsage = 2,         // bad flags, unknown shape or family, no GPU to take --arch from
-  kExitShapeFile = 3,     // a shape file is missing, unreadable or invalid
-  kExitEnvironment = 4,   // the cache can't be used as asked, toolkit headers not found
+  kExitOk = 0,           // success
+  kExitWorkFailed = 1,   // some work failed: a kernel did not compile, a corrupt entry was found
+  kExitUsage = 2,        // bad flags, unknown shape or family, no GPU to take --arch from
+  kExitShapeFile = 3,    // a shape file is missing, unreadable or invalid
+  kExitEnvironment = 4,  // the cache can't be used as asked, toolkit headers not found
 };
 
 // The footer of every --help: the exit codes and the environment switches.
@@ -42,8 +42,8 @@ std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths);
 
 // "500M", "2G", "1.5GiB", "4096" -> bytes (K/M/G/T are powers of 1024). nullopt when malformed.
 std::optional<uint64_t> parse_size(const std::string& text);
-std::string format_bytes(uint64_t bytes);   // "1.5 MiB"
-std::string format_ms(double ms);           // "312 ms", "1.25 s"
+std::string format_bytes(uint64_t bytes);       // "1.5 MiB"
+std::string format_ms(double ms);               // "312 ms", "1.25 s"
 std::string format_time(int64_t unix_seconds);  // local "2024-05-01 12:34:56"; "-" for 0
 
 // The visible GPUs as the driver reports them.
@@ -55,8 +55,8 @@ struct GpuInfo {
 };
 struct DriverInfo {
   bool loaded = false;
-  std::string why_not;   // when !loaded
-  int version = 0;       // cuDriverGetVersion, e.g. 12080
+  std::string why_not;  // when !loaded
+  int version = 0;      // cuDriverGetVersion, e.g. 12080
   std::vector<GpuInfo> gpus;
 };
 DriverInfo probe_driver();

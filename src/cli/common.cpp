@@ -26,16 +26,20 @@ std::string help_footer() {
 
 int exit_code_for(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInvalidDescriptor: return kExitShapeFile;
+    case ErrorCode::kInvalidDescriptor:
+      return kExitShapeFile;
     case ErrorCode::kInvalidArgument:
-    case ErrorCode::kUnsupported: return kExitUsage;
+    case ErrorCode::kUnsupported:
+      return kExitUsage;
     case ErrorCode::kCache:
     case ErrorCode::kDriver:
-    case ErrorCode::kIo: return kExitEnvironment;
+    case ErrorCode::kIo:
+      return kExitEnvironment;
     case ErrorCode::kCompileFailed:
     case ErrorCode::kCacheCorrupt:
     case ErrorCode::kCaptureMiss:
-    case ErrorCode::kInternal: return kExitWorkFailed;
+    case ErrorCode::kInternal:
+      return kExitWorkFailed;
   }
   return kExitWorkFailed;
 }
@@ -197,9 +201,12 @@ const detail::ToolkitHeaders& toolkit_for(const detail::DiskCache& disk) {
 
 const char* cache_mode_name(CacheMode mode) {
   switch (mode) {
-    case CacheMode::kReadWrite: return "read-write";
-    case CacheMode::kReadOnly: return "read-only";
-    case CacheMode::kMemoryOnly: return "memory only";
+    case CacheMode::kReadWrite:
+      return "read-write";
+    case CacheMode::kReadOnly:
+      return "read-only";
+    case CacheMode::kMemoryOnly:
+      return "memory only";
   }
   return "unknown";
 }

@@ -29,8 +29,8 @@ std::string driver_version_text(int version) {
 
 int run_doctor() {
   std::vector<std::string> problems;
-  row("libmoejit", std::string(kVersionString) + " (cache schema " +
-                       std::to_string(kCacheSchemaVersion) + ")");
+  row("libmoejit",
+      std::string(kVersionString) + " (cache schema " + std::to_string(kCacheSchemaVersion) + ")");
 
   DriverInfo driver = probe_driver();
   if (driver.loaded) {
@@ -65,12 +65,13 @@ int run_doctor() {
   detail::Runtime& runtime = detail::Runtime::instance();
   try {
     const detail::ToolkitHeaders& headers = toolkit_for(runtime.store().disk());
-    row("CUDA include", headers.include_dir + " (headers digest " + headers.digest.hex().substr(0, 12) +
-                            ")");
+    row("CUDA include",
+        headers.include_dir + " (headers digest " + headers.digest.hex().substr(0, 12) + ")");
   } catch (const Error& e) {
     row("CUDA include", std::string("NOT FOUND: ") + e.what());
     problems.push_back(
-        "CUDA toolkit headers not found: NVRTC can't compile; set MOEJIT_CUDA_INCLUDE or CUDA_HOME");
+        "CUDA toolkit headers not found: NVRTC can't compile; set MOEJIT_CUDA_INCLUDE or "
+        "CUDA_HOME");
   }
 
   try {
@@ -79,15 +80,15 @@ int run_doctor() {
     row("cache dir", disk.dir());
     std::string mode = cache_mode_name(disk.effective_mode());
     if (requested != disk.effective_mode()) {
-      mode += std::string(" (asked for ") + cache_mode_name(requested) + ": " +
-              disk.mode_reason() + ")";
+      mode += std::string(" (asked for ") + cache_mode_name(requested) + ": " + disk.mode_reason() +
+              ")";
     }
     row("cache mode", mode);
     if (disk.effective_mode() == CacheMode::kMemoryOnly) {
       row("writable", "n/a (memory only)");
     } else {
-      bool writable = disk.effective_mode() == CacheMode::kReadWrite &&
-                      ::access(disk.dir().c_str(), W_OK) == 0;
+      bool writable =
+          disk.effective_mode() == CacheMode::kReadWrite && ::access(disk.dir().c_str(), W_OK) == 0;
       row("writable", writable ? "yes" : "no");
       std::vector<detail::EntryInfo> entries = disk.list(false);
       uint64_t total = 0;
@@ -95,8 +96,8 @@ int run_doctor() {
       row("entries", std::to_string(entries.size()) + " (" + format_bytes(total) + ")");
     }
     if (requested == CacheMode::kReadWrite && disk.effective_mode() != CacheMode::kReadWrite) {
-      problems.push_back("the cache dir " + disk.dir() + " is not writable (" +
-                         disk.mode_reason() + "): compiled kernels are not kept between processes");
+      problems.push_back("the cache dir " + disk.dir() + " is not writable (" + disk.mode_reason() +
+                         "): compiled kernels are not kept between processes");
     }
   } catch (const Error& e) {
     row("cache", std::string("unusable: ") + e.what());

@@ -1,6 +1,5 @@
 // `moejit`: prewarm the kernel cache, inspect and maintain it, print generated source, diagnose.
 #include <CLI/CLI.hpp>
-
 #include <iostream>
 #include <string>
 #include <thread>
@@ -22,7 +21,8 @@ int default_jobs() {
 int main(int argc, char** argv) {
   using namespace moejit::cli;
 
-  CLI::App app{"moejit: JIT kernel cache tool for libmoejit (prewarm, inspect, maintain)", "moejit"};
+  CLI::App app{"moejit: JIT kernel cache tool for libmoejit (prewarm, inspect, maintain)",
+               "moejit"};
   app.footer(help_footer());
   app.set_version_flag("--version", std::string("libmoejit ") + moejit::kVersionString);
   app.require_subcommand(1);
@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
     std::cerr << "moejit: " << f.message << "\n";
     return f.exit_code;
   } catch (const moejit::Error& e) {
-    std::cerr << "moejit: error [" << moejit::error_code_name(e.code()) << "]: " << e.what() << "\n";
+    std::cerr << "moejit: error [" << moejit::error_code_name(e.code()) << "]: " << e.what()
+              << "\n";
     return exit_code_for(e.code());
   } catch (const std::exception& e) {
     std::cerr << "moejit: error [internal]: " << e.what() << "\n";

@@ -32,8 +32,8 @@ std::vector<Arch> resolve_archs(const std::vector<std::string>& names) {
   DriverInfo info = probe_driver();
   for (const GpuInfo& gpu : info.gpus) add(gpu.arch);
   if (archs.empty()) {
-    std::string why = info.loaded ? "the CUDA driver reports no GPU"
-                                  : "no CUDA driver: " + info.why_not;
+    std::string why =
+        info.loaded ? "the CUDA driver reports no GPU" : "no CUDA driver: " + info.why_not;
     throw Failure{kExitUsage, "no --arch given and no GPU to take it from (" + why +
                                   "). Name the targets, e.g. --arch sm_90a (H100/H200) or "
                                   "--arch sm_90a,sm_100a"};
@@ -44,10 +44,13 @@ std::vector<Arch> resolve_archs(const std::vector<std::string>& names) {
 const char* outcome_word(const BuildResult& r) {
   if (!r.error.empty()) return "failed";
   switch (r.outcome) {
-    case CacheOutcome::kCompiled: return "compiled";
-    case CacheOutcome::kCompiledNotStored: return "compiled (not stored)";
+    case CacheOutcome::kCompiled:
+      return "compiled";
+    case CacheOutcome::kCompiledNotStored:
+      return "compiled (not stored)";
     case CacheOutcome::kDiskHit:
-    case CacheOutcome::kMemoryHit: return "cached";
+    case CacheOutcome::kMemoryHit:
+      return "cached";
   }
   return "unknown";
 }
@@ -90,8 +93,9 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
   const detail::DiskCache& disk = runtime.store().disk();
   if (disk.effective_mode() != CacheMode::kReadWrite) {
     std::string why = runtime.config().cache_mode == CacheMode::kReadWrite
-                          ? "the cache dir " + disk.dir() + " can't be used: " +
-                                disk.mode_reason() + " (point MOEJIT_CACHE_DIR elsewhere if needed)"
+                          ? "the cache dir " + disk.dir() +
+                                " can't be used: " + disk.mode_reason() +
+                                " (point MOEJIT_CACHE_DIR elsewhere if needed)"
                           : std::string("MOEJIT_CACHE_MODE asks for a ") +
                                 cache_mode_name(runtime.config().cache_mode) +
                                 " cache; unset it or set MOEJIT_CACHE_MODE=rw";
@@ -115,8 +119,8 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
     int width = static_cast<int>(std::to_string(total).size());
     char counter[48];
     std::snprintf(counter, sizeof(counter), "[%*zu/%zu]", width, done, total);
-    std::string line = std::string(counter) + " " + outcome_word(r) + " " +
-                       r.spec.display_name() + "  " + format_ms(r.milliseconds);
+    std::string line = std::string(counter) + " " + outcome_word(r) + " " + r.spec.display_name() +
+                       "  " + format_ms(r.milliseconds);
     if (!r.error.empty()) line += ": " + first_line(r.error);
     std::lock_guard<std::mutex> lock(print_mutex);
     std::cerr << line << std::endl;
@@ -144,8 +148,8 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
   }
 
   char header[160];
-  std::snprintf(header, sizeof(header), "  %-22s %7s %12s %12s\n", "outcome", "kernels",
-                "total", "median");
+  std::snprintf(header, sizeof(header), "  %-22s %7s %12s %12s\n", "outcome", "kernels", "total",
+                "median");
   std::cout << "\n" << header;
   print_row("compiled", compiled);
   if (!not_stored.empty()) print_row("compiled (not stored)", not_stored);

@@ -27,8 +27,8 @@ int run_source(const std::string& file, const std::string& shape_name, const std
     names += (names.empty() ? "" : ", ") + s.name;
   }
   if (shape == nullptr) {
-    throw Failure{kExitUsage, "no shape named '" + shape_name + "' in " + file +
-                                  " (it has: " + names + ")"};
+    throw Failure{kExitUsage,
+                  "no shape named '" + shape_name + "' in " + file + " (it has: " + names + ")"};
   }
 
   std::vector<KernelSpec> specs;

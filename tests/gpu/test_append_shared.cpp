@@ -481,7 +481,7 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
     const moejit_status bad_gate = moejit_append_shared(
         data->topk_ids->dl(), data->topk_weights->dl(), data->shared_logits->dl(),
         data->out_ids->dl(), data->out_weights->dl(), c.shared_base, c.scale,
-        static_cast<moejit_shared_gate>(7), stream.get());
+        static_cast<moejit_shared_gate>(3), stream.get());  // no such gate
     CHECK(bad_gate == MOEJIT_ERROR_INVALID_ARGUMENT);
     CHECK(contains(moejit_last_error(), "gate"));
   }

@@ -1,8 +1,7 @@
 // `moejit prewarm` and the cache subcommands end to end, on a CPU-only machine: compile the
 // reference shapes for two archs into a private cache, then list, verify, heal, gc and clear it.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -75,7 +74,8 @@ std::size_t distinct_kernels(const std::string& file, const std::vector<std::str
   std::vector<moejit::KernelSpec> specs;
   for (const moejit::ModelShape& shape : moejit::load_shapes_file(file)) {
     for (const std::string& arch : archs) {
-      for (const moejit::KernelSpec& spec : moejit::plan_kernels(shape, moejit::Arch::parse(arch))) {
+      for (const moejit::KernelSpec& spec :
+           moejit::plan_kernels(shape, moejit::Arch::parse(arch))) {
         if (!moejit::supports(spec).empty()) continue;
         if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
       }
@@ -233,8 +233,8 @@ TEST_CASE("prewarm fills a cache that list, verify, gc and clear then maintain",
 TEST_CASE("prewarm without --arch takes the GPUs' archs, or asks for one", "[cli]") {
   TempDir root;
   std::string out;
-  int rc = cli(root.path(), "prewarm " + quote(moejit::test::shapes_dir() + "/reference.json"),
-               &out);
+  int rc =
+      cli(root.path(), "prewarm " + quote(moejit::test::shapes_dir() + "/reference.json"), &out);
   INFO(out);
   std::string why;
   if (moejit::test::gpu_available(&why)) {
@@ -252,10 +252,9 @@ TEST_CASE("prewarm refuses a cache it can't write, with exit 4", "[cli]") {
   std::string out;
   // A cache dir below a regular file can never be created.
   std::ofstream(root.path() + "/file") << "x";
-  int rc = cli(root.path() + "/file/cache",
-               "prewarm " + quote(moejit::test::shapes_dir() + "/reference.json") +
-                   " --arch sm_90a",
-               &out);
+  int rc = cli(
+      root.path() + "/file/cache",
+      "prewarm " + quote(moejit::test::shapes_dir() + "/reference.json") + " --arch sm_90a", &out);
   INFO(out);
   CHECK(rc == 4);
   CHECK(out.find("writable") != std::string::npos);

@@ -208,7 +208,9 @@ TEST_CASE("runtime: kernel_source and the key inputs hold no machine path", "[ru
   for (const auto& header : in.headers) texts.push_back(header.path);
   for (const std::string& text : texts) {
     INFO("key input: " << text);
-    for (const std::string& dir : toolkit.include_dirs) CHECK(text.find(dir) == std::string::npos);
+    for (const std::string& include : toolkit.include_dirs) {
+      CHECK(text.find(include) == std::string::npos);
+    }
     CHECK(text.find(toolkit.include_dir) == std::string::npos);
     CHECK(text.rfind("-I", 0) != 0);
   }

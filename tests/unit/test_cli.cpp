@@ -1,7 +1,6 @@
 // The `moejit` CLI as a user meets it: help, exit codes, shape file errors, source, doctor, and
 // the README's shape example (so the README can't rot). Runs the binary at $MOEJIT_TEST_CLI.
 #include <catch2/catch.hpp>
-
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -31,7 +30,8 @@ std::string cli_path() {
 
 std::string source_dir() {
   const char* path = std::getenv("MOEJIT_TEST_SOURCE_DIR");
-  if (path == nullptr) throw std::runtime_error("MOEJIT_TEST_SOURCE_DIR is not set (run via ctest)");
+  if (path == nullptr)
+    throw std::runtime_error("MOEJIT_TEST_SOURCE_DIR is not set (run via ctest)");
   return path;
 }
 
@@ -109,11 +109,11 @@ TEST_CASE("usage errors exit 2", "[cli]") {
     return out;
   };
   const std::string shapes = quote(reference_shapes());
-  usage_error("frobnicate");                     // unknown subcommand
-  usage_error("");                               // no subcommand
-  usage_error("list --bogus");                   // unknown flag
+  usage_error("frobnicate");                                 // unknown subcommand
+  usage_error("");                                           // no subcommand
+  usage_error("list --bogus");                               // unknown flag
   usage_error("prewarm " + shapes + " --arch sm_90a -j 0");  // -j must be positive
-  usage_error("gc");                             // --max-size is required
+  usage_error("gc");                                         // --max-size is required
   CHECK(usage_error("gc --max-size 12Q").find("12Q") != std::string::npos);
   CHECK(usage_error("prewarm " + shapes + " --arch sm_nine").find("sm_nine") != std::string::npos);
   std::string out =
@@ -133,8 +133,8 @@ TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anythin
 
   SECTION("a JSON syntax error") {
     write_file(bad, "{\n  \"shapes\": [\n    {\"name\": \"x\",, \"top_k\": 2}\n  ]\n}\n");
-    int rc = cli("prewarm " + quote(reference_shapes()) + " " + quote(bad) + " --arch sm_90a",
-                 &out, cache);
+    int rc = cli("prewarm " + quote(reference_shapes()) + " " + quote(bad) + " --arch sm_90a", &out,
+                 cache);
     INFO(out);
     CHECK(rc == 3);
     CHECK(out.find(bad + ":3:") != std::string::npos);
@@ -245,9 +245,9 @@ TEST_CASE("README's shape example is a valid shape file", "[cli]") {
   write_file(path, example);
   REQUIRE(shapes[0].shared.count > 0);
   std::string out;
-  int rc = cli("source " + quote(path) + " --shape " + quote(shapes[0].name) +
-                   " --kernel append_shared",
-               &out);
+  int rc =
+      cli("source " + quote(path) + " --shape " + quote(shapes[0].name) + " --kernel append_shared",
+          &out);
   INFO(out);
   CHECK(rc == 0);
 }

@@ -20,6 +20,7 @@
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/moe.hpp"
+#include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
 #include "plan/moe_plan.hpp"
@@ -737,4 +738,48 @@ TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
   const moejit::MoeWeightLayout o = moejit::moe_weight_layout(odd);
   CHECK(o.w2_bytes == 128ull * 2048 * 128 / 2);
   CHECK(o.w13_bytes == 128ull * 2 * 96 * 2048 / 2);
+}
+
+TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") {
+  const char* text = R"({"name": "capi-moe-qwen3", "num_experts": 128, "top_k": 8,
+                         "hidden": 2048, "intermediate": 768, "activation": {"kind": "swiglu"},
+                         "max_tokens": 4096})";
+  moejit::register_shapes(text, "capi-moe.json");
+  const ModelShape shape = moejit::registered_shape("capi-moe-qwen3");
+
+  moejit_moe* moe = nullptr;
+  REQUIRE(moejit_moe_create("capi-moe-qwen3", &moe) == MOEJIT_OK);
+  REQUIRE(moe != nullptr);
+  CHECK(std::string(moejit_last_error()).empty());
+
+  moejit_moe_weight_layout layout{};
+  REQUIRE(moejit_moe_get_weight_layout(moe, &layout) == MOEJIT_OK);
+  const moejit::MoeWeightLayout expected = moejit::moe_weight_layout(shape);
+  CHECK(layout.w13_bytes == expected.w13_bytes);
+  CHECK(layout.w13_scale_bytes == expected.w13_scale_bytes);
+  CHECK(layout.w2_bytes == expected.w2_bytes);
+  CHECK(layout.w2_scale_bytes == expected.w2_scale_bytes);
+  CHECK(layout.b13_bytes == 0);
+  CHECK(layout.b2_bytes == 0);
+
+  std::size_t bytes = 0;
+  REQUIRE(moejit_moe_workspace_bytes(moe, 4096, &bytes) == MOEJIT_OK);
+  CHECK(bytes == moejit::moe_workspace_bytes(shape, 4096));
+  CHECK(bytes > 0);
+  CHECK(moejit_moe_workspace_bytes(moe, 4097, &bytes) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "max_tokens"));
+  CHECK(moejit_moe_workspace_bytes(moe, 16, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+
+  // Null handles and weights are refused with a message, never a crash.
+  CHECK(moejit_moe_workspace_bytes(nullptr, 16, &bytes) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "moejit_moe_create"));
+  CHECK(moejit_moe_forward(moe, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr) ==
+        MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "weights"));
+  moejit_moe* none = nullptr;
+  CHECK(moejit_moe_create("capi-moe-no-such-shape", &none) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(none == nullptr);
+  CHECK(contains(moejit_last_error(), "capi-moe-no-such-shape"));
+  moejit_moe_destroy(moe);
+  moejit_moe_destroy(nullptr);
 }

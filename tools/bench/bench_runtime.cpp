@@ -116,8 +116,7 @@ void print_table(const std::string& title, const std::vector<std::string>& heade
 class TempDir {
  public:
   TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "moejit-bench-XXXXXX").string();
+    std::string pattern = (std::filesystem::temp_directory_path() / "moejit-bench-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
     path_ = pattern;
   }
@@ -322,8 +321,8 @@ int run_child(const ChildOptions& options) {
       if (!open_gpu(&why, &ctx, &name)) throw std::runtime_error("no GPU: " + why);
       CUstream stream = nullptr;
       check(g_api->cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-      moejit::KernelSpec spec = family_specs(runtime.current_arch()).at(
-          static_cast<std::size_t>(options.spec_index));
+      moejit::KernelSpec spec =
+          family_specs(runtime.current_arch()).at(static_cast<std::size_t>(options.spec_index));
       auto start = Clock::now();
       CUkernel kernel = runtime.kernel(spec, stream);
       out["request_ms"] = ms_since(start);
@@ -350,15 +349,15 @@ int run_child(const ChildOptions& options) {
 json spawn_child(const std::string& cache_dir, const ChildOptions& options) {
   std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
   std::string command = "MOEJIT_CACHE_MODE=rw MOEJIT_CACHE_DIR=" + shell_quote(cache_dir) + " " +
-                        shell_quote(exe) +
-                        " --child " + options.mode + " --child-spec " +
+                        shell_quote(exe) + " --child " + options.mode + " --child-spec " +
                         std::to_string(options.spec_index) + " --arch " + options.arch;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("popen failed: " + command);
   std::string output;
   std::array<char, 4096> buffer{};
   std::size_t n = 0;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
+    output.append(buffer.data(), n);
   int status = pclose(pipe);
   std::size_t brace = output.rfind("\n{");
   std::string last = brace == std::string::npos ? output : output.substr(brace + 1);
@@ -457,9 +456,9 @@ void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
     throw;
   }
   nvrtcDestroyProgram(&program);
-  check(g_api->cuLibraryLoadData(&k->library, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr,
-                                 0),
-        "cuLibraryLoadData (unfused)");
+  check(
+      g_api->cuLibraryLoadData(&k->library, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
+      "cuLibraryLoadData (unfused)");
   check(g_api->cuLibraryGetKernel(&k->sigmoid, k->library, "unfused_sigmoid_bf16"),
         "cuLibraryGetKernel(sigmoid)");
   check(g_api->cuLibraryGetKernel(&k->cast, k->library, "unfused_cast_scale"),
@@ -496,8 +495,8 @@ unsigned blocks_for(long long elements, unsigned block) {
 
 // Device time per repetition of `body` (microseconds): `body` captured `per_graph` times into a
 // CUDA graph, the graph replayed `replays` times between two events; median of `trials`.
-double graph_time_us(CUstream stream, const std::function<void()>& body, int per_graph,
-                     int replays, int trials) {
+double graph_time_us(CUstream stream, const std::function<void()>& body, int per_graph, int replays,
+                     int trials) {
   CUgraph graph = nullptr;
   CUgraphExec exec = nullptr;
   check(g_api->cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_RELAXED),
@@ -524,7 +523,8 @@ double graph_time_us(CUstream stream, const std::function<void()>& body, int per
     check(g_api->cuEventSynchronize(stop), "cuEventSynchronize");
     float ms = 0;
     check(g_api->cuEventElapsedTime(&ms, start, stop), "cuEventElapsedTime");
-    per_rep.push_back(static_cast<double>(ms) * 1000.0 / (static_cast<double>(per_graph) * replays));
+    per_rep.push_back(static_cast<double>(ms) * 1000.0 /
+                      (static_cast<double>(per_graph) * replays));
   }
   g_api->cuEventDestroy(start);
   g_api->cuEventDestroy(stop);
@@ -603,8 +603,8 @@ json part_disk_hit(const Options& o, const std::vector<moejit::KernelSpec>& spec
     std::vector<double> request;
     std::vector<double> library;
     for (int c = 0; c < o.children; ++c) {
-      json r = spawn_child(cache.path(), {gpu ? "load" : "build", static_cast<int>(i),
-                                          spec.arch.name()});
+      json r = spawn_child(cache.path(),
+                           {gpu ? "load" : "build", static_cast<int>(i), spec.arch.name()});
       if (!gpu && r["outcome"] != "disk hit") {
         throw std::runtime_error("a fresh process reported " + r["outcome"].dump() +
                                  " for a cached kernel (expected a disk hit)");
@@ -614,19 +614,22 @@ json part_disk_hit(const Options& o, const std::vector<moejit::KernelSpec>& spec
     }
     Stats q = summarize(request);
     Stats lib = summarize(library);
-    rows.push_back({spec.display_name(), gpu ? "disk hit + verify + cuLibraryLoadData"
-                                             : "disk hit + verify (no GPU: no load)",
-                    fixed(q.median, 3), fixed(q.p10, 3), fixed(q.p90, 3),
-                    library.empty() ? "-" : fixed(lib.median, 3), std::to_string(o.children)});
-    json entry = {{"kernel", spec.display_name()},
-                  {"measures", gpu ? "request to launchable CUkernel" : "request to verified cubin"},
-                  {"request_ms", to_json(q)}};
+    rows.push_back(
+        {spec.display_name(),
+         gpu ? "disk hit + verify + cuLibraryLoadData" : "disk hit + verify (no GPU: no load)",
+         fixed(q.median, 3), fixed(q.p10, 3), fixed(q.p90, 3),
+         library.empty() ? "-" : fixed(lib.median, 3), std::to_string(o.children)});
+    json entry = {
+        {"kernel", spec.display_name()},
+        {"measures", gpu ? "request to launchable CUkernel" : "request to verified cubin"},
+        {"request_ms", to_json(q)}};
     if (!library.empty()) entry["library_reported_ms"] = to_json(lib);
     out.push_back(entry);
   }
-  print_table("(b) first request for a cached kernel in a fresh process (ms; 'library' = the "
-              "load time BuildResult reports, key computation excluded)",
-              {"kernel", "what", "median", "p10", "p90", "library", "children"}, rows);
+  print_table(
+      "(b) first request for a cached kernel in a fresh process (ms; 'library' = the "
+      "load time BuildResult reports, key computation excluded)",
+      {"kernel", "what", "median", "p10", "p90", "library", "children"}, rows);
   return out;
 }
 
@@ -723,16 +726,19 @@ json part_launch_overhead(const Options& o, CUstream stream) {
   Stats op = summarize(op_us);
   Stats bare = summarize(bare_us);
   double diff = op.median - bare.median;
-  print_table("(d) host time per launch, T = " + std::to_string(tokens) + ", " +
-                  std::to_string(op.n) + " calls each (us)",
-              {"call", "median", "p10", "p90", "mean"},
-              {{"moejit::append_shared", fixed(op.median, 3), fixed(op.p10, 3), fixed(op.p90, 3),
-                fixed(op.mean, 3)},
-               {"bare cuLaunchKernelEx", fixed(bare.median, 3), fixed(bare.p10, 3),
-                fixed(bare.p90, 3), fixed(bare.mean, 3)},
-               {"difference (target <= 0.5)", fixed(diff, 3), "", "", fixed(op.mean - bare.mean, 3)}});
-  return {{"tokens", tokens},          {"op_us", to_json(op)},
-          {"bare_launch_us", to_json(bare)}, {"difference_median_us", diff},
+  print_table(
+      "(d) host time per launch, T = " + std::to_string(tokens) + ", " + std::to_string(op.n) +
+          " calls each (us)",
+      {"call", "median", "p10", "p90", "mean"},
+      {{"moejit::append_shared", fixed(op.median, 3), fixed(op.p10, 3), fixed(op.p90, 3),
+        fixed(op.mean, 3)},
+       {"bare cuLaunchKernelEx", fixed(bare.median, 3), fixed(bare.p10, 3), fixed(bare.p90, 3),
+        fixed(bare.mean, 3)},
+       {"difference (target <= 0.5)", fixed(diff, 3), "", "", fixed(op.mean - bare.mean, 3)}});
+  return {{"tokens", tokens},
+          {"op_us", to_json(op)},
+          {"bare_launch_us", to_json(bare)},
+          {"difference_median_us", diff},
           {"target_us", 0.5}};
 }
 
@@ -767,7 +773,8 @@ json part_device_time(const Options& o, CUstream stream) {
     int s = AppendSharedProblem::kShared;
     void* sigmoid_params[] = {&logits, &sig_p, &n_shared};
     void* cast_params[] = {&sig_p, &shared_p, &scale, &n_shared};
-    void* append_params[] = {&ids, &weights, &shared_p, &ref_ids_p, &ref_w_p, &base, &tokens, &k, &s};
+    void* append_params[] = {&ids,  &weights, &shared_p, &ref_ids_p, &ref_w_p,
+                             &base, &tokens,  &k,        &s};
     unsigned grid_shared = blocks_for(n_shared, block);
     unsigned grid_append =
         blocks_for(static_cast<long long>(tokens) * AppendSharedProblem::kWidth, block);
@@ -806,12 +813,19 @@ json part_device_time(const Options& o, CUstream stream) {
     double t_app = graph_time_us(stream, run_append, o.graph_launches, o.graph_replays, o.trials);
     const char* slowest_name = "append";
     double slowest = t_app;
-    if (t_sig > slowest) { slowest = t_sig; slowest_name = "sigmoid"; }
-    if (t_cast > slowest) { slowest = t_cast; slowest_name = "cast"; }
+    if (t_sig > slowest) {
+      slowest = t_sig;
+      slowest_name = "sigmoid";
+    }
+    if (t_cast > slowest) {
+      slowest = t_cast;
+      slowest_name = "cast";
+    }
     double gbps = p.bytes_moved() / (fused * 1e-6) / 1e9;
     rows.push_back({std::to_string(tokens), fixed(fused, 3), fixed(seq, 3),
                     std::string(slowest_name) + " " + fixed(slowest, 3), fixed(seq / fused, 2),
-                    fixed(gbps, 1), mismatches == 0 ? "yes" : std::to_string(mismatches) + " differ"});
+                    fixed(gbps, 1),
+                    mismatches == 0 ? "yes" : std::to_string(mismatches) + " differ"});
     out.push_back({{"tokens", tokens},
                    {"top_k", AppendSharedProblem::kTopK},
                    {"num_shared", AppendSharedProblem::kShared},
@@ -824,13 +838,11 @@ json part_device_time(const Options& o, CUstream stream) {
                    {"fused_effective_GBps", gbps},
                    {"outputs_agree", mismatches == 0}});
   }
-  print_table("(e) device time per op, CUDA graph replay of " + std::to_string(o.graph_launches) +
-                  " launches x " + std::to_string(o.graph_replays) +
-                  " replays, median of " + std::to_string(o.trials) +
-                  " (us; K = 8, S = 1, bf16 sigmoid gate; inputs L2-resident)",
-              {"T", "append_shared", "unfused total", "unfused slowest", "speedup", "GB/s",
-               "agree"},
-              rows);
+  print_table(
+      "(e) device time per op, CUDA graph replay of " + std::to_string(o.graph_launches) +
+          " launches x " + std::to_string(o.graph_replays) + " replays, median of " +
+          std::to_string(o.trials) + " (us; K = 8, S = 1, bf16 sigmoid gate; inputs L2-resident)",
+      {"T", "append_shared", "unfused total", "unfused slowest", "speedup", "GB/s", "agree"}, rows);
   return out;
 }
 
@@ -909,9 +921,9 @@ int main(int argc, char** argv) {
       report["launch_overhead"] = part_launch_overhead(o, stream);
       report["append_shared_device_time"] = part_device_time(o, stream);
     } else {
-      std::string reason = gpu ? "--arch " + arch.name() + " is not the GPU's arch " +
-                                     runtime.current_arch().name()
-                               : "no GPU: " + why;
+      std::string reason =
+          gpu ? "--arch " + arch.name() + " is not the GPU's arch " + runtime.current_arch().name()
+              : "no GPU: " + why;
       std::cout << "\n(d) host overhead per launch: skipped (" << reason << ")\n";
       std::cout << "(e) append_shared device time: skipped (" << reason << ")\n";
       report["launch_overhead"] = {{"skipped", reason}};

@@ -1,9 +1,8 @@
 // Built against the installed package only: parses an inline shape, generates the source of its
 // append_shared kernel and compiles it (in memory) from the kernel templates embedded in the
 // library.
-#include <moejit/moejit.hpp>
-
 #include <iostream>
+#include <moejit/moejit.hpp>
 #include <string>
 #include <vector>
 
