@@ -35,6 +35,7 @@
 #include "moejit/shape.hpp"
 #include "ops/append_shared_spec.hpp"
 #include "runtime/runtime_impl.hpp"
+#include "support/log_capture.hpp"
 #include "support/support.hpp"
 
 extern char** environ;
@@ -90,39 +91,7 @@ std::map<std::string, std::tuple<bool, uintmax_t, long long>> snapshot(const std
   return out;
 }
 
-// Collects the "moejit" logger's messages at warn and above while alive.
-class WarnCapture {
- public:
-  WarnCapture() : sink_(std::make_shared<Sink>()) {
-    sink_->set_level(spdlog::level::warn);
-    moejit::detail::log().sinks().push_back(sink_);
-  }
-  ~WarnCapture() {
-    auto& sinks = moejit::detail::log().sinks();
-    for (auto it = sinks.begin(); it != sinks.end(); ++it) {
-      if (*it == sink_) {
-        sinks.erase(it);
-        break;
-      }
-    }
-  }
-  std::vector<std::string> messages() const {
-    std::lock_guard<std::mutex> lock(sink_->messages_mutex);
-    return sink_->messages;
-  }
-
- private:
-  struct Sink : spdlog::sinks::base_sink<std::mutex> {
-    std::mutex messages_mutex;
-    std::vector<std::string> messages;
-    void sink_it_(const spdlog::details::log_msg& msg) override {
-      std::lock_guard<std::mutex> lock(messages_mutex);
-      messages.emplace_back(msg.payload.data(), msg.payload.size());
-    }
-    void flush_() override {}
-  };
-  std::shared_ptr<Sink> sink_;
-};
+using WarnCapture = moejit::test::WarningCapture;
 
 bool any_contains(const std::vector<std::string>& texts, const std::string& part) {
   for (const std::string& text : texts) {

@@ -32,6 +32,7 @@
 #include "common/log.hpp"
 #include "moejit/error.hpp"
 #include "moejit/version.hpp"
+#include "support/log_capture.hpp"
 #include "support/support.hpp"
 
 namespace fs = std::filesystem;
@@ -41,61 +42,7 @@ using moejit::detail::Entry;
 
 namespace {
 
-// Collects what detail::log() emits while alive (warn and above at least).
-class LogCapture {
- public:
-  LogCapture() : sink_(std::make_shared<Sink>()), previous_(moejit::detail::log().level()) {
-    moejit::detail::log().sinks().push_back(sink_);
-    if (previous_ > spdlog::level::warn) moejit::detail::log().set_level(spdlog::level::warn);
-  }
-  ~LogCapture() {
-    auto& sinks = moejit::detail::log().sinks();
-    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
-    moejit::detail::log().set_level(previous_);
-  }
-  LogCapture(const LogCapture&) = delete;
-  LogCapture& operator=(const LogCapture&) = delete;
-
-  // Whether a warning line contains every one of `parts`.
-  bool warned(const std::vector<std::string>& parts) const {
-    for (const std::string& line : sink_->warnings()) {
-      if (std::all_of(parts.begin(), parts.end(),
-                      [&](const std::string& p) { return line.find(p) != std::string::npos; })) {
-        return true;
-      }
-    }
-    return false;
-  }
-  std::size_t warning_count() const { return sink_->warnings().size(); }
-  std::string all() const {
-    std::string text;
-    for (const std::string& line : sink_->warnings()) text += line + "\n";
-    return text;
-  }
-
- private:
-  class Sink : public spdlog::sinks::base_sink<std::mutex> {
-   public:
-    std::vector<std::string> warnings() const {
-      std::lock_guard<std::mutex> guard(lines_mutex_);
-      return warnings_;
-    }
-
-   protected:
-    void sink_it_(const spdlog::details::log_msg& msg) override {
-      if (msg.level < spdlog::level::warn) return;
-      std::lock_guard<std::mutex> guard(lines_mutex_);
-      warnings_.emplace_back(msg.payload.data(), msg.payload.size());
-    }
-    void flush_() override {}
-
-   private:
-    mutable std::mutex lines_mutex_;
-    std::vector<std::string> warnings_;
-  };
-  std::shared_ptr<Sink> sink_;
-  spdlog::level::level_enum previous_;
-};
+using LogCapture = moejit::test::WarningCapture;
 
 std::string key_for(const std::string& name) { return moejit::detail::hash_bytes(name).hex(); }
 

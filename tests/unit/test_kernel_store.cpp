@@ -30,6 +30,7 @@
 #include "common/hash.hpp"
 #include "common/log.hpp"
 #include "moejit/error.hpp"
+#include "support/log_capture.hpp"
 #include "support/support.hpp"
 
 namespace fs = std::filesystem;
@@ -41,46 +42,7 @@ using moejit::detail::KernelStore;
 
 namespace {
 
-// Collects the warnings detail::log() emits while alive.
-class WarningCapture {
- public:
-  WarningCapture() : sink_(std::make_shared<Sink>()), previous_(moejit::detail::log().level()) {
-    moejit::detail::log().sinks().push_back(sink_);
-    if (previous_ > spdlog::level::warn) moejit::detail::log().set_level(spdlog::level::warn);
-  }
-  ~WarningCapture() {
-    auto& sinks = moejit::detail::log().sinks();
-    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
-    moejit::detail::log().set_level(previous_);
-  }
-  WarningCapture(const WarningCapture&) = delete;
-  WarningCapture& operator=(const WarningCapture&) = delete;
-
-  bool warned(const std::vector<std::string>& parts) const {
-    std::lock_guard<std::mutex> guard(sink_->mutex_lines);
-    for (const std::string& line : sink_->lines) {
-      if (std::all_of(parts.begin(), parts.end(),
-                      [&](const std::string& p) { return line.find(p) != std::string::npos; })) {
-        return true;
-      }
-    }
-    return false;
-  }
-
- private:
-  struct Sink : spdlog::sinks::base_sink<std::mutex> {
-    std::mutex mutex_lines;
-    std::vector<std::string> lines;
-    void sink_it_(const spdlog::details::log_msg& msg) override {
-      if (msg.level < spdlog::level::warn) return;
-      std::lock_guard<std::mutex> guard(mutex_lines);
-      lines.emplace_back(msg.payload.data(), msg.payload.size());
-    }
-    void flush_() override {}
-  };
-  std::shared_ptr<Sink> sink_;
-  spdlog::level::level_enum previous_;
-};
+using moejit::test::WarningCapture;
 
 std::string key_for(const std::string& name) { return moejit::detail::hash_bytes(name).hex(); }
 

@@ -1,0 +1,67 @@
+// Captures what the library's "moejit" logger emits at warn and above while alive (tests only).
+#pragma once
+
+#include <spdlog/sinks/base_sink.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/log.hpp"
+
+namespace moejit::test {
+
+class WarningCapture {
+ public:
+  WarningCapture() : sink_(std::make_shared<Sink>()), previous_(detail::log().level()) {
+    detail::log().sinks().push_back(sink_);
+    if (previous_ > spdlog::level::warn) detail::log().set_level(spdlog::level::warn);
+  }
+  ~WarningCapture() {
+    auto& sinks = detail::log().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    detail::log().set_level(previous_);
+  }
+  WarningCapture(const WarningCapture&) = delete;
+  WarningCapture& operator=(const WarningCapture&) = delete;
+
+  // Every warning so far, in order.
+  std::vector<std::string> messages() const {
+    std::lock_guard<std::mutex> guard(sink_->lines_mutex);
+    return sink_->lines;
+  }
+  // Whether one warning line contains every one of `parts`.
+  bool warned(const std::vector<std::string>& parts) const {
+    for (const std::string& line : messages()) {
+      if (std::all_of(parts.begin(), parts.end(),
+                      [&](const std::string& p) { return line.find(p) != std::string::npos; })) {
+        return true;
+      }
+    }
+    return false;
+  }
+  std::size_t warning_count() const { return messages().size(); }
+  std::string all() const {
+    std::string text;
+    for (const std::string& line : messages()) text += line + "\n";
+    return text;
+  }
+
+ private:
+  struct Sink : spdlog::sinks::base_sink<std::mutex> {
+    mutable std::mutex lines_mutex;
+    std::vector<std::string> lines;
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      if (msg.level < spdlog::level::warn) return;
+      std::lock_guard<std::mutex> guard(lines_mutex);
+      lines.emplace_back(msg.payload.data(), msg.payload.size());
+    }
+    void flush_() override {}
+  };
+  std::shared_ptr<Sink> sink_;
+  spdlog::level::level_enum previous_;
+};
+
+}  // namespace moejit::test
