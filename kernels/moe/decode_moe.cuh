@@ -1,0 +1,635 @@
+// libmoejit kernels/moe: decode_moe (family 4), the fused small-T MoE layer: routing, FC1 with
+// the activation, FC2 with the top-k weight and the top-k sum, in one persistent launch (after a
+// tiny counter reset it overlaps through programmatic dependent launch).
+//
+// Why this shape of kernel (tools/PERF_LOG.md has the numbers): at T <= 256 the layer is bound by
+// reading the touched experts' MXFP4 weights once. So
+// - every CTA streams: work is cut into items (decode_params.cuh) claimed from one queue, FC1
+//   items of every virtual expert first, then FC2 items; a CTA holds the item its consumers
+//   compute and the one its producer loads, so small T leaves no long tail;
+// - one producer warp streams weights, scales and activation rows with bulk async copies
+//   (cp.async.bulk, evict-first for weights) into a ring of `stages` chunks guarded by mbarriers,
+//   across item boundaries; eight consumer warps dequantize (mxfp4.cuh) and run mma.sync
+//   m16n8k16 with weight rows in M and the virtual expert's positions in N;
+// - FC2 needs all of FC1's output for its virtual expert: the producer issues an FC2 item's
+//   weight copies first, then waits on that expert's FC1 counter, then copies the activations,
+//   so FC2's weight stream starts before FC1 ends; FC2 writes fp32 rows per position and the
+//   CTA that completes the last FC2 item of an H slice sums that slice of every token in slot
+//   order (deterministic, no atomics on data);
+// - routing is recomputed by every CTA in shared memory (no inter-CTA step): ranks by
+//   (token, slot) order with __match_any_sync per warp, then scans; the rank is the same in every
+//   CTA and every run.
+// Consumer warp w owns strip w / WK of the item and every WK-th K atom of each chunk (WK = 8 /
+// strips per item); the WK partial sums of a strip are added in a fixed order at the item's end.
+#pragma once
+
+#include <moejit/kern/common/ptx.cuh>
+#include <moejit/kern/moe/activation.cuh>
+#include <moejit/kern/moe/decode_params.cuh>
+#include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/mxfp4.cuh>
+#include <moejit/kern/moe/ptx.cuh>
+
+namespace moejit::kern::moe::decode {
+
+// ---- PTX of the pipeline: mbarriers, bulk copies, acquire loads, named barriers --------------
+namespace pipe {
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void wait(u32 bar, u32 parity) {
+  u32 done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
+        "p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+// Bulk copy global -> this CTA's shared memory; completes `bytes` transactions on `bar`.
+__device__ __forceinline__ void copy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+      "[%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// Orders this thread's earlier generic-proxy accesses before its later async-proxy ones (bulk
+// copies reading what other CTAs wrote with plain stores, or writing shared memory the routing
+// phase used).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async;" ::: "memory");
+}
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+// Barrier 1 over the consumer warps only (the producer keeps streaming).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+}
+__device__ __forceinline__ u32 lanemask_lt() {
+  u32 m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+}  // namespace pipe
+
+template <i32 kExperts_, i32 kTopK_, i32 kHidden_, i32 kInter_, i32 kBlockN_, i32 kFc1Strips_,
+          i32 kFc2Strips_, i32 kStages_, class Act_, bool kIds64_>
+struct DecodeTraits {
+  using Act = Act_;                     // gated activation functor (activation.cuh)
+  static constexpr bool kIds64 = kIds64_;  // topk_ids int64 (else int32)
+  static constexpr Geometry kGeo{kExperts_, kTopK_,      kHidden_,    kInter_,
+                                 kBlockN_,  kFc1Strips_, kFc2Strips_, kStages_};
+
+  static_assert(kGeo.rule() != Rule::kExperts, "decode_moe: 1 <= experts <= 4096 (12-bit field)");
+  static_assert(kGeo.rule() != Rule::kTopK, "decode_moe: 1 <= top_k <= 64 (positions < 2^14)");
+  static_assert(kGeo.rule() != Rule::kHidden,
+                "decode_moe: hidden must be a multiple of 512 (whole FC1 chunks of 8 K atoms)");
+  static_assert(kGeo.rule() != Rule::kInter,
+                "decode_moe: inter must be a multiple of 128 (whole FC2 chunks of 2 K atoms)");
+  static_assert(kGeo.rule() != Rule::kBlockN, "decode_moe: block_n must be 16 or 32");
+  static_assert(kGeo.rule() != Rule::kFc1Strips,
+                "decode_moe: fc1_strips must be 1, 2, 4 or 8 and divide inter / 8");
+  static_assert(kGeo.rule() != Rule::kFc2Strips,
+                "decode_moe: fc2_strips must be 4 or 8 and divide hidden / 16");
+  static_assert(kGeo.rule() != Rule::kStages, "decode_moe: 2 <= stages <= 8");
+  static_assert(kGeo.rule() != Rule::kSharedMemory,
+                "decode_moe: shared memory over 227 KB (or routing scratch over the ring)");
+  static_assert(kGeo.rule() == Rule::kOk, "decode_moe: shape rule broken");
+  static_assert(kThreads == 288 && kConsumerWarps == 8, "one producer warp + eight consumers");
+  static_assert(kFc1ChunkK % kGeo.fc1_warps_k() == 0,
+                "FC1 chunk atoms split evenly over the warps of a strip");
+  static_assert(kFc2ChunkK % kGeo.fc2_warps_k() == 0,
+                "FC2 chunk atoms split evenly over the warps of a strip");
+  static_assert(kGeo.block_n <= 32, "one producer lane copies one activation row");
+
+  static constexpr i32 kMinBlocksPerSm = kGeo.blocks_per_sm();
+};
+
+// ---- routing, in every CTA's shared memory ----------------------------------------------------
+
+// In-place exclusive scan of data[0, kN) by all kThreads threads; returns the total.
+template <i32 kN>
+__device__ __forceinline__ u32 block_exclusive_scan(u32* data, u32* warp_sums) {
+  constexpr i32 kPer = (kN + kThreads - 1) / kThreads;
+  const i32 tid = static_cast<i32>(threadIdx.x);
+  const i32 lane = tid & 31;
+  const i32 warp = tid >> 5;
+  u32 local[kPer];
+  u32 sum = 0;
+#pragma unroll
+  for (i32 i = 0; i < kPer; ++i) {
+    const i32 idx = tid * kPer + i;
+    const u32 v = idx < kN ? data[idx] : 0u;
+    local[i] = sum;
+    sum += v;
+  }
+  u32 incl = sum;
+#pragma unroll
+  for (i32 off = 1; off < 32; off <<= 1) {
+    const u32 y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (tid == 0) {
+    u32 run = 0;
+    for (i32 w = 0; w < kThreads / 32; ++w) {
+      const u32 s = warp_sums[w];
+      warp_sums[w] = run;
+      run += s;
+    }
+    warp_sums[kThreads / 32] = run;
+  }
+  __syncthreads();
+  const u32 base = warp_sums[warp] + incl - sum;
+#pragma unroll
+  for (i32 i = 0; i < kPer; ++i) {
+    const i32 idx = tid * kPer + i;
+    if (idx < kN) data[idx] = base + local[i];
+  }
+  const u32 total = warp_sums[kThreads / 32];
+  __syncthreads();
+  return total;
+}
+
+// Local expert of position `pos`, or kNoExpert (-1, another rank's id, out of range).
+inline constexpr u32 kNoExpert = 0xFFFFFFFFu;
+template <class T>
+__device__ __forceinline__ u32 local_expert(const DecodeMoeParams& p, i32 pos) {
+  if constexpr (T::kIds64) {
+    const i64 e = static_cast<const i64*>(p.topk_ids)[pos] - static_cast<i64>(p.expert_offset);
+    return e >= 0 && e < T::kGeo.experts ? static_cast<u32>(e) : kNoExpert;
+  } else {
+    const i64 e = static_cast<i64>(static_cast<const i32*>(p.topk_ids)[pos]) -
+                  static_cast<i64>(p.expert_offset);
+    return e >= 0 && e < T::kGeo.experts ? static_cast<u32>(e) : kNoExpert;
+  }
+}
+
+// Fills sorted[] (positions by (expert, token, slot)) and vinfo[] (pack_virtual per virtual
+// expert); returns the number of virtual experts. `scratch` is the (still unused) ring.
+template <class T>
+__device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16* sorted,
+                                     u32* vinfo, u32* warp_sums) {
+  constexpr Geometry G = T::kGeo;
+  constexpr i32 E = G.experts;
+  const i32 tid = static_cast<i32>(threadIdx.x);
+  const i32 lane = tid & 31;
+  const i32 warp = tid >> 5;
+  u16* counts = reinterpret_cast<u16*>(scratch);  // [warp][E]: then the warp's base per expert
+  u32* sums = reinterpret_cast<u32*>(scratch + Geometry::align16(kConsumerWarps * E * 2));
+
+  const i32 positions = p.num_tokens * G.top_k;
+  // Whole 32-position steps per warp, warps in position order.
+  const i32 seg = ceil_div(ceil_div(positions, 32), kConsumerWarps) * 32;
+  const i32 begin = warp * seg;
+  const i32 end = min(positions, begin + seg);
+
+  for (i32 i = tid; i < kConsumerWarps * E / 2; i += kThreads) {
+    reinterpret_cast<u32*>(counts)[i] = 0u;
+  }
+  if ((kConsumerWarps * E) % 2 != 0 && tid == 0) counts[kConsumerWarps * E - 1] = 0;
+  __syncthreads();
+
+  // Pass 1: each warp counts its run per expert.
+  if (warp < kConsumerWarps) {
+    u16* mine = counts + warp * E;
+    for (i32 base = begin; base < end; base += 32) {
+      const i32 pos = base + lane;
+      const u32 e = pos < end ? local_expert<T>(p, pos) : kNoExpert;
+      const u32 peers = __match_any_sync(0xffffffffu, e);
+      if (e != kNoExpert && lane == __ffs(peers) - 1) {
+        mine[e] = static_cast<u16>(mine[e] + __popc(peers));
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  // Per expert: the warps' exclusive bases, and (total << 16 | virtual experts) to scan.
+  for (i32 e = tid; e < E; e += kThreads) {
+    u32 run = 0;
+#pragma unroll
+    for (i32 w = 0; w < kConsumerWarps; ++w) {
+      const u32 c = counts[w * E + e];
+      counts[w * E + e] = static_cast<u16>(run);
+      run += c;
+    }
+    sums[e] = (run << 16) | static_cast<u32>(ceil_div(static_cast<i32>(run), G.block_n));
+  }
+  __syncthreads();
+  const u32 grand = block_exclusive_scan<E>(sums, warp_sums);
+
+  // Pass 2: the same walk places every position at its expert's first index + its rank.
+  if (warp < kConsumerWarps) {
+    u16* mine = counts + warp * E;
+    for (i32 base = begin; base < end; base += 32) {
+      const i32 pos = base + lane;
+      const u32 e = pos < end ? local_expert<T>(p, pos) : kNoExpert;
+      const u32 peers = __match_any_sync(0xffffffffu, e);
+      u32 before = 0;
+      if (e != kNoExpert) {
+        before = mine[e];
+        const u32 rank = (sums[e] >> 16) + before + __popc(peers & pipe::lanemask_lt());
+        sorted[rank] = static_cast<u16>(pos);
+      }
+      __syncwarp();
+      if (e != kNoExpert && lane == __ffs(peers) - 1) {
+        mine[e] = static_cast<u16>(before + __popc(peers));
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (i32 e = tid; e < E; e += kThreads) {
+    const u32 here = sums[e];
+    const u32 next = e + 1 < E ? sums[e + 1] : grand;
+    const i32 first = static_cast<i32>(here >> 16);
+    const i32 total = static_cast<i32>(next >> 16) - first;
+    const i32 v0 = static_cast<i32>(here & 0xFFFFu);
+    const i32 nv = static_cast<i32>(next & 0xFFFFu) - v0;
+    for (i32 j = 0; j < nv; ++j) {
+      const i32 count = min(G.block_n, total - j * G.block_n);
+      vinfo[v0 + j] = pack_virtual(e, count, first + j * G.block_n);
+    }
+  }
+  __syncthreads();
+  return static_cast<i32>(grand & 0xFFFFu);
+}
+
+// ---- the consumers' math -----------------------------------------------------------------------
+
+// One chunk of one strip: this warp's atoms (every kWK-th of kChunkK, from kslice) into acc.
+template <i32 kChunkK, i32 kWK, i32 kNT>
+__device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i32 strip,
+                                          i32 kslice, i32 n_active, float (&acc)[kNT][4]) {
+  const i32 lane = static_cast<i32>(threadIdx.x) & 31;
+  const i32 g = lane >> 2;
+  // ldmatrix row addresses: lanes 8q..8q+7 give matrix q = rows 0..7 of K block q (8 elements).
+  const u32 a_lane = a_base + static_cast<u32>((lane & 7) * Geometry::act_row_bytes() +
+                                               (lane >> 3) * 16);
+#pragma unroll
+  for (i32 i = 0; i < kChunkK / kWK; ++i) {
+    const i32 j = kslice + i * kWK;  // K atom inside the chunk
+    const i32 atom = strip * kChunkK + j;
+    u32 w[4];
+    ptx::lds128(w_base + static_cast<u32>(atom * layout::kAtomBytes + lane * 16), w);
+    const u32 sw = ptx::lds32(s_base + static_cast<u32>(atom * layout::kAtomScaleBytes + g * 4));
+    const u32 f_g[2] = {mxfp4::scale_factor<0>(sw), mxfp4::scale_factor<1>(sw)};
+    const u32 f_g8[2] = {mxfp4::scale_factor<2>(sw), mxfp4::scale_factor<3>(sw)};
+#pragma unroll
+    for (i32 st = 0; st < 4; st += 2) {
+      u32 b[kNT][4];
+#pragma unroll
+      for (i32 nt = 0; nt < kNT; ++nt) {
+        if (nt < n_active) {
+          ptx::ldmatrix_x4(a_lane + static_cast<u32>(nt * 8 * Geometry::act_row_bytes() +
+                                                     (j * layout::kAtomK + st * 16) * 2),
+                           b[nt]);
+        }
+      }
+#pragma unroll
+      for (i32 h = 0; h < 2; ++h) {
+        u32 a[4];
+        mxfp4::dequant_step(w[st + h], f_g[(st + h) >> 1], f_g8[(st + h) >> 1], a);
+#pragma unroll
+        for (i32 nt = 0; nt < kNT; ++nt) {
+          if (nt < n_active) ptx::mma_bf16_16816(acc[nt], a, b[nt][2 * h], b[nt][2 * h + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeParams p) {
+  ::moejit::kern::ptx::launch_dependents();
+  u32* counters = reinterpret_cast<u32*>(p.workspace + T::kGeo.ws_counters());
+  for (i32 i = static_cast<i32>(threadIdx.x); i < T::kGeo.counter_words(); i += kThreads) {
+    counters[i] = 0u;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const DecodeMoeParams p) {
+  constexpr Geometry G = T::kGeo;
+  constexpr i32 kNT = G.n_tiles();
+  constexpr i32 kS = G.stages;
+  extern __shared__ __align__(128) u8 smem[];
+  u8* const ring = smem;
+  float* const red = reinterpret_cast<float*>(smem + G.ring_bytes());
+  u16* const sorted = reinterpret_cast<u16*>(smem + G.ring_bytes() + G.reduce_bytes());
+  u32* const vinfo = reinterpret_cast<u32*>(reinterpret_cast<u8*>(sorted) + G.sorted_bytes());
+  u64* const full = reinterpret_cast<u64*>(reinterpret_cast<u8*>(vinfo) + G.vinfo_bytes());
+  u64* const empty = full + kS;
+  i32* const headers = reinterpret_cast<i32*>(empty + kS);  // [kS][4]: item, chunk
+  u32* const misc = reinterpret_cast<u32*>(headers + 4 * kS);  // scan sums, combine flag
+
+  const i32 tid = static_cast<i32>(threadIdx.x);
+  const i32 lane = tid & 31;
+  const i32 warp = tid >> 5;
+
+  if (tid == 0) {
+    for (i32 s = 0; s < kS; ++s) {
+      pipe::mbar_init(ptx::smem_u32(full + s), 1);
+      pipe::mbar_init(ptx::smem_u32(empty + s), kConsumerWarps);
+    }
+    pipe::fence_mbar_init();
+  }
+  const i32 nv = route<T>(p, ring, sorted, vinfo, misc);  // ends with __syncthreads()
+
+  // Counters were zeroed by decode_moe_reset, the previous grid in the stream.
+  ::moejit::kern::ptx::grid_dependency_wait();
+  u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
+  u32* const queue = counters;
+  u32* const fc1_done = counters + 1;
+  u32* const fc2_done = counters + 1 + G.max_virtual();
+  u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
+  float* const out2 = reinterpret_cast<float*>(p.workspace + G.ws_out2());
+
+  if (nv == 0) {  // no local position at all: the layer's output is zero
+    const i32 words = p.num_tokens * G.hidden / 2;
+    for (i32 i = static_cast<i32>(blockIdx.x) * kThreads + tid; i < words;
+         i += static_cast<i32>(gridDim.x) * kThreads) {
+      reinterpret_cast<u32*>(p.out)[i] = 0u;
+    }
+    return;
+  }
+  const i32 fc1_total = nv * G.fc1_items();
+  const i32 total = fc1_total + nv * G.fc2_items();
+  const u32 ring_base = ptx::smem_u32(ring);
+  constexpr i32 kActRow = G.act_row_bytes();
+
+  if (warp == kConsumerWarps) {
+    // ============================== producer ==============================
+    const u64 evict_first = ptx::policy_evict_first();
+    pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
+    u32 seq = 0;                // chunks produced so far (ring position and phase)
+    i32 item = 0;
+    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
+    item = __shfl_sync(0xffffffffu, item, 0);
+    for (;;) {
+      if (item >= total) {
+        const i32 slot = static_cast<i32>(seq % kS);
+        pipe::wait(ptx::smem_u32(empty + slot), ((seq / kS) & 1u) ^ 1u);
+        if (lane == 0) {
+          headers[4 * slot] = -1;
+          pipe::arrive(ptx::smem_u32(full + slot));
+        }
+        break;
+      }
+      const bool fc2 = item >= fc1_total;
+      const i32 local = fc2 ? item - fc1_total : item;
+      const i32 per_v = fc2 ? G.fc2_items() : G.fc1_items();
+      const i32 v = local / per_v;
+      const i32 slice = local % per_v;
+      const u32 info = vinfo[v];
+      const i32 e = virtual_expert(info);
+      const i32 count = virtual_count(info);
+      const i32 first = virtual_first(info);
+      const i32 strips = fc2 ? G.fc2_strips : G.fc1_strips;
+      const i32 chunk_k = fc2 ? kFc2ChunkK : kFc1ChunkK;
+      const i32 chunks = fc2 ? G.fc2_chunks() : G.fc1_chunks();
+      const i32 k_atoms = fc2 ? G.fc2_k_atoms() : G.fc1_k_atoms();
+      const layout::Dims dims{fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms(), k_atoms};
+      const u8* const wsrc = fc2 ? p.w2 : p.w13;
+      const u8* const ssrc = fc2 ? p.w2_scales : p.w13_scales;
+      const u32 act_bytes = static_cast<u32>(chunk_k * layout::kAtomK * 2);
+      const u32 tx = static_cast<u32>(strips * chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
+                     static_cast<u32>(count) * act_bytes;
+      // This lane's activation row (lane < count): FC1 reads the token's hidden row, FC2 the
+      // virtual expert's FC1 output row.
+      const u16* act_src = nullptr;
+      if (lane < count) {
+        act_src = fc2 ? inter + (static_cast<i64>(v) * G.block_n + lane) * G.inter
+                      : p.hidden + static_cast<i64>(sorted[first + lane] / G.top_k) * G.hidden;
+      }
+      const auto issue_weights = [&](i32 c, i32 slot) {
+        const u32 bar = ptx::smem_u32(full + slot);
+        const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
+        if (lane < strips) {
+          const i64 atom = layout::atom_index(dims, e, slice * strips + lane, c * chunk_k);
+          pipe::copy(slot_base + static_cast<u32>(lane * chunk_k * layout::kAtomBytes),
+                     wsrc + atom * layout::kAtomBytes,
+                     static_cast<u32>(chunk_k * layout::kAtomBytes), bar, evict_first);
+          pipe::copy(slot_base + static_cast<u32>(G.slot_weight_bytes() +
+                                                  lane * chunk_k * layout::kAtomScaleBytes),
+                     ssrc + atom * layout::kAtomScaleBytes,
+                     static_cast<u32>(chunk_k * layout::kAtomScaleBytes), bar, evict_first);
+        }
+      };
+      const auto issue_act = [&](i32 c, i32 slot) {
+        if (lane < count) {
+          const u32 bar = ptx::smem_u32(full + slot);
+          const u32 dst = ring_base + static_cast<u32>(slot * G.slot_bytes() +
+                                                       G.slot_weight_bytes() + G.slot_scale_bytes() +
+                                                       lane * kActRow);
+          pipe::copy(dst, act_src + c * chunk_k * layout::kAtomK, act_bytes, bar);
+        }
+      };
+      const auto open_slot = [&](i32 c) {
+        const i32 slot = static_cast<i32>(seq % kS);
+        pipe::wait(ptx::smem_u32(empty + slot), ((seq / kS) & 1u) ^ 1u);
+        if (lane == 0) {
+          headers[4 * slot] = item;
+          headers[4 * slot + 1] = c;
+          pipe::arrive_expect_tx(ptx::smem_u32(full + slot), tx);
+        }
+        __syncwarp();
+        ++seq;
+        return slot;
+      };
+      i32 c = 0;
+      if (fc2) {
+        // Weights of the first chunks before waiting for FC1 of this virtual expert.
+        const i32 early = min(chunks, kS);
+        const u32 seq0 = seq;
+        for (; c < early; ++c) issue_weights(c, open_slot(c));
+        if (lane == 0) {
+          while (pipe::load_acquire(fc1_done + v) < static_cast<u32>(G.fc1_items())) {
+            pipe::sleep_ns(100);
+          }
+        }
+        __syncwarp();
+        pipe::fence_proxy_async();
+        for (i32 k = 0; k < early; ++k) issue_act(k, static_cast<i32>((seq0 + k) % kS));
+      }
+      for (; c < chunks; ++c) {
+        const i32 slot = open_slot(c);
+        issue_weights(c, slot);
+        issue_act(c, slot);
+      }
+      if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
+      item = __shfl_sync(0xffffffffu, item, 0);
+    }
+    return;
+  }
+
+  // ============================== consumers ==============================
+  float acc[kNT][4];
+  u32 seq = 0;
+  for (;;) {
+    const i32 slot = static_cast<i32>(seq % kS);
+    pipe::wait(ptx::smem_u32(full + slot), (seq / kS) & 1u);
+    const i32 item = headers[4 * slot];
+    const i32 c = headers[4 * slot + 1];
+    if (item < 0) break;
+    const bool fc2 = item >= fc1_total;
+    const i32 local = fc2 ? item - fc1_total : item;
+    const i32 per_v = fc2 ? G.fc2_items() : G.fc1_items();
+    const i32 v = local / per_v;
+    const i32 slice = local % per_v;
+    const u32 info = vinfo[v];
+    const i32 count = virtual_count(info);
+    const i32 first = virtual_first(info);
+    const i32 n_active = (count + 7) / 8;
+    const i32 wk = fc2 ? G.fc2_warps_k() : G.fc1_warps_k();
+    const i32 strip = warp / wk;
+    const i32 kslice = warp % wk;
+    const u32 w_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
+    const u32 s_base = w_base + static_cast<u32>(G.slot_weight_bytes());
+    const u32 a_base = s_base + static_cast<u32>(G.slot_scale_bytes());
+
+    if (c == 0) {
+#pragma unroll
+      for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+      }
+    }
+    if (fc2) {
+      mma_chunk<kFc2ChunkK, G.fc2_warps_k(), kNT>(w_base, s_base, a_base, strip, kslice,
+                                                  n_active, acc);
+    } else {
+      mma_chunk<kFc1ChunkK, G.fc1_warps_k(), kNT>(w_base, s_base, a_base, strip, kslice,
+                                                  n_active, acc);
+    }
+    __syncwarp();
+    if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
+    ++seq;
+    if (c != (fc2 ? G.fc2_chunks() : G.fc1_chunks()) - 1) continue;
+
+    // ---- the item's last chunk: fixed-order sum of the K split, then the epilogue ----
+    if (wk > 1) {
+      if (kslice != 0) {
+#pragma unroll
+        for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (i32 r = 0; r < 4; ++r) red[((warp * kNT + nt) * 4 + r) * 32 + lane] = acc[nt][r];
+        }
+      }
+      pipe::consumers_sync();
+      if (kslice == 0) {
+        for (i32 k = 1; k < wk; ++k) {
+#pragma unroll
+          for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (i32 r = 0; r < 4; ++r) {
+              acc[nt][r] += red[(((warp + k) * kNT + nt) * 4 + r) * 32 + lane];
+            }
+          }
+        }
+      }
+    }
+    const i32 g = lane >> 2;
+    const i32 t = lane & 3;
+    if (kslice == 0) {
+      if (!fc2) {
+        const i32 pair = (slice * G.fc1_strips + strip) * layout::kGateUpRows + g;
+#pragma unroll
+        for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (i32 h = 0; h < 2; ++h) {
+            const i32 n = nt * 8 + 2 * t + h;
+            if (n < count) {
+              const float gate = acc[nt][h] * mxfp4::kAccumulatorScale;
+              const float up = acc[nt][2 + h] * mxfp4::kAccumulatorScale;
+              inter[(static_cast<i64>(v) * G.block_n + n) * G.inter + pair] =
+                  ptx::to_bf16(T::Act::apply(gate, up));
+            }
+          }
+        }
+      } else {
+        const i32 row = (slice * G.fc2_strips + strip) * layout::kAtomRows + g;
+#pragma unroll
+        for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (i32 h = 0; h < 2; ++h) {
+            const i32 n = nt * 8 + 2 * t + h;
+            if (n < count) {
+              const i32 pos = sorted[first + n];
+              const float weight = p.topk_weights[pos] * mxfp4::kAccumulatorScale;
+              float* const dst = out2 + static_cast<i64>(pos) * G.hidden + row;
+              dst[0] = acc[nt][h] * weight;
+              dst[8] = acc[nt][2 + h] * weight;
+            }
+          }
+        }
+      }
+    }
+    __threadfence();
+    pipe::consumers_sync();
+    if (!fc2) {
+      if (tid == 0) atomicAdd(fc1_done + v, 1u);
+      continue;
+    }
+    if (tid == 0) {
+      const u32 done = atomicAdd(fc2_done + slice, 1u);
+      misc[kThreads / 32 + 1] = done == static_cast<u32>(nv - 1) ? 1u : 0u;
+      __threadfence();
+    }
+    pipe::consumers_sync();
+    if (misc[kThreads / 32 + 1] == 0u) continue;
+
+    // ---- this CTA finished H slice `slice` last: sum it for every token, in slot order ----
+    constexpr i32 kCols = G.fc2_strips * layout::kAtomRows;  // 64 or 128
+    constexpr i32 kThreadsPerToken = kCols / 4;               // 4 columns (16 bytes) each
+    constexpr i32 kTokensPerPass = kConsumerThreads / kThreadsPerToken;
+    const i32 col = slice * kCols + (tid % kThreadsPerToken) * 4;
+    for (i32 tok = tid / kThreadsPerToken; tok < p.num_tokens; tok += kTokensPerPass) {
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll 4
+      for (i32 k = 0; k < G.top_k; ++k) {
+        const i32 pos = tok * G.top_k + k;
+        if (local_expert<T>(p, pos) == kNoExpert) continue;
+        const float4 x =
+            __ldcg(reinterpret_cast<const float4*>(out2 + static_cast<i64>(pos) * G.hidden + col));
+        s0 += x.x;
+        s1 += x.y;
+        s2 += x.z;
+        s3 += x.w;
+      }
+      uint2 packed;
+      packed.x = ptx::pack_bf16x2(s0, s1);
+      packed.y = ptx::pack_bf16x2(s2, s3);
+      *reinterpret_cast<uint2*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
+    }
+  }
+}
+
+}  // namespace moejit::kern::moe::decode

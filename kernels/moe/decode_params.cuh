@@ -1,0 +1,185 @@
+// libmoejit kernels/moe: decode_moe (family 4) shape traits, rules, workspace layout and kernel
+// arguments. Host-usable (the planner checks the same rules and sizes the same workspace the
+// kernel's static_asserts and carving use): no device code here.
+//
+// Vocabulary (see decode_moe.cuh for the kernel):
+// - position: one (token, slot) pair, p = token * top_k + slot, p < tokens * top_k.
+// - virtual expert: one block of up to BlockN positions routed to the same local expert, in
+//   (token, slot) order; an expert with c positions has ceil(c / BlockN) of them. Their number is
+//   at most min(P, E + P / BlockN) for P positions, the bound the workspace is sized by.
+// - strip: 16 weight rows of one expert (layout.cuh atoms); FC1 strips hold 8 gate/up pairs.
+// - item: the unit of work claimed from the queue: FC1 (virtual expert, kFc1Strips strips, all
+//   of K = hidden) or FC2 (virtual expert, kFc2Strips strips, all of K = inter).
+// - chunk: one pipeline stage of an item, kStrips strips x kChunkK 64-wide K atoms.
+#pragma once
+
+#include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/types.cuh>
+
+namespace moejit::kern::moe::decode {
+
+inline constexpr i32 kMaxTokens = 256;         // decode_moe serves T <= 256
+inline constexpr i32 kConsumerWarps = 8;       // warps that dequantize and multiply
+inline constexpr i32 kThreads = 32 * (kConsumerWarps + 1);  // + one producer warp
+inline constexpr i32 kConsumerThreads = 32 * kConsumerWarps;
+inline constexpr i32 kFc1ChunkK = 8;           // FC1 chunk: 8 K atoms = 512 of hidden
+inline constexpr i32 kFc2ChunkK = 2;           // FC2 chunk: 2 K atoms = 128 of inter
+inline constexpr i32 kMaxExperts = 4096;       // 12 bits in a virtual expert's packed info
+inline constexpr i32 kMaxTopK = 64;            // positions < 2^14
+inline constexpr i32 kSmemLimit = 227 * 1024;  // sm_90 opt-in limit per CTA
+
+// Why every rule: the kernel has no tail code anywhere. Each rule is static_assert-ed by
+// DecodeTraits and checked by the planner (decode_rule), which routes a shape that breaks one to
+// marlin_moe with the rule's text.
+enum class Rule : i32 {
+  kOk = 0,
+  kExperts,      // 1 <= E <= kMaxExperts (12-bit expert field)
+  kTopK,         // 1 <= K <= kMaxTopK (positions fit 14 bits)
+  kHidden,       // H % 512 == 0: FC1 chunks are whole 512-wide K runs; FC2 strips whole
+  kInter,        // I % 128 == 0: FC2 chunks are whole 128-wide K runs; FC1 items whole
+  kBlockN,       // BlockN in {16, 32}: n8 MMA tiles, packed count field
+  kFc1Strips,    // kFc1Strips in {1, 2, 4, 8} and divides I / 8
+  kFc2Strips,    // kFc2Strips in {4, 8} and divides H / 16
+  kStages,       // 2 <= stages <= 8
+  kSharedMemory, // the CTA's shared memory fits sm_90's 227 KB
+};
+
+// Every size of one decode_moe instance, derived from the shape traits (E, K, H, I, BlockN) and
+// the tile choice (strips per item, stages). constexpr, so DecodeTraits static_asserts on the
+// very functions the planner calls.
+struct Geometry {
+  i32 experts;     // E local experts
+  i32 top_k;       // K
+  i32 hidden;      // H
+  i32 inter;       // I
+  i32 block_n;     // BlockN positions per virtual expert (the MMA's N, 2 or 4 n8 tiles)
+  i32 fc1_strips;  // strips per FC1 item
+  i32 fc2_strips;  // strips per FC2 item
+  i32 stages;      // pipeline depth (chunks in flight per CTA)
+
+  // ---- routing ----
+  MOEJIT_HD constexpr i32 positions() const { return kMaxTokens * top_k; }
+  MOEJIT_HD constexpr i32 max_virtual() const {
+    return positions() < experts + positions() / block_n ? positions()
+                                                         : experts + positions() / block_n;
+  }
+  MOEJIT_HD constexpr i32 n_tiles() const { return block_n / 8; }
+
+  // ---- FC1: W13 [2I x H], strips of 8 gate/up pairs; K = H ----
+  MOEJIT_HD constexpr i32 fc1_k_atoms() const { return hidden / layout::kAtomK; }
+  MOEJIT_HD constexpr i32 fc1_m_atoms() const { return inter / layout::kGateUpRows; }
+  MOEJIT_HD constexpr i32 fc1_items() const { return fc1_m_atoms() / fc1_strips; }  // per v
+  MOEJIT_HD constexpr i32 fc1_chunks() const { return fc1_k_atoms() / kFc1ChunkK; }  // per item
+  MOEJIT_HD constexpr i32 fc1_warps_k() const { return kConsumerWarps / fc1_strips; }
+  // ---- FC2: W2 [H x I]; K = I ----
+  MOEJIT_HD constexpr i32 fc2_k_atoms() const { return inter / layout::kAtomK; }
+  MOEJIT_HD constexpr i32 fc2_m_atoms() const { return hidden / layout::kAtomRows; }
+  MOEJIT_HD constexpr i32 fc2_items() const { return fc2_m_atoms() / fc2_strips; }  // per v
+  MOEJIT_HD constexpr i32 fc2_chunks() const { return fc2_k_atoms() / kFc2ChunkK; }
+  MOEJIT_HD constexpr i32 fc2_warps_k() const { return kConsumerWarps / fc2_strips; }
+
+  // ---- shared memory (bytes; every region 16-byte aligned) ----
+  MOEJIT_HD constexpr i32 chunk_atoms() const {
+    return fc1_strips * kFc1ChunkK > fc2_strips * kFc2ChunkK ? fc1_strips * kFc1ChunkK
+                                                             : fc2_strips * kFc2ChunkK;
+  }
+  // Why +16: consecutive activation rows then start 16 bytes apart modulo 128, so ldmatrix is
+  // free of bank conflicts without a swizzle.
+  MOEJIT_HD static constexpr i32 act_row_bytes() {
+    return (kFc1ChunkK > kFc2ChunkK ? kFc1ChunkK : kFc2ChunkK) * layout::kAtomK * 2 + 16;
+  }
+  MOEJIT_HD constexpr i32 slot_weight_bytes() const { return chunk_atoms() * layout::kAtomBytes; }
+  MOEJIT_HD constexpr i32 slot_scale_bytes() const {
+    return chunk_atoms() * layout::kAtomScaleBytes;
+  }
+  MOEJIT_HD constexpr i32 slot_act_bytes() const { return block_n * act_row_bytes(); }
+  MOEJIT_HD constexpr i32 slot_bytes() const {
+    return slot_weight_bytes() + slot_scale_bytes() + slot_act_bytes();
+  }
+  MOEJIT_HD constexpr i32 ring_bytes() const { return stages * slot_bytes(); }
+  // Partial sums of the warps that split an item's K, summed in a fixed order.
+  MOEJIT_HD constexpr i32 reduce_bytes() const { return kConsumerWarps * n_tiles() * 4 * 32 * 4; }
+  MOEJIT_HD constexpr i32 sorted_bytes() const { return align16(positions() * 2); }
+  MOEJIT_HD constexpr i32 vinfo_bytes() const { return align16(max_virtual() * 4); }
+  MOEJIT_HD constexpr i32 control_bytes() const { return 256 + stages * 32; }
+  // Routing scratch, aliased with the ring (the ring is not used before routing ends): per-warp
+  // expert counts u16 [8][E], packed per-expert sums u32 [E].
+  MOEJIT_HD constexpr i32 route_scratch_bytes() const {
+    return align16(kConsumerWarps * experts * 2) + align16(experts * 4);
+  }
+  MOEJIT_HD constexpr i32 smem_bytes() const {
+    return ring_bytes() + reduce_bytes() + sorted_bytes() + vinfo_bytes() + control_bytes();
+  }
+  // CTAs per SM the shared memory allows (sm_90: 228 KB per SM, 1 KB reserved per CTA), at most
+  // two: the persistent grid is this many CTAs per SM.
+  MOEJIT_HD constexpr i32 blocks_per_sm() const {
+    return 2 * (smem_bytes() + 1024) <= 228 * 1024 ? 2 : 1;
+  }
+
+  // ---- global workspace (bytes; every region 256-byte aligned) ----
+  // counters (zeroed by the reset kernel before every forward): [0] the work queue,
+  // [1 .. max_virtual] FC1 items done per virtual expert, then FC2 items done per FC2 slice.
+  MOEJIT_HD constexpr i32 counter_words() const { return 1 + max_virtual() + fc2_items(); }
+  MOEJIT_HD constexpr i64 ws_counters() const { return 0; }
+  MOEJIT_HD constexpr i64 ws_inter() const { return align256(4LL * counter_words()); }
+  // FC1 output, bf16 [max_virtual][BlockN][I]
+  MOEJIT_HD constexpr i64 inter_bytes() const {
+    return static_cast<i64>(max_virtual()) * block_n * inter * 2;
+  }
+  MOEJIT_HD constexpr i64 ws_out2() const { return ws_inter() + align256(inter_bytes()); }
+  // FC2 rows, fp32 [positions][H], top-k weight applied; summed per token in slot order.
+  MOEJIT_HD constexpr i64 out2_bytes() const {
+    return static_cast<i64>(positions()) * hidden * 4;
+  }
+  MOEJIT_HD constexpr i64 workspace_bytes() const { return ws_out2() + align256(out2_bytes()); }
+
+  MOEJIT_HD constexpr Rule rule() const {
+    if (experts < 1 || experts > kMaxExperts) return Rule::kExperts;
+    if (top_k < 1 || top_k > kMaxTopK) return Rule::kTopK;
+    if (hidden < 512 || hidden % 512 != 0) return Rule::kHidden;
+    if (inter < 128 || inter % 128 != 0) return Rule::kInter;
+    if (block_n != 16 && block_n != 32) return Rule::kBlockN;
+    if ((fc1_strips != 1 && fc1_strips != 2 && fc1_strips != 4 && fc1_strips != 8) ||
+        fc1_m_atoms() % fc1_strips != 0) {
+      return Rule::kFc1Strips;
+    }
+    if ((fc2_strips != 4 && fc2_strips != 8) || fc2_m_atoms() % fc2_strips != 0) {
+      return Rule::kFc2Strips;
+    }
+    if (stages < 2 || stages > 8) return Rule::kStages;
+    if (smem_bytes() > kSmemLimit || route_scratch_bytes() > ring_bytes()) {
+      return Rule::kSharedMemory;
+    }
+    return Rule::kOk;
+  }
+
+  MOEJIT_HD static constexpr i32 align16(i32 x) { return (x + 15) / 16 * 16; }
+  MOEJIT_HD static constexpr i64 align256(i64 x) { return (x + 255) / 256 * 256; }
+};
+
+// A virtual expert's packed description: local expert (12 bits), positions (6 bits), first index
+// into the expert-sorted position list (14 bits).
+MOEJIT_HD constexpr u32 pack_virtual(i32 expert, i32 count, i32 first) {
+  return static_cast<u32>(expert) | (static_cast<u32>(count) << 12) |
+         (static_cast<u32>(first) << 18);
+}
+MOEJIT_HD constexpr i32 virtual_expert(u32 info) { return static_cast<i32>(info & 0xFFFu); }
+MOEJIT_HD constexpr i32 virtual_count(u32 info) { return static_cast<i32>((info >> 12) & 0x3Fu); }
+MOEJIT_HD constexpr i32 virtual_first(u32 info) { return static_cast<i32>(info >> 18); }
+
+// Kernel arguments (both kernels of the family take this struct by value).
+struct DecodeMoeParams {
+  const u8* w13;           // kernel layout (layout.cuh), the marlin_moe repack
+  const u8* w13_scales;
+  const u8* w2;
+  const u8* w2_scales;
+  const u16* hidden;       // bf16 [T][H], rows 16-byte aligned
+  const void* topk_ids;    // [T][K] int32, or int64 with kIds64
+  const float* topk_weights;  // [T][K]
+  u16* out;                // bf16 [T][H]
+  u8* workspace;           // Geometry::workspace_bytes(), 256-byte aligned
+  i32 num_tokens;          // T, 1 .. kMaxTokens
+  i32 expert_offset;       // global id of local expert 0
+};
+
+}  // namespace moejit::kern::moe::decode
