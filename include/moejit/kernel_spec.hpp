@@ -31,10 +31,11 @@ enum class Family {
   kMarlinMoe,     // grouped MXFP4 x bf16 GEMM, FC1 or FC2 (kernels/moe/moe_gemm.cuh)
   kCombine,       // top-k weighted sum of FC2 rows into [T, H] (kernels/moe/combine.cuh)
   kNarrowIds,     // int64 topk_ids -> int32 for route (kernels/moe/narrow_ids.cuh)
+  kDecodeMoe,     // fused small-T layer: route + FC1 + FC2 + combine (kernels/moe/decode_moe.cuh)
 };
 
 const char* family_name(Family family) noexcept;
-// "append_shared", "route", "repack", "marlin_moe", "combine", "narrow_ids"; throws
+// "append_shared", "route", "repack", "marlin_moe", "combine", "narrow_ids", "decode_moe"; throws
 // Error{kInvalidArgument} naming the known families.
 Family parse_family(const std::string& text);
 
@@ -141,11 +142,44 @@ struct NarrowIdsParams {
   }
 };
 
-using FamilyParams = std::variant<AppendSharedParams, MoeRouteParams, MoeRepackParams,
-                                  MarlinMoeParams, MoeCombineParams, NarrowIdsParams>;
+// decode_moe: one of the family's two kernels. kReset zeroes the work-queue counters (one CTA,
+// launched without programmatic dependent launch, so it starts after everything before it);
+// kMain is the persistent fused layer, launched with it (it waits on kReset before touching the
+// counters). Both take the same traits.
+enum class DecodeKernel { kReset, kMain };
+
+// decode_moe (kernels/moe/decode_moe.cuh DecodeTraits): the model's sizes are template arguments,
+// so every rule of kernels/moe/decode_params.cuh (Geometry::rule) is checked per spec.
+struct MoeDecodeParams {
+  DecodeKernel kernel = DecodeKernel::kMain;
+  int num_experts = 0;           // E local experts (1..4096: 12-bit field)
+  int top_k = 0;                 // K slots per token (1..64)
+  int hidden = 0;                // H, a multiple of 512 (whole FC1 chunks)
+  int intermediate = 0;          // I, a multiple of 128 (whole FC2 chunks)
+  int block_n = 0;               // positions per virtual expert, the MMA's N: 16 or 32
+  int fc1_strips = 0;            // 16-row strips per FC1 item: 1, 2, 4 or 8 dividing I / 8
+  int fc2_strips = 0;            // 16-row strips per FC2 item: 4 or 8 dividing H / 16
+  int stages = 0;                // chunks in flight per CTA (2..8)
+  Activation activation;         // the gated activation of FC1
+  DType id_dtype = DType::kI32;  // topk_ids element type read directly (kI32 or kI64)
+
+  friend bool operator==(const MoeDecodeParams& a, const MoeDecodeParams& b) {
+    return a.kernel == b.kernel && a.num_experts == b.num_experts && a.top_k == b.top_k &&
+           a.hidden == b.hidden && a.intermediate == b.intermediate && a.block_n == b.block_n &&
+           a.fc1_strips == b.fc1_strips && a.fc2_strips == b.fc2_strips && a.stages == b.stages &&
+           a.activation.kind == b.activation.kind && a.activation.limit == b.activation.limit &&
+           a.activation.alpha == b.activation.alpha && a.activation.beta == b.activation.beta &&
+           a.activation.linear_beta == b.activation.linear_beta && a.id_dtype == b.id_dtype;
+  }
+};
+
+using FamilyParams =
+    std::variant<AppendSharedParams, MoeRouteParams, MoeRepackParams, MarlinMoeParams,
+                 MoeCombineParams, NarrowIdsParams, MoeDecodeParams>;
 
 const char* route_kernel_name(RouteKernel kernel) noexcept;  // "single", "rank", "scan", "scatter"
 const char* moe_gemm_stage_name(MoeGemmStage stage) noexcept;  // "fc1", "fc2"
+const char* decode_kernel_name(DecodeKernel kernel) noexcept;  // "reset", "main"
 
 struct KernelSpec {
   Family family = Family::kAppendShared;

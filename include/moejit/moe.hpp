@@ -9,6 +9,11 @@
 //      be captured in a CUDA graph. Run `moejit prewarm` (or moejit::prewarm) on the shape first:
 //      every kernel moe_forward can pick for any T <= shape.max_tokens is then already built.
 //
+// Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset)
+// for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem); and
+// marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. moe_forward picks
+// decode_moe where it serves, unless MoeForwardOptions says otherwise.
+//
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
 // contiguous (row-major, strides null or compact). Shapes use E = shape.num_experts (local),
 // K = shape.top_k, H = shape.hidden, I = shape.intermediate, T = tokens of the call.
@@ -18,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "moejit/ops.hpp"
 #include "moejit/shape.hpp"
@@ -94,9 +100,10 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
 void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& checkpoint,
                          const MoeRepackTarget& target, Stream stream);
 
-// Device workspace (bytes, 256-byte aligned base) moe_forward needs for any T <= max_tokens:
-// route arrays, the FC1 output and the FC2 output. Throws Error{kInvalidArgument} when
-// max_tokens < 0 or exceeds shape.max_tokens.
+// Device workspace (bytes, 256-byte aligned base) moe_forward needs for any T <= max_tokens on
+// either path, with any MoeForwardOptions: route arrays, the FC1 output and the FC2 output (and
+// decode_moe's counters and buffers). Throws Error{kInvalidArgument} when max_tokens < 0 or
+// exceeds shape.max_tokens.
 std::size_t moe_workspace_bytes(const ModelShape& shape, int max_tokens);
 
 struct MoeForwardArgs {
@@ -115,11 +122,35 @@ struct MoeForwardArgs {
   DLTensor* out = nullptr;
 };
 
+// Which kernels compute the layer.
+enum class MoePath {
+  kAuto,    // decode_moe for 1 <= T <= 256 where it serves the shape on the device, else marlin
+  kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
+  kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
+};
+
+struct MoeForwardOptions {
+  MoePath path = MoePath::kAuto;
+  // decode_moe's positions per virtual expert: 0 = the planner's choice, 16 or 32 forces it
+  // (used whenever the call takes the decode path; prewarm builds only the planner's choices, so
+  // a forced value that differs is compiled on first use). Anything else: Error{kInvalidArgument}.
+  int decode_block_n = 0;
+};
+
 // out[t] = sum over slots s with a local id e of topk_weights[t, s] *
 //          (W2_e act(W13_e hidden[t] + b13_e) + b2_e),
-// summed in slot order (deterministic: same inputs, same bits). T = 0 launches nothing.
-// Throws Error{kInvalidArgument} on a mismatched tensor or a short workspace, Error{kCaptureMiss}
-// when a kernel is not built and the stream is capturing (prewarm first).
+// summed in slot order (deterministic: same inputs, same path, same bits). T = 0 launches
+// nothing. Throws Error{kInvalidArgument} on a mismatched tensor, a short workspace or bad
+// options, Error{kUnsupported} when a forced path can't serve the call (the message names the
+// rule), Error{kCaptureMiss} when a kernel is not built and the stream is capturing (prewarm
+// first). The three-argument form is options.path = kAuto.
 void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream);
+void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream,
+                 const MoeForwardOptions& options);
+
+// "" when decode_moe serves `shape` for T <= 256 (on sm_90 or newer); otherwise the reason, e.g.
+// "hidden = 2880 is not a multiple of 512 (...)", or that it has biases. Such shapes use
+// marlin_moe on every T.
+std::string moe_decode_problem(const ModelShape& shape);
 
 }  // namespace moejit

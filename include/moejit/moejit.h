@@ -102,6 +102,25 @@ moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const DLTensor* topk_ids, const DLTensor* topk_weights,
                                  const moejit_moe_weights* weights, void* workspace,
                                  size_t workspace_bytes, DLTensor* out, void* stream);
+
+/* Which kernels compute the layer (moejit::MoePath). */
+typedef enum moejit_moe_path {
+  MOEJIT_MOE_PATH_AUTO = 0,   /* decode_moe for 1 <= T <= 256 where it serves, else marlin_moe */
+  MOEJIT_MOE_PATH_MARLIN = 1, /* route -> FC1 -> FC2 -> combine, every shape and T */
+  MOEJIT_MOE_PATH_DECODE = 2  /* decode_moe; MOEJIT_ERROR_UNSUPPORTED where it can't serve */
+} moejit_moe_path;
+
+/* moejit_moe_forward with moejit::MoeForwardOptions: `path`, and decode_block_n (0 = the
+ * planner's choice, 16 or 32 forces decode_moe's positions per virtual expert). */
+moejit_status moejit_moe_forward_ex(const moejit_moe* moe, const DLTensor* hidden,
+                                    const DLTensor* topk_ids, const DLTensor* topk_weights,
+                                    const moejit_moe_weights* weights, void* workspace,
+                                    size_t workspace_bytes, DLTensor* out, moejit_moe_path path,
+                                    int decode_block_n, void* stream);
+
+/* *out = "" when decode_moe serves the shape (T <= 256, sm_90 or newer), else the reason
+ * (moejit::moe_decode_problem). The text lives as long as the handle. */
+moejit_status moejit_moe_decode_problem(const moejit_moe* moe, const char** out);
 /* ---- end of MoE layer ------------------------------------------------------------------------ */
 
 #ifdef __cplusplus

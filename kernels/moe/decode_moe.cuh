@@ -48,6 +48,9 @@ __device__ __forceinline__ void arrive_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void arrive(u32 bar, u32 count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
 __device__ __forceinline__ void wait(u32 bar, u32 parity) {
   u32 done = 0;
   while (!done) {
@@ -83,6 +86,32 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ u32 load_acquire(const u32* p) {
   u32 v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+__device__ __forceinline__ void store_release_cta(u32* p, u32 v) {
+  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(ptx::smem_u32(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 load_acquire_cta(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(ptx::smem_u32(p)) : "memory");
+  return v;
+}
+__device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
+      "p; }"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ u32 load_relaxed(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
@@ -121,7 +150,8 @@ struct DecodeTraits {
   static_assert(kGeo.rule() != Rule::kSharedMemory,
                 "decode_moe: shared memory over 227 KB (or routing scratch over the ring)");
   static_assert(kGeo.rule() == Rule::kOk, "decode_moe: shape rule broken");
-  static_assert(kThreads == 288 && kConsumerWarps == 8, "one producer warp + eight consumers");
+  static_assert(kThreads == 320 && kConsumerWarps == 8,
+                "eight consumer warps, one producer warp, one publisher warp");
   static_assert(kFc1ChunkK % kGeo.fc1_warps_k() == 0,
                 "FC1 chunk atoms split evenly over the warps of a strip");
   static_assert(kFc2ChunkK % kGeo.fc2_warps_k() == 0,
@@ -335,11 +365,55 @@ __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeP
   }
 }
 
+// Shared control words (misc[], u32): routing scan sums, items finished per consumer warp (the
+// producer retires an item when every warp has finished it), the producer's list of items in
+// flight and the H slices waiting for their combine.
+inline constexpr i32 kMiscScan = 0;       // [0, 10): block_exclusive_scan warp sums + total
+inline constexpr i32 kMiscDone = 16;      // [16, 24): items finished, per consumer warp
+inline constexpr i32 kMiscInFlight = 32;  // [32, 64): items issued, not yet retired (ring)
+inline constexpr i32 kMiscCombine = 64;   // [64, 96): H slices to combine
+inline constexpr i32 kMiscCombinesPushed = 96;  // combines the publisher has listed
+inline constexpr i32 kMiscIssuedFinal = 97;     // items the producer issued, once it is done
+inline constexpr i32 kMiscPublisherDone = 98;   // 1 once every item is retired
+inline constexpr i32 kInFlight = 32;
+
+// Sums H slice `slice` (kCols columns) of every token over its local slots, in slot order, into
+// out (bf16). The consumer warps share the work.
+template <class T>
+__device__ __forceinline__ void combine_slice(const DecodeMoeParams& p, const float* out2,
+                                              i32 slice) {
+  constexpr Geometry G = T::kGeo;
+  constexpr i32 kCols = G.fc2_strips * layout::kAtomRows;  // 64 or 128
+  constexpr i32 kThreadsPerToken = kCols / 4;               // 4 columns (16 bytes) each
+  constexpr i32 kTokensPerPass = kConsumerThreads / kThreadsPerToken;
+  const i32 tid = static_cast<i32>(threadIdx.x);
+  const i32 col = slice * kCols + (tid % kThreadsPerToken) * 4;
+  for (i32 tok = tid / kThreadsPerToken; tok < p.num_tokens; tok += kTokensPerPass) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll 4
+    for (i32 k = 0; k < G.top_k; ++k) {
+      const i32 pos = tok * G.top_k + k;
+      if (local_expert<T>(p, pos) == kNoExpert) continue;
+      const float4 x =
+          __ldcg(reinterpret_cast<const float4*>(out2 + static_cast<i64>(pos) * G.hidden + col));
+      s0 += x.x;
+      s1 += x.y;
+      s2 += x.z;
+      s3 += x.w;
+    }
+    uint2 packed;
+    packed.x = ptx::pack_bf16x2(s0, s1);
+    packed.y = ptx::pack_bf16x2(s2, s3);
+    *reinterpret_cast<uint2*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const DecodeMoeParams p) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 kNT = G.n_tiles();
   constexpr i32 kS = G.stages;
+  constexpr i32 kRedFloats = kConsumerWarps * kNT * 4 * 32;
   extern __shared__ __align__(128) u8 smem[];
   u8* const ring = smem;
   float* const red = reinterpret_cast<float*>(smem + G.ring_bytes());
@@ -347,8 +421,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
   u32* const vinfo = reinterpret_cast<u32*>(reinterpret_cast<u8*>(sorted) + G.sorted_bytes());
   u64* const full = reinterpret_cast<u64*>(reinterpret_cast<u8*>(vinfo) + G.vinfo_bytes());
   u64* const empty = full + kS;
-  i32* const headers = reinterpret_cast<i32*>(empty + kS);  // [kS][4]: item, chunk
-  u32* const misc = reinterpret_cast<u32*>(headers + 4 * kS);  // scan sums, combine flag
+  // Chunk headers [kS][4]: item (>= 0), -1 = end, -2 = combine; then the chunk or the H slice.
+  i32* const headers = reinterpret_cast<i32*>(empty + kS);
+  u32* const misc = reinterpret_cast<u32*>(headers + 4 * kS);
 
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -361,7 +436,13 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     }
     pipe::fence_mbar_init();
   }
-  const i32 nv = route<T>(p, ring, sorted, vinfo, misc);  // ends with __syncthreads()
+  if (tid < kConsumerWarps) misc[kMiscDone + tid] = 0u;
+  if (tid == 0) {
+    misc[kMiscCombinesPushed] = 0u;
+    misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
+    misc[kMiscPublisherDone] = 0u;
+  }
+  const i32 nv = route<T>(p, ring, sorted, vinfo, misc + kMiscScan);  // ends with __syncthreads
 
   // Counters were zeroed by decode_moe_reset, the previous grid in the stream.
   ::moejit::kern::ptx::grid_dependency_wait();
@@ -385,29 +466,96 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
   const u32 ring_base = ptx::smem_u32(ring);
   constexpr i32 kActRow = G.act_row_bytes();
 
-  if (warp == kConsumerWarps) {
+  i32* const in_flight = reinterpret_cast<i32*>(misc + kMiscInFlight);
+  u32* const combines = misc + kMiscCombine;
+
+  if (warp == kPublisherWarp) {
+    // ============================== publisher ==============================
+    // Lane 0 publishes the items every consumer warp has finished: FC1 bumps its virtual
+    // expert's counter (FC2 items wait on it); FC2 bumps its H slice's counter, and the CTA that
+    // completes a slice has it combined. Why a warp of its own: a gpu-scope fence waits for the
+    // issuing thread's outstanding memory operations, so the producer (with a ring of copies in
+    // flight) must never fence, and the consumers should not stall on one per item.
+    if (lane != 0) return;
+    u32 retired = 0;
+    u32 pushed = 0;
+    for (;;) {
+      u32 done = 0xFFFFFFFFu;
+#pragma unroll
+      for (i32 w = 0; w < kConsumerWarps; ++w) {
+        done = min(done, pipe::load_acquire_cta(misc + kMiscDone + w));
+      }
+      if (done != retired) {
+        pipe::fence_acq_rel_gpu();  // the consumers' output stores, before the counters
+        bool combine = false;
+        for (; retired < done; ++retired) {
+          const i32 it = in_flight[retired % kInFlight];
+          if (it < fc1_total) {
+            atomicAdd(fc1_done + it / G.fc1_items(), 1u);
+          } else {
+            const i32 slice = (it - fc1_total) % G.fc2_items();
+            if (atomicAdd(fc2_done + slice, 1u) == static_cast<u32>(nv - 1)) {
+              combines[pushed % kInFlight] = static_cast<u32>(slice);
+              ++pushed;
+              combine = true;
+            }
+          }
+        }
+        if (combine) {
+          pipe::fence_acq_rel_gpu();  // every CTA's FC2 rows, before the combine
+          pipe::store_release_cta(misc + kMiscCombinesPushed, pushed);
+        }
+        continue;
+      }
+      // Finished when the producer has issued its last item and all of them are retired.
+      const u32 final_count = pipe::load_acquire_cta(misc + kMiscIssuedFinal);
+      if (final_count != 0xFFFFFFFFu && retired == final_count) break;
+      pipe::sleep_ns(32);
+    }
+    pipe::store_release_cta(misc + kMiscPublisherDone, 1u);
+    return;
+  }
+
+  if (warp == kProducerWarp) {
     // ============================== producer ==============================
+    // Lane 0 keeps the books; all lanes issue bulk copies (one per strip run, one per
+    // activation row).
     const u64 evict_first = ptx::policy_evict_first();
     pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
-    u32 seq = 0;                // chunks produced so far (ring position and phase)
+    u32 seq = 0;                // ring entries produced (position and phase)
+    u32 issued = 0;
+    u32 combined = 0;           // combine entries pushed into the ring
+
+    const auto open_entry = [&]() {
+      const i32 slot = static_cast<i32>(seq % kS);
+      pipe::wait(ptx::smem_u32(empty + slot), ((seq / kS) & 1u) ^ 1u);
+      ++seq;
+      return slot;
+    };
+    const auto push_combines = [&]() {
+      const u32 pushed = pipe::load_acquire_cta(misc + kMiscCombinesPushed);
+      for (; combined < pushed; ++combined) {
+        const i32 slot = open_entry();
+        if (lane == 0) {
+          headers[4 * slot] = -2;
+          headers[4 * slot + 1] = static_cast<i32>(combines[combined % kInFlight]);
+          pipe::arrive(ptx::smem_u32(full + slot));
+        }
+        __syncwarp();
+      }
+    };
+
     i32 item = 0;
     if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
     item = __shfl_sync(0xffffffffu, item, 0);
-    for (;;) {
-      if (item >= total) {
-        const i32 slot = static_cast<i32>(seq % kS);
-        pipe::wait(ptx::smem_u32(empty + slot), ((seq / kS) & 1u) ^ 1u);
-        if (lane == 0) {
-          headers[4 * slot] = -1;
-          pipe::arrive(ptx::smem_u32(full + slot));
-        }
-        break;
-      }
+    while (item < total) {
       const bool fc2 = item >= fc1_total;
       const i32 local = fc2 ? item - fc1_total : item;
       const i32 per_v = fc2 ? G.fc2_items() : G.fc1_items();
       const i32 v = local / per_v;
       const i32 slice = local % per_v;
+      u32 ready = 0;  // FC1 items of v done, loaded early (an FC2 item waits for all of them)
+      if (fc2 && lane == 0) ready = pipe::load_relaxed(fc1_done + v);
       const u32 info = vinfo[v];
       const i32 e = virtual_expert(info);
       const i32 count = virtual_count(info);
@@ -415,12 +563,13 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       const i32 strips = fc2 ? G.fc2_strips : G.fc1_strips;
       const i32 chunk_k = fc2 ? kFc2ChunkK : kFc1ChunkK;
       const i32 chunks = fc2 ? G.fc2_chunks() : G.fc1_chunks();
-      const i32 k_atoms = fc2 ? G.fc2_k_atoms() : G.fc1_k_atoms();
-      const layout::Dims dims{fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms(), k_atoms};
+      const layout::Dims dims{fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms(),
+                              fc2 ? G.fc2_k_atoms() : G.fc1_k_atoms()};
       const u8* const wsrc = fc2 ? p.w2 : p.w13;
       const u8* const ssrc = fc2 ? p.w2_scales : p.w13_scales;
       const u32 act_bytes = static_cast<u32>(chunk_k * layout::kAtomK * 2);
-      const u32 tx = static_cast<u32>(strips * chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
+      const u32 tx = static_cast<u32>(strips * chunk_k *
+                                      (layout::kAtomBytes + layout::kAtomScaleBytes)) +
                      static_cast<u32>(count) * act_bytes;
       // This lane's activation row (lane < count): FC1 reads the token's hidden row, FC2 the
       // virtual expert's FC1 output row.
@@ -445,47 +594,68 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       };
       const auto issue_act = [&](i32 c, i32 slot) {
         if (lane < count) {
-          const u32 bar = ptx::smem_u32(full + slot);
           const u32 dst = ring_base + static_cast<u32>(slot * G.slot_bytes() +
-                                                       G.slot_weight_bytes() + G.slot_scale_bytes() +
-                                                       lane * kActRow);
-          pipe::copy(dst, act_src + c * chunk_k * layout::kAtomK, act_bytes, bar);
+                                                       G.slot_weight_bytes() +
+                                                       G.slot_scale_bytes() + lane * kActRow);
+          pipe::copy(dst, act_src + c * chunk_k * layout::kAtomK, act_bytes,
+                     ptx::smem_u32(full + slot));
         }
       };
-      const auto open_slot = [&](i32 c) {
-        const i32 slot = static_cast<i32>(seq % kS);
-        pipe::wait(ptx::smem_u32(empty + slot), ((seq / kS) & 1u) ^ 1u);
+      const auto open_chunk = [&](i32 c) {
+        const i32 slot = open_entry();
         if (lane == 0) {
           headers[4 * slot] = item;
           headers[4 * slot + 1] = c;
           pipe::arrive_expect_tx(ptx::smem_u32(full + slot), tx);
         }
         __syncwarp();
-        ++seq;
         return slot;
       };
+      if (lane == 0) in_flight[issued % kInFlight] = item;
+      ++issued;
+      i32 next = 0;
       i32 c = 0;
       if (fc2) {
         // Weights of the first chunks before waiting for FC1 of this virtual expert.
         const i32 early = min(chunks, kS);
         const u32 seq0 = seq;
-        for (; c < early; ++c) issue_weights(c, open_slot(c));
+        for (; c < early; ++c) {
+          issue_weights(c, open_chunk(c));
+          if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
+        }
         if (lane == 0) {
-          while (pipe::load_acquire(fc1_done + v) < static_cast<u32>(G.fc1_items())) {
-            pipe::sleep_ns(100);
+          while (ready < static_cast<u32>(G.fc1_items())) {
+            pipe::sleep_ns(64);
+            ready = pipe::load_relaxed(fc1_done + v);
           }
+          pipe::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
         }
         __syncwarp();
-        pipe::fence_proxy_async();
+        pipe::fence_proxy_async();  // FC1 rows written by plain stores, read by bulk copies
         for (i32 k = 0; k < early; ++k) issue_act(k, static_cast<i32>((seq0 + k) % kS));
       }
       for (; c < chunks; ++c) {
-        const i32 slot = open_slot(c);
+        const i32 slot = open_chunk(c);
         issue_weights(c, slot);
         issue_act(c, slot);
+        if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
       }
-      if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
-      item = __shfl_sync(0xffffffffu, item, 0);
+      item = __shfl_sync(0xffffffffu, next, 0);
+      push_combines();
+    }
+    // Queue drained: let the publisher retire what is in flight, combine what it completes,
+    // then stop the consumers.
+    if (lane == 0) pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
+    for (;;) {
+      const u32 finished = pipe::load_acquire_cta(misc + kMiscPublisherDone);
+      push_combines();
+      if (finished != 0u) break;
+      pipe::sleep_ns(64);
+    }
+    const i32 slot = open_entry();
+    if (lane == 0) {
+      headers[4 * slot] = -1;
+      pipe::arrive(ptx::smem_u32(full + slot));
     }
     return;
   }
@@ -493,12 +663,21 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
   // ============================== consumers ==============================
   float acc[kNT][4];
   u32 seq = 0;
+  u32 items = 0;    // items finished by this warp
+  u32 reduces = 0;  // items that went through the K-split reduction (red buffer parity)
   for (;;) {
     const i32 slot = static_cast<i32>(seq % kS);
     pipe::wait(ptx::smem_u32(full + slot), (seq / kS) & 1u);
+    ++seq;
     const i32 item = headers[4 * slot];
     const i32 c = headers[4 * slot + 1];
-    if (item < 0) break;
+    if (item == -1) break;
+    if (item == -2) {
+      combine_slice<T>(p, out2, c);
+      __syncwarp();
+      if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
+      continue;
+    }
     const bool fc2 = item >= fc1_total;
     const i32 local = fc2 ? item - fc1_total : item;
     const i32 per_v = fc2 ? G.fc2_items() : G.fc1_items();
@@ -522,7 +701,11 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
         for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
       }
     }
+#if defined(MOEJIT_DECODE_PROBE_NO_MATH)
+    if (false) {
+#else
     if (fc2) {
+#endif
       mma_chunk<kFc2ChunkK, G.fc2_warps_k(), kNT>(w_base, s_base, a_base, strip, kslice,
                                                   n_active, acc);
     } else {
@@ -531,16 +714,16 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     }
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
-    ++seq;
     if (c != (fc2 ? G.fc2_chunks() : G.fc1_chunks()) - 1) continue;
 
     // ---- the item's last chunk: fixed-order sum of the K split, then the epilogue ----
     if (wk > 1) {
+      float* const buf = red + (reduces++ & 1u) * kRedFloats;
       if (kslice != 0) {
 #pragma unroll
         for (i32 nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-          for (i32 r = 0; r < 4; ++r) red[((warp * kNT + nt) * 4 + r) * 32 + lane] = acc[nt][r];
+          for (i32 r = 0; r < 4; ++r) buf[((warp * kNT + nt) * 4 + r) * 32 + lane] = acc[nt][r];
         }
       }
       pipe::consumers_sync();
@@ -550,7 +733,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
           for (i32 nt = 0; nt < kNT; ++nt) {
 #pragma unroll
             for (i32 r = 0; r < 4; ++r) {
-              acc[nt][r] += red[(((warp + k) * kNT + nt) * 4 + r) * 32 + lane];
+              acc[nt][r] += buf[(((warp + k) * kNT + nt) * 4 + r) * 32 + lane];
             }
           }
         }
@@ -592,43 +775,10 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
         }
       }
     }
-    __threadfence();
-    pipe::consumers_sync();
-    if (!fc2) {
-      if (tid == 0) atomicAdd(fc1_done + v, 1u);
-      continue;
-    }
-    if (tid == 0) {
-      const u32 done = atomicAdd(fc2_done + slice, 1u);
-      misc[kThreads / 32 + 1] = done == static_cast<u32>(nv - 1) ? 1u : 0u;
-      __threadfence();
-    }
-    pipe::consumers_sync();
-    if (misc[kThreads / 32 + 1] == 0u) continue;
-
-    // ---- this CTA finished H slice `slice` last: sum it for every token, in slot order ----
-    constexpr i32 kCols = G.fc2_strips * layout::kAtomRows;  // 64 or 128
-    constexpr i32 kThreadsPerToken = kCols / 4;               // 4 columns (16 bytes) each
-    constexpr i32 kTokensPerPass = kConsumerThreads / kThreadsPerToken;
-    const i32 col = slice * kCols + (tid % kThreadsPerToken) * 4;
-    for (i32 tok = tid / kThreadsPerToken; tok < p.num_tokens; tok += kTokensPerPass) {
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll 4
-      for (i32 k = 0; k < G.top_k; ++k) {
-        const i32 pos = tok * G.top_k + k;
-        if (local_expert<T>(p, pos) == kNoExpert) continue;
-        const float4 x =
-            __ldcg(reinterpret_cast<const float4*>(out2 + static_cast<i64>(pos) * G.hidden + col));
-        s0 += x.x;
-        s1 += x.y;
-        s2 += x.z;
-        s3 += x.w;
-      }
-      uint2 packed;
-      packed.x = ptx::pack_bf16x2(s0, s1);
-      packed.y = ptx::pack_bf16x2(s2, s3);
-      *reinterpret_cast<uint2*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
-    }
+    // The producer retires the item once every warp has published it.
+    ++items;
+    __syncwarp();
+    if (lane == 0) pipe::store_release_cta(misc + kMiscDone + warp, items);
   }
 }
 

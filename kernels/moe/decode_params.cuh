@@ -20,7 +20,9 @@ namespace moejit::kern::moe::decode {
 
 inline constexpr i32 kMaxTokens = 256;         // decode_moe serves T <= 256
 inline constexpr i32 kConsumerWarps = 8;       // warps that dequantize and multiply
-inline constexpr i32 kThreads = 32 * (kConsumerWarps + 1);  // + one producer warp
+inline constexpr i32 kProducerWarp = kConsumerWarps;       // streams the ring
+inline constexpr i32 kPublisherWarp = kConsumerWarps + 1;  // retires items (fences, counters)
+inline constexpr i32 kThreads = 32 * (kConsumerWarps + 2);
 inline constexpr i32 kConsumerThreads = 32 * kConsumerWarps;
 inline constexpr i32 kFc1ChunkK = 8;           // FC1 chunk: 8 K atoms = 512 of hidden
 inline constexpr i32 kFc2ChunkK = 2;           // FC2 chunk: 2 K atoms = 128 of inter
@@ -97,11 +99,16 @@ struct Geometry {
     return slot_weight_bytes() + slot_scale_bytes() + slot_act_bytes();
   }
   MOEJIT_HD constexpr i32 ring_bytes() const { return stages * slot_bytes(); }
-  // Partial sums of the warps that split an item's K, summed in a fixed order.
-  MOEJIT_HD constexpr i32 reduce_bytes() const { return kConsumerWarps * n_tiles() * 4 * 32 * 4; }
+  // Partial sums of the warps that split an item's K, summed in a fixed order; two buffers
+  // (by item parity) so one barrier per item suffices.
+  MOEJIT_HD constexpr i32 reduce_bytes() const {
+    return 2 * kConsumerWarps * n_tiles() * 4 * 32 * 4;
+  }
   MOEJIT_HD constexpr i32 sorted_bytes() const { return align16(positions() * 2); }
   MOEJIT_HD constexpr i32 vinfo_bytes() const { return align16(max_virtual() * 4); }
-  MOEJIT_HD constexpr i32 control_bytes() const { return 256 + stages * 32; }
+  // mbarriers and chunk headers per stage; scan sums, per-warp items done, the producer's
+  // in-flight item list and pending combines.
+  MOEJIT_HD constexpr i32 control_bytes() const { return 512 + stages * 32; }
   // Routing scratch, aliased with the ring (the ring is not used before routing ends): per-warp
   // expert counts u16 [8][E], packed per-expert sums u32 [E].
   MOEJIT_HD constexpr i32 route_scratch_bytes() const {

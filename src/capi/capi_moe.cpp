@@ -10,6 +10,7 @@
 
 struct moejit_moe {
   moejit::ModelShape shape;
+  std::string decode_problem;  // moe_decode_problem(shape), computed once
 };
 
 namespace {
@@ -47,6 +48,41 @@ void require_out(const char* call, const void* out) {
   }
 }
 
+moejit::MoePath path_of(const char* call, moejit_moe_path path) {
+  switch (path) {
+    case MOEJIT_MOE_PATH_AUTO:
+      return moejit::MoePath::kAuto;
+    case MOEJIT_MOE_PATH_MARLIN:
+      return moejit::MoePath::kMarlin;
+    case MOEJIT_MOE_PATH_DECODE:
+      return moejit::MoePath::kDecode;
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              std::string(call) +
+                  ": path: expected MOEJIT_MOE_PATH_AUTO (0), MOEJIT_MOE_PATH_MARLIN (1) or "
+                  "MOEJIT_MOE_PATH_DECODE (2), found " +
+                  std::to_string(static_cast<int>(path)));
+}
+
+void forward(const char* call, const moejit_moe* moe, const DLTensor* hidden,
+             const DLTensor* topk_ids, const DLTensor* topk_weights,
+             const moejit_moe_weights* weights, void* workspace, size_t workspace_bytes,
+             DLTensor* out, moejit_moe_path path, int decode_block_n, void* stream) {
+  const moejit::ModelShape& shape = shape_of(call, moe);
+  moejit::MoeForwardArgs args;
+  args.hidden = hidden;
+  args.topk_ids = topk_ids;
+  args.topk_weights = topk_weights;
+  args.weights = weights_of(call, "weights", weights);
+  args.workspace = workspace;
+  args.workspace_bytes = workspace_bytes;
+  args.out = out;
+  moejit::MoeForwardOptions options;
+  options.path = path_of(call, path);
+  options.decode_block_n = decode_block_n;
+  moejit::moe_forward(shape, args, static_cast<moejit::Stream>(stream), options);
+}
+
 }  // namespace
 
 extern "C" {
@@ -63,7 +99,8 @@ moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out) {
     // Why here: a shape the MoE kernels can't serve is refused when the handle is made, not on
     // the first forward.
     moejit::moe_weight_layout(shape);
-    *out = new moejit_moe{std::move(shape)};
+    std::string decode_problem = moejit::moe_decode_problem(shape);
+    *out = new moejit_moe{std::move(shape), std::move(decode_problem)};
   });
 }
 
@@ -142,17 +179,28 @@ moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const moejit_moe_weights* weights, void* workspace,
                                  size_t workspace_bytes, DLTensor* out, void* stream) {
   return moejit::detail::capi_call([&] {
-    const char* call = "moejit_moe_forward";
-    const moejit::ModelShape& shape = shape_of(call, moe);
-    moejit::MoeForwardArgs args;
-    args.hidden = hidden;
-    args.topk_ids = topk_ids;
-    args.topk_weights = topk_weights;
-    args.weights = weights_of(call, "weights", weights);
-    args.workspace = workspace;
-    args.workspace_bytes = workspace_bytes;
-    args.out = out;
-    moejit::moe_forward(shape, args, static_cast<moejit::Stream>(stream));
+    forward("moejit_moe_forward", moe, hidden, topk_ids, topk_weights, weights, workspace,
+            workspace_bytes, out, MOEJIT_MOE_PATH_AUTO, 0, stream);
+  });
+}
+
+moejit_status moejit_moe_forward_ex(const moejit_moe* moe, const DLTensor* hidden,
+                                    const DLTensor* topk_ids, const DLTensor* topk_weights,
+                                    const moejit_moe_weights* weights, void* workspace,
+                                    size_t workspace_bytes, DLTensor* out, moejit_moe_path path,
+                                    int decode_block_n, void* stream) {
+  return moejit::detail::capi_call([&] {
+    forward("moejit_moe_forward_ex", moe, hidden, topk_ids, topk_weights, weights, workspace,
+            workspace_bytes, out, path, decode_block_n, stream);
+  });
+}
+
+moejit_status moejit_moe_decode_problem(const moejit_moe* moe, const char** out) {
+  return moejit::detail::capi_call([&] {
+    const char* call = "moejit_moe_decode_problem";
+    shape_of(call, moe);
+    require_out(call, out);
+    *out = moe->decode_problem.c_str();
   });
 }
 

@@ -1,17 +1,20 @@
 // moe_forward: argument checks, the config for T (detail::choose_moe_config, the function the
-// planner uses, so a prewarmed cache holds every kernel looked up here), workspace carving, and
-// the launches [narrow_ids] -> route -> FC1 -> FC2 -> combine on the caller's stream. The valid
-// path allocates nothing and never synchronizes: it is CUDA-graph capturable.
+// planner uses, so a prewarmed cache holds every kernel looked up here), the path (decode_moe's
+// reset -> fused layer, or [narrow_ids] -> route -> FC1 -> FC2 -> combine), workspace carving,
+// and the launches on the caller's stream. The valid path allocates nothing and never
+// synchronizes: it is CUDA-graph capturable.
 #include <cuda.h>
 
 #include <climits>
 #include <cstdint>
+#include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 #include <string>
 
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
+#include "ops/decode_forward.hpp"
 #include "ops/moe_launch.hpp"
 #include "ops/tensor_checks.hpp"
 #include "plan/moe_plan.hpp"
@@ -41,6 +44,26 @@ void check_shape(const char* op, const ModelShape& shape) {
 
 unsigned ceil_div_u(uint64_t a, uint64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
+void check_options(const MoeForwardOptions& options) {
+  if (options.path != MoePath::kAuto && options.path != MoePath::kMarlin &&
+      options.path != MoePath::kDecode) {
+    detail::throw_argument(kOp, "options.path", "MoePath::kAuto, kMarlin or kDecode",
+                           std::to_string(static_cast<int>(options.path)));
+  }
+  if (options.decode_block_n != 0 && options.decode_block_n != 16 && options.decode_block_n != 32) {
+    detail::throw_argument(kOp, "options.decode_block_n",
+                           "0 (the planner's choice), 16 or 32 (decode_moe's block_n)",
+                           std::to_string(options.decode_block_n));
+  }
+}
+
+// Why here and cold: only a forced decode path that can't run formats a message.
+[[noreturn]] __attribute__((cold, noinline)) void throw_decode_refused(const std::string& reason) {
+  throw Error(ErrorCode::kUnsupported,
+              std::string(kOp) + ": options.path = decode can't serve this call: " + reason +
+                  " (use MoePath::kAuto or kMarlin)");
+}
+
 }  // namespace
 
 MoeWeightLayout moe_weight_layout(const ModelShape& shape) {
@@ -66,9 +89,27 @@ std::size_t moe_workspace_bytes(const ModelShape& shape, int max_tokens) {
   return detail::moe_workspace_bytes_for(shape, max_tokens);
 }
 
+std::string moe_decode_problem(const ModelShape& shape) {
+  check_shape("moe_decode_problem", shape);
+  return detail::decode_moe_problem(shape);
+}
+
 void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream) {
+  moe_forward(shape, args, stream, MoeForwardOptions{});
+}
+
+void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream,
+                 const MoeForwardOptions& options) {
   using detail::Matrix;
   check_shape(kOp, shape);
+  check_options(options);
+  const bool forced_decode = options.path == MoePath::kDecode;
+  if (forced_decode) {
+    // Why first: a forced path that can never serve this shape is the caller's error whatever
+    // the tensors, T or device are.
+    const std::string reason = detail::decode_moe_problem(shape);
+    if (!reason.empty()) throw_decode_refused(reason);
+  }
   detail::Runtime& runtime = detail::Runtime::instance();
   const detail::CurrentDevice device = runtime.current_device();
   const int64_t hidden_size = shape.hidden;
@@ -131,18 +172,74 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                            "null: shape \"" + shape.name + "\" has no biases (has_bias false)",
                            "a bias pointer");
   }
+  if (forced_decode) {
+    // Why before T = 0: like the shape, the device and a T above 256 never change per call.
+    if (device.arch.sm < 90) {
+      throw_decode_refused("decode_moe needs sm_90 or newer; device " +
+                           std::to_string(device.ordinal) + " is " + device.arch.name());
+    }
+    if (tokens > detail::kDecodeMaxTokens) {
+      throw_decode_refused("T = " + std::to_string(tokens) + " tokens; decode_moe serves T <= " +
+                           std::to_string(detail::kDecodeMaxTokens));
+    }
+  }
   if (tokens == 0) return;
-  // Why 16 bytes: FC1 gathers hidden rows and combine writes out rows as 16-byte vectors.
+  // Why 16 bytes: FC1 gathers hidden rows and combine writes out rows as 16-byte vectors (the
+  // decode path bulk-copies hidden rows and writes out rows with 8-byte stores).
   detail::check_device_pointer(kOp, "hidden (data + byte_offset)", hidden.data, 16);
   detail::check_device_pointer(kOp, "out (data + byte_offset)", out.data, 16);
+  detail::check_device_pointer(kOp, "workspace", args.workspace, 256);
 
   const int t = static_cast<int>(tokens);
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
+
+  // The decode path: automatic where the planner chose it and it runs here, or forced.
+  if (options.path != MoePath::kMarlin && config.decode) {
+    const MoeDecodeParams main =
+        options.decode_block_n == 0
+            ? config.decode_main
+            : detail::choose_decode_config(shape, t, options.decode_block_n);
+    if (detail::decode_moe_runs_on(main, device.arch)) {
+      const std::size_t need = static_cast<std::size_t>(detail::decode_moe_workspace_bytes(main));
+      if (args.workspace_bytes < need) {
+        detail::throw_argument(kOp, "workspace_bytes",
+                               "at least " + std::to_string(need) +
+                                   " bytes for decode_moe at T = " + std::to_string(t) +
+                                   " (size it with moe_workspace_bytes(shape, max T))",
+                               std::to_string(args.workspace_bytes));
+      }
+      kern::moe::decode::DecodeMoeParams params{};
+      params.w13 = static_cast<const kern::moe::u8*>(w.w13);
+      params.w13_scales = static_cast<const kern::moe::u8*>(w.w13_scales);
+      params.w2 = static_cast<const kern::moe::u8*>(w.w2);
+      params.w2_scales = static_cast<const kern::moe::u8*>(w.w2_scales);
+      params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
+      params.topk_ids = ids.data;  // int32, or int64 read directly (DecodeTraits' Ids64)
+      params.topk_weights = static_cast<const float*>(weights.data);
+      params.out = static_cast<kern::moe::u16*>(out.data);
+      params.workspace = static_cast<kern::moe::u8*>(args.workspace);
+      params.num_tokens = t;
+      params.expert_offset = shape.expert_offset;
+      detail::launch_decode_moe(kOp, main, device, params, stream);
+      return;
+    }
+    if (forced_decode) {
+      throw_decode_refused(moejit::supports(detail::decode_moe_spec(main, device.arch)));
+    }
+  } else if (forced_decode) {
+    // decode_moe_problem passed and T <= 256, so the planner's tile fits: only a planner bug
+    // lands here.
+    throw Error(ErrorCode::kInternal,
+                std::string(kOp) +
+                    ": options.path = decode: the planner chose no decode_moe tile for T = " +
+                    std::to_string(t) + " although decode_moe_problem accepts shape \"" +
+                    shape.name + "\"");
+  }
+
   const detail::MoeWorkspaceLayout layout = detail::moe_workspace_layout(shape, config);
-  detail::check_device_pointer(kOp, "workspace", args.workspace, 256);
-  if (args.workspace_bytes < layout.bytes) {
+  if (args.workspace_bytes < layout.marlin_bytes) {
     detail::throw_argument(kOp, "workspace_bytes",
-                           "at least " + std::to_string(layout.bytes) +
+                           "at least " + std::to_string(layout.marlin_bytes) +
                                " bytes for T = " + std::to_string(t) +
                                " (size it with moe_workspace_bytes(shape, max T))",
                            std::to_string(args.workspace_bytes));

@@ -268,9 +268,40 @@ std::string narrow_ids_problem(const NarrowIdsParams& p) {
   return os.str();
 }
 
+std::string decode_problem(const MoeDecodeParams& p) {
+  std::ostringstream os;
+  if (p.kernel != DecodeKernel::kReset && p.kernel != DecodeKernel::kMain) {
+    os << "kernel = " << static_cast<int>(p.kernel)
+       << " is not a decode_moe kernel; allowed: reset, main";
+    return os.str();
+  }
+  std::string reason = detail::decode_rule_problem(p);
+  if (!reason.empty()) return reason;
+  if (p.id_dtype != DType::kI32 && p.id_dtype != DType::kI64) {
+    os << "id_dtype = " << detail::dtype_short_name(p.id_dtype)
+       << " is not an id type; allowed: i32, i64 (decode_moe reads topk_ids directly)";
+    return os.str();
+  }
+  return activation_problem(p.activation);
+}
+
 // Arch rules per family (after the arch itself is valid).
 std::string family_arch_problem(Family family, const FamilyParams& params, const Arch& arch) {
   std::ostringstream os;
+  if (family == Family::kDecodeMoe) {
+    if (arch.sm < 90) {
+      os << "decode_moe needs sm_90 or newer (cp.async.bulk, mbarrier transaction counts, "
+            "griddepcontrol); found "
+         << arch.name() << ": such devices use marlin_moe";
+    } else if (const auto* p = std::get_if<MoeDecodeParams>(&params)) {
+      const long long need = detail::decode_moe_smem_bytes(*p);
+      const long long limit = detail::max_dynamic_smem_bytes(arch);
+      if (need > limit) {
+        os << "needs " << need << " bytes of shared memory per CTA; " << arch.name()
+           << " allows at most " << limit << ": lower stages or block_n";
+      }
+    }
+  }
   if (family == Family::kMarlinMoe) {
     if (arch.sm < 80) {
       os << "marlin_moe needs sm_80 or newer (bf16 mma.sync, cp.async, ldmatrix); found "
@@ -293,6 +324,7 @@ std::string problem(const MoeRepackParams& p) { return repack_problem(p); }
 std::string problem(const MarlinMoeParams& p) { return marlin_problem(p); }
 std::string problem(const MoeCombineParams& p) { return combine_problem(p); }
 std::string problem(const NarrowIdsParams& p) { return narrow_ids_problem(p); }
+std::string problem(const MoeDecodeParams& p) { return decode_problem(p); }
 
 // The family a params alternative belongs to.
 Family family_of(const AppendSharedParams&) { return Family::kAppendShared; }
@@ -301,6 +333,7 @@ Family family_of(const MoeRepackParams&) { return Family::kRepack; }
 Family family_of(const MarlinMoeParams&) { return Family::kMarlinMoe; }
 Family family_of(const MoeCombineParams&) { return Family::kCombine; }
 Family family_of(const NarrowIdsParams&) { return Family::kNarrowIds; }
+Family family_of(const MoeDecodeParams&) { return Family::kDecodeMoe; }
 
 // The shortest decimal text that reads back as the same float.
 std::string float_text(float value) {
@@ -329,6 +362,17 @@ std::string activation_text(const Activation& a) {
       break;
   }
   return out;
+}
+
+// The activation's kind and all four constants (the ones it does not take are 0).
+nlohmann::ordered_json activation_json(const Activation& a) {
+  nlohmann::ordered_json act;
+  act["kind"] = activation_kind_name(a.kind);
+  act["limit"] = a.limit;
+  act["alpha"] = a.alpha;
+  act["beta"] = a.beta;
+  act["linear_beta"] = a.linear_beta;
+  return act;
 }
 
 void add_params_json(nlohmann::ordered_json& out, const AppendSharedParams& p) {
@@ -366,13 +410,7 @@ void add_params_json(nlohmann::ordered_json& out, const MarlinMoeParams& p) {
   out["min_blocks_per_sm"] = p.min_blocks_per_sm;
   out["early_weights"] = p.early_weights;
   out["has_bias"] = p.has_bias;
-  nlohmann::ordered_json act;
-  act["kind"] = activation_kind_name(p.activation.kind);
-  act["limit"] = p.activation.limit;
-  act["alpha"] = p.activation.alpha;
-  act["beta"] = p.activation.beta;
-  act["linear_beta"] = p.activation.linear_beta;
-  out["activation"] = std::move(act);
+  out["activation"] = activation_json(p.activation);
   out["out_dtype"] = detail::dtype_short_name(p.out_dtype);
 }
 
@@ -385,6 +423,20 @@ void add_params_json(nlohmann::ordered_json& out, const MoeCombineParams& p) {
 
 void add_params_json(nlohmann::ordered_json& out, const NarrowIdsParams& p) {
   out["block_threads"] = p.block_threads;
+}
+
+void add_params_json(nlohmann::ordered_json& out, const MoeDecodeParams& p) {
+  out["kernel"] = decode_kernel_name(p.kernel);
+  out["num_experts"] = p.num_experts;
+  out["top_k"] = p.top_k;
+  out["hidden"] = p.hidden;
+  out["intermediate"] = p.intermediate;
+  out["block_n"] = p.block_n;
+  out["fc1_strips"] = p.fc1_strips;
+  out["fc2_strips"] = p.fc2_strips;
+  out["stages"] = p.stages;
+  out["activation"] = activation_json(p.activation);
+  out["id_dtype"] = detail::dtype_short_name(p.id_dtype);
 }
 
 void add_params_display(std::ostringstream& os, const MoeRouteParams& p) {
@@ -413,6 +465,13 @@ void add_params_display(std::ostringstream& os, const MoeCombineParams& p) {
 
 void add_params_display(std::ostringstream& os, const NarrowIdsParams& p) {
   os << "<t" << p.block_threads << '>';
+}
+
+void add_params_display(std::ostringstream& os, const MoeDecodeParams& p) {
+  os << '<' << decode_kernel_name(p.kernel) << ",e" << p.num_experts << ",k" << p.top_k << ",h"
+     << p.hidden << ",i" << p.intermediate << ",n" << p.block_n << ",f" << p.fc1_strips << 'x'
+     << p.fc2_strips << ",s" << p.stages << ',' << activation_text(p.activation) << ','
+     << detail::dtype_short_name(p.id_dtype) << '>';
 }
 
 void add_params_display(std::ostringstream& os, const AppendSharedParams& p) {
@@ -484,6 +543,20 @@ void hash_params(std::size_t& seed, const NarrowIdsParams& p) {
   combine(seed, std::hash<int>{}(p.block_threads));
 }
 
+void hash_params(std::size_t& seed, const MoeDecodeParams& p) {
+  combine(seed, static_cast<std::size_t>(p.kernel));
+  for (int v : {p.num_experts, p.top_k, p.hidden, p.intermediate, p.block_n, p.fc1_strips,
+                p.fc2_strips, p.stages}) {
+    combine(seed, std::hash<int>{}(v));
+  }
+  combine(seed, static_cast<std::size_t>(p.activation.kind));
+  for (float v :
+       {p.activation.limit, p.activation.alpha, p.activation.beta, p.activation.linear_beta}) {
+    combine(seed, float_bits(v));
+  }
+  combine(seed, static_cast<std::size_t>(p.id_dtype));
+}
+
 }  // namespace
 
 const char* route_kernel_name(RouteKernel kernel) noexcept {
@@ -496,6 +569,16 @@ const char* route_kernel_name(RouteKernel kernel) noexcept {
       return "scan";
     case RouteKernel::kScatter:
       return "scatter";
+  }
+  return "unknown";
+}
+
+const char* decode_kernel_name(DecodeKernel kernel) noexcept {
+  switch (kernel) {
+    case DecodeKernel::kReset:
+      return "reset";
+    case DecodeKernel::kMain:
+      return "main";
   }
   return "unknown";
 }
@@ -558,13 +641,16 @@ const char* family_name(Family family) noexcept {
       return "combine";
     case Family::kNarrowIds:
       return "narrow_ids";
+    case Family::kDecodeMoe:
+      return "decode_moe";
   }
   return "unknown";
 }
 
 Family parse_family(const std::string& text) {
   static constexpr Family kAll[] = {Family::kAppendShared, Family::kRoute,   Family::kRepack,
-                                    Family::kMarlinMoe,    Family::kCombine, Family::kNarrowIds};
+                                    Family::kMarlinMoe,    Family::kCombine, Family::kNarrowIds,
+                                    Family::kDecodeMoe};
   std::string known;
   for (Family family : kAll) {
     if (text == family_name(family)) return family;

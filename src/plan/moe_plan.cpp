@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
 #include <moejit/kern/moe/route_params.cuh>
+#include <sstream>
 
 namespace moejit::detail {
 
@@ -109,6 +111,108 @@ KernelSpec make_spec(Family family, const Arch& arch, FamilyParams params) {
 }
 
 std::size_t to_size(unsigned long long v) { return static_cast<std::size_t>(v); }
+
+// ---- decode_moe ---------------------------------------------------------------------------------
+
+namespace decode = kern::moe::decode;
+
+static_assert(kDecodeMaxTokens == decode::kMaxTokens, "moe_plan.hpp's copy of decode::kMaxTokens");
+static_assert(kDecodeThreads == decode::kThreads, "moe_plan.hpp's copy of decode::kThreads");
+
+decode::Geometry geometry_of(const MoeDecodeParams& p) {
+  return decode::Geometry{p.num_experts, p.top_k,      p.hidden,     p.intermediate,
+                          p.block_n,     p.fc1_strips, p.fc2_strips, p.stages};
+}
+
+// The tile rules below are a first choice by arithmetic, not yet tuned on the H200 (issue 4);
+// measure before changing them, and keep them in these functions so planner and op agree.
+//
+// Why two block_n: an expert's positions are cut into virtual experts of block_n, and each one
+// streams the expert's weights once. While the touched experts average few positions (decode at
+// small T), 16 wastes less of the MMA's N on padding and keeps two CTAs per SM; once they
+// average more than 12, blocks of 32 stream each expert's weights half as often.
+constexpr int kDecodeWideAverage = 12;
+// Why strips per item by T: at T <= 8 there are few virtual experts, so small items (one FC1
+// strip, four FC2 strips) cut the layer into enough pieces for every SM to stream; above it,
+// items twice as large halve the activation reloads and queue claims per weight byte.
+constexpr int kDecodeSmallTokens = 8;
+constexpr int kDecodeMinStages = 2;
+constexpr int kDecodeMaxStages = 6;
+// Why 3: two CTAs per SM pay off only while each still keeps three chunks in flight (the bytes in
+// flight per SM, KERNELS.md); with fewer, one CTA with a deeper ring streams better.
+constexpr int kDecodeTwoCtaMinStages = 3;
+
+// The tile of one (block_n, T) choice, stages not yet chosen: the preferred strips, else the
+// first allowed values Geometry::rule() accepts (the shape rules checked before make these
+// always the preferred ones today; the fallback keeps the choice valid if a rule changes).
+decode::Geometry decode_tile(const ModelShape& shape, int tokens, int block_n) {
+  const bool small = tokens <= kDecodeSmallTokens;
+  decode::Geometry g{shape.num_experts, shape.top_k,   shape.hidden,  shape.intermediate,
+                     block_n,           small ? 1 : 2, small ? 4 : 8, kDecodeMinStages};
+  if (g.rule() == decode::Rule::kFc1Strips) {
+    for (int strips : {1, 2, 4, 8}) {
+      g.fc1_strips = strips;
+      if (g.rule() != decode::Rule::kFc1Strips) break;
+    }
+  }
+  if (g.rule() == decode::Rule::kFc2Strips) {
+    for (int strips : {4, 8}) {
+      g.fc2_strips = strips;
+      if (g.rule() != decode::Rule::kFc2Strips) break;
+    }
+  }
+  return g;
+}
+
+// The pipeline depth of a tile: with block_n 16, the deepest ring (3..6 chunks) that still fits
+// two CTAs per SM; otherwise (block_n 32, or no such depth) the deepest of 2..6 that fits one.
+// 0 when none fits.
+int decode_stages(decode::Geometry g) {
+  if (g.block_n == 16) {
+    for (int stages = kDecodeMaxStages; stages >= kDecodeTwoCtaMinStages; --stages) {
+      g.stages = stages;
+      if (g.rule() == decode::Rule::kOk && g.blocks_per_sm() == 2) return stages;
+    }
+  }
+  for (int stages = kDecodeMaxStages; stages >= kDecodeMinStages; --stages) {
+    g.stages = stages;
+    if (g.rule() == decode::Rule::kOk) return stages;
+  }
+  return 0;
+}
+
+// The planner's block_n for T: 32 once the touched experts average more than 12 positions.
+int decode_block_n(const ModelShape& shape, int tokens) {
+  const long long positions = static_cast<long long>(tokens) * shape.top_k;
+  const long long touched = std::min<long long>(shape.num_experts, positions);
+  return touched > 0 && positions > kDecodeWideAverage * touched ? 32 : 16;
+}
+
+// The rules of the shape alone (no biases; E, K, H, I) without building a message: the op asks
+// this on every forward.
+bool decode_shape_ok(const ModelShape& shape) {
+  if (shape.has_bias) return false;
+  const decode::Geometry g = decode_tile(shape, 1, 16);
+  const decode::Rule rule = g.rule();
+  return rule != decode::Rule::kExperts && rule != decode::Rule::kTopK &&
+         rule != decode::Rule::kHidden && rule != decode::Rule::kInter;
+}
+
+MoeDecodeParams decode_params_of(const ModelShape& shape, const decode::Geometry& g) {
+  MoeDecodeParams p;
+  p.kernel = DecodeKernel::kMain;
+  p.num_experts = g.experts;
+  p.top_k = g.top_k;
+  p.hidden = g.hidden;
+  p.intermediate = g.inter;
+  p.block_n = g.block_n;
+  p.fc1_strips = g.fc1_strips;
+  p.fc2_strips = g.fc2_strips;
+  p.stages = g.stages;
+  p.activation = shape.activation;
+  p.id_dtype = shape.id_dtype;
+  return p;
+}
 
 std::size_t align_up(std::size_t bytes) {
   const std::size_t a = static_cast<std::size_t>(kern::moe::kRouteAlign);
@@ -230,9 +334,134 @@ long long max_dynamic_smem_bytes(const Arch& arch) {
   }
 }
 
+long long decode_moe_smem_bytes(const MoeDecodeParams& p) { return geometry_of(p).smem_bytes(); }
+
+int decode_moe_blocks_per_sm(const MoeDecodeParams& p) { return geometry_of(p).blocks_per_sm(); }
+
+long long decode_moe_workspace_bytes(const MoeDecodeParams& p) {
+  return geometry_of(p).workspace_bytes();
+}
+
+std::string decode_rule_problem(const MoeDecodeParams& p) {
+  const decode::Geometry g = geometry_of(p);
+  std::ostringstream os;
+  switch (g.rule()) {
+    case decode::Rule::kOk:
+      break;
+    case decode::Rule::kExperts:
+      os << "num_experts = " << p.num_experts << " is out of range; allowed: 1.."
+         << decode::kMaxExperts
+         << " (decode_moe packs the local expert into 12 bits): split the experts over more EP "
+            "ranks";
+      break;
+    case decode::Rule::kTopK:
+      os << "top_k = " << p.top_k << " is out of range; allowed: 1.." << decode::kMaxTopK
+         << " (decode_moe packs the 256 * top_k positions into 14 bits)";
+      break;
+    case decode::Rule::kHidden:
+      os << "hidden = " << p.hidden
+         << " is not a multiple of 512 (decode_moe streams whole 512-wide FC1 chunks)";
+      break;
+    case decode::Rule::kInter:
+      os << "intermediate = " << p.intermediate
+         << " is not a multiple of 128 (decode_moe streams whole 128-wide FC2 chunks)";
+      break;
+    case decode::Rule::kBlockN:
+      os << "block_n = " << p.block_n
+         << " is not allowed; allowed: 16, 32 (two or four n8 MMA tiles per virtual expert)";
+      break;
+    case decode::Rule::kFc1Strips:
+      os << "fc1_strips = " << p.fc1_strips << " is not allowed; allowed: 1, 2, 4 or 8 dividing "
+         << "intermediate / 8 = " << g.fc1_m_atoms() << " (FC1 items are whole strips of 8 "
+         << "gate/up pairs)";
+      break;
+    case decode::Rule::kFc2Strips:
+      os << "fc2_strips = " << p.fc2_strips << " is not allowed; allowed: 4 or 8 dividing "
+         << "hidden / 16 = " << g.fc2_m_atoms() << " (FC2 items are whole 16-row strips)";
+      break;
+    case decode::Rule::kStages:
+      os << "stages = " << p.stages << " is out of range; allowed: 2..8";
+      break;
+    case decode::Rule::kSharedMemory:
+      if (g.smem_bytes() > decode::kSmemLimit) {
+        os << "needs " << g.smem_bytes() << " bytes of shared memory per CTA; allowed: at most "
+           << decode::kSmemLimit << " (sm_90): lower stages or block_n";
+      } else {
+        os << "the routing scratch needs " << g.route_scratch_bytes()
+           << " bytes of shared memory but the ring it reuses has " << g.ring_bytes()
+           << " (stages = " << p.stages << "): raise stages";
+      }
+      break;
+  }
+  return os.str();
+}
+
+std::string decode_moe_problem(const ModelShape& shape) {
+  std::vector<std::string> reasons;
+  const decode::Geometry shape_tile = decode_tile(shape, 1, 16);
+  const decode::Rule rule = shape_tile.rule();
+  if (rule == decode::Rule::kExperts || rule == decode::Rule::kTopK ||
+      rule == decode::Rule::kHidden || rule == decode::Rule::kInter) {
+    reasons.push_back(decode_rule_problem(decode_params_of(shape, shape_tile)));
+  }
+  if (shape.has_bias) {
+    reasons.push_back("decode_moe has no bias epilogue (has_bias is true)");
+  }
+  if (reasons.empty()) {
+    // Every tile the planner can choose: T <= 8 and T > 8, block_n 16 and 32.
+    for (int tokens : {1, kDecodeMaxTokens}) {
+      for (int block_n : {16, 32}) {
+        MoeDecodeParams p = choose_decode_config(shape, tokens, block_n);
+        if (p.stages != 0) continue;
+        // Why stages 2: the shallowest ring names the smallest shared memory that would be needed.
+        p.stages = kDecodeMinStages;
+        reasons.push_back("with block_n = " + std::to_string(block_n) +
+                          " at T = " + std::to_string(tokens) +
+                          " no pipeline depth fits: " + decode_rule_problem(p));
+        break;
+      }
+      if (!reasons.empty()) break;
+    }
+  }
+  if (reasons.empty()) return "";
+  std::string out = "decode_moe can't serve shape \"" + shape.name + "\": ";
+  for (std::size_t i = 0; i < reasons.size(); ++i) {
+    if (i > 0) out += "; ";
+    out += reasons[i];
+  }
+  out += ". Such shapes use marlin_moe";
+  return out;
+}
+
+MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override) {
+  const int block_n = block_n_override != 0 ? block_n_override : decode_block_n(shape, tokens);
+  decode::Geometry g = decode_tile(shape, tokens, block_n);
+  g.stages = decode_stages(g);
+  return decode_params_of(shape, g);
+}
+
+MoeDecodeParams decode_reset_params(const MoeDecodeParams& main) {
+  MoeDecodeParams p = main;
+  p.kernel = DecodeKernel::kReset;
+  return p;
+}
+
+bool decode_moe_runs_on(const MoeDecodeParams& p, const Arch& arch) {
+  return arch.sm >= 90 && decode_moe_smem_bytes(p) <= max_dynamic_smem_bytes(arch);
+}
+
+KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch) {
+  return make_spec(Family::kDecodeMoe, arch, p);
+}
+
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   MoeForwardConfig c;
   c.tokens = tokens;
+  if (tokens >= 1 && tokens <= kDecodeMaxTokens && decode_shape_ok(shape)) {
+    c.decode_main = choose_decode_config(shape, tokens, 0);
+    c.decode = c.decode_main.stages != 0;
+    c.decode_reset = decode_reset_params(c.decode_main);
+  }
   c.narrow_ids = shape.id_dtype == DType::kI64;
   c.narrow.block_threads = kNarrowIdsThreads;
 
@@ -264,6 +493,11 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
 
 MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch) {
   MoeForwardSpecs s;
+  s.decode = config.decode && decode_moe_runs_on(config.decode_main, arch);
+  if (s.decode) {
+    s.decode_reset = decode_moe_spec(config.decode_reset, arch);
+    s.decode_main = decode_moe_spec(config.decode_main, arch);
+  }
   s.has_narrow = config.narrow_ids;
   if (s.has_narrow) s.narrow = make_spec(Family::kNarrowIds, arch, config.narrow);
   static constexpr RouteKernel kMulti[] = {RouteKernel::kRank, RouteKernel::kScan,
@@ -283,6 +517,10 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
 std::vector<KernelSpec> moe_config_specs(const MoeForwardConfig& config, const Arch& arch) {
   const MoeForwardSpecs s = moe_forward_specs(config, arch);
   std::vector<KernelSpec> specs;
+  if (s.decode) {
+    specs.push_back(s.decode_reset);
+    specs.push_back(s.decode_main);
+  }
   if (s.has_narrow) specs.push_back(s.narrow);
   for (int i = 0; i < s.route_count; ++i) specs.push_back(s.route[i]);
   specs.push_back(s.fc1);
@@ -298,6 +536,17 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
                                        kRouteLargeRows / k};
   for (const GemmTile& tile : kGemmTiles) thresholds.push_back(tile.max_tokens);
+  // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.
+  if (decode_shape_ok(shape)) {
+    const int last = std::min(max_tokens, kDecodeMaxTokens);
+    MoeDecodeParams previous = choose_decode_config(shape, 1, 0);
+    for (int t = 2; t <= last; ++t) {
+      const MoeDecodeParams current = choose_decode_config(shape, t, 0);
+      if (!(current == previous)) thresholds.push_back(t - 1);
+      previous = current;
+    }
+    thresholds.push_back(kDecodeMaxTokens);
+  }
   for (long long t : thresholds) {
     if (t >= 1 && t < max_tokens) ends.push_back(static_cast<int>(t));
   }
@@ -338,7 +587,11 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
   const std::size_t out2_elem = config.fc2.out_dtype == DType::kF32 ? 4 : 2;
   at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
                          static_cast<std::size_t>(shape.hidden) * out2_elem);
-  w.bytes = at;
+  w.marlin_bytes = at;
+  if (config.decode) {
+    w.decode_bytes = static_cast<std::size_t>(decode_moe_workspace_bytes(config.decode_main));
+  }
+  w.bytes = std::max(w.marlin_bytes, w.decode_bytes);
   return w;
 }
 
@@ -348,6 +601,17 @@ std::size_t moe_workspace_bytes_for(const ModelShape& shape, int max_tokens) {
   std::size_t bytes = 0;
   for (int t : moe_config_segment_ends(shape, max_tokens)) {
     bytes = std::max(bytes, moe_workspace_layout(shape, choose_moe_config(shape, t)).bytes);
+  }
+  // Why every T and both block_n: a call may force block_n (MoeForwardOptions), and the decode
+  // workspace depends on the tile (block_n, strips per item), not on T itself.
+  if (decode_shape_ok(shape)) {
+    for (int t = 1; t <= std::min(max_tokens, kDecodeMaxTokens); ++t) {
+      for (int block_n : {16, 32}) {
+        const MoeDecodeParams p = choose_decode_config(shape, t, block_n);
+        if (p.stages == 0) continue;
+        bytes = std::max(bytes, static_cast<std::size_t>(decode_moe_workspace_bytes(p)));
+      }
+    }
   }
   return bytes;
 }

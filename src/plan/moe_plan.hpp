@@ -38,12 +38,50 @@ inline constexpr long long kRouteStaticSharedLimit = 48 * 1024;
 // per-arch table; the op still learns the device's own limit when it sets the attribute).
 long long max_dynamic_smem_bytes(const Arch& arch);
 
+// ---- decode_moe: the host's view of kernels/moe/decode_params.cuh -------------------------------
+// (The same constexpr Geometry functions the kernel static_asserts on; this header stays free of
+// kernel headers.)
+
+inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
+inline constexpr int kDecodeThreads = 288;    // decode::kThreads: one producer + eight consumers
+
+// Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits.
+long long decode_moe_smem_bytes(const MoeDecodeParams& p);
+int decode_moe_blocks_per_sm(const MoeDecodeParams& p);
+long long decode_moe_workspace_bytes(const MoeDecodeParams& p);
+// The rule of Geometry::rule() that `p`'s sizes and tile break, named with the value and how to
+// fix it ("hidden = 2880 is not a multiple of 512 (...)"); "" when rule() is kOk.
+std::string decode_rule_problem(const MoeDecodeParams& p);
+
+// "" when decode_moe serves `shape` (arch aside: sm_90 or newer, see decode_moe_runs_on): no
+// biases, and Geometry::rule() is kOk for every tile the planner can choose for T in 1..256
+// with either block_n (16 or 32, so a forced block_n also works). Otherwise every reason,
+// ending with "such shapes use marlin_moe".
+std::string decode_moe_problem(const ModelShape& shape);
+
+// The decode_moe main kernel for T tokens (1..256) of `shape`: block_n_override 0 = the
+// planner's block_n, 16 or 32 forces it. Pure arithmetic, no allocation. stages == 0 when no
+// pipeline depth fits (decode_moe_problem names that shape).
+MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override);
+// The reset kernel that goes with a main kernel (same traits).
+MoeDecodeParams decode_reset_params(const MoeDecodeParams& main);
+// Whether `p` runs on `arch`: sm_90 or newer (bulk copies, mbarrier transaction counts,
+// griddepcontrol) with the shared memory the arch allows one CTA.
+bool decode_moe_runs_on(const MoeDecodeParams& p, const Arch& arch);
+// The spec of one decode kernel on `arch`.
+KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch);
+
 // ---- the choice per T ---------------------------------------------------------------------------
 
-// Everything moe_forward launches for one token count T >= 1, in launch order:
-// [narrow_ids] -> route (single, or rank + scan + scatter) -> FC1 -> FC2 -> combine.
+// Everything moe_forward may launch for one token count T >= 1. An automatic call launches the
+// decode pair (reset -> main) when `decode` and decode_moe runs on the device's arch; otherwise,
+// and whenever the marlin path is forced, [narrow_ids] -> route (single, or rank + scan +
+// scatter) -> FC1 -> FC2 -> combine. The marlin fields are always filled.
 struct MoeForwardConfig {
   int tokens = 0;
+  bool decode = false;           // T <= 256 and decode_moe serves the shape at the planner's tile
+  MoeDecodeParams decode_reset;  // kReset (valid when decode)
+  MoeDecodeParams decode_main;   // kMain (valid when decode)
   bool narrow_ids = false;  // int64 ids: one narrowing launch first
   NarrowIdsParams narrow;
   bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
@@ -53,13 +91,19 @@ struct MoeForwardConfig {
   MoeCombineParams combine;
 };
 
-// The config for `tokens` (1 <= tokens) of `shape`. Pure arithmetic on the shape's sizes; the op
-// calls it on every forward, the planner at the end of every run of T with one config.
+// The config for `tokens` (1 <= tokens) of `shape`. Pure arithmetic on the shape's sizes, no
+// allocation; the op calls it on every forward, the planner at the end of every run of T with
+// one config.
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens);
 
 // The kernels of one config for `arch`, by role. Filled without allocating (the op builds it on
 // every forward).
 struct MoeForwardSpecs {
+  // config.decode and decode_moe runs on `arch` (decode_moe_runs_on): an automatic call launches
+  // decode_reset then decode_main and nothing else. The marlin chain below is always filled.
+  bool decode = false;
+  KernelSpec decode_reset;
+  KernelSpec decode_main;
   bool has_narrow = false;
   KernelSpec narrow;
   int route_count = 0;  // 1 (single) or 3 (rank, scan, scatter)
@@ -70,7 +114,9 @@ struct MoeForwardSpecs {
 };
 MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch);
 
-// The same kernels as a list, in launch order.
+// Every kernel a call with this config may launch on `arch` (the decode pair when
+// MoeForwardSpecs::decode, then the marlin chain, which a call can force), each path in launch
+// order. What the planner lists for the config.
 std::vector<KernelSpec> moe_config_specs(const MoeForwardConfig& config, const Arch& arch);
 
 // The largest T of each run of T in [1, max_tokens] over which choose_moe_config is constant,
@@ -95,13 +141,17 @@ struct MoeWorkspaceLayout {
   std::size_t ids32 = 0;      // narrowed ids [T * K] int32 (only with narrow_ids)
   std::size_t inter = 0;      // FC1 output, bf16 [padded rows, I]
   std::size_t out2 = 0;       // FC2 output, [padded rows, H] in fc2.out_dtype
-  std::size_t bytes = 0;      // total
+  std::size_t marlin_bytes = 0;  // end of the marlin chain's regions
+  std::size_t decode_bytes = 0;  // config.decode: decode_moe's Geometry::workspace_bytes(), else 0
+  std::size_t bytes = 0;         // max(marlin_bytes, decode_bytes): enough for either path
   long long max_blocks = 0;   // route blocks provisioned: the GEMMs' grid.x
   long long padded_rows = 0;  // max_blocks * block
 };
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config);
 
-// max over T in [1, max_tokens] of moe_workspace_layout(...).bytes (0 when max_tokens is 0).
+// max over T in [1, max_tokens] of moe_workspace_layout(...).bytes, and of the decode workspace
+// of both block_n values for every T in [1, min(256, max_tokens)] that decode_moe serves (so a
+// forced block_n fits too); 0 when max_tokens is 0.
 std::size_t moe_workspace_bytes_for(const ModelShape& shape, int max_tokens);
 
 // Repacked weight sizes (layout.cuh), in bytes.

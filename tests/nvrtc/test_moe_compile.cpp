@@ -1,13 +1,16 @@
 // NVRTC compiles of the MoE families: every kernel the planner lists for the reference shapes
 // (sm_90a, all of them; sm_100a, a subset covering every family and GEMM tile), with the host's
 // copies of the kernels' sizes checked against the traits inside the same compile, and the
-// kernels' static_asserts firing under NVRTC. Needs the CUDA toolkit, no GPU.
+// kernels' static_asserts firing under NVRTC. decode_moe has its own cases ([decode]): every
+// kernel planned for sm_90a, one tile per shape for sm_100a, no spills, its static_asserts.
+// Needs the CUDA toolkit, no GPU.
 #include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -33,6 +36,7 @@ using moejit::Family;
 using moejit::KernelSpec;
 using moejit::MarlinMoeParams;
 using moejit::ModelShape;
+using moejit::MoeDecodeParams;
 using moejit::MoeRouteParams;
 
 bool contains(const std::string& text, const std::string& part) {
@@ -94,6 +98,10 @@ const char* function_of(const KernelSpec& spec) {
       return "narrow_ids_kernel";
     case Family::kAppendShared:
       return "append_shared_kernel";
+    case Family::kDecodeMoe:
+      return std::get<MoeDecodeParams>(spec.params).kernel == moejit::DecodeKernel::kReset
+                 ? "decode_moe_reset"
+                 : "decode_moe";
   }
   return "?";
 }
@@ -122,6 +130,28 @@ detail::GeneratedSource with_host_checks(const KernelSpec& spec) {
         "static_assert(" + traits + "::kRankSharedBytes == " +
         std::to_string(detail::route_rank_shared_bytes(p->num_experts, p->block_threads)) +
         ", \"host route_rank_shared_bytes disagrees with kRankSharedBytes\");\n";
+  }
+  if (const auto* p = std::get_if<MoeDecodeParams>(&spec.params)) {
+    // The launch geometry and the workspace check of the op come from these host values.
+    const auto check = [&](const std::string& device, const std::string& host, const char* what) {
+      src.source += "static_assert(" + device + " == " + host + ", \"host " + what +
+                    " disagrees with the kernel's\");\n";
+    };
+    check(traits + "::kGeo.smem_bytes()", std::to_string(detail::decode_moe_smem_bytes(*p)),
+          "decode_moe_smem_bytes");
+    check(traits + "::kGeo.blocks_per_sm()", std::to_string(detail::decode_moe_blocks_per_sm(*p)),
+          "decode_moe_blocks_per_sm");
+    check(traits + "::kMinBlocksPerSm", std::to_string(detail::decode_moe_blocks_per_sm(*p)),
+          "decode_moe_blocks_per_sm (launch bounds)");
+    check(traits + "::kGeo.workspace_bytes()",
+          std::to_string(detail::decode_moe_workspace_bytes(*p)) + "LL",
+          "decode_moe_workspace_bytes");
+    check("moejit::kern::moe::decode::kThreads", std::to_string(detail::kDecodeThreads),
+          "kDecodeThreads");
+    check("moejit::kern::moe::decode::kMaxTokens", std::to_string(detail::kDecodeMaxTokens),
+          "kDecodeMaxTokens");
+    check(std::string("static_cast<int>(") + traits + "::kGeo.rule())", "0",
+          "Geometry::rule() (kOk)");
   }
   return src;
 }
@@ -300,6 +330,179 @@ TEST_CASE("the MoE kernels' static_asserts fire under NVRTC, matching supports()
     try {
       detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
       FAIL("NVRTC accepted " << c.name_expression);
+    } catch (const CompileError& e) {
+      CHECK(contains(e.log(), c.message));
+    }
+  }
+}
+
+namespace {
+
+// The distinct decode_moe kernels `shapes` need on `arch`, in plan order.
+std::vector<KernelSpec> planned_decode(const std::vector<ModelShape>& shapes, const Arch& arch) {
+  std::vector<KernelSpec> specs;
+  for (const ModelShape& shape : shapes) {
+    for (const KernelSpec& spec : moejit::plan_kernels(shape, arch)) {
+      if (spec.family != Family::kDecodeMoe) continue;
+      if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+    }
+  }
+  return specs;
+}
+
+// The reference shapes, plus one decode_moe serves with int64 ids (read directly by the kernel).
+std::vector<ModelShape> decode_shapes() {
+  std::vector<ModelShape> shapes = reference_shapes();
+  for (const ModelShape& shape :
+       moejit::load_shapes_file(moejit::test::shapes_dir() + "/reference.json")) {
+    if (shape.name != "qwen3-30b-a3b") continue;
+    ModelShape wide = shape;
+    wide.name += "-int64-ids";
+    wide.id_dtype = DType::kI64;
+    shapes.push_back(wide);
+  }
+  return shapes;
+}
+
+// Sum of the "N bytes spill stores" and "N bytes spill loads" ptxas reports (-Xptxas=-v); -1
+// when the log has no such report.
+long long spill_bytes(const std::string& log) {
+  long long total = -1;
+  for (const char* what : {" bytes spill stores", " bytes spill loads"}) {
+    for (std::size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) {
+      std::size_t begin = at;
+      while (begin > 0 && log[begin - 1] >= '0' && log[begin - 1] <= '9') --begin;
+      if (begin == at) continue;
+      total = std::max(total, 0LL) + std::stoll(log.substr(begin, at - begin));
+    }
+  }
+  return total;
+}
+
+void check_decode_outcomes(const std::vector<KernelSpec>& specs,
+                           const std::vector<Outcome>& outcomes) {
+  check_outcomes(specs, outcomes);
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const Outcome& out = outcomes[i];
+    if (!out.error.empty()) continue;
+    INFO(out.name << "\n" << out.log);
+    // Why: a spill in the consumers' MMA loop or the producer's copy loop costs the bandwidth
+    // the kernel exists for.
+    CHECK(spill_bytes(out.log) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every planned decode_moe kernel compiles for sm_90a with no spills", "[nvrtc][decode]") {
+  const Arch arch = Arch::parse("sm_90a");
+  const std::vector<ModelShape> shapes = decode_shapes();
+  const std::vector<KernelSpec> specs = planned_decode(shapes, arch);
+  // Every served shape contributes (gpt-oss none), both kernels, both id types, both block_n.
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    const bool served = detail::decode_moe_problem(shape).empty();
+    for (const KernelSpec& spec : moejit::plan_kernels(shape, arch)) {
+      if (spec.family != Family::kDecodeMoe) continue;
+      CHECK(served);
+      CHECK(std::find(specs.begin(), specs.end(), spec) != specs.end());
+    }
+  }
+  const auto any = [&](const std::function<bool(const MoeDecodeParams&)>& pred) {
+    return std::any_of(specs.begin(), specs.end(), [&](const KernelSpec& s) {
+      return pred(std::get<MoeDecodeParams>(s.params));
+    });
+  };
+  CHECK(any([](const MoeDecodeParams& p) { return p.kernel == moejit::DecodeKernel::kReset; }));
+  CHECK(any([](const MoeDecodeParams& p) { return p.id_dtype == DType::kI64; }));
+  CHECK(any([](const MoeDecodeParams& p) { return p.block_n == 32; }));
+  CHECK(any([](const MoeDecodeParams& p) { return p.block_n == 16; }));
+  double wall = 0;
+  unsigned threads = 0;
+  const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
+  check_decode_outcomes(specs, outcomes);
+  report("sm_90a decode_moe", outcomes, wall, threads);
+}
+
+TEST_CASE("decode_moe compiles for sm_100a: one tile of every served shape", "[nvrtc][decode]") {
+  const Arch arch = Arch::parse("sm_100a");
+  std::vector<KernelSpec> specs;
+  for (const ModelShape& shape : decode_shapes()) {
+    if (!detail::decode_moe_problem(shape).empty()) continue;
+    const detail::MoeForwardConfig config = detail::choose_moe_config(shape, 1);
+    REQUIRE(config.decode);
+    for (const MoeDecodeParams& p : {config.decode_reset, config.decode_main}) {
+      const KernelSpec spec = detail::decode_moe_spec(p, arch);
+      if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+    }
+  }
+  CHECK(specs.size() >= 2 * 6);
+  double wall = 0;
+  unsigned threads = 0;
+  const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
+  check_decode_outcomes(specs, outcomes);
+  report("sm_100a decode_moe", outcomes, wall, threads);
+}
+
+TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "[nvrtc][decode]") {
+  struct Case {
+    MoeDecodeParams params;
+    const char* message;  // the static_assert's
+    const char* reason;   // supports()'s
+  };
+  MoeDecodeParams good;
+  good.num_experts = 128;
+  good.top_k = 8;
+  good.hidden = 2048;
+  good.intermediate = 768;
+  good.block_n = 16;
+  good.fc1_strips = 1;
+  good.fc2_strips = 4;
+  good.stages = 4;
+  std::vector<Case> cases;
+  MoeDecodeParams p = good;
+  p.hidden = 2880;
+  cases.push_back({p, "hidden must be a multiple of 512", "hidden = 2880"});
+  p = good;
+  p.intermediate = 320;
+  cases.push_back({p, "inter must be a multiple of 128", "intermediate = 320"});
+  p = good;
+  p.block_n = 24;
+  cases.push_back({p, "block_n must be 16 or 32", "block_n = 24"});
+  p = good;
+  p.stages = 9;
+  cases.push_back({p, "2 <= stages <= 8", "stages = 9"});
+  p = good;
+  p.fc2_strips = 2;
+  cases.push_back({p, "fc2_strips must be 4 or 8", "fc2_strips = 2"});
+  p = good;
+  p.block_n = 32;
+  p.stages = 8;
+  cases.push_back({p, "shared memory over 227 KB", "bytes of shared memory"});
+  for (const Case& c : cases) {
+    // The spec is refused before any compile; the kernel refuses the same traits on its own.
+    KernelSpec spec;
+    spec.family = Family::kDecodeMoe;
+    spec.arch = Arch::parse("sm_90a");
+    spec.params = c.params;
+    INFO(spec.display_name());
+    CHECK(contains(moejit::supports(spec), c.reason));
+    spec.params = good;
+    detail::GeneratedSource src = detail::render(spec);
+    const std::string good_traits = traits_of(src.name_expression);
+    spec.params = c.params;
+    const std::string bad_traits =
+        "moejit::kern::moe::decode::DecodeTraits<" + std::to_string(c.params.num_experts) + ", " +
+        std::to_string(c.params.top_k) + ", " + std::to_string(c.params.hidden) + ", " +
+        std::to_string(c.params.intermediate) + ", " + std::to_string(c.params.block_n) + ", " +
+        std::to_string(c.params.fc1_strips) + ", " + std::to_string(c.params.fc2_strips) + ", " +
+        std::to_string(c.params.stages) + ", moejit::kern::moe::act::SwiGLU, false>";
+    REQUIRE(contains(good_traits, "DecodeTraits<128, 8, 2048, 768, 16, 1, 4, 4,"));
+    src.file_name = "decode_bad_traits.cu";
+    src.name_expression = "moejit::kern::moe::decode::decode_moe<" + bad_traits + ">";
+    try {
+      detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
+      FAIL("NVRTC accepted " << src.name_expression);
     } catch (const CompileError& e) {
       CHECK(contains(e.log(), c.message));
     }

@@ -1,6 +1,7 @@
 // The MoE plan: the kernels every reference shape needs, the config chosen per T (and that it is
 // always one plan_kernels lists, so a prewarm covers every call), the supports() refusals of the
 // MoE families, their names, hashes and generated source, and the workspace and weight sizes.
+// (decode_moe's own planning: test_decode_plan.cpp.)
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cfloat>
@@ -169,9 +170,23 @@ void expect_refused(Family family, const moejit::FamilyParams& params,
 }  // namespace
 
 TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and combine", "[plan]") {
+  // decode_moe kernels (reset + main per tile) for T <= 256 on sm_90+: one tile for T <= 8 and
+  // one for T = 9..256 with block_n 16, plus a block_n 32 tile where T * K passes 12 * E below
+  // T = 256 (qwen3: E 128, K 8 from T = 193; qwen2: E 64, K 8 from T = 97). gpt-oss: none
+  // (H = 2880 is not a multiple of 512, and biases).
+  const std::map<std::string, int> decode_kernels = {{"gpt-oss-120b", 0},
+                                                     {"gpt-oss-20b", 0},
+                                                     {"kimi-k3.1-tp8", 4},
+                                                     {"kimi-k3.1-tp4-ep2", 4},
+                                                     {"kimi-k3.1-tp4-ep2-rank1", 4},
+                                                     {"deepseek-v4-flash-tp4", 4},
+                                                     {"deepseek-v4.1-flash-tp4", 4},
+                                                     {"qwen3-30b-a3b", 6},
+                                                     {"qwen2-57b-a14b", 6}};
   for (const ModelShape& shape : reference_shapes()) {
     INFO(shape.name);
-    for (const char* arch : {"sm_90a", "sm_100a"}) {
+    REQUIRE(decode_kernels.count(shape.name) == 1);
+    for (const char* arch : {"sm_90a", "sm_100a", "sm_80"}) {
       const std::vector<KernelSpec> specs = moejit::plan_kernels(shape, Arch::parse(arch));
       std::map<Family, int> count;
       std::set<std::pair<int, int>> fc1_tiles;
@@ -220,6 +235,9 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       CHECK(count[Family::kCombine] == 2);  // small-T and large-T CTAs
       CHECK(count[Family::kNarrowIds] == (shape.id_dtype == DType::kI64 ? 1 : 0));
       CHECK(count[Family::kAppendShared] == (shape.shared.count > 0 ? 1 : 0));
+      // decode_moe needs sm_90: an sm_80 prewarm plans none.
+      CHECK(count[Family::kDecodeMoe] ==
+            (Arch::parse(arch).sm >= 90 ? decode_kernels.at(shape.name) : 0));
     }
   }
 }
@@ -533,7 +551,7 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
 
 TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
   for (Family family : {Family::kRoute, Family::kRepack, Family::kMarlinMoe, Family::kCombine,
-                        Family::kNarrowIds}) {
+                        Family::kNarrowIds, Family::kDecodeMoe}) {
     CHECK(moejit::parse_family(moejit::family_name(family)) == family);
   }
   CHECK(std::string(moejit::family_name(Family::kMarlinMoe)) == "marlin_moe");

@@ -1,0 +1,670 @@
+// decode_moe on the host: which shapes it serves (and the reason it refuses the others), the
+// planner's tile per T (checked against the kernel's own Geometry rules), the supports()
+// refusal of every Geometry rule with its message, names / JSON / hashes / generated source,
+// the plan and prewarm per arch, the workspace, and the options of moe_forward and the C ABI
+// that need no GPU.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <moejit/kern/moe/decode_params.cuh>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "codegen/codegen.hpp"
+#include "moejit/error.hpp"
+#include "moejit/kernel_spec.hpp"
+#include "moejit/moe.hpp"
+#include "moejit/moejit.h"
+#include "moejit/runtime.hpp"
+#include "moejit/shape.hpp"
+#include "plan/moe_plan.hpp"
+#include "support/support.hpp"
+
+namespace {
+
+using moejit::Activation;
+using moejit::ActivationKind;
+using moejit::Arch;
+using moejit::DecodeKernel;
+using moejit::DType;
+using moejit::Error;
+using moejit::ErrorCode;
+using moejit::Family;
+using moejit::KernelSpec;
+using moejit::ModelShape;
+using moejit::MoeDecodeParams;
+namespace detail = moejit::detail;
+namespace decode = moejit::kern::moe::decode;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+std::vector<ModelShape> reference_shapes() {
+  const std::string path = moejit::test::shapes_dir() + "/reference.json";
+  INFO(path);
+  REQUIRE(std::filesystem::exists(path));
+  return moejit::load_shapes_file(path);
+}
+
+const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name) {
+  for (const ModelShape& shape : shapes) {
+    if (shape.name == name) return shape;
+  }
+  FAIL("no reference shape named " << name);
+  throw std::logic_error("unreachable");
+}
+
+// The reference shapes decode_moe serves (issue 4), and the two it refuses.
+const std::vector<std::string> kServed = {"kimi-k3.1-tp8",           "kimi-k3.1-tp4-ep2",
+                                          "kimi-k3.1-tp4-ep2-rank1", "deepseek-v4-flash-tp4",
+                                          "deepseek-v4.1-flash-tp4", "qwen3-30b-a3b",
+                                          "qwen2-57b-a14b"};
+const std::vector<std::string> kRefused = {"gpt-oss-120b", "gpt-oss-20b"};
+
+decode::Geometry geometry_of(const MoeDecodeParams& p) {
+  return decode::Geometry{p.num_experts, p.top_k,      p.hidden,     p.intermediate,
+                          p.block_n,     p.fc1_strips, p.fc2_strips, p.stages};
+}
+
+KernelSpec spec_of(const MoeDecodeParams& p, const char* arch = "sm_90a") {
+  KernelSpec spec;
+  spec.family = Family::kDecodeMoe;
+  spec.arch = Arch::parse(arch);
+  spec.params = p;
+  return spec;
+}
+
+// kimi-k3.1-tp8's main kernel at T = 1 with a fixed tile, to break one field of.
+MoeDecodeParams good_params() {
+  MoeDecodeParams p;
+  p.kernel = DecodeKernel::kMain;
+  p.num_experts = 896;
+  p.top_k = 16;
+  p.hidden = 3584;
+  p.intermediate = 384;
+  p.block_n = 16;
+  p.fc1_strips = 1;
+  p.fc2_strips = 4;
+  p.stages = 4;
+  p.activation.kind = ActivationKind::kSiTU;
+  p.activation.beta = 4.f;
+  p.activation.linear_beta = 25.f;
+  p.id_dtype = DType::kI32;
+  return p;
+}
+
+// supports() of `p` on `arch` must name every part of `expected`, and render must refuse it
+// with the same reason.
+void expect_refused(const MoeDecodeParams& p, const std::vector<std::string>& expected,
+                    const char* arch = "sm_90a") {
+  const KernelSpec spec = spec_of(p, arch);
+  const std::string reason = moejit::supports(spec);
+  INFO(spec.display_name() << " -> \"" << reason << "\"");
+  REQUIRE_FALSE(reason.empty());
+  CHECK(contains(reason, spec.display_name()));
+  for (const std::string& part : expected) CHECK(contains(reason, part));
+  try {
+    detail::render(spec);
+    FAIL("render accepted " << spec.display_name());
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kUnsupported);
+    CHECK(contains(e.what(), reason));
+  }
+}
+
+// The stage rule of the planner, restated on the kernel's Geometry: with block_n 16 the deepest
+// ring of 3..6 chunks that keeps two CTAs per SM; otherwise the deepest of 2..6 that fits.
+int expected_stages(decode::Geometry g) {
+  if (g.block_n == 16) {
+    for (int s = 6; s >= 3; --s) {
+      g.stages = s;
+      if (g.rule() == decode::Rule::kOk && g.blocks_per_sm() == 2) return s;
+    }
+  }
+  for (int s = 6; s >= 2; --s) {
+    g.stages = s;
+    if (g.rule() == decode::Rule::kOk) return s;
+  }
+  return 0;
+}
+
+// The distinct main kernels the planner picks for T in 1..min(256, max_tokens).
+std::vector<MoeDecodeParams> planner_choices(const ModelShape& shape, int max_tokens) {
+  std::vector<MoeDecodeParams> out;
+  for (int t = 1; t <= std::min(max_tokens, 256); ++t) {
+    const MoeDecodeParams p = detail::choose_decode_config(shape, t, 0);
+    if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan][decode]") {
+  const std::vector<ModelShape> shapes = reference_shapes();
+  REQUIRE(shapes.size() == kServed.size() + kRefused.size());
+  for (const std::string& name : kServed) {
+    const ModelShape& shape = find_shape(shapes, name);
+    INFO(name);
+    CHECK(detail::decode_moe_problem(shape).empty());
+    CHECK(moejit::moe_decode_problem(shape).empty());
+    // The planner picks decode_moe for every T up to 256 and never above.
+    for (int t = 1; t <= 300; ++t) {
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
+      CHECK(config.decode == (t <= 256));
+      if (!config.decode) continue;
+      CHECK(config.decode_main.kernel == DecodeKernel::kMain);
+      CHECK(config.decode_reset == detail::decode_reset_params(config.decode_main));
+      CHECK(config.decode_reset.kernel == DecodeKernel::kReset);
+    }
+  }
+  for (const std::string& name : kRefused) {
+    const ModelShape& shape = find_shape(shapes, name);
+    INFO(name);
+    const std::string reason = detail::decode_moe_problem(shape);
+    INFO(reason);
+    // Both reasons, named with the value and the rule, and where such shapes go.
+    CHECK(contains(reason, "\"" + name + "\""));
+    CHECK(contains(reason, "hidden = 2880 is not a multiple of 512"));
+    CHECK(contains(reason, "512-wide FC1 chunks"));
+    CHECK(contains(reason, "no bias epilogue"));
+    CHECK(contains(reason, "use marlin_moe"));
+    CHECK(moejit::moe_decode_problem(shape) == reason);
+    for (int t = 1; t <= 300; ++t) CHECK_FALSE(detail::choose_moe_config(shape, t).decode);
+  }
+
+  // One rule at a time, on a shape decode_moe serves otherwise.
+  const ModelShape& qwen = find_shape(shapes, "qwen3-30b-a3b");
+  struct Case {
+    std::function<void(ModelShape&)> edit;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {[](ModelShape& s) { s.has_bias = true; }, {"no bias epilogue", "use marlin_moe"}},
+      {[](ModelShape& s) { s.intermediate = 800; },
+       {"intermediate = 800 is not a multiple of 128", "128-wide FC2 chunks"}},
+      {[](ModelShape& s) { s.hidden = 2304; }, {"hidden = 2304 is not a multiple of 512"}},
+      {[](ModelShape& s) {
+         s.num_experts = 5000;
+         s.global_experts = 5000;
+       },
+       {"num_experts = 5000", "1..4096", "12 bits"}},
+  };
+  for (const Case& c : cases) {
+    ModelShape shape = qwen;
+    c.edit(shape);
+    const std::string reason = detail::decode_moe_problem(shape);
+    INFO(reason);
+    REQUIRE_FALSE(reason.empty());
+    for (const std::string& part : c.expected) CHECK(contains(reason, part));
+    CHECK_FALSE(detail::choose_moe_config(shape, 1).decode);
+  }
+  // An invalid shape is the descriptor's error, as for the other MoE entry points.
+  ModelShape odd = qwen;
+  odd.hidden = 48;
+  try {
+    moejit::moe_decode_problem(odd);
+    FAIL("moe_decode_problem accepted hidden = 48");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidDescriptor);
+    CHECK(contains(e.what(), "hidden = 48"));
+  }
+}
+
+TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's rules",
+          "[plan][decode]") {
+  std::vector<ModelShape> shapes;
+  for (const std::string& name : kServed) shapes.push_back(find_shape(reference_shapes(), name));
+  ModelShape wide = shapes.back();
+  wide.name += "-int64-ids";
+  wide.id_dtype = DType::kI64;
+  shapes.push_back(wide);
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    for (int t = 1; t <= 256; ++t) {
+      for (int forced : {0, 16, 32}) {
+        INFO("T = " << t << ", block_n override " << forced);
+        const MoeDecodeParams p = detail::choose_decode_config(shape, t, forced);
+        const decode::Geometry g = geometry_of(p);
+        REQUIRE(g.rule() == decode::Rule::kOk);
+        CHECK(g.smem_bytes() <= 227 * 1024);
+        CHECK(detail::decode_rule_problem(p).empty());
+        CHECK(moejit::supports(spec_of(p, "sm_90a")).empty());
+        CHECK(moejit::supports(spec_of(p, "sm_100a")).empty());
+        // The host's sizes are the kernel's Geometry.
+        CHECK(detail::decode_moe_smem_bytes(p) == g.smem_bytes());
+        CHECK(detail::decode_moe_blocks_per_sm(p) == g.blocks_per_sm());
+        CHECK(detail::decode_moe_workspace_bytes(p) == g.workspace_bytes());
+        // The shape's sizes and types, unchanged.
+        CHECK(p.kernel == DecodeKernel::kMain);
+        CHECK(p.num_experts == shape.num_experts);
+        CHECK(p.top_k == shape.top_k);
+        CHECK(p.hidden == shape.hidden);
+        CHECK(p.intermediate == shape.intermediate);
+        CHECK(p.activation.kind == shape.activation.kind);
+        CHECK(p.activation.beta == shape.activation.beta);
+        CHECK(p.activation.limit == shape.activation.limit);
+        CHECK(p.id_dtype == shape.id_dtype);
+        // block_n: 32 once the touched experts average more than 12 positions.
+        const long long positions = static_cast<long long>(t) * shape.top_k;
+        const long long touched = std::min<long long>(positions, shape.num_experts);
+        const int planned_n = positions > 12 * touched ? 32 : 16;
+        CHECK(p.block_n == (forced != 0 ? forced : planned_n));
+        // Strips per item: small items while T <= 8.
+        CHECK(p.fc1_strips == (t <= 8 ? 1 : 2));
+        CHECK(p.fc2_strips == (t <= 8 ? 4 : 8));
+        CHECK(p.stages == expected_stages(g));
+        // For these shapes every 16-wide tile keeps two CTAs per SM, three chunks deep or more.
+        if (p.block_n == 16) {
+          CHECK(g.blocks_per_sm() == 2);
+          CHECK(p.stages >= 3);
+        }
+        CHECK(p == (forced == 0 ? detail::choose_moe_config(shape, t).decode_main : p));
+      }
+    }
+  }
+
+  // Where block_n switches (T * K > 12 * min(E, T * K)): qwen3 (E 128, K 8) above T = 192,
+  // qwen2 (E 64, K 8) above T = 96; kimi and deepseek never do below 256.
+  const std::vector<ModelShape> refs = reference_shapes();
+  const auto n_at = [&](const char* name, int t) {
+    return detail::choose_decode_config(find_shape(refs, name), t, 0).block_n;
+  };
+  CHECK(n_at("qwen3-30b-a3b", 192) == 16);
+  CHECK(n_at("qwen3-30b-a3b", 193) == 32);
+  CHECK(n_at("qwen2-57b-a14b", 96) == 16);
+  CHECK(n_at("qwen2-57b-a14b", 97) == 32);
+  CHECK(n_at("kimi-k3.1-tp8", 256) == 16);
+  CHECK(n_at("deepseek-v4-flash-tp4", 256) == 16);
+  CHECK(planner_choices(find_shape(refs, "kimi-k3.1-tp8"), 256).size() == 2);
+  CHECK(planner_choices(find_shape(refs, "qwen3-30b-a3b"), 256).size() == 3);
+  CHECK(planner_choices(find_shape(refs, "qwen3-30b-a3b"), 8).size() == 1);
+}
+
+TEST_CASE("decode_moe supports(): every Geometry rule, the types and the arch, with the reason",
+          "[plan][decode]") {
+  REQUIRE(moejit::supports(spec_of(good_params())).empty());
+  MoeDecodeParams reset = good_params();
+  reset.kernel = DecodeKernel::kReset;
+  CHECK(moejit::supports(spec_of(reset)).empty());
+
+  struct Case {
+    std::function<void(MoeDecodeParams&)> edit;
+    decode::Rule rule;  // kOk: a rule outside Geometry (types, activation)
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {[](MoeDecodeParams& p) { p.num_experts = 5000; },
+       decode::Rule::kExperts,
+       {"num_experts = 5000", "1..4096", "12 bits"}},
+      {[](MoeDecodeParams& p) { p.num_experts = 0; }, decode::Rule::kExperts, {"num_experts = 0"}},
+      {[](MoeDecodeParams& p) { p.top_k = 65; }, decode::Rule::kTopK, {"top_k = 65", "1..64"}},
+      {[](MoeDecodeParams& p) { p.hidden = 2880; },
+       decode::Rule::kHidden,
+       {"hidden = 2880 is not a multiple of 512", "512-wide FC1 chunks"}},
+      {[](MoeDecodeParams& p) { p.intermediate = 320; },
+       decode::Rule::kInter,
+       {"intermediate = 320 is not a multiple of 128", "128-wide FC2 chunks"}},
+      {[](MoeDecodeParams& p) { p.block_n = 24; },
+       decode::Rule::kBlockN,
+       {"block_n = 24", "16, 32"}},
+      {[](MoeDecodeParams& p) { p.fc1_strips = 3; },
+       decode::Rule::kFc1Strips,
+       {"fc1_strips = 3", "1, 2, 4 or 8", "intermediate / 8 = 48"}},
+      {[](MoeDecodeParams& p) { p.fc2_strips = 2; },
+       decode::Rule::kFc2Strips,
+       {"fc2_strips = 2", "4 or 8", "hidden / 16 = 224"}},
+      {[](MoeDecodeParams& p) { p.stages = 1; }, decode::Rule::kStages, {"stages = 1", "2..8"}},
+      {[](MoeDecodeParams& p) { p.stages = 9; }, decode::Rule::kStages, {"stages = 9", "2..8"}},
+      {[](MoeDecodeParams& p) {
+         p.block_n = 32;
+         p.fc1_strips = 2;
+         p.fc2_strips = 8;
+         p.stages = 8;
+       },
+       decode::Rule::kSharedMemory,
+       {"bytes of shared memory per CTA", "at most 232448", "lower stages"}},
+      // 4096 experts: 80 KB of routing counters, more than a two-chunk ring.
+      {[](MoeDecodeParams& p) {
+         p.num_experts = 4096;
+         p.top_k = 1;
+         p.stages = 2;
+       },
+       decode::Rule::kSharedMemory,
+       {"routing scratch", "raise stages"}},
+      {[](MoeDecodeParams& p) { p.id_dtype = DType::kF32; },
+       decode::Rule::kOk,
+       {"id_dtype = f32", "i32, i64"}},
+      {[](MoeDecodeParams& p) { p.activation.limit = 7.f; },
+       decode::Rule::kOk,
+       {"limit = 7", "not taken"}},
+      {[](MoeDecodeParams& p) { p.activation.beta = -1.f; },
+       decode::Rule::kOk,
+       {"beta = -1", "finite and > 0"}},
+      {[](MoeDecodeParams& p) { p.kernel = static_cast<DecodeKernel>(7); },
+       decode::Rule::kOk,
+       {"kernel = 7", "reset, main"}},
+  };
+  std::set<decode::Rule> rules_seen;
+  for (const Case& c : cases) {
+    MoeDecodeParams p = good_params();
+    c.edit(p);
+    CHECK(geometry_of(p).rule() == c.rule);
+    rules_seen.insert(geometry_of(p).rule());
+    expect_refused(p, c.expected);
+  }
+  // Every rule of the kernel's static_asserts is exercised.
+  CHECK(rules_seen.size() == 10);
+
+  // Arch: sm_90 or newer, and the arch's shared memory per CTA.
+  expect_refused(good_params(), {"decode_moe needs sm_90 or newer", "found sm_80", "marlin_moe"},
+                 "sm_80");
+  expect_refused(good_params(), {"needs sm_90 or newer", "sm_89"}, "sm_89");
+  CHECK(moejit::supports(spec_of(good_params(), "sm_90")).empty());
+  const long long smem = detail::decode_moe_smem_bytes(good_params());
+  REQUIRE(smem > 101376);
+  expect_refused(good_params(), {"needs " + std::to_string(smem), "sm_120 allows at most 101376"},
+                 "sm_120");
+  CHECK_FALSE(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_120")));
+  CHECK_FALSE(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_80")));
+  CHECK(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_90a")));
+  CHECK(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_100a")));
+}
+
+TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]") {
+  CHECK(std::string(moejit::family_name(Family::kDecodeMoe)) == "decode_moe");
+  CHECK(moejit::parse_family("decode_moe") == Family::kDecodeMoe);
+  CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kReset)) == "reset");
+  CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kMain)) == "main");
+
+  const KernelSpec main = spec_of(good_params());
+  MoeDecodeParams reset_params = good_params();
+  reset_params.kernel = DecodeKernel::kReset;
+  const KernelSpec reset = spec_of(reset_params);
+  CHECK(main.display_name() ==
+        "decode_moe<main,e896,k16,h3584,i384,n16,f1x4,s4,situ(beta=4,linear_beta=25),i32>"
+        "@sm_90a");
+  CHECK(reset.display_name() ==
+        "decode_moe<reset,e896,k16,h3584,i384,n16,f1x4,s4,situ(beta=4,linear_beta=25),i32>"
+        "@sm_90a");
+
+  const auto json = nlohmann::json::parse(main.to_json());
+  CHECK(json["family"] == "decode_moe");
+  CHECK(json["arch"] == "sm_90a");
+  CHECK(json["params"]["kernel"] == "main");
+  CHECK(json["params"]["num_experts"] == 896);
+  CHECK(json["params"]["top_k"] == 16);
+  CHECK(json["params"]["hidden"] == 3584);
+  CHECK(json["params"]["intermediate"] == 384);
+  CHECK(json["params"]["block_n"] == 16);
+  CHECK(json["params"]["fc1_strips"] == 1);
+  CHECK(json["params"]["fc2_strips"] == 4);
+  CHECK(json["params"]["stages"] == 4);
+  CHECK(json["params"]["activation"]["kind"] == "situ");
+  CHECK(json["params"]["activation"]["linear_beta"].get<float>() == 25.f);
+  CHECK(json["params"]["id_dtype"] == "i32");
+
+  // Typed values become template arguments; the activation is the same functor marlin uses.
+  const detail::GeneratedSource src = detail::render(main);
+  CHECK(contains(src.source, "#include <moejit/kern/moe/decode_moe.cuh>"));
+  CHECK(src.name_expression ==
+        "moejit::kern::moe::decode::decode_moe<moejit::kern::moe::decode::DecodeTraits<896, 16, "
+        "3584, 384, 16, 1, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
+  CHECK(detail::render(reset).name_expression ==
+        "moejit::kern::moe::decode::decode_moe_reset<moejit::kern::moe::decode::DecodeTraits<896, "
+        "16, 3584, 384, 16, 1, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
+  CHECK(src.file_name ==
+        "decode_moe_main_e896_k16_h3584_i384_n16_f1x4_s4_situ_b4o1_lb25o1_i32_sm_90a.cu");
+  MoeDecodeParams wide = good_params();
+  wide.id_dtype = DType::kI64;
+  wide.activation = Activation{};
+  wide.activation.kind = ActivationKind::kClampedSwiGLU;
+  wide.activation.limit = 10.f;
+  CHECK(
+      contains(detail::render(spec_of(wide)).name_expression, "act::ClampedSwiGLU<10, 1>, true>>"));
+
+  // Every field is in equality, the hash, the display name and the file name.
+  const std::vector<std::function<void(MoeDecodeParams&)>> edits = {
+      [](MoeDecodeParams&) {},
+      [](MoeDecodeParams& p) { p.kernel = DecodeKernel::kReset; },
+      [](MoeDecodeParams& p) { p.num_experts = 448; },
+      [](MoeDecodeParams& p) { p.top_k = 8; },
+      [](MoeDecodeParams& p) { p.hidden = 4096; },
+      [](MoeDecodeParams& p) { p.intermediate = 768; },
+      [](MoeDecodeParams& p) {
+        p.block_n = 32;
+        p.stages = 3;
+      },
+      [](MoeDecodeParams& p) { p.fc1_strips = 2; },
+      [](MoeDecodeParams& p) { p.fc2_strips = 8; },
+      [](MoeDecodeParams& p) { p.stages = 3; },
+      [](MoeDecodeParams& p) { p.activation.beta = 2.f; },
+      [](MoeDecodeParams& p) { p.activation.linear_beta = 20.f; },
+      [](MoeDecodeParams& p) {
+        p.activation = Activation{};
+        p.activation.kind = ActivationKind::kSwiGLU;
+      },
+      [](MoeDecodeParams& p) { p.id_dtype = DType::kI64; },
+  };
+  std::vector<KernelSpec> variants;
+  for (const auto& edit : edits) {
+    MoeDecodeParams p = good_params();
+    edit(p);
+    REQUIRE(moejit::supports(spec_of(p)).empty());
+    variants.push_back(spec_of(p));
+  }
+  variants.push_back(spec_of(good_params(), "sm_100a"));
+  for (std::size_t i = 0; i < variants.size(); ++i) {
+    CHECK(variants[i] == variants[i]);
+    for (std::size_t j = i + 1; j < variants.size(); ++j) {
+      INFO(variants[i].display_name() << " vs " << variants[j].display_name());
+      CHECK_FALSE(variants[i] == variants[j]);
+      CHECK(variants[i].hash() != variants[j].hash());
+      CHECK(variants[i].display_name() != variants[j].display_name());
+      CHECK(detail::render(variants[i]).file_name != detail::render(variants[j]).file_name);
+    }
+  }
+  // Params of another family under decode_moe's name.
+  KernelSpec mixed = main;
+  mixed.params = moejit::NarrowIdsParams{};
+  const std::string reason = moejit::supports(mixed);
+  CHECK(contains(reason, "names family decode_moe"));
+}
+
+TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, per arch",
+          "[plan][decode]") {
+  const std::vector<ModelShape> shapes = reference_shapes();
+  const Arch sm90 = Arch::parse("sm_90a");
+  const Arch sm80 = Arch::parse("sm_80");
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    const bool served = detail::decode_moe_problem(shape).empty();
+    // Two kernels (reset, main) per distinct tile the planner picks for T <= 256.
+    const std::vector<MoeDecodeParams> choices = planner_choices(shape, shape.max_tokens);
+    for (const char* arch : {"sm_90a", "sm_100a", "sm_80"}) {
+      INFO(arch);
+      const Arch target = Arch::parse(arch);
+      std::set<std::string> planned_decode;
+      std::vector<KernelSpec> marlin;
+      for (const KernelSpec& spec : moejit::plan_kernels(shape, target)) {
+        if (spec.family == Family::kDecodeMoe) planned_decode.insert(spec.display_name());
+        if (spec.family == Family::kMarlinMoe) marlin.push_back(spec);
+      }
+      std::set<std::string> expected;
+      if (served && target.sm >= 90) {
+        for (const MoeDecodeParams& p : choices) {
+          expected.insert(detail::decode_moe_spec(p, target).display_name());
+          expected.insert(
+              detail::decode_moe_spec(detail::decode_reset_params(p), target).display_name());
+        }
+      }
+      CHECK(planned_decode == expected);
+      // marlin stays planned for every T (a call can force it): the five tiles, FC1 and FC2.
+      CHECK(marlin.size() == 10);
+    }
+  }
+
+  // The kernels of one config: the decode pair first, then the marlin chain a call may force.
+  ModelShape kimi = find_shape(shapes, "kimi-k3.1-tp8");
+  const detail::MoeForwardConfig k1 = detail::choose_moe_config(kimi, 1);
+  const detail::MoeForwardSpecs s90 = detail::moe_forward_specs(k1, sm90);
+  CHECK(s90.decode);
+  CHECK(s90.decode_reset == detail::decode_moe_spec(k1.decode_reset, sm90));
+  CHECK(s90.decode_main == detail::decode_moe_spec(k1.decode_main, sm90));
+  const std::vector<KernelSpec> listed = detail::moe_config_specs(k1, sm90);
+  REQUIRE(listed.size() == 6);
+  CHECK(listed[0] == s90.decode_reset);
+  CHECK(listed[1] == s90.decode_main);
+  CHECK(listed[2].family == Family::kRoute);
+  CHECK(listed[5].family == Family::kCombine);
+  // Below sm_90 the same config runs marlin only.
+  const detail::MoeForwardSpecs s80 = detail::moe_forward_specs(k1, sm80);
+  CHECK_FALSE(s80.decode);
+  CHECK(detail::moe_config_specs(k1, sm80).size() == 4);
+  // int64 ids: decode reads them directly (no narrow launch on that path).
+  kimi.id_dtype = DType::kI64;
+  const std::vector<KernelSpec> wide =
+      detail::moe_config_specs(detail::choose_moe_config(kimi, 1), sm90);
+  REQUIRE(wide.size() == 7);
+  CHECK(std::get<MoeDecodeParams>(wide[1].params).id_dtype == DType::kI64);
+  CHECK(wide[2].family == Family::kNarrowIds);
+
+  // Segment ends: the decode tile is constant inside each run of T.
+  for (const std::string& name : kServed) {
+    const ModelShape& shape = find_shape(shapes, name);
+    INFO(name);
+    const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
+    CHECK(std::find(ends.begin(), ends.end(), 8) != ends.end());
+    CHECK(std::find(ends.begin(), ends.end(), 256) != ends.end());
+    int previous = 0;
+    for (int end : ends) {
+      if (previous >= 256) break;
+      const detail::MoeForwardConfig at_end = detail::choose_moe_config(shape, end);
+      for (int t = previous + 1; t <= end; ++t) {
+        const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+        CHECK(c.decode == at_end.decode);
+        CHECK(c.decode_main == at_end.decode_main);
+      }
+      previous = end;
+    }
+  }
+}
+
+TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, both block_n",
+          "[plan][decode]") {
+  for (const std::string& name : kServed) {
+    const ModelShape& shape = find_shape(reference_shapes(), name);
+    INFO(name);
+    for (int max_tokens : {1, 8, 9, 100, 256, 300, shape.max_tokens}) {
+      INFO("max_tokens " << max_tokens);
+      const std::size_t bytes = moejit::moe_workspace_bytes(shape, max_tokens);
+      for (int t = 1; t <= std::min(max_tokens, 256); ++t) {
+        for (int forced : {0, 16, 32}) {
+          const MoeDecodeParams p = detail::choose_decode_config(shape, t, forced);
+          CHECK(bytes >= static_cast<std::size_t>(geometry_of(p).workspace_bytes()));
+        }
+        const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+        const detail::MoeWorkspaceLayout w = detail::moe_workspace_layout(shape, c);
+        CHECK(w.decode_bytes ==
+              static_cast<std::size_t>(geometry_of(c.decode_main).workspace_bytes()));
+        CHECK(w.bytes == std::max(w.marlin_bytes, w.decode_bytes));
+        CHECK(bytes >= w.bytes);
+      }
+    }
+  }
+  // The decode workspace does not depend on T itself: the counters, the FC1 output and the FC2
+  // rows are sized for 256 tokens.
+  const ModelShape& kimi = find_shape(reference_shapes(), "kimi-k3.1-tp8");
+  const MoeDecodeParams p = detail::choose_decode_config(kimi, 1, 16);
+  const decode::Geometry g = geometry_of(p);
+  CHECK(g.workspace_bytes() ==
+        decode::Geometry::align256(4LL * g.counter_words()) +
+            decode::Geometry::align256(static_cast<long long>(g.max_virtual()) * 16 * 384 * 2) +
+            decode::Geometry::align256(256LL * 16 * 3584 * 4));
+  // A shape decode_moe refuses sizes marlin only.
+  const ModelShape& gpt = find_shape(reference_shapes(), "gpt-oss-120b");
+  const detail::MoeWorkspaceLayout w =
+      detail::moe_workspace_layout(gpt, detail::choose_moe_config(gpt, 1));
+  CHECK(w.decode_bytes == 0);
+  CHECK(w.bytes == w.marlin_bytes);
+}
+
+TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options without a GPU",
+          "[plan][decode][capi]") {
+  const std::vector<ModelShape> shapes = reference_shapes();
+  const ModelShape& kimi = find_shape(shapes, "kimi-k3.1-tp8");
+  const ModelShape& gpt = find_shape(shapes, "gpt-oss-120b");
+  const moejit::MoeForwardArgs args;
+  const auto expect = [&](const ModelShape& shape, moejit::MoeForwardOptions options,
+                          ErrorCode code, const std::vector<std::string>& parts) {
+    try {
+      moejit::moe_forward(shape, args, nullptr, options);
+      FAIL("moe_forward accepted the options");
+    } catch (const Error& e) {
+      INFO(e.what());
+      CHECK(e.code() == code);
+      for (const std::string& part : parts) CHECK(contains(e.what(), part));
+    }
+  };
+  moejit::MoeForwardOptions options;
+  options.decode_block_n = 24;
+  expect(kimi, options, ErrorCode::kInvalidArgument, {"options.decode_block_n", "16 or 32", "24"});
+  options.decode_block_n = 0;
+  options.path = static_cast<moejit::MoePath>(9);
+  expect(kimi, options, ErrorCode::kInvalidArgument, {"options.path", "9"});
+  // A forced decode path on a shape it can't serve: refused before any device or tensor is
+  // looked at, with the rule.
+  options.path = moejit::MoePath::kDecode;
+  expect(gpt, options, ErrorCode::kUnsupported,
+         {"options.path = decode", "hidden = 2880 is not a multiple of 512", "kMarlin"});
+
+  // The C ABI: the handle carries decode_moe's verdict; forward_ex checks path and block_n.
+  const char* text = R"({"name": "capi-decode-kimi", "num_experts": 896, "top_k": 16,
+                         "hidden": 3584, "intermediate": 384,
+                         "activation": {"kind": "situ", "beta": 4, "linear_beta": 25},
+                         "max_tokens": 512})";
+  moejit::register_shapes(text, "capi-decode.json");
+  const char* gpt_text = R"({"name": "capi-decode-gpt", "num_experts": 32, "top_k": 4,
+                             "hidden": 2880, "intermediate": 2880, "has_bias": true,
+                             "activation": {"kind": "gpt_oss", "limit": 7, "alpha": 1.702},
+                             "max_tokens": 512})";
+  moejit::register_shapes(gpt_text, "capi-decode-gpt.json");
+  moejit_moe* served = nullptr;
+  moejit_moe* refused = nullptr;
+  REQUIRE(moejit_moe_create("capi-decode-kimi", &served) == MOEJIT_OK);
+  REQUIRE(moejit_moe_create("capi-decode-gpt", &refused) == MOEJIT_OK);
+  const char* reason = nullptr;
+  REQUIRE(moejit_moe_decode_problem(served, &reason) == MOEJIT_OK);
+  REQUIRE(reason != nullptr);
+  CHECK(std::string(reason).empty());
+  REQUIRE(moejit_moe_decode_problem(refused, &reason) == MOEJIT_OK);
+  CHECK(contains(reason, "hidden = 2880"));
+  CHECK(contains(reason, "no bias epilogue"));
+  CHECK(moejit_moe_decode_problem(nullptr, &reason) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(moejit_moe_decode_problem(served, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+
+  const moejit_moe_weights weights{};
+  CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
+                              static_cast<moejit_moe_path>(5), 0,
+                              nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "moejit_moe_forward_ex: path"));
+  CHECK(contains(moejit_last_error(), "MOEJIT_MOE_PATH_DECODE"));
+  CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
+                              MOEJIT_MOE_PATH_AUTO, 8, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "decode_block_n"));
+  CHECK(moejit_moe_forward_ex(refused, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
+                              MOEJIT_MOE_PATH_DECODE, 0, nullptr) == MOEJIT_ERROR_UNSUPPORTED);
+  CHECK(contains(moejit_last_error(), "hidden = 2880"));
+  CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr,
+                              MOEJIT_MOE_PATH_DECODE, 0, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "weights"));
+  moejit_moe_destroy(served);
+  moejit_moe_destroy(refused);
+}
