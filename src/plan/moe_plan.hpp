@@ -43,7 +43,7 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
-inline constexpr int kDecodeThreads = 288;    // decode::kThreads: one producer + eight consumers
+inline constexpr int kDecodeThreads = 320;  // decode::kThreads: 8 consumer, 1 producer, 1 publisher warp
 
 // Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits.
 long long decode_moe_smem_bytes(const MoeDecodeParams& p);
