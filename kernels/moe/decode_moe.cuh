@@ -2,25 +2,34 @@
 // the activation, FC2 with the top-k weight and the top-k sum, in one persistent launch (after a
 // tiny counter reset it overlaps through programmatic dependent launch).
 //
-// Why this shape of kernel (tools/PERF_LOG.md has the numbers): at T <= 256 the layer is bound by
-// reading the touched experts' MXFP4 weights once. So
+// Why this shape of kernel (tools/PERF_LOG.md, "decode_moe", has the numbers): at T <= 256 the
+// layer is bound by reading the touched experts' MXFP4 weights once. So
 // - every CTA streams: work is cut into items (decode_params.cuh) claimed from one queue, FC1
-//   items of every virtual expert first, then FC2 items; a CTA holds the item its consumers
-//   compute and the one its producer loads, so small T leaves no long tail;
-// - one producer warp streams weights, scales and activation rows with bulk async copies
-//   (cp.async.bulk, evict-first for weights) into a ring of `stages` chunks guarded by mbarriers,
-//   across item boundaries; eight consumer warps dequantize (mxfp4.cuh) and run mma.sync
-//   m16n8k16 with weight rows in M and the virtual expert's positions in N;
+//   items of every virtual expert first, then FC2 items; a CTA holds at most the item its
+//   consumers compute, the one its producer loads and the next one it claimed;
+// - warp roles: eight consumer warps dequantize (mxfp4.cuh) and run mma.sync m16n8k16 with weight
+//   rows in M and the virtual expert's positions in N (only the n8 tiles that hold positions);
+//   one producer warp streams weights and scales (bulk copies, evict-first) and activation rows
+//   into a ring of `stages` chunks guarded by mbarriers, across item boundaries, and writes each
+//   chunk's header (item, chunk, virtual expert, slice, flags) so consumers do no item
+//   arithmetic; one publisher warp retires finished items (gpu-scope fence, then the counters).
+//   Why a publisher: a gpu-scope fence waits for the issuing thread's outstanding memory
+//   operations, so in the producer it drained the ring once per item (measured: 2x slower);
 // - FC2 needs all of FC1's output for its virtual expert: the producer issues an FC2 item's
-//   weight copies first, then waits on that expert's FC1 counter, then copies the activations,
-//   so FC2's weight stream starts before FC1 ends; FC2 writes fp32 rows per position and the
-//   CTA that completes the last FC2 item of an H slice sums that slice of every token in slot
-//   order (deterministic, no atomics on data);
+//   weight copies first, then waits on that expert's FC1 counter, then copies the activations
+//   with 16-byte cp.async (generic proxy: rows other CTAs wrote with plain stores need no proxy
+//   fence); FC2 writes fp32 rows per position, and the CTA that completes the last FC2 item of an
+//   H slice sums that slice of every token in slot order (deterministic, no atomics on data);
 // - routing is recomputed by every CTA in shared memory (no inter-CTA step): ranks by
 //   (token, slot) order with __match_any_sync per warp, then scans; the rank is the same in every
 //   CTA and every run.
 // Consumer warp w owns strip w / WK of the item and every WK-th K atom of each chunk (WK = 8 /
 // strips per item); the WK partial sums of a strip are added in a fixed order at the item's end.
+//
+// Where the time goes (ncu on the H200, deepseek-v4-flash-tp4 T = 24, v3): the SMs issue 0.67
+// warp-instructions per cycle per scheduler while DRAM runs at 36%: the kernel is issue-bound;
+// the dequant (15 instructions per 32-bit word of weights) is the floor of the math, so more
+// bandwidth needs a cheaper conversion, not a deeper ring (a deeper ring measured slower).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
@@ -87,6 +96,16 @@ __device__ __forceinline__ u32 load_acquire(const u32* p) {
   u32 v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed; raises the barrier's
+// pending count first, so the phase waits for it.
+__device__ __forceinline__ void arrive_on_copies(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// Adds `bytes` to the transactions the current phase waits for (no arrival).
+__device__ __forceinline__ void expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -315,9 +334,12 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
 // ---- the consumers' math -----------------------------------------------------------------------
 
 // One chunk of one strip: this warp's atoms (every kWK-th of kChunkK, from kslice) into acc.
-template <i32 kChunkK, i32 kWK, i32 kNT>
+// kActive n8 tiles of kNT hold positions (warp-uniform, a template argument so the MMAs carry
+// no per-tile branch).
+template <i32 kChunkK, i32 kWK, i32 kNT, i32 kActive>
 __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i32 strip,
-                                          i32 kslice, i32 n_active, float (&acc)[kNT][4]) {
+                                          i32 kslice, float (&acc)[kNT][4]) {
+  static_assert(kActive >= 1 && kActive <= kNT, "active tiles within the accumulator");
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
   const i32 g = lane >> 2;
   // ldmatrix row addresses: lanes 8q..8q+7 give matrix q = rows 0..7 of K block q (8 elements).
@@ -334,25 +356,40 @@ __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i3
     const u32 f_g8[2] = {mxfp4::scale_factor<2>(sw), mxfp4::scale_factor<3>(sw)};
 #pragma unroll
     for (i32 st = 0; st < 4; st += 2) {
-      u32 b[kNT][4];
+      u32 b[kActive][4];
 #pragma unroll
-      for (i32 nt = 0; nt < kNT; ++nt) {
-        if (nt < n_active) {
-          ptx::ldmatrix_x4(a_lane + static_cast<u32>(nt * 8 * Geometry::act_row_bytes() +
-                                                     (j * layout::kAtomK + st * 16) * 2),
-                           b[nt]);
-        }
+      for (i32 nt = 0; nt < kActive; ++nt) {
+        ptx::ldmatrix_x4(a_lane + static_cast<u32>(nt * 8 * Geometry::act_row_bytes() +
+                                                   (j * layout::kAtomK + st * 16) * 2),
+                         b[nt]);
       }
 #pragma unroll
       for (i32 h = 0; h < 2; ++h) {
         u32 a[4];
         mxfp4::dequant_step(w[st + h], f_g[(st + h) >> 1], f_g8[(st + h) >> 1], a);
 #pragma unroll
-        for (i32 nt = 0; nt < kNT; ++nt) {
-          if (nt < n_active) ptx::mma_bf16_16816(acc[nt], a, b[nt][2 * h], b[nt][2 * h + 1]);
+        for (i32 nt = 0; nt < kActive; ++nt) {
+          ptx::mma_bf16_16816(acc[nt], a, b[nt][2 * h], b[nt][2 * h + 1]);
         }
       }
     }
+  }
+}
+
+// mma_chunk for the chunk's active tile count (1 .. kNT).
+template <i32 kChunkK, i32 kWK, i32 kNT>
+__device__ __forceinline__ void mma_chunk_active(u32 w_base, u32 s_base, u32 a_base, i32 strip,
+                                                 i32 kslice, i32 n_active,
+                                                 float (&acc)[kNT][4]) {
+  static_assert(kNT == 2 || kNT == 4, "block_n 16 or 32");
+  if (n_active == 1) {
+    mma_chunk<kChunkK, kWK, kNT, 1>(w_base, s_base, a_base, strip, kslice, acc);
+  } else if (kNT == 2 || n_active == 2) {
+    mma_chunk<kChunkK, kWK, kNT, 2>(w_base, s_base, a_base, strip, kslice, acc);
+  } else if (n_active == 3) {
+    mma_chunk<kChunkK, kWK, kNT, (kNT > 2 ? 3 : 2)>(w_base, s_base, a_base, strip, kslice, acc);
+  } else {
+    mma_chunk<kChunkK, kWK, kNT, kNT>(w_base, s_base, a_base, strip, kslice, acc);
   }
 }
 
@@ -376,6 +413,10 @@ inline constexpr i32 kMiscCombinesPushed = 96;  // combines the publisher has li
 inline constexpr i32 kMiscIssuedFinal = 97;     // items the producer issued, once it is done
 inline constexpr i32 kMiscPublisherDone = 98;   // 1 once every item is retired
 inline constexpr i32 kInFlight = 32;
+// Chunk header word 3: the item's slice, and flags (set by the producer, so the consumers do no
+// item arithmetic).
+inline constexpr i32 kHeaderFc2 = 1 << 16;
+inline constexpr i32 kHeaderLast = 1 << 17;
 
 // Sums H slice `slice` (kCols columns) of every token over its local slots, in slot order, into
 // out (bf16). The consumer warps share the work.
@@ -568,9 +609,10 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       const u8* const wsrc = fc2 ? p.w2 : p.w13;
       const u8* const ssrc = fc2 ? p.w2_scales : p.w13_scales;
       const u32 act_bytes = static_cast<u32>(chunk_k * layout::kAtomK * 2);
+      // Bytes the bulk copies of one chunk deliver (FC2 activations come by cp.async).
       const u32 tx = static_cast<u32>(strips * chunk_k *
                                       (layout::kAtomBytes + layout::kAtomScaleBytes)) +
-                     static_cast<u32>(count) * act_bytes;
+                     (fc2 ? 0u : static_cast<u32>(count) * act_bytes);
       // This lane's activation row (lane < count): FC1 reads the token's hidden row, FC2 the
       // virtual expert's FC1 output row.
       const u16* act_src = nullptr;
@@ -592,21 +634,47 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
                      static_cast<u32>(chunk_k * layout::kAtomScaleBytes), bar, evict_first);
         }
       };
+      // FC1 rows (hidden, written before this grid) come by bulk copy. FC2 rows were written in
+      // this grid by other CTAs' plain stores: they come by 16-byte cp.async (generic proxy, so
+      // no proxy fence, which would wait for every bulk copy this thread has in flight), each
+      // lane's copies tracked by the slot's barrier (pending count +1, arrive when landed).
       const auto issue_act = [&](i32 c, i32 slot) {
-        if (lane < count) {
-          const u32 dst = ring_base + static_cast<u32>(slot * G.slot_bytes() +
-                                                       G.slot_weight_bytes() +
-                                                       G.slot_scale_bytes() + lane * kActRow);
-          pipe::copy(dst, act_src + c * chunk_k * layout::kAtomK, act_bytes,
-                     ptx::smem_u32(full + slot));
+        const u32 dst0 = ring_base + static_cast<u32>(slot * G.slot_bytes() +
+                                                      G.slot_weight_bytes() + G.slot_scale_bytes());
+        const u32 bar = ptx::smem_u32(full + slot);
+        if (!fc2) {
+          if (lane < count) {
+            pipe::copy(dst0 + static_cast<u32>(lane * kActRow),
+                       act_src + c * chunk_k * layout::kAtomK, act_bytes, bar);
+          }
+          return;
         }
+        constexpr i32 kPieces = kFc2ChunkK * layout::kAtomK * 2 / 16;  // 16 per row
+        const u16* const rows = inter + static_cast<i64>(v) * G.block_n * G.inter +
+                                c * kFc2ChunkK * layout::kAtomK;
+        for (i32 i = lane; i < count * kPieces; i += 32) {
+          const i32 n = i / kPieces;
+          const i32 piece = i % kPieces;
+          ptx::cp_async_16(dst0 + static_cast<u32>(n * kActRow + piece * 16),
+                           rows + static_cast<i64>(n) * G.inter + piece * 8, 16u);
+        }
+        if (lane < count * kPieces) pipe::arrive_on_copies(bar);
+      };
+      // The entry's single counted arrival, after every copy (and every cp.async arrive-on) of
+      // the chunk is registered, so the phase cannot complete early.
+      const auto close_chunk = [&](i32 slot) {
+        __syncwarp();
+        if (lane == 0) pipe::arrive(ptx::smem_u32(full + slot));
+        __syncwarp();
       };
       const auto open_chunk = [&](i32 c) {
         const i32 slot = open_entry();
         if (lane == 0) {
           headers[4 * slot] = item;
           headers[4 * slot + 1] = c;
-          pipe::arrive_expect_tx(ptx::smem_u32(full + slot), tx);
+          headers[4 * slot + 2] = v;
+          headers[4 * slot + 3] = slice | (fc2 ? kHeaderFc2 : 0) | (c == chunks - 1 ? kHeaderLast : 0);
+          pipe::expect_tx(ptx::smem_u32(full + slot), tx);
         }
         __syncwarp();
         return slot;
@@ -631,13 +699,17 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
           pipe::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
         }
         __syncwarp();
-        pipe::fence_proxy_async();  // FC1 rows written by plain stores, read by bulk copies
-        for (i32 k = 0; k < early; ++k) issue_act(k, static_cast<i32>((seq0 + k) % kS));
+        for (i32 k = 0; k < early; ++k) {
+          const i32 slot = static_cast<i32>((seq0 + k) % kS);
+          issue_act(k, slot);
+          close_chunk(slot);
+        }
       }
       for (; c < chunks; ++c) {
         const i32 slot = open_chunk(c);
         issue_weights(c, slot);
         issue_act(c, slot);
+        close_chunk(slot);
         if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
       }
       item = __shfl_sync(0xffffffffu, next, 0);
@@ -669,8 +741,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     const i32 slot = static_cast<i32>(seq % kS);
     pipe::wait(ptx::smem_u32(full + slot), (seq / kS) & 1u);
     ++seq;
-    const i32 item = headers[4 * slot];
-    const i32 c = headers[4 * slot + 1];
+    const int4 header = *reinterpret_cast<const int4*>(headers + 4 * slot);
+    const i32 item = header.x;
+    const i32 c = header.y;
     if (item == -1) break;
     if (item == -2) {
       combine_slice<T>(p, out2, c);
@@ -678,18 +751,20 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
       continue;
     }
-    const bool fc2 = item >= fc1_total;
-    const i32 local = fc2 ? item - fc1_total : item;
-    const i32 per_v = fc2 ? G.fc2_items() : G.fc1_items();
-    const i32 v = local / per_v;
-    const i32 slice = local % per_v;
+    const i32 v = header.z;
+    const bool fc2 = (header.w & kHeaderFc2) != 0;
+    const bool last = (header.w & kHeaderLast) != 0;
+    const i32 slice = header.w & 0xFFFF;
     const u32 info = vinfo[v];
     const i32 count = virtual_count(info);
     const i32 first = virtual_first(info);
-    const i32 n_active = (count + 7) / 8;
-    const i32 wk = fc2 ? G.fc2_warps_k() : G.fc1_warps_k();
-    const i32 strip = warp / wk;
-    const i32 kslice = warp % wk;
+    const i32 n_active = (count + 7) >> 3;
+    // Why constexpr selects: wk is a power of two known per GEMM, so these are shifts and masks.
+    constexpr i32 kWk1 = G.fc1_warps_k();
+    constexpr i32 kWk2 = G.fc2_warps_k();
+    const i32 wk = fc2 ? kWk2 : kWk1;
+    const i32 strip = fc2 ? warp / kWk2 : warp / kWk1;
+    const i32 kslice = fc2 ? warp % kWk2 : warp % kWk1;
     const u32 w_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
     const u32 s_base = w_base + static_cast<u32>(G.slot_weight_bytes());
     const u32 a_base = s_base + static_cast<u32>(G.slot_scale_bytes());
@@ -701,20 +776,16 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
         for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
       }
     }
-#if defined(MOEJIT_DECODE_PROBE_NO_MATH)
-    if (false) {
-#else
     if (fc2) {
-#endif
-      mma_chunk<kFc2ChunkK, G.fc2_warps_k(), kNT>(w_base, s_base, a_base, strip, kslice,
-                                                  n_active, acc);
+      mma_chunk_active<kFc2ChunkK, kWk2, kNT>(w_base, s_base, a_base, strip, kslice, n_active,
+                                              acc);
     } else {
-      mma_chunk<kFc1ChunkK, G.fc1_warps_k(), kNT>(w_base, s_base, a_base, strip, kslice,
-                                                  n_active, acc);
+      mma_chunk_active<kFc1ChunkK, kWk1, kNT>(w_base, s_base, a_base, strip, kslice, n_active,
+                                              acc);
     }
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
-    if (c != (fc2 ? G.fc2_chunks() : G.fc1_chunks()) - 1) continue;
+    if (!last) continue;
 
     // ---- the item's last chunk: fixed-order sum of the K split, then the epilogue ----
     if (wk > 1) {

@@ -193,8 +193,10 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   const int t = static_cast<int>(tokens);
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
 
-  // The decode path: automatic where the planner chose it and it runs here, or forced.
-  if (options.path != MoePath::kMarlin && config.decode) {
+  // The decode path: forced, or automatic once it is the faster path (detail::kDecodeByDefault).
+  const bool want_decode = options.path == MoePath::kDecode ||
+                           (options.path == MoePath::kAuto && detail::kDecodeByDefault);
+  if (want_decode && config.decode) {
     const MoeDecodeParams main =
         options.decode_block_n == 0
             ? config.decode_main

@@ -124,31 +124,27 @@ decode::Geometry geometry_of(const MoeDecodeParams& p) {
                           p.block_n,     p.fc1_strips, p.fc2_strips, p.stages};
 }
 
-// The tile rules below are a first choice by arithmetic, not yet tuned on the H200 (issue 4);
-// measure before changing them, and keep them in these functions so planner and op agree.
+// The tile rules below follow the H200 measurements of decode_moe v4 (tools/PERF_LOG.md,
+// "decode_moe"); keep them in these functions so planner and op agree.
 //
-// Why two block_n: an expert's positions are cut into virtual experts of block_n, and each one
-// streams the expert's weights once. While the touched experts average few positions (decode at
-// small T), 16 wastes less of the MMA's N on padding and keeps two CTAs per SM; once they
-// average more than 12, blocks of 32 stream each expert's weights half as often.
-constexpr int kDecodeWideAverage = 12;
-// Why strips per item by T: at T <= 8 there are few virtual experts, so small items (one FC1
-// strip, four FC2 strips) cut the layer into enough pieces for every SM to stream; above it,
-// items twice as large halve the activation reloads and queue claims per weight byte.
-constexpr int kDecodeSmallTokens = 8;
+// Why block_n 16 always: blocks of 32 need one CTA per SM (shared memory) and measured slower at
+// every T tried (deepseek-v4-flash T = 256: 23% of copy bandwidth against 37%; qwen3 T = 256:
+// 14% against 21%). 32 stays available when forced (MoeForwardOptions::decode_block_n).
+// Why 2 FC1 / 8 FC2 strips per item at every T: the smaller items (1 / 4) were never faster,
+// T = 1 included (deepseek T = 1: 18.6% against 19.4%), and cost twice the per-item work.
 constexpr int kDecodeMinStages = 2;
 constexpr int kDecodeMaxStages = 6;
-// Why 3: two CTAs per SM pay off only while each still keeps three chunks in flight (the bytes in
-// flight per SM, KERNELS.md); with fewer, one CTA with a deeper ring streams better.
-constexpr int kDecodeTwoCtaMinStages = 3;
+// Why 2: the kernel is issue-bound (ncu: 0.67 warp-instructions per cycle per scheduler at 36% of
+// DRAM bandwidth), so two CTAs per SM with the deepest ring that fits beat one CTA with a deeper
+// ring (deepseek T = 24: 3 stages x 2 CTAs 46%, 2 x 2 44%, 4 x 1 28%).
+constexpr int kDecodeTwoCtaMinStages = 2;
 
 // The tile of one (block_n, T) choice, stages not yet chosen: the preferred strips, else the
 // first allowed values Geometry::rule() accepts (the shape rules checked before make these
 // always the preferred ones today; the fallback keeps the choice valid if a rule changes).
-decode::Geometry decode_tile(const ModelShape& shape, int tokens, int block_n) {
-  const bool small = tokens <= kDecodeSmallTokens;
-  decode::Geometry g{shape.num_experts, shape.top_k,   shape.hidden,  shape.intermediate,
-                     block_n,           small ? 1 : 2, small ? 4 : 8, kDecodeMinStages};
+decode::Geometry decode_tile(const ModelShape& shape, int /*tokens*/, int block_n) {
+  decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,    shape.intermediate,
+                     block_n,           2,           8,               kDecodeMinStages};
   if (g.rule() == decode::Rule::kFc1Strips) {
     for (int strips : {1, 2, 4, 8}) {
       g.fc1_strips = strips;
@@ -181,12 +177,8 @@ int decode_stages(decode::Geometry g) {
   return 0;
 }
 
-// The planner's block_n for T: 32 once the touched experts average more than 12 positions.
-int decode_block_n(const ModelShape& shape, int tokens) {
-  const long long positions = static_cast<long long>(tokens) * shape.top_k;
-  const long long touched = std::min<long long>(shape.num_experts, positions);
-  return touched > 0 && positions > kDecodeWideAverage * touched ? 32 : 16;
-}
+// The planner's block_n (see kDecodeMinStages' notes): 16 at every T.
+int decode_block_n(const ModelShape& /*shape*/, int /*tokens*/) { return 16; }
 
 // The rules of the shape alone (no biases; E, K, H, I) without building a message: the op asks
 // this on every forward.

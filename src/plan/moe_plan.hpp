@@ -43,6 +43,10 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
+// Whether MoePath::kAuto takes decode_moe for T <= 256 on shapes it serves. Why false: on the
+// H200 decode_moe v4 streams 40-46% of the copy bandwidth at T = 24..96 where marlin_moe streams
+// 60-68% (tools/PERF_LOG.md, "decode_moe"); the faster path stays the default until that flips.
+inline constexpr bool kDecodeByDefault = false;
 inline constexpr int kDecodeThreads = 320;  // decode::kThreads: 8 consumer, 1 producer, 1 publisher warp
 
 // Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits.

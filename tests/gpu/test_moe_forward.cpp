@@ -1,44 +1,43 @@
 // The MXFP4 MoE layer on the GPU (moejit/moe.hpp): moe_forward against the fp64 CPU reference
 // (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000},
-// bitwise repeatability, expert parallelism (two halves sum to the whole), ids of -1 and of other
-// ranks (int32 and int64), CUDA-graph capture and replay, the workspace size contract, the repack
-// round trip for both checkpoint layouts (unpacked on the CPU with kernels/moe/layout.cuh), and
-// the route arrays moe_forward leaves in its workspace against the CPU route model, bit for bit.
+// on the automatic path and on forced marlin_moe (the automatic path must be decode_moe for
+// T <= 256 on the shapes it serves and marlin_moe otherwise, bit for bit), bitwise
+// repeatability, expert parallelism (two halves sum to the whole), ids of -1 and of other ranks
+// (int32 and int64), CUDA-graph capture and replay, the workspace size contract, the repack round
+// trip for both checkpoint layouts (unpacked on the CPU with kernels/moe/layout.cuh), and the
+// route arrays marlin_moe leaves in its workspace against the CPU route model, bit for bit.
+// decode_moe's own sweep (both block_n, every T, real expert counts) is test_decode_moe.cpp.
 //
-// Inputs: random E2M1 nibbles (all 16 codes equally likely) and E8M0 scales 2^-10 .. 2^3, bf16
-// hidden states scaled so FC1's pre-activations have a standard deviation near 3 (the clamps of
-// gpt-oss at 7 and DeepSeek-V4 at 10 are reached, but not everywhere), top-k weights positive and
-// summing to 1. Fresh seeds every run (printed) so a failure can be replayed.
+// Inputs: see gpu/moe_support.hpp. Fresh seeds every run (printed) so a failure can be replayed.
 //
 // Reduced experts: the CPU reference dequantizes every local expert to fp64 (24·H·I bytes each),
-// so the forward sweep keeps the real H, I, top-k and activation of each shape but at most 32
+// so the forward sweep keeps the real H, I, top-k and activation of each shape but at most 48
 // local experts (its memory, not its time: the reference costs T·k·3·H·I multiply-adds whatever
 // E is). The route check runs every shape at its real expert count (no reference weights needed).
-// The reference runs on all cores, split by tokens; at T = 1000 the three heaviest shapes check
+// The reference runs on all cores, split by experts; at T = 1000 the three heaviest shapes check
 // 128 sampled tokens (every other case checks every token).
 //
 // Each forward case prints one line, "moe_forward <shape> T=<T> relL2=<x> ...", for PERF_LOG.
+#include <cuda.h>
 #include <dlpack/dlpack.h>
 
 #include <algorithm>
-#include <atomic>
 #include <catch2/catch.hpp>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <moejit/kern/moe/layout.cuh>
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "gpu/gpu_support.hpp"
+#include "gpu/moe_support.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
 #include "moejit/runtime.hpp"
@@ -49,790 +48,31 @@
 
 namespace {
 
+using namespace moejit::test;  // the shared MoE test helpers (gpu/moe_support.hpp)
 using moejit::ActivationKind;
 using moejit::DType;
 using moejit::Error;
 using moejit::ErrorCode;
 using moejit::ModelShape;
+using moejit::MoeForwardOptions;
+using moejit::MoePath;
 using moejit::MoeWeightLayout;
 using moejit::MoeWeights;
-using moejit::detail::MoeLayerOptions;
-using moejit::detail::MoeWeightsF64;
-using moejit::detail::Mxfp4Matrix;
-using moejit::test::cu;
-using moejit::test::DeviceBuffer;
-using moejit::test::gpu;
-using moejit::test::TestStream;
-namespace layout = moejit::kern::moe::layout;
 
-// ---- small helpers ---------------------------------------------------------------------------
+const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
+const MoeForwardOptions kAuto{MoePath::kAuto, 0};
+const MoeForwardOptions kDecode{MoePath::kDecode, 0};
 
-uint64_t fresh_seed() {
-  std::random_device device;
-  return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
-
-// splitmix64's finalizer: a well-mixed 64-bit value of x.
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-unsigned worker_count() { return std::max(1u, std::thread::hardware_concurrency()); }
-
-// body(i) for i in [0, count), spread over every core (dynamic: tasks may differ in cost).
-void parallel_for(int64_t count, const std::function<void(int64_t)>& body) {
-  const int64_t workers = std::min<int64_t>(worker_count(), count);
-  if (workers <= 1) {
-    for (int64_t i = 0; i < count; ++i) body(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  std::vector<std::thread> threads;
-  for (int64_t w = 0; w < workers; ++w) {
-    threads.emplace_back([&] {
-      for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) body(i);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
-std::string fmt(double value) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3e", value);
-  return text;
-}
-
-std::size_t to_size(int64_t n) { return static_cast<std::size_t>(n); }
-
-// ---- device tensors ---------------------------------------------------------------------------
-
-DLDataType dl_u8() { return DLDataType{kDLUInt, 8, 1}; }
-
-// A DLTensor over device memory it does not own (row-major, compact).
-class TensorView {
- public:
-  TensorView(const void* base, std::size_t byte_offset, std::vector<int64_t> shape,
-             DLDataType dtype)
-      : shape_(std::move(shape)) {
-    tensor_.data = const_cast<void*>(base);
-    tensor_.device = DLDevice{kDLCUDA, 0};
-    tensor_.ndim = static_cast<int32_t>(shape_.size());
-    tensor_.dtype = dtype;
-    tensor_.shape = shape_.data();
-    tensor_.strides = nullptr;
-    tensor_.byte_offset = byte_offset;
-  }
-  TensorView(const TensorView&) = delete;
-  TensorView& operator=(const TensorView&) = delete;
-  DLTensor* dl() { return &tensor_; }
-
- private:
-  std::vector<int64_t> shape_;
-  DLTensor tensor_{};
-};
-
-void poison(const DeviceBuffer& buffer, CUstream stream, unsigned char byte = 0xFF) {
-  if (buffer.bytes() > 0) {
-    MOEJIT_TEST_CU(cu().cuMemsetD8Async(buffer.ptr(), byte, buffer.bytes(), stream));
-  }
-}
-
-template <typename T>
-std::vector<T> download_at(const DeviceBuffer& buffer, std::size_t byte_offset, std::size_t count) {
-  std::vector<T> host(count);
-  REQUIRE(byte_offset + count * sizeof(T) <= buffer.bytes());
-  if (count > 0) {
-    MOEJIT_TEST_CU(cu().cuMemcpyDtoH(host.data(), buffer.ptr() + byte_offset, count * sizeof(T)));
-  }
-  return host;
-}
-
-template <typename T>
-DeviceBuffer upload_new(const std::vector<T>& host) {
-  DeviceBuffer buffer(std::max<std::size_t>(host.size() * sizeof(T), 16));
-  buffer.upload(host);
-  return buffer;
-}
-
-// Every kernel of `shapes` for this device's arch, compiled in parallel (idempotent).
-void prewarm(const std::vector<ModelShape>& shapes) {
+// Whether an automatic call with T tokens takes decode_moe on this device (the planner's choice
+// and the arch), as moe_forward decides it.
+bool auto_takes_decode(const ModelShape& shape, int tokens) {
+  const moejit::detail::MoeForwardConfig config = moejit::detail::choose_moe_config(shape, tokens);
   const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
-  for (const moejit::BuildResult& result :
-       moejit::prewarm(shapes, {arch}, static_cast<int>(worker_count()))) {
-    INFO(result.spec.display_name() << ": " << result.error);
-    REQUIRE(result.error.empty());
-  }
+  return config.decode && moejit::detail::decode_moe_runs_on(config.decode_main, arch);
 }
 
-// ---- shapes -----------------------------------------------------------------------------------
-
-// A shape of tools/shapes/reference.json (the table of DESIGN.md).
-ModelShape reference_shape(const std::string& name) {
-  static const std::vector<ModelShape> shapes =
-      moejit::load_shapes_file(moejit::test::shapes_dir() + "/reference.json");
-  for (const ModelShape& s : shapes) {
-    if (s.name == name) return s;
-  }
-  FAIL("no shape \"" << name << "\" in reference.json");
-  return {};
-}
-
-// The shape with `experts` local experts from `offset` out of `global` routed experts; the real
-// H, I, activation and bias; top-k capped by the experts a token can choose from.
-ModelShape resized(const ModelShape& real, int experts, int offset, int global, int max_tokens) {
-  ModelShape s = real;
-  s.num_experts = experts;
-  s.expert_offset = offset;
-  s.global_experts = global;
-  s.top_k = std::min(real.top_k, global);
-  s.max_tokens = max_tokens;
-  s.name = real.name + (experts == real.num_experts && offset == real.expert_offset
-                            ? std::string()
-                            : "@e" + std::to_string(experts) + "o" + std::to_string(offset) + "g" +
-                                  std::to_string(global));
-  return s;
-}
-
-// gpt-oss's checkpoint interleaves gate and up rows in one w13; the others store w1, w3, w2.
-bool uses_gpt_oss_layout(const ModelShape& shape) {
-  return shape.activation.kind == ActivationKind::kGptOss;
-}
-
-// ---- checkpoints ------------------------------------------------------------------------------
-
-// Random bytes: byte i depends only on (seed, i), not on the thread count.
-void fill_random(std::vector<uint8_t>& bytes, uint64_t seed) {
-  const int64_t chunk = 1 << 16;
-  const int64_t n = static_cast<int64_t>(bytes.size());
-  parallel_for((n + chunk - 1) / chunk, [&](int64_t c) {
-    for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); i += 8) {
-      const uint64_t r = mix64(seed ^ (static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull));
-      for (int64_t j = i; j < std::min(n, i + 8); ++j) {
-        bytes[to_size(j)] = static_cast<uint8_t>(r >> (8 * (j - i)));
-      }
-    }
-  });
-}
-
-constexpr int kMinScaleExponent = -10;
-constexpr int kMaxScaleExponent = 3;
-
-// A [rows, cols] MXFP4 matrix (checkpoint layout): nibbles uniform over the 16 codes, scales
-// 2^u with u uniform in [kMinScaleExponent, kMaxScaleExponent].
-Mxfp4Matrix random_mxfp4(int64_t rows, int64_t cols, uint64_t seed) {
-  Mxfp4Matrix m;
-  m.rows = rows;
-  m.cols = cols;
-  m.blocks.resize(to_size(rows * cols / 2));
-  m.scales.resize(to_size(rows * cols / 32));
-  fill_random(m.blocks, seed);
-  fill_random(m.scales, seed + 1);
-  const int span = kMaxScaleExponent - kMinScaleExponent + 1;
-  for (uint8_t& s : m.scales) s = static_cast<uint8_t>(127 + kMinScaleExponent + s % span);
-  return m;
-}
-
-// One rank's experts in a checkpoint layout, on the host.
-struct Checkpoint {
-  int experts = 0;
-  int hidden = 0;
-  int inter = 0;
-  bool interleaved = false;   // gpt-oss: w13 [E, 2I, H] rows gate 0, up 0, gate 1, ...
-  Mxfp4Matrix w13;            // interleaved only: [E * 2I, H]
-  Mxfp4Matrix w1, w3;         // separate only: gate and up, [E * I, H] each
-  Mxfp4Matrix w2;             // [E * H, I]
-  std::vector<uint16_t> b13;  // bf16 bits [E, 2I], (gate, up) pairs; empty without bias
-  std::vector<uint16_t> b2;   // bf16 bits [E, H]; empty without bias
-};
-
-std::vector<uint16_t> random_bf16(std::size_t count, double sigma, std::mt19937_64& rng) {
-  std::normal_distribution<double> normal(0.0, sigma);
-  std::vector<uint16_t> bits(count);
-  for (uint16_t& b : bits) b = moejit::detail::bf16_bits(static_cast<float>(normal(rng)));
-  return bits;
-}
-
-Checkpoint make_checkpoint(const ModelShape& shape, bool interleaved, uint64_t seed) {
-  Checkpoint c;
-  c.experts = shape.num_experts;
-  c.hidden = shape.hidden;
-  c.inter = shape.intermediate;
-  c.interleaved = interleaved;
-  const int64_t e = c.experts;
-  const int64_t h = c.hidden;
-  const int64_t i = c.inter;
-  if (interleaved) {
-    c.w13 = random_mxfp4(e * 2 * i, h, seed);
-  } else {
-    c.w1 = random_mxfp4(e * i, h, seed);
-    c.w3 = random_mxfp4(e * i, h, seed + 2);
-  }
-  c.w2 = random_mxfp4(e * h, i, seed + 4);
-  if (shape.has_bias) {
-    std::mt19937_64 rng(seed + 6);
-    c.b13 = random_bf16(to_size(e * 2 * i), 1.0, rng);
-    c.b2 = random_bf16(to_size(e * h), 10.0, rng);
-  }
-  return c;
-}
-
-// Rows [row0, row0 + rows) of `m` as their own matrix.
-Mxfp4Matrix row_slice(const Mxfp4Matrix& m, int64_t row0, int64_t rows) {
-  Mxfp4Matrix s;
-  s.rows = rows;
-  s.cols = m.cols;
-  const auto b = m.blocks.begin() + static_cast<std::ptrdiff_t>(row0 * m.cols / 2);
-  s.blocks.assign(b, b + static_cast<std::ptrdiff_t>(rows * m.cols / 2));
-  const auto sc = m.scales.begin() + static_cast<std::ptrdiff_t>(row0 * m.cols / 32);
-  s.scales.assign(sc, sc + static_cast<std::ptrdiff_t>(rows * m.cols / 32));
-  return s;
-}
-
-// Rows of a source matrix copied (dequantized) to a row of the destination.
-struct DequantTask {
-  const Mxfp4Matrix* source;
-  int64_t source_row;
-  int64_t rows;
-  double* destination;
-};
-
-// fp64 copies of experts [first, first + count) (mxfp4_dequantize, in parallel row blocks).
-MoeWeightsF64 dequantize(const Checkpoint& c, int first, int count) {
-  MoeWeightsF64 w;
-  w.num_experts = count;
-  w.hidden = c.hidden;
-  w.intermediate = c.inter;
-  w.gate_up_interleaved = c.interleaved;
-  const int64_t h = c.hidden;
-  const int64_t i = c.inter;
-  w.w13.resize(to_size(count * 2 * i * h));
-  w.w2.resize(to_size(count * h * i));
-  std::vector<DequantTask> tasks;
-  const int64_t block_rows = 256;
-  auto add = [&](const Mxfp4Matrix& source, int64_t row, int64_t rows, double* destination) {
-    for (int64_t r = 0; r < rows; r += block_rows) {
-      tasks.push_back(
-          {&source, row + r, std::min(block_rows, rows - r), destination + r * source.cols});
-    }
-  };
-  for (int64_t e = 0; e < count; ++e) {
-    const int64_t src = first + e;
-    double* w13 = w.w13.data() + e * 2 * i * h;
-    if (c.interleaved) {
-      add(c.w13, src * 2 * i, 2 * i, w13);
-    } else {
-      add(c.w1, src * i, i, w13);
-      add(c.w3, src * i, i, w13 + i * h);
-    }
-    add(c.w2, src * h, h, w.w2.data() + e * h * i);
-  }
-  parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
-    const DequantTask& task = tasks[to_size(t)];
-    const std::vector<double> values =
-        moejit::detail::mxfp4_dequantize(row_slice(*task.source, task.source_row, task.rows));
-    std::copy(values.begin(), values.end(), task.destination);
-  });
-  if (!c.b13.empty()) {
-    for (int64_t e = 0; e < count; ++e) {
-      for (int64_t r = 0; r < 2 * i; ++r) {
-        w.b13.push_back(moejit::detail::bf16_value(c.b13[to_size((first + e) * 2 * i + r)]));
-      }
-      for (int64_t r = 0; r < h; ++r) {
-        w.b2.push_back(moejit::detail::bf16_value(c.b2[to_size((first + e) * h + r)]));
-      }
-    }
-  }
-  return w;
-}
-
-// ---- the layer on the device ------------------------------------------------------------------
-
-// Kernel-layout weights of one rank, repacked on the GPU from a host checkpoint.
-struct DeviceModel {
-  ModelShape shape;
-  MoeWeightLayout sizes;
-  DeviceBuffer w13, w13_scales, w2, w2_scales, b13, b2;
-
-  MoeWeights weights() const {
-    MoeWeights w;
-    w.w13 = w13.data();
-    w.w13_scales = w13_scales.data();
-    w.w2 = w2.data();
-    w.w2_scales = w2_scales.data();
-    w.b13 = shape.has_bias ? b13.data() : nullptr;
-    w.b2 = shape.has_bias ? b2.data() : nullptr;
-    return w;
-  }
-};
-
-std::unique_ptr<DeviceModel> allocate_model(const ModelShape& shape) {
-  auto m = std::make_unique<DeviceModel>();
-  m->shape = shape;
-  m->sizes = moejit::moe_weight_layout(shape);
-  m->w13 = DeviceBuffer(m->sizes.w13_bytes);
-  m->w13_scales = DeviceBuffer(m->sizes.w13_scale_bytes);
-  m->w2 = DeviceBuffer(m->sizes.w2_bytes);
-  m->w2_scales = DeviceBuffer(m->sizes.w2_scale_bytes);
-  m->b13 = DeviceBuffer(m->sizes.b13_bytes);
-  m->b2 = DeviceBuffer(m->sizes.b2_bytes);
-  return m;
-}
-
-// Checkpoint tensors on the device, and DLTensor views of experts [first, first + count).
-struct DeviceCheckpoint {
-  const Checkpoint* host = nullptr;
-  DeviceBuffer w13_blocks, w13_scales, w1_blocks, w1_scales, w3_blocks, w3_scales, w2_blocks,
-      w2_scales;
-
-  explicit DeviceCheckpoint(const Checkpoint& c) : host(&c) {
-    if (c.interleaved) {
-      w13_blocks = upload_new(c.w13.blocks);
-      w13_scales = upload_new(c.w13.scales);
-    } else {
-      w1_blocks = upload_new(c.w1.blocks);
-      w1_scales = upload_new(c.w1.scales);
-      w3_blocks = upload_new(c.w3.blocks);
-      w3_scales = upload_new(c.w3.scales);
-    }
-    w2_blocks = upload_new(c.w2.blocks);
-    w2_scales = upload_new(c.w2.scales);
-  }
-
-  // Repack experts [first, first + count) of the checkpoint into local experts
-  // [target_first, target_first + count) of `model`; `stacked` = false passes one 3-D tensor
-  // per expert (the separate layout's per-expert form). Returns the bad-scale count.
-  int repack(DeviceModel& model, int first, int count, int target_first, bool stacked,
-             CUstream stream) const {
-    const Checkpoint& c = *host;
-    const int64_t h = c.hidden;
-    const int64_t i = c.inter;
-    DeviceBuffer bad(sizeof(int32_t));
-    bad.upload(std::vector<int32_t>{0});
-    moejit::MoeRepackTarget target;
-    target.weights = model.weights();
-    target.bad_scale_count = static_cast<int32_t*>(bad.data());
-    if (c.interleaved) {
-      const std::size_t b_off = to_size(first * 2 * i * h / 2);
-      const std::size_t s_off = to_size(first * 2 * i * h / 32);
-      TensorView w13b(w13_blocks.data(), b_off, {count, 2 * i, h / 32, 16}, dl_u8());
-      TensorView w13s(w13_scales.data(), s_off, {count, 2 * i, h / 32}, dl_u8());
-      TensorView w2b(w2_blocks.data(), to_size(first * h * i / 2), {count, h, i / 32, 16}, dl_u8());
-      TensorView w2s(w2_scales.data(), to_size(first * h * i / 32), {count, h, i / 32}, dl_u8());
-      moejit::GptOssCheckpoint ck;
-      ck.w13_blocks = w13b.dl();
-      ck.w13_scales = w13s.dl();
-      ck.w2_blocks = w2b.dl();
-      ck.w2_scales = w2s.dl();
-      target.first_expert = target_first;
-      moejit::moe_repack_gpt_oss(model.shape, ck, target, stream);
-    } else {
-      const int calls = stacked ? 1 : count;
-      const int per_call = stacked ? count : 1;
-      for (int call = 0; call < calls; ++call) {
-        const int64_t e = first + call * per_call;
-        auto dims = [&](int64_t rows, int64_t cols, bool blocks) {
-          std::vector<int64_t> d;
-          if (stacked) d.push_back(per_call);
-          d.push_back(rows);
-          d.push_back(cols / 32);
-          if (blocks) d.push_back(16);
-          return d;
-        };
-        TensorView w1b(w1_blocks.data(), to_size(e * i * h / 2), dims(i, h, true), dl_u8());
-        TensorView w1s(w1_scales.data(), to_size(e * i * h / 32), dims(i, h, false), dl_u8());
-        TensorView w3b(w3_blocks.data(), to_size(e * i * h / 2), dims(i, h, true), dl_u8());
-        TensorView w3s(w3_scales.data(), to_size(e * i * h / 32), dims(i, h, false), dl_u8());
-        TensorView w2b(w2_blocks.data(), to_size(e * h * i / 2), dims(h, i, true), dl_u8());
-        TensorView w2s(w2_scales.data(), to_size(e * h * i / 32), dims(h, i, false), dl_u8());
-        moejit::SeparateCheckpoint ck;
-        ck.w1_blocks = w1b.dl();
-        ck.w1_scales = w1s.dl();
-        ck.w3_blocks = w3b.dl();
-        ck.w3_scales = w3s.dl();
-        ck.w2_blocks = w2b.dl();
-        ck.w2_scales = w2s.dl();
-        target.first_expert = target_first + call * per_call;
-        moejit::moe_repack_separate(model.shape, ck, target, stream);
-      }
-    }
-    if (!c.b13.empty()) {
-      const std::vector<uint16_t> b13(c.b13.begin() + first * 2 * i,
-                                      c.b13.begin() + (first + count) * 2 * i);
-      const std::vector<uint16_t> b2(c.b2.begin() + first * h, c.b2.begin() + (first + count) * h);
-      MOEJIT_TEST_CU(cu().cuMemcpyHtoD(model.b13.ptr() + to_size(target_first * 2 * i * 2),
-                                       b13.data(), b13.size() * 2));
-      MOEJIT_TEST_CU(cu().cuMemcpyHtoD(model.b2.ptr() + to_size(target_first * h * 2), b2.data(),
-                                       b2.size() * 2));
-    }
-    MOEJIT_TEST_CU(cu().cuStreamSynchronize(stream));
-    return bad.download<int32_t>(1)[0];
-  }
-};
-
-// A model whose local experts are experts [first, first + shape.num_experts) of `c`.
-std::unique_ptr<DeviceModel> repacked_model(const ModelShape& shape, const DeviceCheckpoint& c,
-                                            int first, CUstream stream) {
-  auto model = allocate_model(shape);
-  const int bad = c.repack(*model, first, shape.num_experts, 0, true, stream);
-  INFO("repack of " << shape.name << " counted " << bad << " scale bytes out of range");
-  REQUIRE(bad == 0);
-  return model;
-}
-
-// ---- tokens -------------------------------------------------------------------------------------
-
-struct Tokens {
-  int count = 0;                      // T
-  int top_k = 0;                      // K
-  std::vector<uint16_t> hidden_bits;  // [T, H] bf16
-  std::vector<float> hidden;          // their values
-  std::vector<int64_t> ids;           // [T, K] global expert ids
-  std::vector<float> weights;         // [T, K]
-};
-
-// How the ids of a call are drawn.
-struct IdPlan {
-  int64_t lo = 0;  // ids of a token: distinct, uniform in [lo, hi)
-  int64_t hi = 0;
-  double drop = 0;            // chance that a slot is -1
-  int empty_stride = 0;       // when > 0: every slot of tokens 0, stride, 2 * stride, ... is -1
-  std::vector<int64_t> wild;  // when not empty: a slot is replaced by one of these with chance
-  double wild_rate = 0;       // wild_rate (ids that belong to no local expert)
-};
-
-// The standard deviation of bf16 hidden values that gives FC1 pre-activations a standard
-// deviation near 3: E[v^2] over the 16 E2M1 codes is 8.5625, and E[s^2] over the scales.
-double hidden_sigma(int hidden) {
-  double scale_sq = 0;
-  for (int u = kMinScaleExponent; u <= kMaxScaleExponent; ++u) scale_sq += std::ldexp(1.0, 2 * u);
-  scale_sq /= kMaxScaleExponent - kMinScaleExponent + 1;
-  return 3.0 / std::sqrt(hidden * 8.5625 * scale_sq);
-}
-
-Tokens make_tokens(const ModelShape& shape, int count, const IdPlan& plan, std::mt19937_64& rng) {
-  Tokens tk;
-  tk.count = count;
-  tk.top_k = shape.top_k;
-  const int k = shape.top_k;
-  tk.hidden_bits = random_bf16(to_size(static_cast<int64_t>(count) * shape.hidden),
-                               hidden_sigma(shape.hidden), rng);
-  tk.hidden.resize(tk.hidden_bits.size());
-  for (std::size_t j = 0; j < tk.hidden.size(); ++j) {
-    tk.hidden[j] = moejit::detail::bf16_value(tk.hidden_bits[j]);
-  }
-  REQUIRE(plan.hi - plan.lo >= k);
-  std::uniform_int_distribution<int64_t> pick(plan.lo, plan.hi - 1);
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
-  tk.ids.resize(to_size(static_cast<int64_t>(count) * k));
-  tk.weights.resize(tk.ids.size());
-  for (int t = 0; t < count; ++t) {
-    int64_t* row = tk.ids.data() + static_cast<int64_t>(t) * k;
-    for (int s = 0; s < k; ++s) {
-      int64_t id = 0;
-      do {
-        id = pick(rng);
-      } while (std::find(row, row + s, id) != row + s);
-      row[s] = id;
-    }
-    const bool drop_all = plan.empty_stride > 0 && t % plan.empty_stride == 0;
-    double sum = 0;
-    for (int s = 0; s < k; ++s) {
-      if (drop_all || unit(rng) < plan.drop) row[s] = -1;
-      if (!plan.wild.empty() && unit(rng) < plan.wild_rate) {
-        row[s] = plan.wild[to_size(static_cast<int64_t>(mix64(rng()) % plan.wild.size()))];
-      }
-      float& w = tk.weights[to_size(static_cast<int64_t>(t) * k + s)];
-      w = static_cast<float>(0.05 + unit(rng));
-      sum += w;
-    }
-    for (int s = 0; s < k; ++s) {
-      float& w = tk.weights[to_size(static_cast<int64_t>(t) * k + s)];
-      w = static_cast<float>(w / sum);
-    }
-  }
-  return tk;
-}
-
-// The ids as the fp64 reference takes them (int32; an id outside int32 names no expert: -1).
-std::vector<int32_t> reference_ids(const std::vector<int64_t>& ids) {
-  std::vector<int32_t> out(ids.size());
-  for (std::size_t j = 0; j < ids.size(); ++j) {
-    const int64_t id = ids[j];
-    out[j] = id >= INT32_MIN && id <= INT32_MAX ? static_cast<int32_t>(id) : -1;
-  }
-  return out;
-}
-
-// Inputs, output and workspace of one moe_forward call on the device.
-struct ForwardIo {
-  const ModelShape* shape;
-  int tokens;
-  DeviceBuffer hidden, ids, weights, out, workspace;
-  std::size_t workspace_bytes;
-  std::unique_ptr<TensorView> hidden_t, ids_t, weights_t, out_t;
-
-  ForwardIo(const ModelShape& s, const Tokens& tk, std::size_t workspace_size)
-      : shape(&s), tokens(tk.count), workspace_bytes(workspace_size) {
-    const int64_t t = tk.count;
-    const int64_t k = s.top_k;
-    const int64_t h = s.hidden;
-    hidden = upload_new(tk.hidden_bits);
-    if (s.id_dtype == DType::kI64) {
-      ids = upload_new(tk.ids);
-    } else {
-      std::vector<int32_t> narrow(tk.ids.size());
-      std::size_t outside = 0;
-      for (std::size_t j = 0; j < narrow.size(); ++j) {
-        outside += tk.ids[j] < INT32_MIN || tk.ids[j] > INT32_MAX ? 1 : 0;
-        narrow[j] = static_cast<int32_t>(tk.ids[j]);
-      }
-      REQUIRE(outside == 0);
-      ids = upload_new(narrow);
-    }
-    weights = upload_new(tk.weights);
-    out = DeviceBuffer(std::max<std::size_t>(to_size(t * h * 2), 16));
-    workspace = DeviceBuffer(std::max<std::size_t>(workspace_bytes, 256));
-    hidden_t = std::make_unique<TensorView>(hidden.data(), 0, std::vector<int64_t>{t, h},
-                                            moejit::test::dl_bf16());
-    ids_t = std::make_unique<TensorView>(ids.data(), 0, std::vector<int64_t>{t, k},
-                                         moejit::test::dl_int(s.id_dtype == DType::kI64 ? 64 : 32));
-    weights_t = std::make_unique<TensorView>(weights.data(), 0, std::vector<int64_t>{t, k},
-                                             moejit::test::dl_float(32));
-    out_t = std::make_unique<TensorView>(out.data(), 0, std::vector<int64_t>{t, h},
-                                         moejit::test::dl_bf16());
-  }
-
-  moejit::MoeForwardArgs args(const DeviceModel& model) const {
-    moejit::MoeForwardArgs a;
-    a.hidden = hidden_t->dl();
-    a.topk_ids = ids_t->dl();
-    a.topk_weights = weights_t->dl();
-    a.weights = model.weights();
-    a.workspace = workspace.data();
-    a.workspace_bytes = workspace_bytes;
-    a.out = out_t->dl();
-    return a;
-  }
-
-  // Output (NaN bf16) and workspace (0xFF) poisoned, one call, the output's bits.
-  std::vector<uint16_t> run(const DeviceModel& model, CUstream stream) {
-    poison(out, stream);
-    poison(workspace, stream);
-    moejit::moe_forward(*shape, args(model), stream);
-    MOEJIT_TEST_CU(cu().cuStreamSynchronize(stream));
-    return output();
-  }
-
-  std::vector<uint16_t> output() const {
-    return out.download<uint16_t>(to_size(static_cast<int64_t>(tokens) * shape->hidden));
-  }
-};
-
-// ---- reference and comparison -------------------------------------------------------------------
-
-// The fp64 layer for tokens `which` of `tk` ([which.size(), H]) on every core. Why split by
-// experts and not by tokens: the reference walks each expert's fp64 weights once per call, so
-// token chunks would stream every touched expert's weights from DRAM once per chunk; expert
-// groups read each expert once. Each group's call sees only its experts' ids (the others become
-// -1), and the groups' outputs are added in group order.
-std::vector<double> reference_layer(const MoeWeightsF64& w, const Tokens& tk,
-                                    const std::vector<int>& which, const MoeLayerOptions& options) {
-  const int64_t h = w.hidden;
-  const int64_t k = tk.top_k;
-  const int n = static_cast<int>(which.size());
-  const std::vector<int32_t> all_ids = reference_ids(tk.ids);
-  std::vector<float> x;
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
-  for (int t : which) {
-    x.insert(x.end(), tk.hidden.begin() + t * h, tk.hidden.begin() + (t + 1) * h);
-    ids.insert(ids.end(), all_ids.begin() + t * k, all_ids.begin() + (t + 1) * k);
-    weights.insert(weights.end(), tk.weights.begin() + t * k, tk.weights.begin() + (t + 1) * k);
-  }
-  auto local = [&](int32_t id) -> int64_t {
-    const int64_t e = static_cast<int64_t>(id) - options.expert_offset;
-    return e >= 0 && e < w.num_experts ? e : -1;
-  };
-  std::vector<int64_t> count(to_size(w.num_experts), 0);
-  for (int32_t id : ids) {
-    if (local(id) >= 0) ++count[to_size(local(id))];
-  }
-  std::vector<int64_t> order;
-  for (int64_t e = 0; e < w.num_experts; ++e) {
-    if (count[to_size(e)] > 0) order.push_back(e);
-  }
-  std::sort(order.begin(), order.end(),
-            [&](int64_t a, int64_t b) { return count[to_size(a)] > count[to_size(b)]; });
-  const int64_t groups =
-      std::max<int64_t>(1, std::min<int64_t>(worker_count(), static_cast<int64_t>(order.size())));
-  // Largest first onto the least loaded group.
-  std::vector<int64_t> group_of(to_size(w.num_experts), -1);
-  std::vector<int64_t> load(to_size(groups), 0);
-  for (int64_t e : order) {
-    const auto g = std::min_element(load.begin(), load.end()) - load.begin();
-    group_of[to_size(e)] = g;
-    load[to_size(g)] += count[to_size(e)];
-  }
-  std::vector<std::vector<double>> parts(to_size(groups));
-  parallel_for(groups, [&](int64_t g) {
-    std::vector<int32_t> mine = ids;
-    for (int32_t& id : mine) {
-      if (local(id) < 0 || group_of[to_size(local(id))] != g) id = -1;
-    }
-    parts[to_size(g)] =
-        moejit::detail::moe_layer_reference(w, x, mine, weights, n, static_cast<int>(k), options);
-  });
-  std::vector<double> out = std::move(parts[0]);
-  for (std::size_t g = 1; g < parts.size(); ++g) {
-    for (std::size_t j = 0; j < out.size(); ++j) out[j] += parts[g][j];
-  }
-  return out;
-}
-
-MoeLayerOptions layer_options(const ModelShape& shape) {
-  MoeLayerOptions o;
-  o.activation = shape.activation;
-  o.expert_offset = shape.expert_offset;
-  return o;
-}
-
-std::vector<int> all_tokens(int count) {
-  std::vector<int> which(to_size(count));
-  for (int t = 0; t < count; ++t) which[to_size(t)] = t;
-  return which;
-}
-
-// `count` tokens spread over [0, tokens), the first and the last included.
-std::vector<int> sampled_tokens(int tokens, int count) {
-  std::vector<int> which;
-  for (int j = 0; j < count; ++j) {
-    which.push_back(static_cast<int>(static_cast<int64_t>(j) * (tokens - 1) / (count - 1)));
-  }
-  which.erase(std::unique(which.begin(), which.end()), which.end());
-  return which;
-}
-
-struct Score {
-  double rel_l2 = 0;       // ||got - ref|| / ||ref|| over the checked tokens
-  double worst_token = 0;  // the largest per-token relative L2 (tokens with ref != 0)
-  int worst_token_index = -1;
-  int64_t nonfinite = 0;      // NaN or inf outputs among the checked tokens
-  int64_t nonzero_empty = 0;  // outputs of tokens with no local expert that are not +0 bits
-  int empty_tokens = 0;       // checked tokens with no local expert
-};
-
-// Why the tolerance is 1e-2 (relative L2 over the layer output, fp64 reference on the same
-// bf16 inputs and the exact dequantized weights):
-// - exact in the kernel: bf16 hidden values (the reference reads the same values); every MXFP4
-//   weight (E2M1 times a power of two is a bf16 value); each product (bf16 x bf16 has 16
-//   significant bits, fp32 keeps 24).
-// - fp32 accumulation over K <= 4096 products: relative error around sqrt(K) * 2^-24 ~ 4e-6
-//   for these random signs (worst case K * 2^-24 = 2.4e-4); the activation in fp32 with
-//   accurate sigmoid / tanh: a few ulp, ~1e-7.
-// - bf16 storage: FC1's activation output is stored as bf16 (relative rounding error uniform
-//   within half an ulp, at most 2^-9 = 2e-3, RMS ~1.6e-3 over random mantissas); the errors of
-//   the I terms of each FC2 dot product are independent, so FC2's output carries about the
-//   same 1.6e-3 relative L2. The layer output is rounded to bf16 once more: a second
-//   independent ~1.6e-3, so ~2.3e-3 in all. (The fp64 reference with its bf16 intermediate
-//   switch on and the output rounded to bf16 - the kernel's arithmetic minus fp32 rounding -
-//   measures 2.33e-3 against the exact one, worst token 2.9e-3, on these input statistics.)
-//   Should the plan store FC2's rows in bf16 (MarlinMoeParams::out_dtype), a third term makes
-//   it ~2.8e-3.
-// - so 1e-2 is ~4x the expected error, while any structural fault costs far more: one lost or
-//   misrouted slot of k = 16 is ~0.25 of a token's norm, a wrong scale group or nibble order
-//   gives O(1) errors on its rows. The per-token bound (2e-2, ~7x the worst token above) keeps
-//   one wrong token of 1000 from hiding in the global figure.
-constexpr double kRelL2Tolerance = 1e-2;
-constexpr double kTokenRelL2Tolerance = 2e-2;
-
-Score score(const std::vector<uint16_t>& got_bits, const std::vector<double>& ref,
-            const std::vector<int>& which, int hidden) {
-  Score s;
-  double err = 0;
-  double norm = 0;
-  for (std::size_t j = 0; j < which.size(); ++j) {
-    const int64_t t = which[j];
-    double token_err = 0;
-    double token_norm = 0;
-    bool finite = true;
-    for (int64_t c = 0; c < hidden; ++c) {
-      const uint16_t bits = got_bits[to_size(t * hidden + c)];
-      const double got = moejit::detail::bf16_value(bits);
-      const double want = ref[j * to_size(hidden) + to_size(c)];
-      if (!std::isfinite(got)) {
-        ++s.nonfinite;
-        finite = false;
-        continue;
-      }
-      token_err += (got - want) * (got - want);
-      token_norm += want * want;
-    }
-    err += token_err;
-    norm += token_norm;
-    if (token_norm == 0) {
-      // No local expert (the reference is exactly 0): the op writes +0 everywhere.
-      ++s.empty_tokens;
-      for (int64_t c = 0; c < hidden; ++c) {
-        if (got_bits[to_size(t * hidden + c)] != 0) ++s.nonzero_empty;
-      }
-    } else if (finite) {
-      const double rel = std::sqrt(token_err / token_norm);
-      if (rel > s.worst_token) {
-        s.worst_token = rel;
-        s.worst_token_index = static_cast<int>(t);
-      }
-    }
-  }
-  s.rel_l2 = norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
-  if (s.nonfinite > 0) s.rel_l2 = std::numeric_limits<double>::quiet_NaN();
-  return s;
-}
-
-double rel_l2(const std::vector<double>& got, const std::vector<double>& want) {
-  double err = 0;
-  double norm = 0;
-  for (std::size_t j = 0; j < got.size(); ++j) {
-    err += (got[j] - want[j]) * (got[j] - want[j]);
-    norm += want[j] * want[j];
-  }
-  return norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
-}
-
-std::vector<double> values_of(const std::vector<uint16_t>& bits) {
-  std::vector<double> v(bits.size());
-  for (std::size_t j = 0; j < bits.size(); ++j) v[j] = moejit::detail::bf16_value(bits[j]);
-  return v;
-}
-
-// Checks `s` and prints the case's line.
-void check_score(const std::string& label, const Score& s, std::size_t checked, int tokens) {
-  std::printf("moe_forward %s relL2=%s (worst token %s; checked %zu of %d tokens%s)\n",
-              label.c_str(), fmt(s.rel_l2).c_str(), fmt(s.worst_token).c_str(), checked, tokens,
-              s.empty_tokens > 0 ? (", " + std::to_string(s.empty_tokens) +
-                                    " with no local "
-                                    "expert")
-                                       .c_str()
-                                 : "");
-  std::fflush(stdout);
-  INFO(label << ": relL2 " << s.rel_l2 << ", worst token " << s.worst_token_index << " at "
-             << s.worst_token << ", " << s.nonfinite << " NaN/inf, " << s.nonzero_empty
-             << " nonzero outputs of tokens with no local expert");
-  CHECK(s.nonfinite == 0);
-  CHECK(s.rel_l2 <= kRelL2Tolerance);
-  CHECK(s.worst_token <= kTokenRelL2Tolerance);
-  CHECK(s.nonzero_empty == 0);
-}
-
-// Every element is still the NaN poison (nothing was written).
-bool still_poisoned(const std::vector<uint16_t>& bits) {
-  return std::all_of(bits.begin(), bits.end(), [](uint16_t b) { return b == 0xFFFF; });
-}
-
-bool same_bits(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 2) == 0;
+const char* path_name(MoePath path) {
+  return path == MoePath::kMarlin ? "marlin" : path == MoePath::kDecode ? "decode" : "auto";
 }
 
 // ---- the forward sweep --------------------------------------------------------------------------
@@ -843,7 +83,7 @@ struct SweepShape {
   bool sample_t1000;  // at T = 1000 check 128 sampled tokens (the reference's heaviest shapes)
 };
 
-// DESIGN.md's reference shapes. Experts: at most 32 (fp64 weights of up to 7 GB on the host);
+// DESIGN.md's reference shapes. Experts: at most 48 (fp64 weights of up to 7 GB on the host);
 // some fewer so no two entries are the same shape.
 constexpr SweepShape kSweep[] = {
     {"gpt-oss-120b", 24, false},          {"gpt-oss-20b", 32, true},
@@ -867,14 +107,26 @@ std::string describe(const ModelShape& s, int real_experts) {
   return os.str();
 }
 
+// Three runs of one path: the first run's bits, and whether the other two repeat them.
+std::vector<uint16_t> three_runs(ForwardIo& io, const DeviceModel& model, CUstream stream,
+                                 const MoeForwardOptions& options, bool* repeat) {
+  const std::vector<uint16_t> first = io.run(model, stream, options);
+  *repeat = true;
+  for (int again = 1; again < 3; ++again) {
+    *repeat = same_bits(io.run(model, stream, options), first) && *repeat;
+  }
+  return first;
+}
+
 }  // namespace
 
-TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, 3 runs bitwise", "[gpu][moe]") {
+TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and marlin paths",
+          "[gpu][moe]") {
   gpu();
   TestStream stream;
   std::vector<ModelShape> shapes;
   for (const SweepShape& s : kSweep) shapes.push_back(sweep_shape(s));
-  prewarm(shapes);
+  prewarm_shapes(shapes);
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::printf("moe_forward sweep: seed %llu, reference on %u threads\n",
@@ -883,6 +135,7 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, 3 runs bitwi
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const ModelShape& shape = shapes[n];
     const int real_experts = reference_shape(kSweep[n].name).num_experts;
+    const bool decode_serves = moejit::moe_decode_problem(shape).empty();
     const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
     std::unique_ptr<DeviceModel> model;
     {
@@ -890,28 +143,56 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, 3 runs bitwi
       model = repacked_model(shape, dck, 0, stream.get());
     }
     const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
-    std::printf("moe_forward shape %s %s, %s checkpoint layout\n", kSweep[n].name,
+    std::printf("moe_forward shape %s %s, %s checkpoint layout, decode_moe %s\n", kSweep[n].name,
                 describe(shape, real_experts).c_str(),
-                uses_gpt_oss_layout(shape) ? "gpt-oss" : "separate w1/w3/w2");
+                uses_gpt_oss_layout(shape) ? "gpt-oss" : "separate w1/w3/w2",
+                decode_serves ? "serves it" : "refuses it");
     IdPlan plan;
     plan.lo = 0;
     plan.hi = shape.num_experts;
     for (int tokens : kSweepTokens) {
       const Tokens tk = make_tokens(shape, tokens, plan, rng);
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
-      const std::vector<uint16_t> first = io.run(*model, stream.get());
-      bool repeat = true;
-      for (int again = 1; again < 3; ++again) {
-        repeat = same_bits(io.run(*model, stream.get()), first) && repeat;
-      }
       const std::vector<int> which = kSweep[n].sample_t1000 && tokens == 1000
                                          ? sampled_tokens(tokens, kSampledTokens)
                                          : all_tokens(tokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
       const std::string label = std::string(kSweep[n].name) + " T=" + std::to_string(tokens);
-      check_score(label, score(first, ref, which, shape.hidden), which.size(), tokens);
-      INFO(label << " " << describe(shape, real_experts) << ": 3 runs bitwise identical");
-      CHECK(repeat);
+      INFO(label << " " << describe(shape, real_experts));
+      // The automatic path is decode_moe exactly where the planner says so (T <= 256, a shape
+      // it serves, sm_90 or newer): a supported shape on an H200 takes it for every T <= 256.
+      const bool decode = auto_takes_decode(shape, tokens);
+      const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
+      CHECK(decode == (decode_serves && tokens <= 256 && arch.sm >= 90));
+
+      bool auto_repeat = false;
+      bool marlin_repeat = false;
+      const std::vector<uint16_t> auto_out =
+          three_runs(io, *model, stream.get(), kAuto, &auto_repeat);
+      const std::vector<uint16_t> marlin_out =
+          three_runs(io, *model, stream.get(), kMarlin, &marlin_repeat);
+      check_score(label, score(auto_out, ref, which, shape.hidden), which.size(), tokens);
+      check_score(std::string(kSweep[n].name) + "[forced-marlin] T=" + std::to_string(tokens),
+                  score(marlin_out, ref, which, shape.hidden), which.size(), tokens);
+      CHECK(count_nonfinite(auto_out) == 0);
+      CHECK(count_nonfinite(marlin_out) == 0);
+      {
+        INFO("3 runs bitwise identical: auto " << auto_repeat << ", marlin " << marlin_repeat);
+        CHECK(auto_repeat);
+        CHECK(marlin_repeat);
+      }
+      // The automatic call is the forced path it should pick, bit for bit; forcing decode where
+      // it can't serve is refused before anything runs.
+      if (decode) {
+        CHECK(same_bits(io.run(*model, stream.get(), kDecode), auto_out));
+      } else {
+        CHECK(same_bits(marlin_out, auto_out));
+        expect_refused(io, io.args(*model), stream.get(), kDecode, ErrorCode::kUnsupported);
+      }
+      // Both paths compute the same layer.
+      const double paths = rel_l2(values_of(auto_out), values_of(marlin_out));
+      INFO("auto vs forced marlin relL2 " << paths);
+      CHECK(paths <= kRelL2Tolerance);
     }
   }
 }
@@ -928,7 +209,7 @@ TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][
     const ModelShape full = resized(real, e, 0, e, 256);
     const ModelShape half0 = resized(real, e / 2, 0, e, 256);
     const ModelShape half1 = resized(real, e / 2, e / 2, e, 256);
-    prewarm({full, half0, half1});
+    prewarm_shapes({full, half0, half1});
     const Checkpoint ck = make_checkpoint(full, uses_gpt_oss_layout(full), rng());
     std::unique_ptr<DeviceModel> m_full, m_half0, m_half1;
     {
@@ -947,28 +228,32 @@ TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][
       ForwardIo io_full(full, tk, moejit::moe_workspace_bytes(full, tokens));
       ForwardIo io0(half0, tk, moejit::moe_workspace_bytes(half0, tokens));
       ForwardIo io1(half1, tk, moejit::moe_workspace_bytes(half1, tokens));
-      const std::vector<double> whole = values_of(io_full.run(*m_full, stream.get()));
-      const std::vector<double> part0 = values_of(io0.run(*m_half0, stream.get()));
-      const std::vector<double> part1 = values_of(io1.run(*m_half1, stream.get()));
-      std::vector<double> sum(whole.size());
-      for (std::size_t j = 0; j < sum.size(); ++j) sum[j] = part0[j] + part1[j];
       const std::vector<double> ref =
           reference_layer(f64, tk, all_tokens(tokens), layer_options(full));
-      const double halves_vs_full = rel_l2(sum, whole);
-      const double halves_vs_ref = rel_l2(sum, ref);
-      const double full_vs_ref = rel_l2(whole, ref);
-      std::printf(
-          "moe_forward %s EP halves T=%d relL2=%s (halves vs full layer %s, full vs "
-          "reference %s)\n",
-          name, tokens, fmt(halves_vs_ref).c_str(), fmt(halves_vs_full).c_str(),
-          fmt(full_vs_ref).c_str());
-      INFO(name << " T=" << tokens);
-      CHECK(halves_vs_full <= kRelL2Tolerance);
-      CHECK(halves_vs_ref <= kRelL2Tolerance);
-      CHECK(full_vs_ref <= kRelL2Tolerance);
-      // Each half alone is far from the whole (so the sum is not trivially equal).
-      CHECK(rel_l2(part0, whole) > 0.1);
-      CHECK(rel_l2(part1, whole) > 0.1);
+      for (const MoeForwardOptions& options : {kAuto, kMarlin}) {
+        const std::vector<double> whole = values_of(io_full.run(*m_full, stream.get(), options));
+        const std::vector<double> part0 = values_of(io0.run(*m_half0, stream.get(), options));
+        const std::vector<double> part1 = values_of(io1.run(*m_half1, stream.get(), options));
+        std::vector<double> sum(whole.size());
+        for (std::size_t j = 0; j < sum.size(); ++j) sum[j] = part0[j] + part1[j];
+        const double halves_vs_full = rel_l2(sum, whole);
+        const double halves_vs_ref = rel_l2(sum, ref);
+        const double full_vs_ref = rel_l2(whole, ref);
+        const std::string label =
+            std::string(name) + (options.path == MoePath::kMarlin ? "[forced-marlin]" : "");
+        std::printf(
+            "moe_forward %s EP halves T=%d relL2=%s (halves vs full layer %s, full vs "
+            "reference %s)\n",
+            label.c_str(), tokens, fmt(halves_vs_ref).c_str(), fmt(halves_vs_full).c_str(),
+            fmt(full_vs_ref).c_str());
+        INFO(label << " T=" << tokens);
+        CHECK(halves_vs_full <= kRelL2Tolerance);
+        CHECK(halves_vs_ref <= kRelL2Tolerance);
+        CHECK(full_vs_ref <= kRelL2Tolerance);
+        // Each half alone is far from the whole (so the sum is not trivially equal).
+        CHECK(rel_l2(part0, whole) > 0.1);
+        CHECK(rel_l2(part1, whole) > 0.1);
+      }
     }
   }
 }
@@ -996,7 +281,7 @@ TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[
     ModelShape shape = resized(real, c.experts, c.offset, c.global, 256);
     shape.id_dtype = c.id_dtype;
     shape.name += c.id_dtype == DType::kI64 ? "-i64" : "";
-    prewarm({shape});
+    prewarm_shapes({shape});
     const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
     std::unique_ptr<DeviceModel> model;
     {
@@ -1024,15 +309,19 @@ TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[
     for (int tokens : {48, 256}) {
       const Tokens tk = make_tokens(shape, tokens, plan, rng);
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
-      const std::vector<uint16_t> got = io.run(*model, stream.get());
       const std::vector<int> which = all_tokens(tokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
-      const Score s = score(got, ref, which, shape.hidden);
-      check_score(shape.name + " (ids -1 / other rank" +
-                      (c.id_dtype == DType::kI64 ? " / int64" : "") +
-                      ") T=" + std::to_string(tokens),
-                  s, which.size(), tokens);
-      CHECK(s.empty_tokens > 0);
+      // Both paths: the automatic one (decode_moe reads int64 ids directly) and marlin_moe (its
+      // narrowing launch first).
+      for (const MoeForwardOptions& options : {kAuto, kMarlin}) {
+        const std::vector<uint16_t> got = io.run(*model, stream.get(), options);
+        const Score s = score(got, ref, which, shape.hidden);
+        check_score(shape.name + (options.path == MoePath::kMarlin ? "[forced-marlin]" : "") +
+                        " (ids -1 / other rank" + (c.id_dtype == DType::kI64 ? " / int64" : "") +
+                        ") T=" + std::to_string(tokens),
+                    s, which.size(), tokens);
+        CHECK(s.empty_tokens > 0);
+      }
     }
   }
 }
@@ -1044,7 +333,7 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
-  prewarm({shape});
+  prewarm_shapes({shape});
   const Checkpoint ck = make_checkpoint(shape, false, rng());
   std::unique_ptr<DeviceModel> model;
   {
@@ -1055,35 +344,21 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
   plan.lo = 0;
   plan.hi = shape.num_experts;
   plan.drop = 0.05;
-  // T = 7: one route launch; T = 256 (N = 2048): the three-launch route.
+  // Forced marlin_moe: at T = 7 one route launch, at T = 256 (N = 2048) the three-launch route.
+  // The automatic path: decode_moe's reset and fused kernels.
   for (int tokens : {7, 256}) {
-    INFO("T=" << tokens);
     const Tokens tk = make_tokens(shape, tokens, plan, rng);
     ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, 256));
-    const std::vector<uint16_t> eager = io.run(*model, stream.get());
-    CUgraph graph = nullptr;
-    MOEJIT_TEST_CU(cu().cuStreamBeginCapture(stream.get(), CU_STREAM_CAPTURE_MODE_GLOBAL));
-    try {
-      moejit::moe_forward(shape, io.args(*model), stream.get());
-    } catch (const Error& e) {
-      cu().cuStreamEndCapture(stream.get(), &graph);
-      if (graph != nullptr) cu().cuGraphDestroy(graph);
-      FAIL("moe_forward failed during capture: " << e.what());
+    for (const MoeForwardOptions& options : {kMarlin, kAuto}) {
+      INFO("T=" << tokens << ", path " << path_name(options.path));
+      const std::vector<uint16_t> eager = io.run(*model, stream.get(), options);
+      const std::vector<std::vector<uint16_t>> replays =
+          io.graph_replays(*model, stream.get(), options, 3);
+      for (std::size_t replay = 0; replay < replays.size(); ++replay) {
+        INFO("replay " << replay);
+        CHECK(same_bits(replays[replay], eager));
+      }
     }
-    MOEJIT_TEST_CU(cu().cuStreamEndCapture(stream.get(), &graph));
-    REQUIRE(graph != nullptr);
-    CUgraphExec exec = nullptr;
-    MOEJIT_TEST_CU(cu().cuGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 3; ++replay) {
-      poison(io.out, stream.get());
-      poison(io.workspace, stream.get());
-      MOEJIT_TEST_CU(cu().cuGraphLaunch(exec, stream.get()));
-      stream.sync();
-      INFO("replay " << replay);
-      CHECK(same_bits(io.output(), eager));
-    }
-    cu().cuGraphExecDestroy(exec);
-    cu().cuGraphDestroy(graph);
   }
 }
 
@@ -1091,7 +366,8 @@ TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][mo
   gpu();
   TestStream stream;
   std::mt19937_64 rng(fresh_seed());
-  // E = 5, k = 3: a route kernel no other test builds, in this binary's private, fresh cache.
+  // E = 5, k = 3: a route kernel no other test builds, in this binary's private, fresh cache
+  // (H = 256: decode_moe refuses the shape, so the automatic path is marlin_moe).
   ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 5, 0, 5, 64);
   shape.top_k = 3;
   shape.hidden = 256;
@@ -1128,7 +404,7 @@ TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
   TestStream stream;
   std::mt19937_64 rng(fresh_seed());
   const ModelShape shape = resized(reference_shape("deepseek-v4-flash-tp4"), 32, 0, 32, 1000);
-  prewarm({shape});
+  prewarm_shapes({shape});
   const Checkpoint ck = make_checkpoint(shape, false, rng());
   std::unique_ptr<DeviceModel> model;
   {
@@ -1149,46 +425,50 @@ TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
   plan.hi = shape.num_experts;
   const std::size_t guard = 1 << 16;
   for (int tokens : {1, 7, 48, 256, 1000}) {
-    INFO("T=" << tokens);
     // The size for T never exceeds the size for the largest T, and bounds the plan's layout.
     const std::size_t bytes = moejit::moe_workspace_bytes(shape, tokens);
     CHECK(bytes <= max_bytes);
-    const moejit::detail::MoeWorkspaceLayout used = moejit::detail::moe_workspace_layout(
-        shape, moejit::detail::choose_moe_config(shape, tokens));
+    const moejit::detail::MoeForwardConfig config =
+        moejit::detail::choose_moe_config(shape, tokens);
+    const moejit::detail::MoeWorkspaceLayout used =
+        moejit::detail::moe_workspace_layout(shape, config);
     CHECK(used.bytes <= bytes);
     const Tokens tk = make_tokens(shape, tokens, plan, rng);
     ForwardIo io(shape, tk, bytes);
-    const std::vector<uint16_t> reference_out = io.run(*model, stream.get());
-    // Exactly the bytes this T needs (and the size for the largest T), followed by a guard
-    // band: the guard is never written, and the output is the same as with a private workspace.
-    for (std::size_t given : {used.bytes, max_bytes}) {
-      DeviceBuffer region(given + guard);
-      poison(region, stream.get(), 0x5A);
+    for (const MoeForwardOptions& options : {kAuto, kMarlin}) {
+      // What this call needs: decode_moe's workspace where the automatic call takes it, else the
+      // marlin chain's regions.
+      const bool decode = options.path == MoePath::kAuto && auto_takes_decode(shape, tokens);
+      const std::size_t need =
+          decode ? static_cast<std::size_t>(
+                       moejit::detail::decode_moe_workspace_bytes(config.decode_main))
+                 : used.marlin_bytes;
+      INFO("T=" << tokens << ", path " << path_name(options.path) << " ("
+                << (decode ? "decode_moe" : "marlin_moe") << "), needs " << need << " bytes");
+      CHECK(need <= used.bytes);
+      const std::vector<uint16_t> reference_out = io.run(*model, stream.get(), options);
+      // Exactly the bytes this call needs (and the size for the largest T), followed by a guard
+      // band: the guard is never written, and the output is the same as with a private
+      // workspace.
+      for (std::size_t given : {need, max_bytes}) {
+        DeviceBuffer region(given + guard);
+        poison(region, stream.get(), 0x5A);
+        moejit::MoeForwardArgs a = io.args(*model);
+        a.workspace = region.data();
+        a.workspace_bytes = given;
+        poison(io.out, stream.get());
+        moejit::moe_forward(shape, a, stream.get(), options);
+        stream.sync();
+        CHECK(same_bits(io.output(), reference_out));
+        const std::vector<uint8_t> tail = download_at<uint8_t>(region, given, guard);
+        CHECK(std::count(tail.begin(), tail.end(), uint8_t{0x5A}) ==
+              static_cast<std::ptrdiff_t>(guard));
+      }
+      // One byte short of what this call needs: refused before anything runs.
       moejit::MoeForwardArgs a = io.args(*model);
-      a.workspace = region.data();
-      a.workspace_bytes = given;
-      poison(io.out, stream.get());
-      moejit::moe_forward(shape, a, stream.get());
-      stream.sync();
-      CHECK(same_bits(io.output(), reference_out));
-      const std::vector<uint8_t> tail = download_at<uint8_t>(region, given, guard);
-      CHECK(std::count(tail.begin(), tail.end(), uint8_t{0x5A}) ==
-            static_cast<std::ptrdiff_t>(guard));
+      a.workspace_bytes = need - 1;
+      expect_refused(io, a, stream.get(), options, ErrorCode::kInvalidArgument);
     }
-    // One byte short of what this T needs: refused before anything runs.
-    moejit::MoeForwardArgs a = io.args(*model);
-    a.workspace_bytes = used.bytes - 1;
-    poison(io.out, stream.get());
-    stream.sync();
-    try {
-      moejit::moe_forward(shape, a, stream.get());
-      FAIL("moe_forward accepted a workspace of " << used.bytes - 1 << " bytes; T = " << tokens
-                                                  << " needs " << used.bytes);
-    } catch (const Error& e) {
-      CHECK(e.code() == ErrorCode::kInvalidArgument);
-    }
-    stream.sync();
-    CHECK(still_poisoned(io.output()));
   }
 }
 
@@ -1462,7 +742,8 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
     s.max_tokens = 4096;
     shapes.push_back(s);
   }
-  prewarm(shapes);
+  // marlin_moe's kernels only: this test forces that path.
+  build_kernels(shapes, false);
   int checked = 0;
   for (const ModelShape& shape : shapes) {
     // Real expert counts; weights zero (nibbles 0, scales 2^0, biases 0): only the route arrays
@@ -1500,7 +781,9 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
           INFO("run " << run);
           poison(io.workspace, stream.get(), 0xA5);
           poison(io.out, stream.get());
-          moejit::moe_forward(shape, io.args(*model), stream.get());
+          // Forced: these are marlin_moe's route arrays (the automatic path takes decode_moe
+          // for T <= 256 on the shapes it serves).
+          moejit::moe_forward(shape, io.args(*model), stream.get(), kMarlin);
           stream.sync();
           const std::size_t e = to_size(shape.num_experts);
           CHECK(download_at<int32_t>(io.workspace, ws.expert_counts, e) == ref.expert_counts);
