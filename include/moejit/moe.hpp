@@ -11,8 +11,8 @@
 //
 // Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset)
 // for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem); and
-// marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. moe_forward picks
-// decode_moe where it serves, unless MoeForwardOptions says otherwise.
+// marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
+// the faster one (today marlin_moe everywhere; see MoePath), MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
 // contiguous (row-major, strides null or compact). Shapes use E = shape.num_experts (local),
@@ -124,7 +124,8 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // decode_moe for 1 <= T <= 256 where it serves the shape on the device, else marlin
+  kAuto,    // the faster path: today marlin at every T (decode_moe measured slower on the H200;
+            // tools/PERF_LOG.md); decode_moe for T <= 256 once it wins
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };

@@ -35,6 +35,7 @@
 #include "moejit/moe.hpp"
 #include "moejit/runtime.hpp"
 #include "ops/moe_reference.hpp"
+#include "plan/moe_plan.hpp"
 #include "runtime/runtime_impl.hpp"
 #include "support/support.hpp"
 
@@ -176,6 +177,44 @@ inline void build_kernels(const std::vector<ModelShape>& shapes, bool with_decod
     INFO(specs[i].display_name() << ": " << errors[i]);
     REQUIRE(errors[i].empty());
   }
+}
+
+// ---- paths --------------------------------------------------------------------------------------
+
+inline const char* path_name(MoePath path) {
+  return path == MoePath::kMarlin ? "marlin" : path == MoePath::kDecode ? "decode" : "auto";
+}
+
+// Whether a forced decode_moe call with T tokens runs here: the shape is one decode_moe serves,
+// 1 <= T <= 256, and the device is sm_90 or newer (moe_forward refuses it otherwise).
+inline bool decode_serves(const ModelShape& shape, int tokens) {
+  return tokens >= 1 && tokens <= detail::kDecodeMaxTokens &&
+         detail::decode_moe_problem(shape).empty() &&
+         detail::Runtime::instance().current_arch().sm >= 90;
+}
+
+// Whether an automatic call with T tokens takes decode_moe, as moe_forward decides it: only while
+// detail::kDecodeByDefault is set, where the planner chose a decode tile that runs on this arch.
+inline bool auto_takes_decode(const ModelShape& shape, int tokens) {
+  if (!detail::kDecodeByDefault || tokens < 1) return false;
+  const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+  const Arch arch = detail::Runtime::instance().current_arch();
+  return config.decode && detail::decode_moe_runs_on(config.decode_main, arch);
+}
+
+// The workspace bytes one call (T >= 1) checks for: decode_moe's at its tile on the decode path,
+// else the marlin chain's regions.
+inline std::size_t call_workspace_bytes(const ModelShape& shape, int tokens,
+                                        const MoeForwardOptions& options) {
+  const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+  const bool decode = options.path == MoePath::kDecode ||
+                      (options.path == MoePath::kAuto && auto_takes_decode(shape, tokens));
+  if (!decode) return detail::moe_workspace_layout(shape, config).marlin_bytes;
+  const MoeDecodeParams main =
+      options.decode_block_n == 0
+          ? config.decode_main
+          : detail::choose_decode_config(shape, tokens, options.decode_block_n);
+  return static_cast<std::size_t>(detail::decode_moe_workspace_bytes(main));
 }
 
 // ---- shapes -----------------------------------------------------------------------------------

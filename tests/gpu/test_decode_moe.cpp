@@ -2,10 +2,11 @@
 // MoeForwardOptions{kDecode, 16 or 32} on every reference shape decode_moe serves, at its real
 // expert count, T in {1, 7, 48, 96, 256}, against the fp64 CPU reference (src/ops/moe_reference);
 // the same bits over 3 runs and from a CUDA-graph replay; forced marlin_moe within tolerance of
-// it; the automatic path equal to the planner's decode tile, bit for bit; expert parallelism
-// (two ranks' halves sum to the whole layer); the gpt-oss shapes refused with their rule and
-// served by marlin_moe; T = 0, tokens and calls with no local expert, the workspace contract,
-// bad options and capture misses.
+// it; block_n 0 equal to the planner's block_n, and the automatic path equal to the path the
+// library picks (marlin_moe while detail::kDecodeByDefault is false, else decode_moe at the
+// planner's tile), bit for bit; expert parallelism (two ranks' halves sum to the whole layer);
+// the gpt-oss shapes refused with their rule and served by marlin_moe; T = 0, tokens and calls
+// with no local expert, the workspace contract, bad options and capture misses.
 //
 // Activations: SiTU(4, 25) (Kimi-K3), SwiGLU clamped at 10 (DeepSeek-V4) and SwiGLU (Qwen) come
 // with the shapes. gpt-oss's activation exists only on the gpt-oss shapes, which decode_moe
@@ -25,10 +26,11 @@
 // output rounded once; its weighted FC2 rows stay fp32), so the same ~2.3e-3 expected error and
 // the same bounds hold. decode vs marlin: both carry those two roundings of nearly the same
 // values (their fp32 sums differ only in order, so most bf16 roundings agree); their difference
-// is at most the sum of both errors (~4.6e-3) and in practice well below either: 1e-2 again.
+// is at most the sum of both errors (~4.6e-3, more than 2x under 1e-2), so 1e-2 again.
 //
-// Reference cost: T·k·3·H·I multiply-adds per shape and T, on every core; at T >= 96 the three
-// heaviest shapes check sampled tokens (every token is still checked for NaN and the poison).
+// Reference cost: T·k·3·H·I multiply-adds per shape and T, on every core; at T = 96 and 256 the
+// three heaviest shapes check 48 or 64 sampled tokens (every token is still checked for NaN and
+// the poison).
 //
 // Each case prints "decode_moe <shape> T=<T> bn=<block_n> relL2=<x> ..." and a line with the
 // decode vs marlin figure.
@@ -346,6 +348,7 @@ TEST_CASE("decode_moe: served reference shapes x T x block_n vs the fp64 referen
                   score(marlin, ref, which, shape.hidden), which.size(), tokens, "decode_moe");
 
       const int planner_block_n = detail::choose_decode_config(shape, tokens, 0).block_n;
+      INFO("planner's block_n " << planner_block_n);
       std::vector<uint16_t> planner_out;
       for (int block_n : kBlockNs) {
         const MoeForwardOptions options = forced_decode(block_n);
@@ -377,10 +380,12 @@ TEST_CASE("decode_moe: served reference shapes x T x block_n vs the fp64 referen
         CHECK(vs_marlin <= kRelL2Tolerance);
         if (block_n == planner_block_n) planner_out = first;
       }
-      // The automatic path is decode_moe at the planner's tile, bit for bit.
-      INFO("automatic path vs forced decode at the planner's block_n " << planner_block_n);
+      // block_n 0 is the planner's block_n; the automatic path is the one the library picks.
       REQUIRE(!planner_out.empty());
-      CHECK(same_bits(io.run(*model, stream.get(), kAuto), planner_out));
+      CHECK(same_bits(io.run(*model, stream.get(), forced_decode(0)), planner_out));
+      const bool auto_decode = auto_takes_decode(shape, tokens);
+      INFO("the automatic path takes " << (auto_decode ? "decode_moe" : "marlin_moe"));
+      CHECK(same_bits(io.run(*model, stream.get(), kAuto), auto_decode ? planner_out : marlin));
     }
   }
 }
@@ -532,7 +537,8 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  const std::vector<MoeForwardOptions> decode_paths = {forced_decode(16), forced_decode(32), kAuto};
+  const std::vector<MoeForwardOptions> decode_paths = {forced_decode(0), forced_decode(16),
+                                                       forced_decode(32)};
   for (const ModelShape& shape : shapes) {
     INFO(shape.name << " (" << moejit::dtype_name(shape.id_dtype) << " ids)");
     const int sources = 8;
@@ -577,8 +583,11 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
             const std::vector<uint16_t> out = io.run(*model, stream.get(), options);
             CHECK(all_plus_zero(out, 0, out.size()));
           }
-          const std::vector<uint16_t> marlin = io.run(*model, stream.get(), kMarlin);
-          CHECK(all_plus_zero(marlin, 0, marlin.size()));
+          for (const MoeForwardOptions& options : {kMarlin, kAuto}) {
+            INFO("path " << path_name(options.path));
+            const std::vector<uint16_t> out = io.run(*model, stream.get(), options);
+            CHECK(all_plus_zero(out, 0, out.size()));
+          }
         }
       }
     }
@@ -603,41 +612,38 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
       }
     }
 
-    {  // the workspace: exactly what decode_moe needs suffices, one byte less is refused
+    {  // the workspace: exactly what a call needs suffices, one byte less is refused
       const std::size_t guard = 1 << 16;
       for (int tokens : {1, 48, 256}) {
         const Tokens tk = decode_tokens(shape, tokens, rng);
         const std::size_t sized = moejit::moe_workspace_bytes(shape, tokens);
         ForwardIo io(shape, tk, sized);
-        for (int block_n : {0, 16, 32}) {
-          const std::size_t need = static_cast<std::size_t>(detail::decode_moe_workspace_bytes(
-              detail::choose_decode_config(shape, tokens, block_n)));
-          INFO("T=" << tokens << ", block_n " << block_n << ": needs " << need << " of " << sized
-                    << " bytes");
+        // Forced decode_moe at each block_n (0: the planner's), and the automatic path
+        // (whichever it takes).
+        for (const MoeForwardOptions& options :
+             {forced_decode(0), forced_decode(16), forced_decode(32), kAuto}) {
+          const std::size_t need = call_workspace_bytes(shape, tokens, options);
+          INFO("T=" << tokens << ", path " << path_name(options.path) << ", block_n "
+                    << options.decode_block_n << ": needs " << need << " of " << sized << " bytes");
           // moe_workspace_bytes covers a forced block_n as well as the planner's.
           CHECK(need <= sized);
-          // block_n 0 under kAuto and kDecode: the planner's tile either way.
-          for (const MoeForwardOptions& options :
-               block_n == 0 ? std::vector<MoeForwardOptions>{kAuto, forced_decode(0)}
-                            : std::vector<MoeForwardOptions>{forced_decode(block_n)}) {
-            const std::vector<uint16_t> expected = io.run(*model, stream.get(), options);
-            DeviceBuffer region(need + guard);
-            poison(region, stream.get(), 0x5A);
-            moejit::MoeForwardArgs a = io.args(*model);
-            a.workspace = region.data();
-            a.workspace_bytes = need;
-            poison(io.out, stream.get());
-            moejit::moe_forward(shape, a, stream.get(), options);
-            stream.sync();
-            CHECK(same_bits(io.output(), expected));
-            const std::vector<uint8_t> tail = download_at<uint8_t>(region, need, guard);
-            CHECK(std::count(tail.begin(), tail.end(), uint8_t{0x5A}) ==
-                  static_cast<std::ptrdiff_t>(guard));
-            a.workspace_bytes = need - 1;
-            const std::string message =
-                expect_refused(io, a, stream.get(), options, ErrorCode::kInvalidArgument);
-            CHECK(contains(message, "workspace_bytes"));
-          }
+          const std::vector<uint16_t> expected = io.run(*model, stream.get(), options);
+          DeviceBuffer region(need + guard);
+          poison(region, stream.get(), 0x5A);
+          moejit::MoeForwardArgs a = io.args(*model);
+          a.workspace = region.data();
+          a.workspace_bytes = need;
+          poison(io.out, stream.get());
+          moejit::moe_forward(shape, a, stream.get(), options);
+          stream.sync();
+          CHECK(same_bits(io.output(), expected));
+          const std::vector<uint8_t> tail = download_at<uint8_t>(region, need, guard);
+          CHECK(std::count(tail.begin(), tail.end(), uint8_t{0x5A}) ==
+                static_cast<std::ptrdiff_t>(guard));
+          a.workspace_bytes = need - 1;
+          const std::string message =
+              expect_refused(io, a, stream.get(), options, ErrorCode::kInvalidArgument);
+          CHECK(contains(message, "workspace_bytes"));
         }
       }
     }
@@ -648,7 +654,7 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
       for (const MoeForwardOptions& options :
            {forced_decode(8), forced_decode(64), forced_decode(-16),
             MoeForwardOptions{MoePath::kAuto, 24}, MoeForwardOptions{static_cast<MoePath>(7), 0}}) {
-        INFO("path " << static_cast<int>(options.path) << ", block_n " << options.decode_block_n);
+        INFO("path " << path_name(options.path) << ", block_n " << options.decode_block_n);
         expect_refused(io, io.args(*model), stream.get(), options, ErrorCode::kInvalidArgument);
       }
       // T = 257: forced decode is refused naming its limit; the automatic path is marlin_moe.
@@ -698,7 +704,7 @@ TEST_CASE("decode_moe: T = 0 looks up no kernel; one not built during capture is
     ForwardIo io(shape, none, moejit::moe_workspace_bytes(shape, 0));
     for (const MoeForwardOptions& options : {forced_decode(0), forced_decode(32), kAuto, kMarlin}) {
       std::string message;
-      INFO("path " << static_cast<int>(options.path) << ", block_n " << options.decode_block_n);
+      INFO("path " << path_name(options.path) << ", block_n " << options.decode_block_n);
       CHECK(captured(io, options, &message) == ErrorCode::kInternal);
       INFO(message);
       CHECK(message.empty());
@@ -707,14 +713,15 @@ TEST_CASE("decode_moe: T = 0 looks up no kernel; one not built during capture is
   {
     const Tokens tk = decode_tokens(shape, 3, rng);
     ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, 3));
-    for (const MoeForwardOptions& options : {forced_decode(16), kAuto}) {
-      INFO("path " << static_cast<int>(options.path) << ", block_n " << options.decode_block_n);
+    for (const MoeForwardOptions& options : {forced_decode(0), forced_decode(16), kAuto}) {
+      INFO("path " << path_name(options.path) << ", block_n " << options.decode_block_n);
       poison(io.out, stream.get());
       stream.sync();
       std::string message;
       CHECK(captured(io, options, &message) == ErrorCode::kCaptureMiss);
       INFO(message);
-      CHECK(contains(message, "decode_moe"));
+      const bool decode = options.path == MoePath::kDecode || auto_takes_decode(shape, 3);
+      CHECK(contains(message, decode ? "decode_moe" : "route"));
       // Nothing ran: the output is still the poison.
       stream.sync();
       CHECK(still_poisoned(io.output()));

@@ -1,12 +1,14 @@
 // The MXFP4 MoE layer on the GPU (moejit/moe.hpp): moe_forward against the fp64 CPU reference
 // (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000},
-// on the automatic path and on forced marlin_moe (the automatic path must be decode_moe for
-// T <= 256 on the shapes it serves and marlin_moe otherwise, bit for bit), bitwise
-// repeatability, expert parallelism (two halves sum to the whole), ids of -1 and of other ranks
-// (int32 and int64), CUDA-graph capture and replay, the workspace size contract, the repack round
-// trip for both checkpoint layouts (unpacked on the CPU with kernels/moe/layout.cuh), and the
-// route arrays marlin_moe leaves in its workspace against the CPU route model, bit for bit.
-// decode_moe's own sweep (both block_n, every T, real expert counts) is test_decode_moe.cpp.
+// on the automatic path, forced marlin_moe and forced decode_moe where it serves (T <= 256 on the
+// shapes it accepts; refused elsewhere), the automatic path bit for bit the one the library picks
+// (marlin_moe, or decode_moe for T <= 256 on the shapes it serves once detail::kDecodeByDefault
+// is set), bitwise repeatability, expert parallelism (two halves sum to the whole), ids of -1
+// and of other ranks (int32 and int64), CUDA-graph capture and replay, the workspace size
+// contract, the repack round trip for both checkpoint layouts (unpacked on the CPU with
+// kernels/moe/layout.cuh), and the route arrays marlin_moe leaves in its workspace against the
+// CPU route model, bit for bit. decode_moe's own sweep (both block_n, T up to 256, real expert
+// counts) is test_decode_moe.cpp.
 //
 // Inputs: see gpu/moe_support.hpp. Fresh seeds every run (printed) so a failure can be replayed.
 //
@@ -63,16 +65,16 @@ const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
 const MoeForwardOptions kAuto{MoePath::kAuto, 0};
 const MoeForwardOptions kDecode{MoePath::kDecode, 0};
 
-// Whether an automatic call with T tokens takes decode_moe on this device (the planner's choice
-// and the arch), as moe_forward decides it.
-bool auto_takes_decode(const ModelShape& shape, int tokens) {
-  const moejit::detail::MoeForwardConfig config = moejit::detail::choose_moe_config(shape, tokens);
-  const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
-  return config.decode && moejit::detail::decode_moe_runs_on(config.decode_main, arch);
+// The forced paths that serve `shape` at T = `tokens`: marlin_moe, and decode_moe where it does.
+std::vector<MoeForwardOptions> forced_paths(const ModelShape& shape, int tokens) {
+  std::vector<MoeForwardOptions> paths = {kMarlin};
+  if (decode_serves(shape, tokens)) paths.push_back(kDecode);
+  return paths;
 }
 
-const char* path_name(MoePath path) {
-  return path == MoePath::kMarlin ? "marlin" : path == MoePath::kDecode ? "decode" : "auto";
+std::string path_suffix(const MoeForwardOptions& options) {
+  return options.path == MoePath::kAuto ? ""
+                                        : std::string("[forced-") + path_name(options.path) + "]";
 }
 
 // ---- the forward sweep --------------------------------------------------------------------------
@@ -135,7 +137,7 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const ModelShape& shape = shapes[n];
     const int real_experts = reference_shape(kSweep[n].name).num_experts;
-    const bool decode_serves = moejit::moe_decode_problem(shape).empty();
+    const bool decode_accepts = moejit::moe_decode_problem(shape).empty();
     const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
     std::unique_ptr<DeviceModel> model;
     {
@@ -146,7 +148,7 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
     std::printf("moe_forward shape %s %s, %s checkpoint layout, decode_moe %s\n", kSweep[n].name,
                 describe(shape, real_experts).c_str(),
                 uses_gpt_oss_layout(shape) ? "gpt-oss" : "separate w1/w3/w2",
-                decode_serves ? "serves it" : "refuses it");
+                decode_accepts ? "serves it" : "refuses it");
     IdPlan plan;
     plan.lo = 0;
     plan.hi = shape.num_experts;
@@ -159,40 +161,46 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
       const std::string label = std::string(kSweep[n].name) + " T=" + std::to_string(tokens);
       INFO(label << " " << describe(shape, real_experts));
-      // The automatic path is decode_moe exactly where the planner says so (T <= 256, a shape
-      // it serves, sm_90 or newer): a supported shape on an H200 takes it for every T <= 256.
-      const bool decode = auto_takes_decode(shape, tokens);
+      // Forced decode_moe serves T <= 256 on the shapes it accepts (sm_90 or newer); the
+      // automatic path takes it there only while detail::kDecodeByDefault is set.
       const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
-      CHECK(decode == (decode_serves && tokens <= 256 && arch.sm >= 90));
+      const bool decode = decode_serves(shape, tokens);
+      CHECK(decode == (decode_accepts && tokens <= 256 && arch.sm >= 90));
+      const bool auto_decode = auto_takes_decode(shape, tokens);
+      CHECK(auto_decode == (moejit::detail::kDecodeByDefault && decode));
 
-      bool auto_repeat = false;
-      bool marlin_repeat = false;
-      const std::vector<uint16_t> auto_out =
-          three_runs(io, *model, stream.get(), kAuto, &auto_repeat);
-      const std::vector<uint16_t> marlin_out =
-          three_runs(io, *model, stream.get(), kMarlin, &marlin_repeat);
-      check_score(label, score(auto_out, ref, which, shape.hidden), which.size(), tokens);
-      check_score(std::string(kSweep[n].name) + "[forced-marlin] T=" + std::to_string(tokens),
-                  score(marlin_out, ref, which, shape.hidden), which.size(), tokens);
-      CHECK(count_nonfinite(auto_out) == 0);
-      CHECK(count_nonfinite(marlin_out) == 0);
-      {
-        INFO("3 runs bitwise identical: auto " << auto_repeat << ", marlin " << marlin_repeat);
-        CHECK(auto_repeat);
-        CHECK(marlin_repeat);
+      // Each path three times (output and workspace poisoned before each run): within tolerance
+      // of the reference, every element finite, the same bits every run.
+      std::vector<uint16_t> auto_out;
+      std::vector<uint16_t> marlin_out;
+      std::vector<uint16_t> decode_out;
+      for (const MoeForwardOptions& options : {kAuto, kMarlin, kDecode}) {
+        if (options.path == MoePath::kDecode && !decode) {
+          // Forced decode_moe where it can't serve: refused before anything runs.
+          expect_refused(io, io.args(*model), stream.get(), kDecode, ErrorCode::kUnsupported);
+          continue;
+        }
+        bool repeat = false;
+        const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), options, &repeat);
+        check_score(
+            std::string(kSweep[n].name) + path_suffix(options) + " T=" + std::to_string(tokens),
+            score(out, ref, which, shape.hidden), which.size(), tokens);
+        INFO(path_name(options.path) << ": 3 runs bitwise identical, every element finite");
+        CHECK(count_nonfinite(out) == 0);
+        CHECK(repeat);
+        if (options.path == MoePath::kAuto) auto_out = out;
+        if (options.path == MoePath::kMarlin) marlin_out = out;
+        if (options.path == MoePath::kDecode) decode_out = out;
       }
-      // The automatic call is the forced path it should pick, bit for bit; forcing decode where
-      // it can't serve is refused before anything runs.
-      if (decode) {
-        CHECK(same_bits(io.run(*model, stream.get(), kDecode), auto_out));
-      } else {
-        CHECK(same_bits(marlin_out, auto_out));
-        expect_refused(io, io.args(*model), stream.get(), kDecode, ErrorCode::kUnsupported);
-      }
+      // The automatic call is the path the library picks, bit for bit.
+      CHECK(same_bits(auto_out, auto_decode ? decode_out : marlin_out));
       // Both paths compute the same layer.
-      const double paths = rel_l2(values_of(auto_out), values_of(marlin_out));
-      INFO("auto vs forced marlin relL2 " << paths);
-      CHECK(paths <= kRelL2Tolerance);
+      if (decode) {
+        const double paths = rel_l2(values_of(decode_out), values_of(marlin_out));
+        std::printf("moe_forward %s decode vs marlin relL2=%s\n", label.c_str(),
+                    fmt(paths).c_str());
+        CHECK(paths <= kRelL2Tolerance);
+      }
     }
   }
 }
@@ -230,7 +238,7 @@ TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][
       ForwardIo io1(half1, tk, moejit::moe_workspace_bytes(half1, tokens));
       const std::vector<double> ref =
           reference_layer(f64, tk, all_tokens(tokens), layer_options(full));
-      for (const MoeForwardOptions& options : {kAuto, kMarlin}) {
+      for (const MoeForwardOptions& options : forced_paths(full, tokens)) {
         const std::vector<double> whole = values_of(io_full.run(*m_full, stream.get(), options));
         const std::vector<double> part0 = values_of(io0.run(*m_half0, stream.get(), options));
         const std::vector<double> part1 = values_of(io1.run(*m_half1, stream.get(), options));
@@ -239,8 +247,7 @@ TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][
         const double halves_vs_full = rel_l2(sum, whole);
         const double halves_vs_ref = rel_l2(sum, ref);
         const double full_vs_ref = rel_l2(whole, ref);
-        const std::string label =
-            std::string(name) + (options.path == MoePath::kMarlin ? "[forced-marlin]" : "");
+        const std::string label = std::string(name) + path_suffix(options);
         std::printf(
             "moe_forward %s EP halves T=%d relL2=%s (halves vs full layer %s, full vs "
             "reference %s)\n",
@@ -311,13 +318,13 @@ TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
       const std::vector<int> which = all_tokens(tokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
-      // Both paths: the automatic one (decode_moe reads int64 ids directly) and marlin_moe (its
-      // narrowing launch first).
-      for (const MoeForwardOptions& options : {kAuto, kMarlin}) {
+      // Both paths: marlin_moe (int64 ids narrowed by a launch of their own first) and decode_moe
+      // (it reads int64 ids directly).
+      for (const MoeForwardOptions& options : forced_paths(shape, tokens)) {
         const std::vector<uint16_t> got = io.run(*model, stream.get(), options);
         const Score s = score(got, ref, which, shape.hidden);
-        check_score(shape.name + (options.path == MoePath::kMarlin ? "[forced-marlin]" : "") +
-                        " (ids -1 / other rank" + (c.id_dtype == DType::kI64 ? " / int64" : "") +
+        check_score(shape.name + path_suffix(options) + " (ids -1 / other rank" +
+                        (c.id_dtype == DType::kI64 ? " / int64" : "") +
                         ") T=" + std::to_string(tokens),
                     s, which.size(), tokens);
         CHECK(s.empty_tokens > 0);
@@ -344,12 +351,15 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
   plan.lo = 0;
   plan.hi = shape.num_experts;
   plan.drop = 0.05;
-  // Forced marlin_moe: at T = 7 one route launch, at T = 256 (N = 2048) the three-launch route.
-  // The automatic path: decode_moe's reset and fused kernels.
+  // marlin_moe: at T = 7 one route launch, at T = 256 (N = 2048) the three-launch route.
+  // decode_moe: its reset and fused kernels (the planner's tile, which prewarm builds). The
+  // automatic path: whichever of the two the library picks.
   for (int tokens : {7, 256}) {
     const Tokens tk = make_tokens(shape, tokens, plan, rng);
     ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, 256));
-    for (const MoeForwardOptions& options : {kMarlin, kAuto}) {
+    std::vector<MoeForwardOptions> paths = forced_paths(shape, tokens);
+    paths.push_back(kAuto);
+    for (const MoeForwardOptions& options : paths) {
       INFO("T=" << tokens << ", path " << path_name(options.path));
       const std::vector<uint16_t> eager = io.run(*model, stream.get(), options);
       const std::vector<std::vector<uint16_t>> replays =
@@ -435,16 +445,13 @@ TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
     CHECK(used.bytes <= bytes);
     const Tokens tk = make_tokens(shape, tokens, plan, rng);
     ForwardIo io(shape, tk, bytes);
-    for (const MoeForwardOptions& options : {kAuto, kMarlin}) {
-      // What this call needs: decode_moe's workspace where the automatic call takes it, else the
-      // marlin chain's regions.
-      const bool decode = options.path == MoePath::kAuto && auto_takes_decode(shape, tokens);
-      const std::size_t need =
-          decode ? static_cast<std::size_t>(
-                       moejit::detail::decode_moe_workspace_bytes(config.decode_main))
-                 : used.marlin_bytes;
-      INFO("T=" << tokens << ", path " << path_name(options.path) << " ("
-                << (decode ? "decode_moe" : "marlin_moe") << "), needs " << need << " bytes");
+    for (const MoeForwardOptions& options : {kAuto, kMarlin, kDecode}) {
+      if (options.path == MoePath::kDecode && !decode_serves(shape, tokens)) continue;
+      // What this call needs: decode_moe's workspace on the decode path, else the marlin
+      // chain's regions.
+      const std::size_t need = call_workspace_bytes(shape, tokens, options);
+      INFO("T=" << tokens << ", path " << path_name(options.path) << ", needs " << need
+                << " bytes");
       CHECK(need <= used.bytes);
       const std::vector<uint16_t> reference_out = io.run(*model, stream.get(), options);
       // Exactly the bytes this call needs (and the size for the largest T), followed by a guard

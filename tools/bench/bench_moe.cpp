@@ -1,7 +1,9 @@
 // moejit_bench_moe: the routed-expert MXFP4 MoE layer (moejit::moe_forward) on the GPU, per model
-// and token count, as a table (and JSON with --json PATH). Every figure is a median.
+// and token count, as tables (and JSON with --json PATH, rewritten after every model so a run cut
+// short keeps what it measured). Every figure is a median. Two sections, both in the default run
+// (--section marlin or --section decode runs one):
 //
-// Per row (model, T):
+// marlin section (MoePath::kMarlin forced: route -> FC1 -> FC2 -> combine), per row (model, T):
 //   - the whole layer: one CUDA graph of N back-to-back moe_forward calls, replayed; median
 //     replay time / N (so launch gaps are not counted as kernel time at small T);
 //   - each kernel: the same graph cut after each kernel of the layer (graph prefixes in launch
@@ -10,19 +12,41 @@
 //   - experts touched and bytes of MXFP4 weights touched (kernel layout: nibbles + scales), and
 //     that traffic over the layer time as a fraction of the device-to-device copy bandwidth
 //     measured in the same run (bytes read + written / time);
-//   - TFLOP/s = 2·T·k·3·H·I / time, beside a dense bf16 baseline measured in the same run:
-//     cuBLAS bf16 GEMMs (fp32 accumulate) over the same routing, one [m_e x H] x [H x 2I] and one
-//     [m_e x I] x [I x H] per touched expert (inputs pre-gathered; no activation or combine),
-//     captured in a CUDA graph; and one GEMM pair of the same FLOPs (M = T·k rows, one expert's
-//     weights) as the dense compute roofline.
+//   - TFLOP/s = 2·(T·k local entries)·3·H·I / time, beside a dense bf16 baseline measured in the
+//     same run: cuBLAS bf16 GEMMs (fp32 accumulate) over the same routing, one [m_e x H] x
+//     [H x 2I] and one [m_e x I] x [I x H] per touched expert (inputs pre-gathered; no activation
+//     or combine), captured in a CUDA graph; and one GEMM pair of the same FLOPs (M = the T·k
+//     local entries as rows, one expert's weights) as the dense compute roofline.
+//   Default: gpt-oss-120b, deepseek-v4-flash-tp4, qwen3-30b-a3b, kimi-k3.1-tp8 at T = 1, 6, 24,
+//   96, 256, 1024, 4096.
+//
+// decode section (decode_moe, MoePath::kDecode forced, against MoePath::kMarlin on the same
+// inputs and weight copies), per row (model, T <= 256):
+//   - the decode layer time and the marlin layer time, each as above (graph of N back-to-back
+//     calls, median replay / N); the two graphs' replays alternate, so both see the same clocks;
+//   - experts touched, MXFP4 bytes touched, each path's fraction of the copy bandwidth, and the
+//     time ratio decode / marlin (below 1: decode_moe is faster);
+//   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM), the
+//     planner's unless --decode-block-n 16|32 forces block_n;
+//   - a check of one call of each: NaN/inf outputs, and decode vs marlin relative L2 difference.
+//   Default: kimi-k3.1-tp8, kimi-k3.1-tp4-ep2, deepseek-v4-flash-tp4, qwen3-30b-a3b at T = 1, 6,
+//   24, 96, 256. A model decode_moe can't serve (moe_decode_problem) is listed with the reason.
+//
+// --models and --tokens replace both sections' lists (the decode section keeps T <= 256), so a
+// subset fits one short run: e.g. --section decode --models kimi-k3.1-tp8 --tokens 1,24.
+// A model in both sections is set up once (kernels, weights) and serves both.
+//
 // Weights stay out of L2 between timed iterations: iteration i reads weight copy i mod R, with R
 // chosen so that the other R - 1 copies' traffic covers L2 twice (both the MXFP4 and the dense
 // weights). Weights are random (nibbles uniform, scales 2^-10..2^3); routing is uniform over the
-// experts, distinct per token, with normalized weights; hidden states are bf16 with FC1
-// pre-activations near unit scale.
+// model's global experts (shape.global_experts: a rank of an expert-parallel model, such as
+// kimi-k3.1-tp4-ep2, sees the entries that land on its own experts, about k·E/global per token;
+// --local-routing draws only the rank's experts), distinct per token, with normalized weights;
+// hidden states are bf16 with FC1 pre-activations near unit scale.
 //
 // Kernels are compiled (or loaded from the cache the environment names, MOEJIT_CACHE_DIR) by
-// moejit::prewarm before any timing; the compile time is reported, not timed as part of a row.
+// moejit::prewarm (and a forced decode block_n's kernels by moejit::build_kernel) before any
+// timing; the compile time is reported, not timed as part of a row.
 #include <cublas_v2.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -55,6 +79,7 @@
 #include "moejit/moe.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/version.hpp"
+#include "plan/moe_plan.hpp"
 
 namespace {
 
@@ -400,6 +425,47 @@ double replay_us(const Graph& graph, CUstream stream, int trials, int per_replay
   return median(us);
 }
 
+class GraphExec {
+ public:
+  explicit GraphExec(const Graph& graph) {
+    BENCH_CU(cu().cuGraphInstantiate(&exec_, graph.graph, 0));
+  }
+  ~GraphExec() {
+    if (exec_ != nullptr) cu().cuGraphExecDestroy(exec_);
+  }
+  GraphExec(const GraphExec&) = delete;
+  GraphExec& operator=(const GraphExec&) = delete;
+  CUgraphExec get() const { return exec_; }
+
+ private:
+  CUgraphExec exec_ = nullptr;
+};
+
+// Medians over `trials` rounds, each round replaying every graph once in turn (after two warm-up
+// rounds), each divided by that graph's `per_replay`. Why alternate: paths compared in one row
+// then see the same clocks and temperature, not one the first half of the row and one the other.
+std::vector<double> replay_alternating_us(const std::vector<const Graph*>& graphs,
+                                          const std::vector<int>& per_replay, CUstream stream,
+                                          int trials, Events& events) {
+  std::vector<std::unique_ptr<GraphExec>> execs;
+  for (const Graph* g : graphs) execs.push_back(std::make_unique<GraphExec>(*g));
+  for (int w = 0; w < 2; ++w) {
+    for (const auto& e : execs) BENCH_CU(cu().cuGraphLaunch(e->get(), stream));
+  }
+  BENCH_CU(cu().cuStreamSynchronize(stream));
+  std::vector<std::vector<double>> us(graphs.size());
+  for (int t = 0; t < trials; ++t) {
+    for (std::size_t g = 0; g < execs.size(); ++g) {
+      const CUgraphExec exec = execs[g]->get();
+      us[g].push_back(events.time_us(stream, [&] { BENCH_CU(cu().cuGraphLaunch(exec, stream)); }) /
+                      per_replay[g]);
+    }
+  }
+  std::vector<double> out;
+  for (const auto& v : us) out.push_back(median(v));
+  return out;
+}
+
 // The nodes of `graph` in a topological order (for a captured stream: launch order).
 std::vector<CUgraphNode> topological_nodes(CUgraph graph) {
   std::size_t count = 0;
@@ -523,16 +589,22 @@ struct WeightSet {
 
 struct Routing {
   int tokens = 0;
-  std::vector<int32_t> ids;     // [T, K]
+  std::vector<int32_t> ids;     // [T, K] global expert ids
   std::vector<float> weights;   // [T, K]
-  std::vector<int> per_expert;  // [E] entries per expert
-  int touched = 0;              // experts with at least one entry
+  std::vector<int> per_expert;  // [E] entries per local expert
+  int touched = 0;              // local experts with at least one entry
+  int64_t local_entries = 0;    // entries on the rank's experts (T·K unless expert-parallel)
 };
 
-Routing make_routing(const moejit::ModelShape& s, int tokens, uint64_t seed) {
+// Distinct top-k ids per token, uniform over [0, global_experts) when `global` (ids outside the
+// rank's [expert_offset, expert_offset + E) contribute nothing), else over the rank's experts.
+// Why global by default: an expert-parallel rank sees only its share of a token's k entries.
+Routing make_routing(const moejit::ModelShape& s, int tokens, bool global, uint64_t seed) {
   Routing r;
   r.tokens = tokens;
   const int k = s.top_k;
+  const int first = global ? 0 : s.expert_offset;
+  const int range = global ? s.global_experts : s.num_experts;
   r.ids.resize(to_size(static_cast<int64_t>(tokens) * k));
   r.weights.resize(r.ids.size());
   r.per_expert.assign(to_size(s.num_experts), 0);
@@ -543,8 +615,8 @@ Routing make_routing(const moejit::ModelShape& s, int tokens, uint64_t seed) {
     for (int j = 0; j < k; ++j) {
       int32_t e = 0;
       do {
-        e = static_cast<int32_t>(mix64(seed ^ (draw++ * 0x9E3779B97F4A7C15ull)) %
-                                 static_cast<uint64_t>(s.num_experts));
+        e = first + static_cast<int32_t>(mix64(seed ^ (draw++ * 0x9E3779B97F4A7C15ull)) %
+                                         static_cast<uint64_t>(range));
       } while (std::find(row, row + j, e) != row + j);
       row[j] = e;
       const float w = static_cast<float>(0.05 + unit(seed + 1, draw));
@@ -554,17 +626,117 @@ Routing make_routing(const moejit::ModelShape& s, int tokens, uint64_t seed) {
     for (int j = 0; j < k; ++j) {
       float& w = r.weights[to_size(static_cast<int64_t>(t) * k + j)];
       w = static_cast<float>(w / sum);
-      ++r.per_expert[to_size(row[j])];
+      const int local = row[j] - s.expert_offset;
+      if (local >= 0 && local < s.num_experts) {
+        ++r.per_expert[to_size(local)];
+        ++r.local_entries;
+      }
     }
   }
   for (int c : r.per_expert) r.touched += c > 0 ? 1 : 0;
   return r;
 }
 
+// The device inputs of one layer call for a routing, with their DLPack views: hidden states
+// (bf16, FC1 pre-activations near unit scale), ids, weights, the output and a workspace for
+// either path.
+class LayerInputs {
+ public:
+  LayerInputs(const moejit::ModelShape& s, const Routing& r, uint64_t seed)
+      : tokens_(r.tokens),
+        hidden_size_(s.hidden),
+        hidden_(to_size(tokens_ * hidden_size_) * 2),
+        ids_(r.ids.size() * 4),
+        weights_(r.weights.size() * 4),
+        out_(to_size(tokens_ * hidden_size_) * 2),
+        workspace_bytes_(moejit::moe_workspace_bytes(s, r.tokens)),
+        workspace_(std::max<std::size_t>(workspace_bytes_, kAlign)),
+        hidden_t_(hidden_.data(), {tokens_, hidden_size_}, kBf16),
+        ids_t_(ids_.data(), {tokens_, s.top_k}, kI32),
+        weights_t_(weights_.data(), {tokens_, s.top_k}, kF32),
+        out_t_(out_.data(), {tokens_, hidden_size_}, kBf16) {
+    double scale_sq = 0;
+    for (int u = -10; u <= 3; ++u) scale_sq += std::ldexp(1.0, 2 * u) / 14.0;
+    const double sigma = 1.0 / std::sqrt(static_cast<double>(hidden_size_) * 8.5625 * scale_sq);
+    std::vector<uint16_t> hidden(to_size(tokens_ * hidden_size_));
+    for (std::size_t j = 0; j < hidden.size(); ++j) {
+      hidden[j] = bf16_bits(static_cast<float>(normal(seed + 41, j) * sigma));
+    }
+    upload(hidden_, 0, hidden);
+    upload(ids_, 0, r.ids);
+    upload(weights_, 0, r.weights);
+  }
+  LayerInputs(const LayerInputs&) = delete;
+  LayerInputs& operator=(const LayerInputs&) = delete;
+
+  void forward(const moejit::ModelShape& s, const moejit::MoeWeights& weights, CUstream stream,
+               const moejit::MoeForwardOptions& options) {
+    moejit::MoeForwardArgs a;
+    a.hidden = hidden_t_.dl();
+    a.topk_ids = ids_t_.dl();
+    a.topk_weights = weights_t_.dl();
+    a.weights = weights;
+    a.workspace = workspace_.data();
+    a.workspace_bytes = workspace_bytes_;
+    a.out = out_t_.dl();
+    moejit::moe_forward(s, a, stream, options);
+  }
+
+  // Fills the output with 0xFF bytes (bf16 NaN), so a row the call does not write shows.
+  void poison_out(CUstream stream) {
+    BENCH_CU(cu().cuMemsetD8Async(out_.ptr(), 0xFF, out_.bytes(), stream));
+  }
+  // The output as bf16 bits (synchronizes the context first).
+  std::vector<uint16_t> read_out() const {
+    BENCH_CU(cu().cuCtxSynchronize());
+    std::vector<uint16_t> out(to_size(tokens_ * hidden_size_));
+    BENCH_CU(cu().cuMemcpyDtoH(out.data(), out_.ptr(), out.size() * 2));
+    return out;
+  }
+
+ private:
+  int64_t tokens_;
+  int64_t hidden_size_;
+  Buffer hidden_;
+  Buffer ids_;
+  Buffer weights_;
+  Buffer out_;
+  std::size_t workspace_bytes_;
+  Buffer workspace_;
+  TensorView hidden_t_;
+  TensorView ids_t_;
+  TensorView weights_t_;
+  TensorView out_t_;
+};
+
+int64_t count_nonfinite(const std::vector<uint16_t>& bf16) {
+  int64_t n = 0;
+  for (uint16_t b : bf16) n += (b & 0x7F80u) == 0x7F80u ? 1 : 0;
+  return n;
+}
+
+float bf16_value(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value = 0;
+  std::memcpy(&value, &word, 4);
+  return value;
+}
+
+const moejit::MoeForwardOptions kMarlinPath{moejit::MoePath::kMarlin, 0};
+
 struct Options {
+  bool marlin_section = true;
+  bool decode_section = true;
+  // The marlin section.
   std::vector<std::string> models = {"gpt-oss-120b", "deepseek-v4-flash-tp4", "qwen3-30b-a3b",
                                      "kimi-k3.1-tp8"};
   std::vector<int> tokens = {1, 6, 24, 96, 256, 1024, 4096};
+  // The decode section (token counts above 256 are dropped: decode_moe ends there).
+  std::vector<std::string> decode_models = {"kimi-k3.1-tp8", "kimi-k3.1-tp4-ep2",
+                                            "deepseek-v4-flash-tp4", "qwen3-30b-a3b"};
+  std::vector<int> decode_tokens = {1, 6, 24, 96, 256};
+  int decode_block_n = 0;  // 0 = the planner's, 16 or 32 forced
+  bool global_routing = true;
   std::string shapes_file;
   std::string json_path;
   int trials = 15;
@@ -589,6 +761,7 @@ std::string find_shapes_file(const std::string& given) {
 struct Device {
   CUdevice device = 0;
   CUcontext context = nullptr;
+  moejit::Arch arch;
   std::string name;
   int sms = 0;
   std::size_t l2_bytes = 0;
@@ -666,103 +839,213 @@ struct Row {
   int64_t nonfinite = 0;
 };
 
+// One row of the decode section: decode_moe and marlin_moe on the same inputs and weights.
+struct DecodeRow {
+  int tokens = 0;
+  int touched = 0;
+  double mxfp4_bytes = 0;
+  moejit::MoeDecodeParams tile;  // the main kernel's tile for this T (and forced block_n)
+  int ctas_per_sm = 0;
+  double decode_us = 0;
+  double marlin_us = 0;
+  double decode_copy_fraction = 0;
+  double marlin_copy_fraction = 0;
+  int rotation = 1;
+  int decode_iterations = 0;
+  int marlin_iterations = 0;
+  int64_t decode_nonfinite = 0;
+  int64_t marlin_nonfinite = 0;
+  double rel_l2 = 0;        // ||decode - marlin|| / ||marlin|| over one checked call
+  double max_abs_diff = 0;  // max |decode - marlin| over the same call
+  std::vector<std::string> decode_kernels;  // the kernels of one captured call, launch order
+  std::vector<std::string> marlin_kernels;
+  std::string error;  // a moejit::Error that stopped the row (the rest of the run goes on)
+};
+
 class ModelBench {
  public:
   ModelBench(const moejit::ModelShape& shape, const Options& o, const Device& device,
-             CUstream stream, cublasHandle_t blas, double copy_gbs)
-      : s_(shape), o_(o), device_(device), stream_(stream), blas_(blas), copy_gbs_(copy_gbs) {}
+             CUstream stream, cublasHandle_t blas, double copy_gbs, Clock::time_point started)
+      : s_(shape),
+        o_(o),
+        device_(device),
+        stream_(stream),
+        blas_(blas),
+        copy_gbs_(copy_gbs),
+        started_(started) {}
 
-  json run(std::vector<std::vector<std::string>>* table) {
+  // Kernels and weight copies once for both sections (dense copies only for marlin rows).
+  void prepare(const std::vector<int>& marlin_tokens, const std::vector<int>& decode_tokens) {
     const auto& s = s_;
-    std::cout << "\n== " << s.name << ": E " << s.num_experts << ", top-k " << s.top_k << ", H "
-              << s.hidden << ", I " << s.intermediate << ", "
+    std::cout << "\n" << stamp() << "== " << s.name << ": E " << s.num_experts;
+    if (s.global_experts != s.num_experts) {
+      std::cout << " of " << s.global_experts << " (experts " << s.expert_offset << ".."
+                << s.expert_offset + s.num_experts - 1 << ")";
+    }
+    std::cout << ", top-k " << s.top_k << ", H " << s.hidden << ", I " << s.intermediate << ", "
               << moejit::activation_kind_name(s.activation.kind) << (s.has_bias ? ", biases" : "")
               << std::endl;
+    if (!decode_tokens.empty()) decode_problem_ = moejit::moe_decode_problem(s);
     const auto compile_start = Clock::now();
     int compiled = 0;
     int loaded = 0;
-    CUdevice dev = 0;
-    BENCH_CU(cu().cuCtxGetDevice(&dev));
-    int major = 0;
-    int minor = 0;
-    BENCH_CU(cu().cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
-    BENCH_CU(cu().cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
-    moejit::Arch arch;
-    arch.sm = major * 10 + minor;
-    arch.arch_specific = arch.sm >= 90;
-    for (const moejit::BuildResult& r : moejit::prewarm(
-             {s}, {arch}, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())))) {
-      if (!r.error.empty())
-        throw std::runtime_error("prewarm " + r.spec.display_name() + ": " + r.error);
+    auto count = [&](const moejit::BuildResult& r) {
       if (r.outcome == moejit::CacheOutcome::kCompiled ||
           r.outcome == moejit::CacheOutcome::kCompiledNotStored) {
         ++compiled;
       } else {
         ++loaded;
       }
+    };
+    for (const moejit::BuildResult& r :
+         moejit::prewarm({s}, {device_.arch},
+                         static_cast<int>(std::max(1u, std::thread::hardware_concurrency())))) {
+      if (!r.error.empty())
+        throw std::runtime_error("prewarm " + r.spec.display_name() + ": " + r.error);
+      count(r);
     }
-    const double compile_s = std::chrono::duration<double>(Clock::now() - compile_start).count();
+    // Why: prewarm builds the planner's decode tiles only; a forced block_n is built here so its
+    // compile time is reported with the rest, not paid inside a row.
+    if (o_.decode_block_n != 0 && decode_problem_.empty() && device_.arch.sm >= 90) {
+      std::vector<moejit::KernelSpec> extra;
+      for (int t : decode_tokens) {
+        const moejit::MoeDecodeParams main =
+            moejit::detail::choose_decode_config(s, t, o_.decode_block_n);
+        for (const moejit::MoeDecodeParams& p : {moejit::detail::decode_reset_params(main), main}) {
+          const moejit::KernelSpec spec = moejit::detail::decode_moe_spec(p, device_.arch);
+          if (std::find(extra.begin(), extra.end(), spec) == extra.end()) extra.push_back(spec);
+        }
+      }
+      for (const moejit::KernelSpec& spec : extra) {
+        try {
+          count(moejit::build_kernel(spec));
+        } catch (const moejit::Error& e) {
+          // Why go on: the rows that need this kernel report the error; the others still run.
+          std::cout << "   build " << spec.display_name() << " failed: " << e.what() << std::endl;
+        }
+      }
+    }
+    compile_s_ = std::chrono::duration<double>(Clock::now() - compile_start).count();
+    compiled_ = compiled;
+    loaded_ = loaded;
     std::cout << "   prewarm: " << compiled << " kernels compiled, " << loaded
-              << " found in the cache, " << fixed(compile_s, 1) << " s" << std::endl;
+              << " found in the cache, " << fixed(compile_s_, 1) << " s" << std::endl;
 
     sizes_ = moejit::moe_weight_layout(s);
-    const double expert_bytes = static_cast<double>(sizes_.w13_bytes + sizes_.w13_scale_bytes +
-                                                    sizes_.w2_bytes + sizes_.w2_scale_bytes) /
-                                s.num_experts;
-    const double dense_expert_bytes = 3.0 * s.hidden * static_cast<double>(s.intermediate) * 2;
+    expert_bytes_ = static_cast<double>(sizes_.w13_bytes + sizes_.w13_scale_bytes +
+                                        sizes_.w2_bytes + sizes_.w2_scale_bytes) /
+                    s.num_experts;
+    dense_expert_bytes_ = 3.0 * s.hidden * static_cast<double>(s.intermediate) * 2;
+    const bool dense = o_.dense && !marlin_tokens.empty();
 
-    std::vector<Routing> routings;
-    for (int t : o_.tokens)
-      routings.push_back(make_routing(s, t, o_.seed + static_cast<uint64_t>(t)));
     int want = 1;
     int want_dense = 1;
-    for (const Routing& r : routings) {
-      want = std::max(want, rotation_for(r.touched * expert_bytes));
-      want_dense = std::max(want_dense, rotation_for(r.touched * dense_expert_bytes));
+    for (const std::vector<int>* list : {&marlin_tokens, &decode_tokens}) {
+      for (int t : *list) {
+        const Routing r = routing(t);
+        want = std::max(want, rotation_for(r.touched * expert_bytes_));
+        if (dense && list == &marlin_tokens) {
+          want_dense = std::max(want_dense, rotation_for(r.touched * dense_expert_bytes_));
+        }
+      }
     }
     const double budget = o_.budget_gb * 1e9;
-    const double set_bytes = expert_bytes * s.num_experts;
-    const int copies = std::max(1, std::min(want, static_cast<int>(budget / 2 / set_bytes)));
-    prepare_weights(copies);
-    int dense_copies = 0;
-    if (o_.dense) {
-      dense_copies = std::max(
+    const double set_bytes = expert_bytes_ * s.num_experts;
+    copies_ = std::max(1, std::min(want, static_cast<int>(budget / 2 / set_bytes)));
+    prepare_weights(copies_);
+    dense_copies_ = 0;
+    if (dense) {
+      dense_copies_ = std::max(
           1, std::min(want_dense,
-                      static_cast<int>(budget / 2 / (dense_expert_bytes * s.num_experts))));
-      prepare_dense(dense_copies);
+                      static_cast<int>(budget / 2 / (dense_expert_bytes_ * s.num_experts))));
+      prepare_dense(dense_copies_);
     }
-    std::cout << "   weights: " << fixed(set_bytes / 1e9, 2) << " GB MXFP4 x " << copies
+    std::cout << "   weights: " << fixed(set_bytes / 1e9, 2) << " GB MXFP4 x " << copies_
               << " copies"
-              << (o_.dense ? ", " + fixed(dense_expert_bytes * s.num_experts / 1e9, 2) +
-                                 " GB bf16 x " + std::to_string(dense_copies) + " copies"
-                           : std::string())
+              << (dense ? ", " + fixed(dense_expert_bytes_ * s.num_experts / 1e9, 2) +
+                              " GB bf16 x " + std::to_string(dense_copies_) + " copies"
+                        : std::string())
               << " (rotated so timed iterations read weights from DRAM, L2 "
               << device_.l2_bytes / (1 << 20) << " MiB)" << std::endl;
+  }
 
+  // The marlin section's rows of this model (MoePath::kMarlin forced), as before decode_moe.
+  json marlin_section(const std::vector<int>& tokens,
+                      std::vector<std::vector<std::string>>* table) {
+    std::cout << "   marlin section (MoePath::kMarlin)" << std::endl;
     json rows = json::array();
-    for (const Routing& r : routings) {
-      Row row = bench_row(r, expert_bytes, dense_expert_bytes, copies, dense_copies);
+    for (int t : tokens) {
+      const Routing r = routing(t);
+      Row row = bench_row(r, expert_bytes_, dense_expert_bytes_, copies_, dense_copies_);
       rows.push_back(row_json(row));
       table->push_back(row_cells(row));
-      std::cout << "   T " << row.tokens << ": " << fixed(row.layer_us, 1) << " us, "
-                << fixed(100 * row.copy_fraction, 1) << "% of copy bandwidth, "
+      std::cout << stamp() << "   marlin T " << row.tokens << ": " << fixed(row.layer_us, 1)
+                << " us, " << fixed(100 * row.copy_fraction, 1) << "% of copy bandwidth, "
                 << fixed(row.tflops, 1) << " TFLOP/s" << std::endl;
     }
-    json out = {{"model", s.name},
-                {"num_experts", s.num_experts},
-                {"top_k", s.top_k},
-                {"hidden", s.hidden},
-                {"intermediate", s.intermediate},
-                {"activation", moejit::activation_kind_name(s.activation.kind)},
-                {"has_bias", s.has_bias},
-                {"prewarm_seconds", compile_s},
-                {"kernels_compiled", compiled},
-                {"kernels_cached", loaded},
-                {"mxfp4_bytes_per_expert", expert_bytes},
-                {"weight_copies", copies},
-                {"dense_weight_copies", dense_copies},
-                {"rows", rows}};
+    json out = model_json();
+    out["dense_weight_copies"] = dense_copies_;
+    out["rows"] = rows;
     return out;
+  }
+
+  // The decode section's rows of this model: decode_moe against marlin_moe per T.
+  json decode_section(const std::vector<int>& tokens,
+                      std::vector<std::vector<std::string>>* table) {
+    json out = model_json();
+    out["decode_problem"] = decode_problem_;
+    out["decode_block_n_forced"] = o_.decode_block_n;
+    json rows = json::array();
+    if (!decode_problem_.empty()) {
+      std::cout << "   decode section: skipped, " << decode_problem_ << std::endl;
+      table->push_back({s_.name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                        "skipped: decode_moe can't serve this shape (see JSON)"});
+      out["rows"] = rows;
+      return out;
+    }
+    std::cout << "   decode section (MoePath::kDecode vs kMarlin, block_n "
+              << (o_.decode_block_n == 0 ? std::string("planner's")
+                                         : std::to_string(o_.decode_block_n) + " forced")
+              << ")" << std::endl;
+    for (int t : tokens) {
+      const Routing r = routing(t);
+      const DecodeRow row = decode_row(r);
+      rows.push_back(decode_row_json(row));
+      table->push_back(decode_row_cells(row));
+      if (!row.error.empty()) {
+        std::cout << stamp() << "   decode T " << row.tokens << ": " << row.error << std::endl;
+        continue;
+      }
+      std::cout << stamp() << "   decode T " << row.tokens << ": " << fixed(row.decode_us, 1)
+                << " us (" << fixed(100 * row.decode_copy_fraction, 1) << "% of copy), marlin "
+                << fixed(row.marlin_us, 1) << " us (" << fixed(100 * row.marlin_copy_fraction, 1)
+                << "%), decode/marlin " << fixed(row.decode_us / row.marlin_us, 2) << "x, tile "
+                << tile_text(row) << std::endl;
+    }
+    out["rows"] = rows;
+    return out;
+  }
+
+  std::vector<std::string> decode_row_cells(const DecodeRow& row) const {
+    std::vector<std::string> cells = {s_.name, std::to_string(row.tokens),
+                                      std::to_string(row.touched), fixed(row.mxfp4_bytes / 1e6, 1),
+                                      tile_text(row)};
+    if (!row.error.empty()) {
+      cells.insert(cells.end(), {"-", "-", "-", "-", "-", "-", row.error});
+      return cells;
+    }
+    std::string check = "ok";
+    if (row.decode_nonfinite != 0 || row.marlin_nonfinite != 0) {
+      check = std::to_string(row.decode_nonfinite) + " / " + std::to_string(row.marlin_nonfinite) +
+              " NaN";
+    }
+    char rel[32];
+    std::snprintf(rel, sizeof(rel), "%.1e", row.rel_l2);
+    cells.insert(cells.end(),
+                 {fixed(row.decode_us, 1), fixed(100 * row.decode_copy_fraction, 1) + "%",
+                  fixed(row.marlin_us, 1), fixed(100 * row.marlin_copy_fraction, 1) + "%",
+                  fixed(row.decode_us / row.marlin_us, 2) + "x", rel, check});
+    return cells;
   }
 
   std::vector<std::string> row_cells(const Row& row) const {
@@ -925,58 +1208,26 @@ class ModelBench {
   Row bench_row(const Routing& r, double expert_bytes, double dense_expert_bytes, int copies,
                 int dense_copies) {
     const auto& s = s_;
-    const int64_t t = r.tokens;
-    const int64_t k = s.top_k;
     const int64_t h = s.hidden;
     const int64_t i = s.intermediate;
     Row row;
     row.tokens = r.tokens;
     row.touched = r.touched;
     row.mxfp4_bytes = r.touched * expert_bytes;
-    const double flops = 2.0 * static_cast<double>(t * k) * 3.0 * static_cast<double>(h * i);
+    const double flops =
+        2.0 * static_cast<double>(r.local_entries) * 3.0 * static_cast<double>(h * i);
     row.rotation = std::min(copies, rotation_for(row.mxfp4_bytes));
 
-    // Inputs: hidden bf16 with FC1 pre-activations near unit scale.
-    double scale_sq = 0;
-    for (int u = -10; u <= 3; ++u) scale_sq += std::ldexp(1.0, 2 * u) / 14.0;
-    const double sigma = 1.0 / std::sqrt(static_cast<double>(h) * 8.5625 * scale_sq);
-    std::vector<uint16_t> hidden(to_size(t * h));
-    for (std::size_t j = 0; j < hidden.size(); ++j) {
-      hidden[j] = bf16_bits(static_cast<float>(normal(o_.seed + 41, j) * sigma));
-    }
-    Buffer d_hidden(hidden.size() * 2);
-    Buffer d_ids(r.ids.size() * 4);
-    Buffer d_weights(r.weights.size() * 4);
-    Buffer d_out(to_size(t * h * 2));
-    upload(d_hidden, 0, hidden);
-    upload(d_ids, 0, r.ids);
-    upload(d_weights, 0, r.weights);
-    const std::size_t ws_bytes = moejit::moe_workspace_bytes(s, r.tokens);
-    Buffer workspace(std::max<std::size_t>(ws_bytes, kAlign));
-    TensorView hidden_t(d_hidden.data(), {t, h}, kBf16);
-    TensorView ids_t(d_ids.data(), {t, k}, kI32);
-    TensorView weights_t(d_weights.data(), {t, k}, kF32);
-    TensorView out_t(d_out.data(), {t, h}, kBf16);
+    LayerInputs in(s, r, o_.seed);
     auto forward = [&](int copy) {
-      moejit::MoeForwardArgs a;
-      a.hidden = hidden_t.dl();
-      a.topk_ids = ids_t.dl();
-      a.topk_weights = weights_t.dl();
-      a.weights = sets_[to_size(copy)].weights;
-      a.workspace = workspace.data();
-      a.workspace_bytes = ws_bytes;
-      a.out = out_t.dl();
-      moejit::moe_forward(s, a, stream_);
+      in.forward(s, sets_[to_size(copy)].weights, stream_, kMarlinPath);
     };
 
     // Eager: warm up, check the output is finite, estimate the layer time.
     Events events;
-    BENCH_CU(cu().cuMemsetD8Async(d_out.ptr(), 0xFF, d_out.bytes(), stream_));
+    in.poison_out(stream_);
     forward(0);
-    BENCH_CU(cu().cuStreamSynchronize(stream_));
-    std::vector<uint16_t> out(to_size(t * h));
-    BENCH_CU(cu().cuMemcpyDtoH(out.data(), d_out.ptr(), out.size() * 2));
-    for (uint16_t b : out) row.nonfinite += (b & 0x7F80u) == 0x7F80u ? 1 : 0;
+    row.nonfinite = count_nonfinite(in.read_out());
     std::vector<double> eager;
     for (int rep = 0; rep < 3; ++rep) {
       eager.push_back(events.time_us(stream_, [&] { forward(rep % row.rotation); }));
@@ -1016,7 +1267,7 @@ class ModelBench {
     row.copy_fraction = row.mxfp4_bytes / (row.layer_us * 1e-6) / (copy_gbs_ * 1e9);
     row.tflops = flops / (row.layer_us * 1e-6) / 1e12;
 
-    if (o_.dense) dense_row(r, dense_expert_bytes, dense_copies, flops, events, &row);
+    if (dense_copies > 0) dense_row(r, dense_expert_bytes, dense_copies, flops, events, &row);
     return row;
   }
 
@@ -1067,7 +1318,7 @@ class ModelBench {
     row->dense_tflops = flops / (row->dense_us * 1e-6) / 1e12;
     // The same FLOPs as one GEMM pair (M = T*K rows on expert 0's weights): the dense roofline.
     {
-      const int m = static_cast<int>(rows);
+      const int m = static_cast<int>(r.local_entries);
       gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
       gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
       BENCH_CU(cu().cuStreamSynchronize(stream_));
@@ -1108,12 +1359,180 @@ class ModelBench {
     return j;
   }
 
+  // The routing of T tokens (the same for both sections and both paths: seeded by T).
+  Routing routing(int tokens) const {
+    return make_routing(s_, tokens, o_.global_routing, o_.seed + static_cast<uint64_t>(tokens));
+  }
+
+  // "[  42 s] ": seconds since the program started, for progress lines.
+  std::string stamp() const {
+    char text[32];
+    std::snprintf(text, sizeof(text), "[%4.0f s] ",
+                  std::chrono::duration<double>(Clock::now() - started_).count());
+    return text;
+  }
+
+  json model_json() const {
+    const auto& s = s_;
+    return {{"model", s.name},
+            {"num_experts", s.num_experts},
+            {"expert_offset", s.expert_offset},
+            {"global_experts", s.global_experts},
+            {"top_k", s.top_k},
+            {"hidden", s.hidden},
+            {"intermediate", s.intermediate},
+            {"activation", moejit::activation_kind_name(s.activation.kind)},
+            {"has_bias", s.has_bias},
+            {"routing", o_.global_routing ? "global" : "local"},
+            {"prewarm_seconds", compile_s_},
+            {"kernels_compiled", compiled_},
+            {"kernels_cached", loaded_},
+            {"mxfp4_bytes_per_expert", expert_bytes_},
+            {"weight_copies", copies_}};
+  }
+
+  // decode_moe's tile: n block_n, s FC1/FC2 strips per item, d pipeline stages, x CTAs per SM.
+  static std::string tile_text(const DecodeRow& row) {
+    const moejit::MoeDecodeParams& p = row.tile;
+    return "n" + std::to_string(p.block_n) + " s" + std::to_string(p.fc1_strips) + "/" +
+           std::to_string(p.fc2_strips) + " d" + std::to_string(p.stages) + " x" +
+           std::to_string(row.ctas_per_sm);
+  }
+
+  // The kernels of one captured call, in launch order.
+  static std::vector<std::string> kernel_names(const Graph& graph) {
+    std::vector<std::string> names;
+    try {
+      for (CUgraphNode node : topological_nodes(graph.graph)) names.push_back(node_label(node));
+    } catch (const std::exception& e) {
+      names.assign(1, std::string("unavailable: ") + e.what());
+    }
+    return names;
+  }
+
+  DecodeRow decode_row(const Routing& r) {
+    const auto& s = s_;
+    DecodeRow row;
+    row.tokens = r.tokens;
+    row.touched = r.touched;
+    row.mxfp4_bytes = r.touched * expert_bytes_;
+    row.rotation = std::min(copies_, rotation_for(row.mxfp4_bytes));
+    row.tile = moejit::detail::choose_decode_config(s, r.tokens, o_.decode_block_n);
+    row.ctas_per_sm = moejit::detail::decode_moe_blocks_per_sm(row.tile);
+    const moejit::MoeForwardOptions decode_path{moejit::MoePath::kDecode, o_.decode_block_n};
+    LayerInputs in(s, r, o_.seed);
+    auto forward = [&](int copy, const moejit::MoeForwardOptions& path) {
+      in.forward(s, sets_[to_size(copy)].weights, stream_, path);
+    };
+    try {
+      // Eager: one checked call of each path (outputs poisoned first), then three timed calls
+      // of each for the iteration counts.
+      Events events;
+      in.poison_out(stream_);
+      forward(0, decode_path);
+      const std::vector<uint16_t> decoded = in.read_out();
+      in.poison_out(stream_);
+      forward(0, kMarlinPath);
+      const std::vector<uint16_t> reference = in.read_out();
+      row.decode_nonfinite = count_nonfinite(decoded);
+      row.marlin_nonfinite = count_nonfinite(reference);
+      double diff_sq = 0;
+      double ref_sq = 0;
+      for (std::size_t j = 0; j < decoded.size(); ++j) {
+        const double d = bf16_value(decoded[j]);
+        const double m = bf16_value(reference[j]);
+        diff_sq += (d - m) * (d - m);
+        ref_sq += m * m;
+        row.max_abs_diff = std::max(row.max_abs_diff, std::fabs(d - m));
+      }
+      row.rel_l2 = std::sqrt(ref_sq > 0 ? diff_sq / ref_sq : diff_sq);
+
+      auto iterations = [&](const moejit::MoeForwardOptions& path) {
+        std::vector<double> eager;
+        for (int rep = 0; rep < 3; ++rep) {
+          eager.push_back(events.time_us(stream_, [&] { forward(rep % row.rotation, path); }));
+        }
+        const double estimate = std::max(1.0, median(eager));
+        return std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 3, 400);
+      };
+      row.decode_iterations = iterations(decode_path);
+      row.marlin_iterations = iterations(kMarlinPath);
+      row.decode_kernels = kernel_names(capture(stream_, [&] { forward(0, decode_path); }));
+      row.marlin_kernels = kernel_names(capture(stream_, [&] { forward(0, kMarlinPath); }));
+
+      // Each layer: N calls captured back to back (iteration j reads copy j mod R).
+      const Graph decode_graph = capture(stream_, [&] {
+        for (int j = 0; j < row.decode_iterations; ++j) forward(j % row.rotation, decode_path);
+      });
+      const Graph marlin_graph = capture(stream_, [&] {
+        for (int j = 0; j < row.marlin_iterations; ++j) forward(j % row.rotation, kMarlinPath);
+      });
+      const std::vector<double> us = replay_alternating_us(
+          {&decode_graph, &marlin_graph}, {row.decode_iterations, row.marlin_iterations}, stream_,
+          o_.trials, events);
+      row.decode_us = us[0];
+      row.marlin_us = us[1];
+    } catch (const moejit::Error& e) {
+      // Why these two end the run: after a driver error the context may be unusable, and an
+      // internal error is a libmoejit bug; any other error (a refused path, a failed compile)
+      // is this row's result.
+      if (e.code() == moejit::ErrorCode::kDriver || e.code() == moejit::ErrorCode::kInternal) throw;
+      row.error = std::string(moejit::error_code_name(e.code())) + ": " + e.what();
+      return row;
+    }
+    row.decode_copy_fraction = row.mxfp4_bytes / (row.decode_us * 1e-6) / (copy_gbs_ * 1e9);
+    row.marlin_copy_fraction = row.mxfp4_bytes / (row.marlin_us * 1e-6) / (copy_gbs_ * 1e9);
+    return row;
+  }
+
+  json decode_row_json(const DecodeRow& row) const {
+    const moejit::MoeDecodeParams& p = row.tile;
+    json j = {{"tokens", row.tokens},
+              {"experts_touched", row.touched},
+              {"mxfp4_bytes_touched", row.mxfp4_bytes},
+              {"tile",
+               {{"block_n", p.block_n},
+                {"fc1_strips", p.fc1_strips},
+                {"fc2_strips", p.fc2_strips},
+                {"stages", p.stages},
+                {"ctas_per_sm", row.ctas_per_sm},
+                {"block_n_forced", o_.decode_block_n != 0}}},
+              {"weight_rotation", row.rotation}};
+    if (!row.error.empty()) {
+      j["error"] = row.error;
+      return j;
+    }
+    j["decode_us"] = row.decode_us;
+    j["decode_copy_bandwidth_fraction"] = row.decode_copy_fraction;
+    j["marlin_us"] = row.marlin_us;
+    j["marlin_copy_bandwidth_fraction"] = row.marlin_copy_fraction;
+    j["decode_over_marlin"] = row.decode_us / row.marlin_us;
+    j["decode_graph_iterations"] = row.decode_iterations;
+    j["marlin_graph_iterations"] = row.marlin_iterations;
+    j["decode_nonfinite_outputs"] = row.decode_nonfinite;
+    j["marlin_nonfinite_outputs"] = row.marlin_nonfinite;
+    j["rel_l2_decode_vs_marlin"] = row.rel_l2;
+    j["max_abs_diff_decode_vs_marlin"] = row.max_abs_diff;
+    j["decode_kernels"] = row.decode_kernels;
+    j["marlin_kernels"] = row.marlin_kernels;
+    return j;
+  }
+
   moejit::ModelShape s_;
   const Options& o_;
   const Device& device_;
   CUstream stream_;
   cublasHandle_t blas_;
   double copy_gbs_;
+  Clock::time_point started_;
+  std::string decode_problem_;  // moe_decode_problem, asked when the model has decode rows
+  double compile_s_ = 0;
+  int compiled_ = 0;
+  int loaded_ = 0;
+  double expert_bytes_ = 0;
+  double dense_expert_bytes_ = 0;
+  int copies_ = 1;
+  int dense_copies_ = 0;
   moejit::MoeWeightLayout sizes_;
   std::vector<WeightSet> sets_;
   Buffer bias13_;
@@ -1131,20 +1550,66 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+// Rewritten after every model, so a run cut short keeps the rows it measured.
+void write_json(const json& report, const std::string& path) {
+  if (path.empty()) return;
+  std::ofstream file(path);
+  file << report.dump(2) << "\n";
+  if (!file) throw std::runtime_error("could not write " + path);
+}
+
+// A model of the run and the sections it has rows in.
+struct ModelPlan {
+  moejit::ModelShape shape;
+  bool marlin = false;
+  bool decode = false;
+};
+
+std::string join_ints(const std::vector<int>& values) {
+  std::string out;
+  for (int v : values) out += (out.empty() ? "" : ",") + std::to_string(v);
+  return out;
+}
+
 int run(const Options& o) {
+  const Clock::time_point started = Clock::now();
   const std::string shapes_file = find_shapes_file(o.shapes_file);
   const std::vector<moejit::ModelShape> all = moejit::load_shapes_file(shapes_file);
-  std::vector<moejit::ModelShape> shapes;
-  int max_tokens = 1;
-  for (int t : o.tokens) max_tokens = std::max(max_tokens, t);
-  for (const std::string& name : o.models) {
+  std::vector<int> decode_tokens;
+  std::vector<int> dropped;
+  for (int t : o.decode_tokens) {
+    (t <= moejit::detail::kDecodeMaxTokens ? decode_tokens : dropped).push_back(t);
+  }
+  const bool marlin_section = o.marlin_section && !o.models.empty() && !o.tokens.empty();
+  const bool decode_section = o.decode_section && !o.decode_models.empty();
+
+  // The models in run order: the marlin section's, then the decode section's others. A model in
+  // both is set up once.
+  std::vector<ModelPlan> plans;
+  auto plan_of = [&](const std::string& name) -> ModelPlan& {
+    for (ModelPlan& p : plans) {
+      if (p.shape.name == name) return p;
+    }
     auto it = std::find_if(all.begin(), all.end(),
                            [&](const moejit::ModelShape& s) { return s.name == name; });
     if (it == all.end()) throw std::runtime_error("no shape \"" + name + "\" in " + shapes_file);
-    moejit::ModelShape s = *it;
+    plans.push_back(ModelPlan{*it, false, false});
+    return plans.back();
+  };
+  if (marlin_section) {
+    for (const std::string& name : o.models) plan_of(name).marlin = true;
+  }
+  if (decode_section && !decode_tokens.empty()) {
+    for (const std::string& name : o.decode_models) plan_of(name).decode = true;
+  }
+  for (ModelPlan& p : plans) {
+    int max_tokens = 1;
+    for (int t : p.marlin ? o.tokens : std::vector<int>{}) max_tokens = std::max(max_tokens, t);
+    for (int t : p.decode ? decode_tokens : std::vector<int>{}) {
+      max_tokens = std::max(max_tokens, t);
+    }
     // Why: prewarm builds the kernels of every T up to max_tokens; no more than the run needs.
-    s.max_tokens = max_tokens;
-    shapes.push_back(s);
+    p.shape.max_tokens = max_tokens;
   }
 
   BENCH_CU(cu().cuInit(0));
@@ -1164,6 +1629,14 @@ int run(const Options& o) {
   BENCH_CU(cu().cuDeviceGetAttribute(&device.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                      device.device));
   BENCH_CU(cu().cuDeviceTotalMem(&device.total_bytes, device.device));
+  int major = 0;
+  int minor = 0;
+  BENCH_CU(cu().cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                     device.device));
+  BENCH_CU(cu().cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                     device.device));
+  device.arch.sm = major * 10 + minor;
+  device.arch.arch_specific = device.arch.sm >= 90;
   CUstream stream = nullptr;
   BENCH_CU(cu().cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
 
@@ -1177,14 +1650,53 @@ int run(const Options& o) {
 
   Events events;
   std::cout << "moejit_bench_moe: libmoejit " << moejit::kVersionString << ", " << device.name
-            << ", " << device.sms << " SMs, L2 " << device.l2_bytes / (1 << 20) << " MiB, "
+            << " (" << device.arch.name() << "), " << device.sms << " SMs, L2 "
+            << device.l2_bytes / (1 << 20) << " MiB, "
             << device.total_bytes / (std::size_t{1} << 30) << " GiB; shapes from " << shapes_file
             << std::endl;
+  std::string decode_skipped;
+  if (decode_section) {
+    if (decode_tokens.empty()) {
+      decode_skipped =
+          "no token count <= " + std::to_string(moejit::detail::kDecodeMaxTokens) +
+          " asked (decode_moe serves T <= " + std::to_string(moejit::detail::kDecodeMaxTokens) +
+          ")";
+    } else if (device.arch.sm < 90) {
+      decode_skipped = "decode_moe needs sm_90 or newer; this device is " + device.arch.name();
+      for (ModelPlan& p : plans) p.decode = false;
+    }
+  }
+  std::cout << "marlin section: "
+            << (marlin_section ? join_ints(o.tokens) + " tokens" : std::string("not run"))
+            << "; decode section: "
+            << (!decode_section ? std::string("not run")
+                : decode_skipped.empty()
+                    ? join_ints(decode_tokens) + " tokens, block_n " +
+                          (o.decode_block_n == 0 ? std::string("planner's")
+                                                 : std::to_string(o.decode_block_n))
+                    : "skipped, " + decode_skipped)
+            << (dropped.empty() || !decode_section || !decode_skipped.empty()
+                    ? std::string()
+                    : " (T " + join_ints(dropped) + " left out: decode_moe serves T <= " +
+                          std::to_string(moejit::detail::kDecodeMaxTokens) + ")")
+            << "; routing over " << (o.global_routing ? "global" : "local") << " experts"
+            << std::endl;
+  std::cout << "models:";
+  for (const ModelPlan& p : plans) {
+    std::cout << " " << p.shape.name << " ("
+              << (p.marlin && p.decode ? "both"
+                  : p.marlin           ? "marlin"
+                                       : "decode")
+              << ")";
+  }
+  std::cout << std::endl;
+
   const double copy_gbs = copy_bandwidth_gbs(stream, events);
   std::cout << "copy bandwidth (cuMemcpyDtoDAsync 1 GiB, read + write): " << fixed(copy_gbs, 0)
             << " GB/s" << std::endl;
+  const bool dense = o.dense && marlin_section;
   double peak = 0;
-  if (o.dense) {
+  if (dense) {
     peak = dense_peak_tflops(blas, stream, events, o.trials);
     std::cout << "dense bf16 GEMM 8192^3 (cuBLAS, fp32 accumulate): " << fixed(peak, 1)
               << " TFLOP/s" << std::endl;
@@ -1192,38 +1704,77 @@ int run(const Options& o) {
 
   json report = {{"library_version", moejit::kVersionString},
                  {"device", device.name},
+                 {"arch", device.arch.name()},
                  {"sms", device.sms},
                  {"l2_bytes", device.l2_bytes},
                  {"copy_bandwidth_GBps", copy_gbs},
                  {"trials", o.trials},
                  {"target_ms", o.target_ms}};
-  if (o.dense) report["dense_bf16_8192_tflops"] = peak;
+  if (dense) report["dense_bf16_8192_tflops"] = peak;
   json models = json::array();
-  std::vector<std::vector<std::string>> table;
-  for (const moejit::ModelShape& s : shapes) {
-    ModelBench bench(s, o, device, stream, blas, copy_gbs);
-    models.push_back(bench.run(&table));
+  json decode_models = json::array();
+  if (marlin_section) report["models"] = models;
+  if (decode_section) {
+    report["decode"] = {{"block_n_forced", o.decode_block_n}, {"models", decode_models}};
+    if (!decode_skipped.empty()) report["decode"]["skipped"] = decode_skipped;
   }
-  report["models"] = models;
-  print_table("moe_forward, CUDA graph replay (median per layer); copy bandwidth " +
-                  fixed(copy_gbs, 0) + " GB/s" +
-                  (o.dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
-              {"model", "T", "experts", "MB", "layer us", "% copy", "TFLOP/s", "dense us",
-               "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "kernels (us)"},
-              table);
-  std::cout
-      << "\nMB: MXFP4 weights of the experts touched (nibbles + scales, kernel layout). % copy:"
-         " MB / layer time / copy bandwidth.\ndense: cuBLAS bf16 GEMMs per touched expert"
-         " (FC1 and FC2, same routing); speedup: dense us / layer us; 1-GEMM: the same FLOPs as "
-         "one\n"
-         "GEMM pair. output: NaN/inf count of one checked call. kernels:"
-         " what each kernel adds to the graph prefix before it (launch order).\n";
+  std::vector<std::vector<std::string>> table;
+  std::vector<std::vector<std::string>> decode_table;
+  for (const ModelPlan& p : plans) {
+    if (!p.marlin && !p.decode) continue;
+    ModelBench bench(p.shape, o, device, stream, blas, copy_gbs, started);
+    bench.prepare(p.marlin ? o.tokens : std::vector<int>{},
+                  p.decode ? decode_tokens : std::vector<int>{});
+    if (p.marlin) {
+      models.push_back(bench.marlin_section(o.tokens, &table));
+      report["models"] = models;
+    }
+    if (p.decode) {
+      decode_models.push_back(bench.decode_section(decode_tokens, &decode_table));
+      report["decode"]["models"] = decode_models;
+    }
+    write_json(report, o.json_path);
+  }
+  if (marlin_section) {
+    print_table(
+        "moe_forward, marlin path (MoePath::kMarlin), CUDA graph replay (median per "
+        "layer); copy bandwidth " +
+            fixed(copy_gbs, 0) + " GB/s" +
+            (dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
+        {"model", "T", "experts", "MB", "layer us", "% copy", "TFLOP/s", "dense us",
+         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "kernels (us)"},
+        table);
+    std::cout
+        << "\nMB: MXFP4 weights of the experts touched (nibbles + scales, kernel layout). % copy:"
+           " MB / layer time / copy bandwidth.\ndense: cuBLAS bf16 GEMMs per touched expert"
+           " (FC1 and FC2, same routing); speedup: dense us / layer us; 1-GEMM: the same FLOPs as "
+           "one\n"
+           "GEMM pair. output: NaN/inf count of one checked call. kernels:"
+           " what each kernel adds to the graph prefix before it (launch order).\n";
+  }
+  if (decode_section && decode_skipped.empty()) {
+    print_table(
+        "decode_moe (MoePath::kDecode) vs marlin_moe (MoePath::kMarlin), same inputs, "
+        "CUDA graph replay (median per layer), alternating; copy bandwidth " +
+            fixed(copy_gbs, 0) + " GB/s",
+        {"model", "T", "experts", "MB", "tile", "decode us", "% copy", "marlin us", "% copy",
+         "decode/marlin", "rel L2", "output"},
+        decode_table);
+    std::cout << "\ntile: decode_moe's n block_n, s FC1/FC2 strips per item, d pipeline stages, x"
+                 " CTAs per SM"
+              << (o.decode_block_n != 0 ? " (block_n forced)" : "")
+              << ". decode/marlin: time ratio (below 1: decode faster).\nrel L2: ||decode -"
+                 " marlin|| / ||marlin|| over one call's output. output: NaN/inf counts (decode /"
+                 " marlin) of one checked call.\n";
+  } else if (decode_section) {
+    std::cout << "\ndecode section skipped: " << decode_skipped << "\n";
+  }
   if (!o.json_path.empty()) {
-    std::ofstream file(o.json_path);
-    file << report.dump(2) << "\n";
-    if (!file) throw std::runtime_error("could not write " + o.json_path);
+    write_json(report, o.json_path);
     std::cout << "wrote " << o.json_path << "\n";
   }
+  std::cout << "total " << fixed(std::chrono::duration<double>(Clock::now() - started).count(), 0)
+            << " s\n";
   cublasDestroy(blas);
   cu().cuStreamDestroy(stream);
   return 0;
@@ -1235,14 +1786,33 @@ int main(int argc, char** argv) {
   Options o;
   std::string models;
   std::string tokens;
-  CLI::App app{"moejit_bench_moe: the MXFP4 MoE layer (moe_forward) on the GPU, per model and T"};
+  std::string section = "all";
+  bool local_routing = false;
+  CLI::App app{
+      "moejit_bench_moe: the MXFP4 MoE layer (moe_forward) on the GPU, per model and T.\n"
+      "Sections (both by default): marlin = the marlin path (MoePath::kMarlin) with per-kernel\n"
+      "times and a cuBLAS bf16 baseline, default gpt-oss-120b, deepseek-v4-flash-tp4,\n"
+      "qwen3-30b-a3b, kimi-k3.1-tp8 at T = 1,6,24,96,256,1024,4096; decode = decode_moe\n"
+      "(MoePath::kDecode) against the marlin path on the same inputs, default kimi-k3.1-tp8,\n"
+      "kimi-k3.1-tp4-ep2, deepseek-v4-flash-tp4, qwen3-30b-a3b at T = 1,6,24,96,256.\n"
+      "All times: CUDA graph of N back-to-back calls, median replay / N, weights rotated out\n"
+      "of L2; % copy against the D2D copy bandwidth measured in the same run."};
+  app.add_option("--section", section, "all (default), marlin or decode: which sections to run")
+      ->check(CLI::IsMember({"all", "marlin", "decode"}));
   app.add_option("--models", models,
-                 "Comma-separated shape names (default gpt-oss-120b,deepseek-v4-flash-tp4,"
-                 "qwen3-30b-a3b,kimi-k3.1-tp8)");
+                 "Comma-separated shape names; replaces both sections' model lists");
   app.add_option("--tokens", tokens,
-                 "Comma-separated token counts (default 1,6,24,96,256,1024,4096)");
+                 "Comma-separated token counts; replaces both sections' lists (the decode "
+                 "section keeps T <= 256)");
+  app.add_option("--decode-block-n", o.decode_block_n,
+                 "decode section: force decode_moe's block_n to 16 or 32 (0 = the planner's)")
+      ->check(CLI::IsMember({0, 16, 32}));
+  app.add_flag("--local-routing", local_routing,
+               "Draw top-k ids from the rank's own experts only (default: from all global "
+               "experts, so an expert-parallel rank such as kimi-k3.1-tp4-ep2 sees its share)");
   app.add_option("--shapes", o.shapes_file, "Shape file (default tools/shapes/reference.json)");
-  app.add_option("--json", o.json_path, "Also write the results as JSON to PATH");
+  app.add_option("--json", o.json_path,
+                 "Also write the results as JSON to PATH (rewritten after each model)");
   app.add_option("--trials", o.trials, "Timed graph replays per figure (median)")
       ->check(CLI::PositiveNumber);
   app.add_option("--target-ms", o.target_ms, "Length of one timed graph replay")
@@ -1251,18 +1821,33 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--max-rotation", o.max_rotation, "Most weight copies to rotate through")
       ->check(CLI::PositiveNumber);
-  app.add_flag("--no-dense{false}", o.dense, "Skip the cuBLAS bf16 baseline");
+  app.add_flag("--no-dense{false}", o.dense, "Skip the cuBLAS bf16 baseline (marlin section)");
   app.add_option("--seed", o.seed, "Seed of the random weights, routing and inputs");
   CLI11_PARSE(app, argc, argv);
   try {
-    if (!models.empty()) o.models = split_list(models);
+    o.marlin_section = section != "decode";
+    o.decode_section = section != "marlin";
+    o.global_routing = !local_routing;
+    if (!models.empty()) {
+      o.models = split_list(models);
+      o.decode_models = o.models;
+    }
     if (!tokens.empty()) {
       o.tokens.clear();
       for (const std::string& t : split_list(tokens)) {
-        const int value = std::stoi(t);
-        if (value < 1) throw std::runtime_error("token counts must be >= 1; found " + t);
+        std::size_t used = 0;
+        int value = 0;
+        try {
+          value = std::stoi(t, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != t.size() || value < 1) {
+          throw std::runtime_error("--tokens: token counts are integers >= 1; found \"" + t + "\"");
+        }
         o.tokens.push_back(value);
       }
+      o.decode_tokens = o.tokens;
     }
     return run(o);
   } catch (const moejit::Error& e) {
