@@ -339,13 +339,21 @@ TEST_CASE("the MoE kernels' static_asserts fire under NVRTC, matching supports()
 namespace {
 
 // The distinct decode_moe kernels `shapes` need on `arch`, in plan order.
+// Every decode_moe kernel prewarm plans, plus the block_n 32 tile a caller may force
+// (MoeForwardOptions::decode_block_n) for every served shape: it must compile too.
 std::vector<KernelSpec> planned_decode(const std::vector<ModelShape>& shapes, const Arch& arch) {
   std::vector<KernelSpec> specs;
+  const auto add = [&specs](const KernelSpec& spec) {
+    if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+  };
   for (const ModelShape& shape : shapes) {
     for (const KernelSpec& spec : moejit::plan_kernels(shape, arch)) {
-      if (spec.family != Family::kDecodeMoe) continue;
-      if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+      if (spec.family == Family::kDecodeMoe) add(spec);
     }
+    if (!detail::decode_moe_problem(shape).empty()) continue;
+    const MoeDecodeParams wide = detail::choose_decode_config(shape, 256, 32);
+    add(detail::decode_moe_spec(wide, arch));
+    add(detail::decode_moe_spec(detail::decode_reset_params(wide), arch));
   }
   return specs;
 }
