@@ -47,6 +47,21 @@ std::string shapes_dir() {
   return dir;
 }
 
+std::vector<ModelShape> reference_shapes() {
+  const std::string path = shapes_dir() + "/reference.json";
+  if (!std::filesystem::exists(path)) {
+    throw std::runtime_error("the reference shapes file " + path + " does not exist");
+  }
+  return load_shapes_file(path);
+}
+
+const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name) {
+  for (const ModelShape& shape : shapes) {
+    if (shape.name == name) return shape;
+  }
+  throw std::runtime_error("no reference shape named " + name);
+}
+
 int run_command(const std::string& command, std::string* output) {
   std::string full = command + " 2>&1";
   FILE* pipe = popen(full.c_str(), "r");

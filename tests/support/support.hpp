@@ -2,6 +2,9 @@
 #pragma once
 
 #include <string>
+#include <vector>
+
+#include "moejit/shape.hpp"
 
 namespace moejit::test {
 
@@ -23,6 +26,13 @@ bool gpu_available(std::string* why);
 
 // The bundled shape files (tools/shapes), from the test environment.
 std::string shapes_dir();
+
+// The bundled reference shapes (shapes_dir() + "/reference.json"); throws std::runtime_error
+// naming the path when the file is missing.
+std::vector<ModelShape> reference_shapes();
+
+// The shape named `name` in `shapes`; throws std::runtime_error naming it when absent.
+const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);

@@ -46,20 +46,8 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-std::vector<ModelShape> reference_shapes() {
-  const std::string path = moejit::test::shapes_dir() + "/reference.json";
-  INFO(path);
-  REQUIRE(std::filesystem::exists(path));
-  return moejit::load_shapes_file(path);
-}
-
-const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name) {
-  for (const ModelShape& shape : shapes) {
-    if (shape.name == name) return shape;
-  }
-  FAIL("no reference shape named " << name);
-  throw std::logic_error("unreachable");
-}
+using moejit::test::find_shape;
+using moejit::test::reference_shapes;
 
 // The reference shapes decode_moe serves (issue 4), and the two it refuses.
 const std::vector<std::string> kServed = {"kimi-k3.1-tp8",           "kimi-k3.1-tp4-ep2",

@@ -56,20 +56,8 @@ struct SpecHash {
 };
 using SpecSet = std::unordered_set<KernelSpec, SpecHash>;
 
-std::vector<ModelShape> reference_shapes() {
-  const std::string path = moejit::test::shapes_dir() + "/reference.json";
-  INFO(path);
-  REQUIRE(std::filesystem::exists(path));
-  return moejit::load_shapes_file(path);
-}
-
-const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name) {
-  for (const ModelShape& shape : shapes) {
-    if (shape.name == name) return shape;
-  }
-  FAIL("no reference shape named " << name);
-  throw std::logic_error("unreachable");
-}
+using moejit::test::find_shape;
+using moejit::test::reference_shapes;
 
 KernelSpec spec_of(Family family, moejit::FamilyParams params, const char* arch = "sm_90a") {
   KernelSpec spec;
