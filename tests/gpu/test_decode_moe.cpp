@@ -54,6 +54,7 @@
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/moe.hpp"
+#include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
 #include "ops/moe_reference.hpp"
 #include "plan/moe_plan.hpp"
@@ -725,6 +726,92 @@ TEST_CASE("decode_moe: T = 0 looks up no kernel; one not built during capture is
       // Nothing ran: the output is still the poison.
       stream.sync();
       CHECK(still_poisoned(io.output()));
+    }
+  }
+}
+
+namespace {
+
+// The C ABI's weights struct for a repacked model.
+moejit_moe_weights capi_weights(const DeviceModel& model) {
+  const moejit::MoeWeights w = model.weights();
+  moejit_moe_weights out{};
+  out.w13 = w.w13;
+  out.w13_scales = w.w13_scales;
+  out.w2 = w.w2;
+  out.w2_scales = w.w2_scales;
+  out.b13 = w.b13;
+  out.b2 = w.b2;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("decode_moe: the C ABI forward (moejit_moe_forward, _ex) equals the C++ call bitwise",
+          "[gpu][moe][decode]") {
+  gpu();
+  TestStream stream;
+  if (!decode_runs_here(stream.get())) return;
+  // qwen3-30b-a3b's sizes under a name of its own, registered for the C ABI's handle.
+  const char* text = R"({"name": "capi-gpu-qwen3", "num_experts": 128, "top_k": 8,
+                         "hidden": 2048, "intermediate": 768,
+                         "activation": {"kind": "swiglu"}, "max_tokens": 256})";
+  moejit::register_shapes(text, "capi-gpu-qwen3.json");
+  ModelShape shape = reference_shape("qwen3-30b-a3b");
+  shape.name = "capi-gpu-qwen3";
+  shape.max_tokens = 256;
+  build_decode_kernels({shape}, {7, 48});
+  moejit_moe* moe = nullptr;
+  REQUIRE(moejit_moe_create("capi-gpu-qwen3", &moe) == MOEJIT_OK);
+  const std::unique_ptr<moejit_moe, void (*)(moejit_moe*)> handle(moe, moejit_moe_destroy);
+  size_t capi_workspace = 0;
+  REQUIRE(moejit_moe_workspace_bytes(moe, 256, &capi_workspace) == MOEJIT_OK);
+  CHECK(capi_workspace == moejit::moe_workspace_bytes(shape, 256));
+
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int sources = 8;
+  const Checkpoint ck = source_checkpoint(shape, sources, rng());
+  const std::vector<int> source = random_sources(shape.num_experts, sources, rng);
+  std::unique_ptr<DeviceModel> model;
+  {
+    const DeviceCheckpoint dck(ck);
+    model = mapped_model(shape, dck, source, stream.get());
+  }
+  const moejit_moe_weights weights = capi_weights(*model);
+  for (int tokens : {7, 48}) {
+    INFO("T=" << tokens);
+    const Tokens tk = decode_tokens(shape, tokens, rng);
+    ForwardIo io(shape, tk, capi_workspace);
+    const moejit::MoeForwardArgs a = io.args(*model);
+    struct Path {
+      moejit_moe_path capi;
+      MoeForwardOptions cpp;
+    };
+    for (const Path& path : {Path{MOEJIT_MOE_PATH_AUTO, kAuto},
+                             Path{MOEJIT_MOE_PATH_MARLIN, kMarlin},
+                             Path{MOEJIT_MOE_PATH_DECODE, forced_decode(0)},
+                             Path{MOEJIT_MOE_PATH_DECODE, forced_decode(32)}}) {
+      INFO("path " << path_name(path.cpp.path) << " block_n " << path.cpp.decode_block_n);
+      const std::vector<uint16_t> want = io.run(*model, stream.get(), path.cpp);
+      poison(io.out, stream.get());
+      poison(io.workspace, stream.get());
+      REQUIRE(moejit_moe_forward_ex(moe, a.hidden, a.topk_ids, a.topk_weights, &weights,
+                                    a.workspace, a.workspace_bytes, a.out, path.capi,
+                                    path.cpp.decode_block_n, stream.get()) == MOEJIT_OK);
+      stream.sync();
+      const std::vector<uint16_t> got = io.output();
+      CHECK(count_nonfinite(got) == 0);
+      CHECK(got == want);
+      if (path.capi == MOEJIT_MOE_PATH_AUTO) {
+        poison(io.out, stream.get());
+        REQUIRE(moejit_moe_forward(moe, a.hidden, a.topk_ids, a.topk_weights, &weights,
+                                   a.workspace, a.workspace_bytes, a.out,
+                                   stream.get()) == MOEJIT_OK);
+        stream.sync();
+        CHECK(io.output() == want);
+      }
     }
   }
 }
