@@ -50,10 +50,6 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 __device__ __forceinline__ void fence_mbar_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
-__device__ __forceinline__ void arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -117,16 +113,6 @@ __device__ __forceinline__ u32 load_acquire_cta(const u32* p) {
   u32 v;
   asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(ptx::smem_u32(p)) : "memory");
   return v;
-}
-__device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
-  u32 done;
-  asm volatile(
-      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
-      "p; }"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
 }
 __device__ __forceinline__ u32 load_relaxed(const u32* p) {
   u32 v;
@@ -613,13 +599,11 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       const u32 tx = static_cast<u32>(strips * chunk_k *
                                       (layout::kAtomBytes + layout::kAtomScaleBytes)) +
                      (fc2 ? 0u : static_cast<u32>(count) * act_bytes);
-      // This lane's activation row (lane < count): FC1 reads the token's hidden row, FC2 the
-      // virtual expert's FC1 output row.
-      const u16* act_src = nullptr;
-      if (lane < count) {
-        act_src = fc2 ? inter + (static_cast<i64>(v) * G.block_n + lane) * G.inter
-                      : p.hidden + static_cast<i64>(sorted[first + lane] / G.top_k) * G.hidden;
-      }
+      // FC1: this lane's activation row (lane < count), the hidden row of its token.
+      const u16* const act_src =
+          !fc2 && lane < count
+              ? p.hidden + static_cast<i64>(sorted[first + lane] / G.top_k) * G.hidden
+              : nullptr;
       const auto issue_weights = [&](i32 c, i32 slot) {
         const u32 bar = ptx::smem_u32(full + slot);
         const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
