@@ -46,6 +46,7 @@ constexpr int kRouteChunkRows = 1024;
 constexpr int kRouteLargeRows = 32768;
 constexpr int kRouteLargeChunkRows = 4096;
 constexpr int kRouteMaxItems = 32;  // RouteTraits: ChunkRows / BlockThreads <= 32
+constexpr int kRouteRankBlockM = 8;  // the block size every rank kernel is built with
 
 // Combine: T <= kCombineSmallTokens uses small CTAs so one token's H / 8 threads spread over
 // several SMs (kimi T = 1: 448 threads = 7 CTAs of 64 instead of 2 of 256).
@@ -498,6 +499,9 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   for (int i = 0; i < s.route_count; ++i) {
     MoeRouteParams part = config.route;
     part.kernel = config.route_single ? RouteKernel::kSingle : kMulti[i];
+    // Why: the rank kernel never reads the block size (it ranks entries within their chunk), so
+    // every block size shares one rank kernel instead of one compile per block size.
+    if (part.kernel == RouteKernel::kRank) part.block_m = kRouteRankBlockM;
     s.route[i] = make_spec(Family::kRoute, arch, part);
   }
   s.fc1 = make_spec(Family::kMarlinMoe, arch, config.fc1);

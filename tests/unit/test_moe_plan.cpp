@@ -178,6 +178,7 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       std::set<std::pair<int, int>> fc1_tiles;
       std::set<int> route_blocks;
       std::set<RouteKernel> route_kernels;
+      int rank_kernels = 0;
       for (const KernelSpec& spec : specs) {
         INFO(spec.display_name());
         CHECK(moejit::supports(spec).empty());
@@ -200,6 +201,11 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
           CHECK(p->top_k == shape.top_k);
           route_blocks.insert(p->block_m);
           route_kernels.insert(p->kernel);
+          // The rank kernel ignores the block size: one kernel serves every block size.
+          if (p->kernel == RouteKernel::kRank) {
+            CHECK(p->block_m == 8);
+            ++rank_kernels;
+          }
         }
         if (const auto* p = std::get_if<MoeCombineParams>(&spec.params)) {
           CHECK(p->hidden == shape.hidden);
@@ -217,6 +223,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // max_tokens 16384 with K >= 4: both the one-launch and the three-launch route paths.
       CHECK(route_kernels == std::set<RouteKernel>{RouteKernel::kSingle, RouteKernel::kRank,
                                                    RouteKernel::kScan, RouteKernel::kScatter});
+      // One rank kernel per chunk size (the planner's two: 1024 and 4096 entries).
+      CHECK(rank_kernels == 2);
       CHECK(count[Family::kRepack] == 2);
       CHECK(count[Family::kCombine] == 2);  // small-T and large-T CTAs
       CHECK(count[Family::kNarrowIds] == (shape.id_dtype == DType::kI64 ? 1 : 0));
