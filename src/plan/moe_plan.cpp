@@ -133,6 +133,7 @@ decode::Geometry geometry_of(const MoeDecodeParams& p) {
 // 14% against 21%). 32 stays available when forced (MoeForwardOptions::decode_block_n).
 // Why 2 FC1 / 8 FC2 strips per item at every T: the smaller items (1 / 4) were never faster,
 // T = 1 included (deepseek T = 1: 18.6% against 19.4%), and cost twice the per-item work.
+constexpr int kDecodeBlockN = 16;  // the planner's block_n at every T (see above)
 constexpr int kDecodeMinStages = 2;
 constexpr int kDecodeMaxStages = 6;
 // Why 2: the kernel is issue-bound (ncu: 0.67 warp-instructions per cycle per scheduler at 36% of
@@ -140,10 +141,10 @@ constexpr int kDecodeMaxStages = 6;
 // ring (deepseek T = 24: 3 stages x 2 CTAs 46%, 2 x 2 44%, 4 x 1 28%).
 constexpr int kDecodeTwoCtaMinStages = 2;
 
-// The tile of one (block_n, T) choice, stages not yet chosen: the preferred strips, else the
+// The tile of one block_n choice, stages not yet chosen: the preferred strips, else the
 // first allowed values Geometry::rule() accepts (the shape rules checked before make these
 // always the preferred ones today; the fallback keeps the choice valid if a rule changes).
-decode::Geometry decode_tile(const ModelShape& shape, int /*tokens*/, int block_n) {
+decode::Geometry decode_tile(const ModelShape& shape, int block_n) {
   decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,    shape.intermediate,
                      block_n,           2,           8,               kDecodeMinStages};
   if (g.rule() == decode::Rule::kFc1Strips) {
@@ -178,14 +179,12 @@ int decode_stages(decode::Geometry g) {
   return 0;
 }
 
-// The planner's block_n (see kDecodeMinStages' notes): 16 at every T.
-int decode_block_n(const ModelShape& /*shape*/, int /*tokens*/) { return 16; }
 
 // The rules of the shape alone (no biases; E, K, H, I) without building a message: the op asks
 // this on every forward.
 bool decode_shape_ok(const ModelShape& shape) {
   if (shape.has_bias) return false;
-  const decode::Geometry g = decode_tile(shape, 1, 16);
+  const decode::Geometry g = decode_tile(shape, kDecodeBlockN);
   const decode::Rule rule = g.rule();
   return rule != decode::Rule::kExperts && rule != decode::Rule::kTopK &&
          rule != decode::Rule::kHidden && rule != decode::Rule::kInter;
@@ -391,7 +390,7 @@ std::string decode_rule_problem(const MoeDecodeParams& p) {
 
 std::string decode_moe_problem(const ModelShape& shape) {
   std::vector<std::string> reasons;
-  const decode::Geometry shape_tile = decode_tile(shape, 1, 16);
+  const decode::Geometry shape_tile = decode_tile(shape, kDecodeBlockN);
   const decode::Rule rule = shape_tile.rule();
   if (rule == decode::Rule::kExperts || rule == decode::Rule::kTopK ||
       rule == decode::Rule::kHidden || rule == decode::Rule::kInter) {
@@ -426,9 +425,12 @@ std::string decode_moe_problem(const ModelShape& shape) {
   return out;
 }
 
-MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override) {
-  const int block_n = block_n_override != 0 ? block_n_override : decode_block_n(shape, tokens);
-  decode::Geometry g = decode_tile(shape, tokens, block_n);
+// Why `tokens` stays in the signature although the tile no longer depends on it: the planner and
+// the op ask per T, so a T-dependent rule can come back without touching the callers.
+MoeDecodeParams choose_decode_config(const ModelShape& shape, int /*tokens*/,
+                                     int block_n_override) {
+  const int block_n = block_n_override != 0 ? block_n_override : kDecodeBlockN;
+  decode::Geometry g = decode_tile(shape, block_n);
   g.stages = decode_stages(g);
   return decode_params_of(shape, g);
 }
