@@ -154,7 +154,7 @@ struct MoeDecodeParams {
   DecodeKernel kernel = DecodeKernel::kMain;
   int num_experts = 0;           // E local experts (1..4096: 12-bit field)
   int top_k = 0;                 // K slots per token (1..64)
-  int hidden = 0;                // H, a multiple of 512 (whole FC1 chunks)
+  int hidden = 0;                // H, a multiple of 256 (whole FC1 chunks)
   int intermediate = 0;          // I, a multiple of 128 (whole FC2 chunks)
   int block_n = 0;               // positions per virtual expert, the MMA's N: 16 or 32
   int fc1_strips = 0;            // 16-row strips per FC1 item: 1, 2, 4 or 8 dividing I / 8

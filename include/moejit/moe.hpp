@@ -12,7 +12,8 @@
 // Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset)
 // for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem); and
 // marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
-// the faster one (today marlin_moe everywhere; see MoePath), MoeForwardOptions can force either.
+// the faster one (decode_moe for 6 <= T <= 256 where it serves; see MoePath), MoeForwardOptions
+// can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
 // contiguous (row-major, strides null or compact). Shapes use E = shape.num_experts (local),
@@ -124,8 +125,8 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // the faster path: today marlin at every T (decode_moe measured slower on the H200;
-            // tools/PERF_LOG.md); decode_moe for T <= 256 once it wins
+  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for 6 <= T <= 256
+            // where it serves, marlin_moe otherwise (T < 6 included: there it is faster)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };
@@ -150,7 +151,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                  const MoeForwardOptions& options);
 
 // "" when decode_moe serves `shape` for T <= 256 (on sm_90 or newer); otherwise the reason, e.g.
-// "hidden = 2880 is not a multiple of 512 (...)", or that it has biases. Such shapes use
+// "hidden = 2880 is not a multiple of 256 (...)", or that it has biases. Such shapes use
 // marlin_moe on every T.
 std::string moe_decode_problem(const ModelShape& shape);
 

@@ -82,6 +82,19 @@ __device__ __forceinline__ void copy(u32 dst, const void* src, u32 bytes, u32 ba
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
+// Bulk tensor copy of the box at element (x, row) of a 2D tensor map (a __grid_constant__
+// kernel parameter) into this CTA's shared memory; completes the box's bytes on `bar`.
+__device__ __forceinline__ void copy_2d(u32 dst, const TensorMap& map, i32 x, i32 row, u32 bar,
+                                        u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(&map)), "r"(x), "r"(row), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_map(const TensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(&map)) : "memory");
+}
 // Orders this thread's earlier generic-proxy accesses before its later async-proxy ones (bulk
 // copies reading what other CTAs wrote with plain stores, or writing shared memory the routing
 // phase used).
@@ -143,12 +156,12 @@ struct DecodeTraits {
   static_assert(kGeo.rule() != Rule::kExperts, "decode_moe: 1 <= experts <= 4096 (12-bit field)");
   static_assert(kGeo.rule() != Rule::kTopK, "decode_moe: 1 <= top_k <= 64 (positions < 2^14)");
   static_assert(kGeo.rule() != Rule::kHidden,
-                "decode_moe: hidden must be a multiple of 512 (whole FC1 chunks of 8 K atoms)");
+                "decode_moe: hidden must be a multiple of 256 (whole FC1 chunks of 4 K atoms)");
   static_assert(kGeo.rule() != Rule::kInter,
                 "decode_moe: inter must be a multiple of 128 (whole FC2 chunks of 2 K atoms)");
   static_assert(kGeo.rule() != Rule::kBlockN, "decode_moe: block_n must be 16 or 32");
   static_assert(kGeo.rule() != Rule::kFc1Strips,
-                "decode_moe: fc1_strips must be 1, 2, 4 or 8 and divide inter / 8");
+                "decode_moe: fc1_strips must be 2, 4 or 8 and divide inter / 8");
   static_assert(kGeo.rule() != Rule::kFc2Strips,
                 "decode_moe: fc2_strips must be 4 or 8 and divide hidden / 16");
   static_assert(kGeo.rule() != Rule::kStages, "decode_moe: 2 <= stages <= 8");
@@ -159,9 +172,14 @@ struct DecodeTraits {
                 "eight consumer warps, one producer warp, one publisher warp");
   static_assert(kFc1ChunkK % kGeo.fc1_warps_k() == 0,
                 "FC1 chunk atoms split evenly over the warps of a strip");
-  static_assert(kFc2ChunkK % kGeo.fc2_warps_k() == 0,
+  static_assert(kGeo.fc2_chunk_k() % kGeo.fc2_warps_k() == 0,
                 "FC2 chunk atoms split evenly over the warps of a strip");
   static_assert(kGeo.block_n <= 32, "one producer lane copies one activation row");
+  static_assert(kGeo.slot_bytes() % 128 == 0 && kGeo.slot_weight_bytes() % 128 == 0,
+                "tensor copies land on 128-byte aligned shared memory");
+  static_assert(fc1_map_shape(kGeo, false).box_inner <= 256 &&
+                    fc2_map_shape(kGeo, false).box_inner <= 256 && kGeo.fc1_strips <= 256,
+                "a tensor copy's box is at most 256 elements per dimension");
 
   static constexpr i32 kMinBlocksPerSm = kGeo.blocks_per_sm();
 };
@@ -388,6 +406,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeP
   }
 }
 
+// Why a long nap: each idle poll of the publisher costs ~50 issue slots that the consumer warps of
+// its SM need (ncu, v4: 7.5% of the kernel's instructions); a retirement late by 0.1 us delays
+// only FC2 items and combines, which have a ring of other work in front of them.
+#ifndef MOEJIT_DECODE_PUBLISHER_SLEEP_NS
+#define MOEJIT_DECODE_PUBLISHER_SLEEP_NS 128
+#endif
+inline constexpr u32 kPublisherSleepNs = MOEJIT_DECODE_PUBLISHER_SLEEP_NS;
+
 // Shared control words (misc[], u32): routing scan sums, items finished per consumer warp (the
 // producer retires an item when every warp has finished it), the producer's list of items in
 // flight and the H slices waiting for their combine.
@@ -436,7 +462,7 @@ __device__ __forceinline__ void combine_slice(const DecodeMoeParams& p, const fl
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const DecodeMoeParams p) {
+__global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const __grid_constant__ DecodeMoeParams p) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 kNT = G.n_tiles();
   constexpr i32 kS = G.stages;
@@ -492,6 +518,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
   const i32 total = fc1_total + nv * G.fc2_items();
   const u32 ring_base = ptx::smem_u32(ring);
   constexpr i32 kActRow = G.act_row_bytes();
+  constexpr i32 kFc2ChunkK = G.fc2_chunk_k();
 
   i32* const in_flight = reinterpret_cast<i32*>(misc + kMiscInFlight);
   u32* const combines = misc + kMiscCombine;
@@ -537,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       // Finished when the producer has issued its last item and all of them are retired.
       const u32 final_count = pipe::load_acquire_cta(misc + kMiscIssuedFinal);
       if (final_count != 0xFFFFFFFFu && retired == final_count) break;
-      pipe::sleep_ns(32);
+      pipe::sleep_ns(kPublisherSleepNs);
     }
     pipe::store_release_cta(misc + kMiscPublisherDone, 1u);
     return;
@@ -548,6 +575,12 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     // Lane 0 keeps the books; all lanes issue bulk copies (one per strip run, one per
     // activation row).
     const u64 evict_first = ptx::policy_evict_first();
+    if (lane == 0) {
+      pipe::prefetch_map(p.w13);
+      pipe::prefetch_map(p.w13_scales);
+      pipe::prefetch_map(p.w2);
+      pipe::prefetch_map(p.w2_scales);
+    }
     pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
     u32 seq = 0;                // ring entries produced (position and phase)
     u32 issued = 0;
@@ -590,12 +623,12 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
       const i32 strips = fc2 ? G.fc2_strips : G.fc1_strips;
       const i32 chunk_k = fc2 ? kFc2ChunkK : kFc1ChunkK;
       const i32 chunks = fc2 ? G.fc2_chunks() : G.fc1_chunks();
-      const layout::Dims dims{fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms(),
-                              fc2 ? G.fc2_k_atoms() : G.fc1_k_atoms()};
-      const u8* const wsrc = fc2 ? p.w2 : p.w13;
-      const u8* const ssrc = fc2 ? p.w2_scales : p.w13_scales;
+      const TensorMap& wmap = fc2 ? p.w2 : p.w13;
+      const TensorMap& smap = fc2 ? p.w2_scales : p.w13_scales;
+      // The tensor row of the item's first strip.
+      const i32 row0 = e * (fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) + slice * strips;
       const u32 act_bytes = static_cast<u32>(chunk_k * layout::kAtomK * 2);
-      // Bytes the bulk copies of one chunk deliver (FC2 activations come by cp.async).
+      // Bytes the copies of one chunk deliver (FC2 activations come by cp.async).
       const u32 tx = static_cast<u32>(strips * chunk_k *
                                       (layout::kAtomBytes + layout::kAtomScaleBytes)) +
                      (fc2 ? 0u : static_cast<u32>(count) * act_bytes);
@@ -604,18 +637,17 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
           !fc2 && lane < count
               ? p.hidden + static_cast<i64>(sorted[first + lane] / G.top_k) * G.hidden
               : nullptr;
+      // One tensor copy lands the chunk's strips in slot order (strip-major, chunk_k atoms
+      // each), one its scales.
       const auto issue_weights = [&](i32 c, i32 slot) {
-        const u32 bar = ptx::smem_u32(full + slot);
-        const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
-        if (lane < strips) {
-          const i64 atom = layout::atom_index(dims, e, slice * strips + lane, c * chunk_k);
-          pipe::copy(slot_base + static_cast<u32>(lane * chunk_k * layout::kAtomBytes),
-                     wsrc + atom * layout::kAtomBytes,
-                     static_cast<u32>(chunk_k * layout::kAtomBytes), bar, evict_first);
-          pipe::copy(slot_base + static_cast<u32>(G.slot_weight_bytes() +
-                                                  lane * chunk_k * layout::kAtomScaleBytes),
-                     ssrc + atom * layout::kAtomScaleBytes,
-                     static_cast<u32>(chunk_k * layout::kAtomScaleBytes), bar, evict_first);
+        if (lane == 0) {
+          const u32 bar = ptx::smem_u32(full + slot);
+          const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
+          pipe::copy_2d(slot_base, wmap, c * chunk_k * (layout::kAtomBytes / kMapElementBytes),
+                        row0, bar, evict_first);
+          pipe::copy_2d(slot_base + static_cast<u32>(G.slot_weight_bytes()), smap,
+                        c * chunk_k * (layout::kAtomScaleBytes / kMapElementBytes), row0, bar,
+                        evict_first);
         }
       };
       // FC1 rows (hidden, written before this grid) come by bulk copy. FC2 rows were written in
@@ -633,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
           }
           return;
         }
-        constexpr i32 kPieces = kFc2ChunkK * layout::kAtomK * 2 / 16;  // 16 per row
+        constexpr i32 kPieces = kFc2ChunkK * layout::kAtomK * 2 / 16;  // 16 or 32 per row
         const u16* const rows = inter + static_cast<i64>(v) * G.block_n * G.inter +
                                 c * kFc2ChunkK * layout::kAtomK;
         for (i32 i = lane; i < count * kPieces; i += 32) {

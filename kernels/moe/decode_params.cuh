@@ -24,8 +24,8 @@ inline constexpr i32 kProducerWarp = kConsumerWarps;       // streams the ring
 inline constexpr i32 kPublisherWarp = kConsumerWarps + 1;  // retires items (fences, counters)
 inline constexpr i32 kThreads = 32 * (kConsumerWarps + 2);
 inline constexpr i32 kConsumerThreads = 32 * kConsumerWarps;
-inline constexpr i32 kFc1ChunkK = 8;           // FC1 chunk: 8 K atoms = 512 of hidden
-inline constexpr i32 kFc2ChunkK = 2;           // FC2 chunk: 2 K atoms = 128 of inter
+inline constexpr i32 kFc1ChunkK = 4;           // FC1 chunk: 4 K atoms = 256 of hidden
+inline constexpr i32 kFc2ChunkKMax = 4;        // FC2 chunk: 4 K atoms where I % 256 == 0, else 2
 inline constexpr i32 kMaxExperts = 4096;       // 12 bits in a virtual expert's packed info
 inline constexpr i32 kMaxTopK = 64;            // positions < 2^14
 inline constexpr i32 kSmemLimit = 227 * 1024;  // sm_90 opt-in limit per CTA
@@ -37,10 +37,10 @@ enum class Rule : i32 {
   kOk = 0,
   kExperts,      // 1 <= E <= kMaxExperts (12-bit expert field)
   kTopK,         // 1 <= K <= kMaxTopK (positions fit 14 bits)
-  kHidden,       // H % 512 == 0: FC1 chunks are whole 512-wide K runs; FC2 strips whole
-  kInter,        // I % 128 == 0: FC2 chunks are whole 128-wide K runs; FC1 items whole
+  kHidden,       // H % 256 == 0: FC1 chunks are whole 256-wide K runs; FC2 strips whole
+  kInter,        // I % 128 == 0: FC2 chunks are whole 128- or 256-wide K runs; FC1 items whole
   kBlockN,       // BlockN in {16, 32}: n8 MMA tiles, packed count field
-  kFc1Strips,    // kFc1Strips in {1, 2, 4, 8} and divides I / 8
+  kFc1Strips,    // kFc1Strips in {2, 4, 8} and divides I / 8
   kFc2Strips,    // kFc2Strips in {4, 8} and divides H / 16
   kStages,       // 2 <= stages <= 8
   kSharedMemory, // the CTA's shared memory fits sm_90's 227 KB
@@ -77,18 +77,21 @@ struct Geometry {
   MOEJIT_HD constexpr i32 fc2_k_atoms() const { return inter / layout::kAtomK; }
   MOEJIT_HD constexpr i32 fc2_m_atoms() const { return hidden / layout::kAtomRows; }
   MOEJIT_HD constexpr i32 fc2_items() const { return fc2_m_atoms() / fc2_strips; }  // per v
-  MOEJIT_HD constexpr i32 fc2_chunks() const { return fc2_k_atoms() / kFc2ChunkK; }
+  // Why 4 atoms where they divide I: a 16 KB chunk of 8 strips halves the producer's work per
+  // byte; I = 384 (kimi-k3.1) keeps 2.
+  MOEJIT_HD constexpr i32 fc2_chunk_k() const { return fc2_k_atoms() % 4 == 0 ? 4 : 2; }
+  MOEJIT_HD constexpr i32 fc2_chunks() const { return fc2_k_atoms() / fc2_chunk_k(); }
   MOEJIT_HD constexpr i32 fc2_warps_k() const { return kConsumerWarps / fc2_strips; }
 
   // ---- shared memory (bytes; every region 16-byte aligned) ----
   MOEJIT_HD constexpr i32 chunk_atoms() const {
-    return fc1_strips * kFc1ChunkK > fc2_strips * kFc2ChunkK ? fc1_strips * kFc1ChunkK
-                                                             : fc2_strips * kFc2ChunkK;
+    return fc1_strips * kFc1ChunkK > fc2_strips * fc2_chunk_k() ? fc1_strips * kFc1ChunkK
+                                                                : fc2_strips * fc2_chunk_k();
   }
   // Why +16: consecutive activation rows then start 16 bytes apart modulo 128, so ldmatrix is
   // free of bank conflicts without a swizzle.
   MOEJIT_HD static constexpr i32 act_row_bytes() {
-    return (kFc1ChunkK > kFc2ChunkK ? kFc1ChunkK : kFc2ChunkK) * layout::kAtomK * 2 + 16;
+    return (kFc1ChunkK > kFc2ChunkKMax ? kFc1ChunkK : kFc2ChunkKMax) * layout::kAtomK * 2 + 16;
   }
   MOEJIT_HD constexpr i32 slot_weight_bytes() const { return chunk_atoms() * layout::kAtomBytes; }
   MOEJIT_HD constexpr i32 slot_scale_bytes() const {
@@ -101,8 +104,10 @@ struct Geometry {
   MOEJIT_HD constexpr i32 ring_bytes() const { return stages * slot_bytes(); }
   // Partial sums of the warps that split an item's K, summed in a fixed order; two buffers
   // (by item parity) so one barrier per item suffices.
+  // None when no item splits K over warps (8 strips per item).
   MOEJIT_HD constexpr i32 reduce_bytes() const {
-    return 2 * kConsumerWarps * n_tiles() * 4 * 32 * 4;
+    return fc1_warps_k() > 1 || fc2_warps_k() > 1 ? 2 * kConsumerWarps * n_tiles() * 4 * 32 * 4
+                                                  : 0;
   }
   MOEJIT_HD constexpr i32 sorted_bytes() const { return align16(positions() * 2); }
   MOEJIT_HD constexpr i32 vinfo_bytes() const { return align16(max_virtual() * 4); }
@@ -143,10 +148,12 @@ struct Geometry {
   MOEJIT_HD constexpr Rule rule() const {
     if (experts < 1 || experts > kMaxExperts) return Rule::kExperts;
     if (top_k < 1 || top_k > kMaxTopK) return Rule::kTopK;
-    if (hidden < 512 || hidden % 512 != 0) return Rule::kHidden;
+    if (hidden < kFc1ChunkK * layout::kAtomK || hidden % (kFc1ChunkK * layout::kAtomK) != 0) {
+      return Rule::kHidden;
+    }
     if (inter < 128 || inter % 128 != 0) return Rule::kInter;
     if (block_n != 16 && block_n != 32) return Rule::kBlockN;
-    if ((fc1_strips != 1 && fc1_strips != 2 && fc1_strips != 4 && fc1_strips != 8) ||
+    if ((fc1_strips != 2 && fc1_strips != 4 && fc1_strips != 8) ||
         fc1_m_atoms() % fc1_strips != 0) {
       return Rule::kFc1Strips;
     }
@@ -164,6 +171,44 @@ struct Geometry {
   MOEJIT_HD static constexpr i64 align256(i64 x) { return (x + 255) / 256 * 256; }
 };
 
+// ---- weight streams as 2D tensors for the bulk tensor copy (TMA) ----
+// Why tensor copies: one copy moves a whole chunk (all strips x chunk K) of weights and one its
+// scales, where a plain bulk copy moves one strip run; the producer warp was the kernel's limit
+// (ncu, v4: 250 instructions per 8 KB chunk, 180 of them bookkeeping and per-strip copies).
+// The layout's atoms are [expert][m_atom][k_atom], so a matrix is 2D: rows = expert * m_atoms +
+// strip, each row k_atoms atoms long, elements of 8 bytes (the box's inner extent is at most 256
+// elements: 4 atoms).
+struct TensorMapShape {
+  i64 inner;         // elements (8 bytes) per row
+  i64 rows;          // E * m_atoms
+  i64 row_bytes;     // stride between rows
+  i32 box_inner;     // elements per row in one copy
+  i32 box_rows;      // strips in one copy
+  MOEJIT_HD constexpr i32 box_bytes() const { return box_inner * box_rows * 8; }
+};
+inline constexpr i32 kMapElementBytes = 8;
+MOEJIT_HD constexpr TensorMapShape weight_map_shape(layout::Dims d, i32 experts, i32 chunk_k,
+                                                    i32 strips, bool scales) {
+  const i32 atom = scales ? layout::kAtomScaleBytes : layout::kAtomBytes;
+  return TensorMapShape{static_cast<i64>(d.k_atoms) * atom / kMapElementBytes,
+                        static_cast<i64>(experts) * d.m_atoms,
+                        static_cast<i64>(d.k_atoms) * atom,
+                        chunk_k * atom / kMapElementBytes, strips};
+}
+MOEJIT_HD constexpr TensorMapShape fc1_map_shape(const Geometry& g, bool scales) {
+  return weight_map_shape(layout::Dims{g.fc1_m_atoms(), g.fc1_k_atoms()}, g.experts, kFc1ChunkK,
+                          g.fc1_strips, scales);
+}
+MOEJIT_HD constexpr TensorMapShape fc2_map_shape(const Geometry& g, bool scales) {
+  return weight_map_shape(layout::Dims{g.fc2_m_atoms(), g.fc2_k_atoms()}, g.experts,
+                          g.fc2_chunk_k(), g.fc2_strips, scales);
+}
+
+// An encoded CUtensorMap (cuda.h's type: 128 bytes, 128-byte aligned), opaque to the kernel.
+struct alignas(128) TensorMap {
+  u64 words[16];
+};
+
 // A virtual expert's packed description: local expert (12 bits), positions (6 bits), first index
 // into the expert-sorted position list (14 bits).
 MOEJIT_HD constexpr u32 pack_virtual(i32 expert, i32 count, i32 first) {
@@ -176,10 +221,12 @@ MOEJIT_HD constexpr i32 virtual_first(u32 info) { return static_cast<i32>(info >
 
 // Kernel arguments (both kernels of the family take this struct by value).
 struct DecodeMoeParams {
-  const u8* w13;           // kernel layout (layout.cuh), the marlin_moe repack
-  const u8* w13_scales;
-  const u8* w2;
-  const u8* w2_scales;
+  // The kernel layout (layout.cuh, the marlin_moe repack) as 2D tensors: fc1_map_shape /
+  // fc2_map_shape, 8-byte elements, no swizzle, no interleave.
+  TensorMap w13;
+  TensorMap w13_scales;
+  TensorMap w2;
+  TensorMap w2_scales;
   const u16* hidden;       // bf16 [T][H], rows 16-byte aligned
   const void* topk_ids;    // [T][K] int32, or int64 with kIds64
   const float* topk_weights;  // [T][K]

@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstring>
 #include <sstream>
 
 #include "driver/driver.hpp"
@@ -48,7 +49,73 @@ class MultiprocessorCounts {
   std::array<std::atomic<int>, kDevices> counts_{};
 };
 
+// One tensor map, encoded once per (thread, role) until its inputs change. Why a per-thread
+// memo: cuTensorMapEncodeTiled is host work on every call, and an engine's decode loop passes the
+// same weights every step.
+struct EncodedMap {
+  const void* base = nullptr;
+  kern::moe::decode::TensorMapShape shape{};
+  kern::moe::decode::TensorMap map{};
+  bool valid = false;
+};
+
+bool same_shape(const kern::moe::decode::TensorMapShape& a,
+                const kern::moe::decode::TensorMapShape& b) {
+  return a.inner == b.inner && a.rows == b.rows && a.row_bytes == b.row_bytes &&
+         a.box_inner == b.box_inner && a.box_rows == b.box_rows;
+}
+
+void encode_map(const char* op, const char* name, const void* base,
+                const kern::moe::decode::TensorMapShape& shape, EncodedMap& memo,
+                kern::moe::decode::TensorMap& out) {
+  if (!(memo.valid && memo.base == base && same_shape(memo.shape, shape))) {
+    static_assert(sizeof(CUtensorMap) == sizeof(kern::moe::decode::TensorMap) &&
+                      alignof(CUtensorMap) == alignof(kern::moe::decode::TensorMap),
+                  "decode_params.cuh's TensorMap is cuda.h's CUtensorMap");
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(shape.inner),
+                                static_cast<cuuint64_t>(shape.rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(shape.row_bytes)};
+    const cuuint32_t box[2] = {static_cast<cuuint32_t>(shape.box_inner),
+                               static_cast<cuuint32_t>(shape.box_rows)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    static_assert(kern::moe::decode::kMapElementBytes == 8, "UINT64 elements");
+    const CUresult result = driver().cuTensorMapEncodeTiled(
+        &map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 2, const_cast<void*>(base), dims, strides, box,
+        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) {
+      std::ostringstream os;
+      os << op << ": decode_moe: encoding the tensor map of " << name << " (" << shape.rows
+         << " rows of " << shape.row_bytes << " bytes at " << base << ", boxes of "
+         << shape.box_rows << " x " << shape.box_inner * kern::moe::decode::kMapElementBytes
+         << " bytes) failed: " << describe(result);
+      throw Error(ErrorCode::kDriver, os.str());
+    }
+    memo.base = base;
+    memo.shape = shape;
+    std::memcpy(&memo.map, &map, sizeof(map));
+    memo.valid = true;
+  }
+  out = memo.map;
+}
+
 }  // namespace
+
+void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, const void* w13,
+                               const void* w13_scales, const void* w2, const void* w2_scales,
+                               kern::moe::decode::DecodeMoeParams& args) {
+  namespace decode = kern::moe::decode;
+  thread_local std::array<EncodedMap, 4> memo;
+  const decode::Geometry g{main.num_experts, main.top_k,      main.hidden,     main.intermediate,
+                           main.block_n,     main.fc1_strips, main.fc2_strips, main.stages};
+  encode_map(op, "weights.w13", w13, decode::fc1_map_shape(g, false), memo[0], args.w13);
+  encode_map(op, "weights.w13_scales", w13_scales, decode::fc1_map_shape(g, true), memo[1],
+             args.w13_scales);
+  encode_map(op, "weights.w2", w2, decode::fc2_map_shape(g, false), memo[2], args.w2);
+  encode_map(op, "weights.w2_scales", w2_scales, decode::fc2_map_shape(g, true), memo[3],
+             args.w2_scales);
+}
 
 int multiprocessor_count(int ordinal) { return MultiprocessorCounts::instance().get(ordinal); }
 

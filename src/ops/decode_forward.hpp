@@ -17,10 +17,19 @@ namespace moejit::detail {
 // the first time per device, a table read after. Throws Error{kDriver} when the query fails.
 int multiprocessor_count(int ordinal);
 
+// The four weight tensor maps of `main`'s tile (decode_params.cuh: fc1_map_shape and
+// fc2_map_shape over the kernel layout) for the weights at w13, w13_scales, w2, w2_scales (device
+// pointers, 16-byte aligned: checked by the caller), written into args.w13 .. args.w2_scales.
+// The last encoding per tensor and thread is kept, so a steady decode loop encodes nothing.
+// Throws Error{kDriver} naming the tensor when the driver refuses one.
+void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, const void* w13,
+                               const void* w13_scales, const void* w2, const void* w2_scales,
+                               kern::moe::decode::DecodeMoeParams& args);
+
 // Launches decode_moe for `main` (a kMain spec's params; its reset kernel is derived) on
 // `stream`: both kernels are looked up (built or loaded on a miss, Error{kCaptureMiss} while
 // capturing) and the main kernel's shared memory opted into before anything launches. Grid of
-// the main kernel: multiprocessors x Geometry::blocks_per_sm(), 288 threads,
+// the main kernel: multiprocessors x Geometry::blocks_per_sm(), 320 threads,
 // Geometry::smem_bytes() of dynamic shared memory. `args` points into the caller's buffers,
 // args.workspace at least Geometry::workspace_bytes() bytes (checked by the caller).
 void launch_decode_moe(const char* op, const MoeDecodeParams& main, const CurrentDevice& device,

@@ -193,9 +193,9 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   const int t = static_cast<int>(tokens);
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
 
-  // The decode path: forced, or automatic once it is the faster path (detail::kDecodeByDefault).
+  // The decode path: forced, or automatic where it is the faster path (detail::decode_by_default).
   const bool want_decode = options.path == MoePath::kDecode ||
-                           (options.path == MoePath::kAuto && detail::kDecodeByDefault);
+                           (options.path == MoePath::kAuto && detail::decode_by_default(t));
   if (want_decode && config.decode) {
     const MoeDecodeParams main =
         options.decode_block_n == 0
@@ -211,10 +211,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                                std::to_string(args.workspace_bytes));
       }
       kern::moe::decode::DecodeMoeParams params{};
-      params.w13 = static_cast<const kern::moe::u8*>(w.w13);
-      params.w13_scales = static_cast<const kern::moe::u8*>(w.w13_scales);
-      params.w2 = static_cast<const kern::moe::u8*>(w.w2);
-      params.w2_scales = static_cast<const kern::moe::u8*>(w.w2_scales);
+      detail::encode_decode_weight_maps(kOp, main, w.w13, w.w13_scales, w.w2, w.w2_scales,
+                                        params);
       params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
       params.topk_ids = ids.data;  // int32, or int64 read directly (DecodeTraits' Ids64)
       params.topk_weights = static_cast<const float*>(weights.data);

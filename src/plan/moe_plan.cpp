@@ -125,39 +125,53 @@ decode::Geometry geometry_of(const MoeDecodeParams& p) {
                           p.block_n,     p.fc1_strips, p.fc2_strips, p.stages};
 }
 
-// The tile rules below follow the H200 measurements of decode_moe v4 (tools/PERF_LOG.md,
+// The tile rules below follow the H200 measurements of decode_moe (tools/PERF_LOG.md,
 // "decode_moe"); keep them in these functions so planner and op agree.
 //
 // Why block_n 16 always: blocks of 32 need one CTA per SM (shared memory) and measured slower at
-// every T tried (deepseek-v4-flash T = 256: 23% of copy bandwidth against 37%; qwen3 T = 256:
-// 14% against 21%). 32 stays available when forced (MoeForwardOptions::decode_block_n).
-// Why 2 FC1 / 8 FC2 strips per item at every T: the smaller items (1 / 4) were never faster,
-// T = 1 included (deepseek T = 1: 18.6% against 19.4%), and cost twice the per-item work.
+// every T tried (v4, deepseek-v4-flash T = 256: 23% of copy bandwidth against 37%; qwen3
+// T = 256: 14% against 21%). 32 stays available when forced (MoeForwardOptions::decode_block_n).
 constexpr int kDecodeBlockN = 16;  // the planner's block_n at every T (see above)
 constexpr int kDecodeMinStages = 2;
 constexpr int kDecodeMaxStages = 6;
-// Why 2: the kernel is issue-bound (ncu: 0.67 warp-instructions per cycle per scheduler at 36% of
-// DRAM bandwidth), so two CTAs per SM with the deepest ring that fits beat one CTA with a deeper
-// ring (deepseek T = 24: 3 stages x 2 CTAs 46%, 2 x 2 44%, 4 x 1 28%).
+// Why 2: the kernel is issue-bound, so two CTAs per SM with the deepest ring that fits beat one
+// CTA with a deeper ring (v4, deepseek T = 24: 3 stages x 2 CTAs 46%, 2 x 2 44%, 4 x 1 28%).
 constexpr int kDecodeTwoCtaMinStages = 2;
+// Why FC1 strips by T: an item of 8 strips is a 16 KB chunk that no warp splits along K, the
+// fastest at T >= 6 (v6, T = 24: deepseek 70% of copy against 59% with 4 strips, kimi 65%
+// against 57%); at T = 1 there are too few such items for 264 CTAs (deepseek: 48), and 2 or 4
+// strips win (deepseek T = 1: 27.0 us with 2, 30.5 with 4, 35.8 with 8; kimi: 29.3 us with 4,
+// 36.5 with 8). So: the most strips whose expected FC1 item count reaches this target, more than
+// the 132 SMs of an H200 (96 items leave a quarter of them idle), below its 264 CTAs.
+constexpr double kDecodeFc1TargetItems = 160.0;
+constexpr int kDecodeFc2Strips = 8;
 
-// The tile of one block_n choice, stages not yet chosen: the preferred strips, else the
-// first allowed values Geometry::rule() accepts (the shape rules checked before make these
-// always the preferred ones today; the fallback keeps the choice valid if a rule changes).
-decode::Geometry decode_tile(const ModelShape& shape, int block_n) {
-  decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,    shape.intermediate,
-                     block_n,           2,           8,               kDecodeMinStages};
+// Experts of the rank that uniform top-k routing of `tokens` tokens touches, expected.
+double expected_experts_touched(const ModelShape& shape, int tokens) {
+  const double e = shape.num_experts;
+  const double miss = 1.0 - std::min(1.0, static_cast<double>(shape.top_k) / e);
+  return e * (1.0 - std::pow(miss, tokens));
+}
+
+// The tile of one block_n choice at T = tokens, stages not yet chosen: FC1 strips by the rule
+// above among those Geometry::rule() accepts, 8 FC2 strips (else 4).
+decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
+  decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,      shape.intermediate,
+                     block_n,           2,           kDecodeFc2Strips, kDecodeMinStages};
+  const double strips_total = expected_experts_touched(shape, tokens) * g.fc1_m_atoms();
+  for (int strips : {8, 4, 2}) {
+    g.fc1_strips = strips;
+    if (g.rule() == decode::Rule::kFc1Strips) continue;
+    if (strips == 2 || strips_total / strips >= kDecodeFc1TargetItems) break;
+  }
   if (g.rule() == decode::Rule::kFc1Strips) {
-    for (int strips : {1, 2, 4, 8}) {
+    for (int strips : {4, 2, 8}) {
       g.fc1_strips = strips;
       if (g.rule() != decode::Rule::kFc1Strips) break;
     }
   }
   if (g.rule() == decode::Rule::kFc2Strips) {
-    for (int strips : {4, 8}) {
-      g.fc2_strips = strips;
-      if (g.rule() != decode::Rule::kFc2Strips) break;
-    }
+    g.fc2_strips = 4;
   }
   return g;
 }
@@ -184,7 +198,7 @@ int decode_stages(decode::Geometry g) {
 // this on every forward.
 bool decode_shape_ok(const ModelShape& shape) {
   if (shape.has_bias) return false;
-  const decode::Geometry g = decode_tile(shape, kDecodeBlockN);
+  const decode::Geometry g = decode_tile(shape, kDecodeBlockN, kDecodeMaxTokens);
   const decode::Rule rule = g.rule();
   return rule != decode::Rule::kExperts && rule != decode::Rule::kTopK &&
          rule != decode::Rule::kHidden && rule != decode::Rule::kInter;
@@ -352,18 +366,18 @@ std::string decode_rule_problem(const MoeDecodeParams& p) {
       break;
     case decode::Rule::kHidden:
       os << "hidden = " << p.hidden
-         << " is not a multiple of 512 (decode_moe streams whole 512-wide FC1 chunks)";
+         << " is not a multiple of 256 (decode_moe streams whole 256-wide FC1 chunks)";
       break;
     case decode::Rule::kInter:
       os << "intermediate = " << p.intermediate
-         << " is not a multiple of 128 (decode_moe streams whole 128-wide FC2 chunks)";
+         << " is not a multiple of 128 (decode_moe streams whole 128- or 256-wide FC2 chunks)";
       break;
     case decode::Rule::kBlockN:
       os << "block_n = " << p.block_n
          << " is not allowed; allowed: 16, 32 (two or four n8 MMA tiles per virtual expert)";
       break;
     case decode::Rule::kFc1Strips:
-      os << "fc1_strips = " << p.fc1_strips << " is not allowed; allowed: 1, 2, 4 or 8 dividing "
+      os << "fc1_strips = " << p.fc1_strips << " is not allowed; allowed: 2, 4 or 8 dividing "
          << "intermediate / 8 = " << g.fc1_m_atoms() << " (FC1 items are whole strips of 8 "
          << "gate/up pairs)";
       break;
@@ -390,7 +404,7 @@ std::string decode_rule_problem(const MoeDecodeParams& p) {
 
 std::string decode_moe_problem(const ModelShape& shape) {
   std::vector<std::string> reasons;
-  const decode::Geometry shape_tile = decode_tile(shape, kDecodeBlockN);
+  const decode::Geometry shape_tile = decode_tile(shape, kDecodeBlockN, kDecodeMaxTokens);
   const decode::Rule rule = shape_tile.rule();
   if (rule == decode::Rule::kExperts || rule == decode::Rule::kTopK ||
       rule == decode::Rule::kHidden || rule == decode::Rule::kInter) {
@@ -400,8 +414,8 @@ std::string decode_moe_problem(const ModelShape& shape) {
     reasons.push_back("decode_moe has no bias epilogue (has_bias is true)");
   }
   if (reasons.empty()) {
-    // Every tile the planner can choose: T <= 8 and T > 8, block_n 16 and 32.
-    for (int tokens : {1, kDecodeMaxTokens}) {
+    // Every tile the planner can choose: each T (the strips change with it), block_n 16 and 32.
+    for (int tokens = 1; tokens <= kDecodeMaxTokens; ++tokens) {
       for (int block_n : {16, 32}) {
         MoeDecodeParams p = choose_decode_config(shape, tokens, block_n);
         if (p.stages != 0) continue;
@@ -425,12 +439,9 @@ std::string decode_moe_problem(const ModelShape& shape) {
   return out;
 }
 
-// Why `tokens` stays in the signature although the tile no longer depends on it: the planner and
-// the op ask per T, so a T-dependent rule can come back without touching the callers.
-MoeDecodeParams choose_decode_config(const ModelShape& shape, int /*tokens*/,
-                                     int block_n_override) {
+MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override) {
   const int block_n = block_n_override != 0 ? block_n_override : kDecodeBlockN;
-  decode::Geometry g = decode_tile(shape, block_n);
+  decode::Geometry g = decode_tile(shape, block_n, tokens);
   g.stages = decode_stages(g);
   return decode_params_of(shape, g);
 }

@@ -43,10 +43,14 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
-// Whether MoePath::kAuto takes decode_moe for T <= 256 on shapes it serves. Why false: on the
-// H200 decode_moe v4 streams 40-46% of the copy bandwidth at T = 24..96 where marlin_moe streams
-// 60-68% (tools/PERF_LOG.md, "decode_moe"); the faster path stays the default until that flips.
-inline constexpr bool kDecodeByDefault = false;
+// MoePath::kAuto takes decode_moe for kDecodeAutoMinTokens <= T <= 256 on shapes it serves.
+// Why from 6: on the H200 decode_moe v6 takes 0.86-0.97x marlin_moe's time from T = 6 on kimi,
+// kimi-ep2 and qwen3 (deepseek: 1.05x at 6, 0.90-0.97x from 24; qwen3 T = 256: 1.04x), but
+// 1.12-1.55x at T = 1 and 1.00-1.26x at T = 2 (tools/PERF_LOG.md, "decode_moe v6").
+inline constexpr int kDecodeAutoMinTokens = 6;
+inline constexpr bool decode_by_default(int tokens) {
+  return tokens >= kDecodeAutoMinTokens && tokens <= kDecodeMaxTokens;
+}
 inline constexpr int kDecodeThreads = 320;  // decode::kThreads: 8 consumer, 1 producer, 1 publisher warp
 
 // Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits.
@@ -54,7 +58,7 @@ long long decode_moe_smem_bytes(const MoeDecodeParams& p);
 int decode_moe_blocks_per_sm(const MoeDecodeParams& p);
 long long decode_moe_workspace_bytes(const MoeDecodeParams& p);
 // The rule of Geometry::rule() that `p`'s sizes and tile break, named with the value and how to
-// fix it ("hidden = 2880 is not a multiple of 512 (...)"); "" when rule() is kOk.
+// fix it ("hidden = 2880 is not a multiple of 256 (...)"); "" when rule() is kOk.
 std::string decode_rule_problem(const MoeDecodeParams& p);
 
 // "" when decode_moe serves `shape` (arch aside: sm_90 or newer, see decode_moe_runs_on): no

@@ -193,10 +193,10 @@ inline bool decode_serves(const ModelShape& shape, int tokens) {
          detail::Runtime::instance().current_arch().sm >= 90;
 }
 
-// Whether an automatic call with T tokens takes decode_moe, as moe_forward decides it: only while
-// detail::kDecodeByDefault is set, where the planner chose a decode tile that runs on this arch.
+// Whether an automatic call with T tokens takes decode_moe, as moe_forward decides it: for the T
+// detail::decode_by_default names, where the planner chose a decode tile that runs on this arch.
 inline bool auto_takes_decode(const ModelShape& shape, int tokens) {
-  if (!detail::kDecodeByDefault || tokens < 1) return false;
+  if (!detail::decode_by_default(tokens)) return false;
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
   const Arch arch = detail::Runtime::instance().current_arch();
   return config.decode && detail::decode_moe_runs_on(config.decode_main, arch);

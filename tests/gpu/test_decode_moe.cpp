@@ -3,14 +3,14 @@
 // expert count, T in {1, 7, 48, 96, 256}, against the fp64 CPU reference (src/ops/moe_reference);
 // the same bits over 3 runs and from a CUDA-graph replay; forced marlin_moe within tolerance of
 // it; block_n 0 equal to the planner's block_n, and the automatic path equal to the path the
-// library picks (marlin_moe while detail::kDecodeByDefault is false, else decode_moe at the
-// planner's tile), bit for bit; expert parallelism (two ranks' halves sum to the whole layer);
+// library picks (decode_moe at the planner's tile for the T detail::decode_by_default names,
+// else marlin_moe), bit for bit; expert parallelism (two ranks' halves sum to the whole layer);
 // the gpt-oss shapes refused with their rule and served by marlin_moe; T = 0, tokens and calls
 // with no local expert, the workspace contract, bad options and capture misses.
 //
 // Activations: SiTU(4, 25) (Kimi-K3), SwiGLU clamped at 10 (DeepSeek-V4) and SwiGLU (Qwen) come
 // with the shapes. gpt-oss's activation exists only on the gpt-oss shapes, which decode_moe
-// refuses (hidden = 2880 is not a multiple of 512, and they have biases): it is marlin_moe's
+// refuses (hidden = 2880 is not a multiple of 256, and they have biases): it is marlin_moe's
 // alone, and the refusal test below runs it there.
 //
 // Real expert counts, few distinct weights: decode_moe's kernel is specialized on E (route
@@ -476,7 +476,7 @@ TEST_CASE("decode_moe: gpt-oss shapes are refused with their rule and served by 
   for (const char* name : {"gpt-oss-120b", "gpt-oss-20b"}) {
     const std::string problem = moejit::moe_decode_problem(reference_shape(name));
     INFO(name << ": " << problem);
-    CHECK(contains(problem, "hidden = 2880 is not a multiple of 512"));
+    CHECK(contains(problem, "hidden = 2880 is not a multiple of 256"));
     CHECK(contains(problem, "bias"));
     CHECK(contains(problem, "marlin_moe"));
   }
@@ -504,7 +504,7 @@ TEST_CASE("decode_moe: gpt-oss shapes are refused with their rule and served by 
       INFO("forced decode, block_n " << block_n);
       const std::string message = expect_refused(io, io.args(*model), stream.get(),
                                                  forced_decode(block_n), ErrorCode::kUnsupported);
-      CHECK(contains(message, "hidden = 2880 is not a multiple of 512"));
+      CHECK(contains(message, "hidden = 2880 is not a multiple of 256"));
     }
     if (tokens == 0) continue;
     // The automatic path is marlin_moe: the same bits as forcing it, 3 runs alike, and the layer

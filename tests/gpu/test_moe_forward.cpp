@@ -2,8 +2,8 @@
 // (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000},
 // on the automatic path, forced marlin_moe and forced decode_moe where it serves (T <= 256 on the
 // shapes it accepts; refused elsewhere), the automatic path bit for bit the one the library picks
-// (marlin_moe, or decode_moe for T <= 256 on the shapes it serves once detail::kDecodeByDefault
-// is set), bitwise repeatability, expert parallelism (two halves sum to the whole), ids of -1
+// (decode_moe for 6 <= T <= 256 on the shapes it serves, as detail::decode_by_default says, else
+// marlin_moe), bitwise repeatability, expert parallelism (two halves sum to the whole), ids of -1
 // and of other ranks (int32 and int64), CUDA-graph capture and replay, the workspace size
 // contract, the repack round trip for both checkpoint layouts (unpacked on the CPU with
 // kernels/moe/layout.cuh), and the route arrays marlin_moe leaves in its workspace against the
@@ -162,12 +162,12 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
       const std::string label = std::string(kSweep[n].name) + " T=" + std::to_string(tokens);
       INFO(label << " " << describe(shape, real_experts));
       // Forced decode_moe serves T <= 256 on the shapes it accepts (sm_90 or newer); the
-      // automatic path takes it there only while detail::kDecodeByDefault is set.
+      // automatic path takes it there for the T detail::decode_by_default names.
       const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
       const bool decode = decode_serves(shape, tokens);
       CHECK(decode == (decode_accepts && tokens <= 256 && arch.sm >= 90));
       const bool auto_decode = auto_takes_decode(shape, tokens);
-      CHECK(auto_decode == (moejit::detail::kDecodeByDefault && decode));
+      CHECK(auto_decode == (moejit::detail::decode_by_default(tokens) && decode));
 
       // Each path three times (output and workspace poisoned before each run): within tolerance
       // of the reference, every element finite, the same bits every run.

@@ -464,13 +464,13 @@ TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "
   good.hidden = 2048;
   good.intermediate = 768;
   good.block_n = 16;
-  good.fc1_strips = 1;
+  good.fc1_strips = 2;
   good.fc2_strips = 4;
   good.stages = 4;
   std::vector<Case> cases;
   MoeDecodeParams p = good;
   p.hidden = 2880;
-  cases.push_back({p, "hidden must be a multiple of 512", "hidden = 2880"});
+  cases.push_back({p, "hidden must be a multiple of 256", "hidden = 2880"});
   p = good;
   p.intermediate = 320;
   cases.push_back({p, "inter must be a multiple of 128", "intermediate = 320"});
@@ -483,6 +483,9 @@ TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "
   p = good;
   p.fc2_strips = 2;
   cases.push_back({p, "fc2_strips must be 4 or 8", "fc2_strips = 2"});
+  p = good;
+  p.fc1_strips = 1;
+  cases.push_back({p, "fc1_strips must be 2, 4 or 8", "fc1_strips = 1"});
   p = good;
   p.block_n = 32;
   p.stages = 8;
@@ -505,7 +508,7 @@ TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "
         std::to_string(c.params.intermediate) + ", " + std::to_string(c.params.block_n) + ", " +
         std::to_string(c.params.fc1_strips) + ", " + std::to_string(c.params.fc2_strips) + ", " +
         std::to_string(c.params.stages) + ", moejit::kern::moe::act::SwiGLU, false>";
-    REQUIRE(contains(good_traits, "DecodeTraits<128, 8, 2048, 768, 16, 1, 4, 4,"));
+    REQUIRE(contains(good_traits, "DecodeTraits<128, 8, 2048, 768, 16, 2, 4, 4,"));
     src.file_name = "decode_bad_traits.cu";
     src.name_expression = "moejit::kern::moe::decode::decode_moe<" + bad_traits + ">";
     try {

@@ -78,7 +78,7 @@ MoeDecodeParams good_params() {
   p.hidden = 3584;
   p.intermediate = 384;
   p.block_n = 16;
-  p.fc1_strips = 1;
+  p.fc1_strips = 2;
   p.fc2_strips = 4;
   p.stages = 4;
   p.activation.kind = ActivationKind::kSiTU;
@@ -125,6 +125,20 @@ int expected_stages(decode::Geometry g) {
   return 0;
 }
 
+// The planner's FC1 strips per item, restated: the most of 8, 4, 2 (dividing intermediate / 8)
+// whose expected FC1 items at T, E * (1 - (1 - k / E)^T) experts touched times
+// intermediate / (8 * strips), number at least 160; else 2.
+int expected_fc1_strips(const ModelShape& shape, int tokens) {
+  const double touched =
+      shape.num_experts *
+      (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
+  const int strips_total = shape.intermediate / 8;
+  for (int strips : {8, 4}) {
+    if (strips_total % strips == 0 && touched * strips_total / strips >= 160.0) return strips;
+  }
+  return 2;
+}
+
 // The distinct main kernels the planner picks for T in 1..min(256, max_tokens).
 std::vector<MoeDecodeParams> planner_choices(const ModelShape& shape, int max_tokens) {
   std::vector<MoeDecodeParams> out;
@@ -162,8 +176,8 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
     INFO(reason);
     // Both reasons, named with the value and the rule, and where such shapes go.
     CHECK(contains(reason, "\"" + name + "\""));
-    CHECK(contains(reason, "hidden = 2880 is not a multiple of 512"));
-    CHECK(contains(reason, "512-wide FC1 chunks"));
+    CHECK(contains(reason, "hidden = 2880 is not a multiple of 256"));
+    CHECK(contains(reason, "256-wide FC1 chunks"));
     CHECK(contains(reason, "no bias epilogue"));
     CHECK(contains(reason, "use marlin_moe"));
     CHECK(moejit::moe_decode_problem(shape) == reason);
@@ -179,8 +193,8 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
   const std::vector<Case> cases = {
       {[](ModelShape& s) { s.has_bias = true; }, {"no bias epilogue", "use marlin_moe"}},
       {[](ModelShape& s) { s.intermediate = 800; },
-       {"intermediate = 800 is not a multiple of 128", "128-wide FC2 chunks"}},
-      {[](ModelShape& s) { s.hidden = 2304; }, {"hidden = 2304 is not a multiple of 512"}},
+       {"intermediate = 800 is not a multiple of 128", "128- or 256-wide FC2 chunks"}},
+      {[](ModelShape& s) { s.hidden = 2432; }, {"hidden = 2432 is not a multiple of 256"}},
       {[](ModelShape& s) {
          s.num_experts = 5000;
          s.global_experts = 5000;
@@ -242,10 +256,9 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
         CHECK(p.activation.beta == shape.activation.beta);
         CHECK(p.activation.limit == shape.activation.limit);
         CHECK(p.id_dtype == shape.id_dtype);
-        // block_n 16 unless forced; 2 FC1 and 8 FC2 strips per item at every T (measured on
-        // the H200: neither 32 nor smaller items were faster anywhere).
+        // block_n 16 unless forced; 8 FC2 strips; FC1 strips by T (expected_fc1_strips).
         CHECK(p.block_n == (forced != 0 ? forced : 16));
-        CHECK(p.fc1_strips == 2);
+        CHECK(p.fc1_strips == expected_fc1_strips(shape, t));
         CHECK(p.fc2_strips == 8);
         CHECK(p.stages == expected_stages(g));
         // For these shapes every 16-wide tile keeps two CTAs per SM.
@@ -258,12 +271,21 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
     }
   }
 
-  // One tile per shape for every T: the planner compiles one decode_moe main kernel per shape.
+  // The measured cases behind the rule (tools/PERF_LOG.md, decode_moe v6): at T = 1 deepseek
+  // (6 experts x 64 strips) takes 2 strips per item and kimi (16 x 48) 4; from T = 6 every
+  // served shape takes 8. So each shape compiles one to three main kernels, not one per T.
   const std::vector<ModelShape> refs = reference_shapes();
+  CHECK(detail::choose_decode_config(find_shape(refs, "deepseek-v4-flash-tp4"), 1, 0).fc1_strips ==
+        2);
+  CHECK(detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), 1, 0).fc1_strips == 4);
   for (const std::string& name : kServed) {
     INFO(name);
-    CHECK(planner_choices(find_shape(refs, name), 256).size() == 1);
-    CHECK(planner_choices(find_shape(refs, name), 8).size() == 1);
+    for (int t : {6, 24, 96, 256}) {
+      CHECK(detail::choose_decode_config(find_shape(refs, name), t, 0).fc1_strips == 8);
+    }
+    const std::size_t tiles = planner_choices(find_shape(refs, name), 256).size();
+    CHECK(tiles >= 1);
+    CHECK(tiles <= 3);
   }
 }
 
@@ -287,16 +309,16 @@ TEST_CASE("decode_moe supports(): every Geometry rule, the types and the arch, w
       {[](MoeDecodeParams& p) { p.top_k = 65; }, decode::Rule::kTopK, {"top_k = 65", "1..64"}},
       {[](MoeDecodeParams& p) { p.hidden = 2880; },
        decode::Rule::kHidden,
-       {"hidden = 2880 is not a multiple of 512", "512-wide FC1 chunks"}},
+       {"hidden = 2880 is not a multiple of 256", "256-wide FC1 chunks"}},
       {[](MoeDecodeParams& p) { p.intermediate = 320; },
        decode::Rule::kInter,
-       {"intermediate = 320 is not a multiple of 128", "128-wide FC2 chunks"}},
+       {"intermediate = 320 is not a multiple of 128", "128- or 256-wide FC2 chunks"}},
       {[](MoeDecodeParams& p) { p.block_n = 24; },
        decode::Rule::kBlockN,
        {"block_n = 24", "16, 32"}},
       {[](MoeDecodeParams& p) { p.fc1_strips = 3; },
        decode::Rule::kFc1Strips,
-       {"fc1_strips = 3", "1, 2, 4 or 8", "intermediate / 8 = 48"}},
+       {"fc1_strips = 3", "2, 4 or 8", "intermediate / 8 = 48"}},
       {[](MoeDecodeParams& p) { p.fc2_strips = 2; },
        decode::Rule::kFc2Strips,
        {"fc2_strips = 2", "4 or 8", "hidden / 16 = 224"}},
@@ -347,11 +369,13 @@ TEST_CASE("decode_moe supports(): every Geometry rule, the types and the arch, w
                  "sm_80");
   expect_refused(good_params(), {"needs sm_90 or newer", "sm_89"}, "sm_89");
   CHECK(moejit::supports(spec_of(good_params(), "sm_90")).empty());
-  const long long smem = detail::decode_moe_smem_bytes(good_params());
+  MoeDecodeParams deep = good_params();
+  deep.stages = 8;
+  const long long smem = detail::decode_moe_smem_bytes(deep);
   REQUIRE(smem > 101376);
-  expect_refused(good_params(), {"needs " + std::to_string(smem), "sm_120 allows at most 101376"},
+  expect_refused(deep, {"needs " + std::to_string(smem), "sm_120 allows at most 101376"},
                  "sm_120");
-  CHECK_FALSE(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_120")));
+  CHECK_FALSE(detail::decode_moe_runs_on(deep, Arch::parse("sm_120")));
   CHECK_FALSE(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_80")));
   CHECK(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_90a")));
   CHECK(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_100a")));
@@ -368,10 +392,10 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
   reset_params.kernel = DecodeKernel::kReset;
   const KernelSpec reset = spec_of(reset_params);
   CHECK(main.display_name() ==
-        "decode_moe<main,e896,k16,h3584,i384,n16,f1x4,s4,situ(beta=4,linear_beta=25),i32>"
+        "decode_moe<main,e896,k16,h3584,i384,n16,f2x4,s4,situ(beta=4,linear_beta=25),i32>"
         "@sm_90a");
   CHECK(reset.display_name() ==
-        "decode_moe<reset,e896,k16,h3584,i384,n16,f1x4,s4,situ(beta=4,linear_beta=25),i32>"
+        "decode_moe<reset,e896,k16,h3584,i384,n16,f2x4,s4,situ(beta=4,linear_beta=25),i32>"
         "@sm_90a");
 
   const auto json = nlohmann::json::parse(main.to_json());
@@ -383,7 +407,7 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
   CHECK(json["params"]["hidden"] == 3584);
   CHECK(json["params"]["intermediate"] == 384);
   CHECK(json["params"]["block_n"] == 16);
-  CHECK(json["params"]["fc1_strips"] == 1);
+  CHECK(json["params"]["fc1_strips"] == 2);
   CHECK(json["params"]["fc2_strips"] == 4);
   CHECK(json["params"]["stages"] == 4);
   CHECK(json["params"]["activation"]["kind"] == "situ");
@@ -395,12 +419,12 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
   CHECK(contains(src.source, "#include <moejit/kern/moe/decode_moe.cuh>"));
   CHECK(src.name_expression ==
         "moejit::kern::moe::decode::decode_moe<moejit::kern::moe::decode::DecodeTraits<896, 16, "
-        "3584, 384, 16, 1, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
+        "3584, 384, 16, 2, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
   CHECK(detail::render(reset).name_expression ==
         "moejit::kern::moe::decode::decode_moe_reset<moejit::kern::moe::decode::DecodeTraits<896, "
-        "16, 3584, 384, 16, 1, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
+        "16, 3584, 384, 16, 2, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
   CHECK(src.file_name ==
-        "decode_moe_main_e896_k16_h3584_i384_n16_f1x4_s4_situ_b4o1_lb25o1_i32_sm_90a.cu");
+        "decode_moe_main_e896_k16_h3584_i384_n16_f2x4_s4_situ_b4o1_lb25o1_i32_sm_90a.cu");
   MoeDecodeParams wide = good_params();
   wide.id_dtype = DType::kI64;
   wide.activation = Activation{};
@@ -421,7 +445,7 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
         p.block_n = 32;
         p.stages = 3;
       },
-      [](MoeDecodeParams& p) { p.fc1_strips = 2; },
+      [](MoeDecodeParams& p) { p.fc1_strips = 4; },
       [](MoeDecodeParams& p) { p.fc2_strips = 8; },
       [](MoeDecodeParams& p) { p.stages = 3; },
       [](MoeDecodeParams& p) { p.activation.beta = 2.f; },
@@ -601,7 +625,7 @@ TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options wit
   // looked at, with the rule.
   options.path = moejit::MoePath::kDecode;
   expect(gpt, options, ErrorCode::kUnsupported,
-         {"options.path = decode", "hidden = 2880 is not a multiple of 512", "kMarlin"});
+         {"options.path = decode", "hidden = 2880 is not a multiple of 256", "kMarlin"});
 
   // The C ABI: the handle carries decode_moe's verdict; forward_ex checks path and block_n.
   const char* text = R"({"name": "capi-decode-kimi", "num_experts": 896, "top_k": 16,
