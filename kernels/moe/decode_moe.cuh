@@ -9,10 +9,11 @@
 //   consumers compute, the one its producer loads and the next one it claimed;
 // - warp roles: eight consumer warps dequantize (mxfp4.cuh) and run mma.sync m16n8k16 with weight
 //   rows in M and the virtual expert's positions in N (only the n8 tiles that hold positions);
-//   one producer warp streams weights and scales (bulk copies, evict-first) and activation rows
-//   into a ring of `stages` chunks guarded by mbarriers, across item boundaries, and writes each
-//   chunk's header (item, chunk, virtual expert, slice, flags) so consumers do no item
-//   arithmetic; one publisher warp retires finished items (gpu-scope fence, then the counters).
+//   one producer warp streams weights and scales (one 2D tensor copy each per chunk,
+//   evict-first) and activation rows (bulk copies) into a ring of `stages` chunks guarded by
+//   mbarriers, across item boundaries, and writes each chunk's header (item, chunk, virtual
+//   expert, slice, flags) so consumers do no item arithmetic; one publisher warp retires
+//   finished items (it sleeps on per-item barriers, then a gpu-scope fence and the counters).
 //   Why a publisher: a gpu-scope fence waits for the issuing thread's outstanding memory
 //   operations, so in the producer it drained the ring once per item (measured: 2x slower);
 // - FC2 needs all of FC1's output for its virtual expert: the producer issues an FC2 item's
@@ -26,10 +27,12 @@
 // Consumer warp w owns strip w / WK of the item and every WK-th K atom of each chunk (WK = 8 /
 // strips per item); the WK partial sums of a strip are added in a fixed order at the item's end.
 //
-// Where the time goes (ncu on the H200, deepseek-v4-flash-tp4 T = 24, v3): the SMs issue 0.67
-// warp-instructions per cycle per scheduler while DRAM runs at 36%: the kernel is issue-bound;
-// the dequant (15 instructions per 32-bit word of weights) is the floor of the math, so more
-// bandwidth needs a cheaper conversion, not a deeper ring (a deeper ring measured slower).
+// Where the time goes (ncu on the H200, deepseek-v4-flash-tp4 T = 24): in v4 the producer warp
+// was the limit (per-strip bulk copies, ~250 instructions per 8 KB chunk; deeper rings changed
+// nothing), hence the tensor copies and 16 KB chunks of v6. Since v7 (0.19 instructions per
+// weight byte, DRAM ~60%) the consumers are: the dequant (15 instructions per 32-bit word) is
+// two thirds of the instructions, and with 16 consumer warps per SM no warp is eligible in 37%
+// of cycles, hence three CTAs per SM where the tile allows it.
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
@@ -66,6 +69,29 @@ __device__ __forceinline__ void wait(u32 bar, u32 parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   }
+}
+// One bounded wait for the phase of `parity` (the hardware suspends the thread up to a time
+// limit): true once it has completed.
+__device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
+      "p; }"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// The same test without waiting.
+__device__ __forceinline__ bool test_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, "
+      "p; }"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
 }
 // Bulk copy global -> this CTA's shared memory; completes `bytes` transactions on `bar`.
 __device__ __forceinline__ void copy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
@@ -406,25 +432,23 @@ __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeP
   }
 }
 
-// Why a long nap: each idle poll of the publisher costs ~50 issue slots that the consumer warps of
-// its SM need (ncu, v4: 7.5% of the kernel's instructions); a retirement late by 0.1 us delays
-// only FC2 items and combines, which have a ring of other work in front of them.
-#ifndef MOEJIT_DECODE_PUBLISHER_SLEEP_NS
-#define MOEJIT_DECODE_PUBLISHER_SLEEP_NS 128
-#endif
-inline constexpr u32 kPublisherSleepNs = MOEJIT_DECODE_PUBLISHER_SLEEP_NS;
-
-// Shared control words (misc[], u32): routing scan sums, items finished per consumer warp (the
-// producer retires an item when every warp has finished it), the producer's list of items in
-// flight and the H slices waiting for their combine.
+// Shared control words (misc[], u32): routing scan sums, the producer's list of items in flight,
+// the H slices waiting for their combine; then kInFlight "item done" mbarriers (u64), one per
+// item in flight: every consumer warp arrives on its item's barrier, the publisher waits on them.
+// Why barriers and not counters the publisher polls: an idle poll costs ~50 issue slots the
+// consumer warps of its SM need (ncu, v4-v6: 6-7.5% of the kernel's instructions), a barrier
+// wait suspends the warp.
 inline constexpr i32 kMiscScan = 0;       // [0, 10): block_exclusive_scan warp sums + total
-inline constexpr i32 kMiscDone = 16;      // [16, 24): items finished, per consumer warp
+inline constexpr i32 kMiscRetired = 16;   // items the publisher has retired
 inline constexpr i32 kMiscInFlight = 32;  // [32, 64): items issued, not yet retired (ring)
 inline constexpr i32 kMiscCombine = 64;   // [64, 96): H slices to combine
 inline constexpr i32 kMiscCombinesPushed = 96;  // combines the publisher has listed
 inline constexpr i32 kMiscIssuedFinal = 97;     // items the producer issued, once it is done
 inline constexpr i32 kMiscPublisherDone = 98;   // 1 once every item is retired
+inline constexpr i32 kMiscWords = 128;          // then the item barriers
 inline constexpr i32 kInFlight = 32;
+static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
+              "control words and item barriers fit the shared memory reserved for them");
 // Chunk header word 3: the item's slice, and flags (set by the producer, so the consumers do no
 // item arithmetic).
 inline constexpr i32 kHeaderFc2 = 1 << 16;
@@ -489,8 +513,10 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     }
     pipe::fence_mbar_init();
   }
-  if (tid < kConsumerWarps) misc[kMiscDone + tid] = 0u;
+  u64* const item_done = reinterpret_cast<u64*>(misc + kMiscWords);
+  if (tid < kInFlight) pipe::mbar_init(ptx::smem_u32(item_done + tid), kConsumerWarps);
   if (tid == 0) {
+    misc[kMiscRetired] = 0u;
     misc[kMiscCombinesPushed] = 0u;
     misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
     misc[kMiscPublisherDone] = 0u;
@@ -533,38 +559,43 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     if (lane != 0) return;
     u32 retired = 0;
     u32 pushed = 0;
+    const auto item_finished = [&](u32 n, bool block) {
+      const u32 bar = ptx::smem_u32(item_done + n % kInFlight);
+      return block ? pipe::try_wait(bar, (n / kInFlight) & 1u)
+                   : pipe::test_wait(bar, (n / kInFlight) & 1u);
+    };
     for (;;) {
-      u32 done = 0xFFFFFFFFu;
-#pragma unroll
-      for (i32 w = 0; w < kConsumerWarps; ++w) {
-        done = min(done, pipe::load_acquire_cta(misc + kMiscDone + w));
+      if (!item_finished(retired, true)) continue;
+      // The producer, once it has issued its last item, completes the barrier of the item after
+      // it: that phase means "finished", not an item.
+      const u32 final_count = pipe::load_acquire_cta(misc + kMiscIssuedFinal);
+      if (retired == final_count) break;
+      // Why the bounds: the barriers of items not yet issued still show their previous round,
+      // and the one after the last item is the producer's.
+      u32 done = retired + 1;
+      while (done - retired < kInFlight && done != final_count && item_finished(done, false)) {
+        ++done;
       }
-      if (done != retired) {
-        pipe::fence_acq_rel_gpu();  // the consumers' output stores, before the counters
-        bool combine = false;
-        for (; retired < done; ++retired) {
-          const i32 it = in_flight[retired % kInFlight];
-          if (it < fc1_total) {
-            atomicAdd(fc1_done + it / G.fc1_items(), 1u);
-          } else {
-            const i32 slice = (it - fc1_total) % G.fc2_items();
-            if (atomicAdd(fc2_done + slice, 1u) == static_cast<u32>(nv - 1)) {
-              combines[pushed % kInFlight] = static_cast<u32>(slice);
-              ++pushed;
-              combine = true;
-            }
+      pipe::fence_acq_rel_gpu();  // the consumers' output stores, before the counters
+      bool combine = false;
+      for (; retired < done; ++retired) {
+        const i32 it = in_flight[retired % kInFlight];
+        if (it < fc1_total) {
+          atomicAdd(fc1_done + it / G.fc1_items(), 1u);
+        } else {
+          const i32 slice = (it - fc1_total) % G.fc2_items();
+          if (atomicAdd(fc2_done + slice, 1u) == static_cast<u32>(nv - 1)) {
+            combines[pushed % kInFlight] = static_cast<u32>(slice);
+            ++pushed;
+            combine = true;
           }
         }
-        if (combine) {
-          pipe::fence_acq_rel_gpu();  // every CTA's FC2 rows, before the combine
-          pipe::store_release_cta(misc + kMiscCombinesPushed, pushed);
-        }
-        continue;
       }
-      // Finished when the producer has issued its last item and all of them are retired.
-      const u32 final_count = pipe::load_acquire_cta(misc + kMiscIssuedFinal);
-      if (final_count != 0xFFFFFFFFu && retired == final_count) break;
-      pipe::sleep_ns(kPublisherSleepNs);
+      pipe::store_release_cta(misc + kMiscRetired, retired);
+      if (combine) {
+        pipe::fence_acq_rel_gpu();  // every CTA's FC2 rows, before the combine
+        pipe::store_release_cta(misc + kMiscCombinesPushed, pushed);
+      }
     }
     pipe::store_release_cta(misc + kMiscPublisherDone, 1u);
     return;
@@ -695,7 +726,14 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
         __syncwarp();
         return slot;
       };
-      if (lane == 0) in_flight[issued % kInFlight] = item;
+      // At most kInFlight items between the publisher and the producer (the ring of item
+      // barriers and in_flight[]); reached only if the publisher falls far behind.
+      if (lane == 0) {
+        while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
+          pipe::sleep_ns(256);
+        }
+        in_flight[issued % kInFlight] = item;
+      }
       ++issued;
       i32 next = 0;
       i32 c = 0;
@@ -733,7 +771,12 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     }
     // Queue drained: let the publisher retire what is in flight, combine what it completes,
     // then stop the consumers.
-    if (lane == 0) pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
+    if (lane == 0) {
+      pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
+      // Wakes the publisher: the barrier of item `issued` (never issued) completes at once.
+      while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) pipe::sleep_ns(256);
+      pipe::arrive(ptx::smem_u32(item_done + issued % kInFlight), kConsumerWarps);
+    }
     for (;;) {
       const u32 finished = pipe::load_acquire_cta(misc + kMiscPublisherDone);
       push_combines();
@@ -749,7 +792,13 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
   }
 
   // ============================== consumers ==============================
+  // Zero at the start and after each item's epilogue (not per chunk: no select per chunk).
   float acc[kNT][4];
+#pragma unroll
+  for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+  }
   u32 seq = 0;
   u32 items = 0;    // items finished by this warp
   u32 reduces = 0;  // items that went through the K-split reduction (red buffer parity)
@@ -785,13 +834,6 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     const u32 s_base = w_base + static_cast<u32>(G.slot_weight_bytes());
     const u32 a_base = s_base + static_cast<u32>(G.slot_scale_bytes());
 
-    if (c == 0) {
-#pragma unroll
-      for (i32 nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-        for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
-      }
-    }
     if (fc2) {
       mma_chunk_active<kFc2ChunkK, kWk2, kNT>(w_base, s_base, a_base, strip, kslice, n_active,
                                               acc);
@@ -862,10 +904,15 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
         }
       }
     }
-    // The producer retires the item once every warp has published it.
-    ++items;
+#pragma unroll
+    for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+    }
+    // The publisher retires the item once every warp has arrived on its barrier.
     __syncwarp();
-    if (lane == 0) pipe::store_release_cta(misc + kMiscDone + warp, items);
+    if (lane == 0) pipe::arrive(ptx::smem_u32(item_done + items % kInFlight));
+    ++items;
   }
 }
 

@@ -111,9 +111,10 @@ struct Geometry {
   }
   MOEJIT_HD constexpr i32 sorted_bytes() const { return align16(positions() * 2); }
   MOEJIT_HD constexpr i32 vinfo_bytes() const { return align16(max_virtual() * 4); }
-  // mbarriers and chunk headers per stage; scan sums, per-warp items done, the producer's
-  // in-flight item list and pending combines.
-  MOEJIT_HD constexpr i32 control_bytes() const { return 512 + stages * 32; }
+  // mbarriers and chunk headers per stage; scan sums, the producer's in-flight item list,
+  // pending combines and the per-item "done" barriers.
+  MOEJIT_HD static constexpr i32 misc_bytes() { return 768; }  // control words, item barriers
+  MOEJIT_HD constexpr i32 control_bytes() const { return misc_bytes() + stages * 32; }
   // Routing scratch, aliased with the ring (the ring is not used before routing ends): per-warp
   // expert counts u16 [8][E], packed per-expert sums u32 [E].
   MOEJIT_HD constexpr i32 route_scratch_bytes() const {
@@ -123,9 +124,11 @@ struct Geometry {
     return ring_bytes() + reduce_bytes() + sorted_bytes() + vinfo_bytes() + control_bytes();
   }
   // CTAs per SM the shared memory allows (sm_90: 228 KB per SM, 1 KB reserved per CTA), at most
-  // two: the persistent grid is this many CTAs per SM.
+  // three (the registers of 320 threads): the persistent grid is this many CTAs per SM.
   MOEJIT_HD constexpr i32 blocks_per_sm() const {
-    return 2 * (smem_bytes() + 1024) <= 228 * 1024 ? 2 : 1;
+    return 3 * (smem_bytes() + 1024) <= 228 * 1024   ? 3
+           : 2 * (smem_bytes() + 1024) <= 228 * 1024 ? 2
+                                                     : 1;
   }
 
   // ---- global workspace (bytes; every region 256-byte aligned) ----

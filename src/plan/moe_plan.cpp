@@ -134,9 +134,16 @@ decode::Geometry geometry_of(const MoeDecodeParams& p) {
 constexpr int kDecodeBlockN = 16;  // the planner's block_n at every T (see above)
 constexpr int kDecodeMinStages = 2;
 constexpr int kDecodeMaxStages = 6;
-// Why 2: the kernel is issue-bound, so two CTAs per SM with the deepest ring that fits beat one
-// CTA with a deeper ring (v4, deepseek T = 24: 3 stages x 2 CTAs 46%, 2 x 2 44%, 4 x 1 28%).
-constexpr int kDecodeTwoCtaMinStages = 2;
+// CTAs per SM the planner aims for. Why 3 from T = 16 for the tiles of 8 FC1 strips (block_n 16):
+// the consumers are latency-bound (ncu, v7 deepseek T = 24: no eligible warp in 37% of cycles),
+// and a third CTA with a 2-chunk ring beats two with 3-4 chunks at T = 24 (through the library:
+// kimi 70.1% of copy against 65.7%, kimi-ep2 74.4% against 71.2%, deepseek 70.9% against 70.0%,
+// qwen3 67.7% against 67.1%) and beyond. Why 2 below: every CTA routes and starts on its own, and
+// at small T a third CTA costs more than it hides (T = 6: kimi-ep2 83.5 us against 70.1, qwen3
+// 51.6 against 45.0; deepseek T = 4: 52.6 against 42.0).
+constexpr int kDecodeThreeCtaMinTokens = 16;
+constexpr int kDecodeSmallTCtasPerSm = 2;
+constexpr int kDecodeCtasPerSm = 3;
 // Why FC1 strips by T: an item of 8 strips is a 16 KB chunk that no warp splits along K, the
 // fastest at T >= 6 (v6, T = 24: deepseek 70% of copy against 59% with 4 strips, kimi 65%
 // against 57%); at T = 1 there are too few such items for 264 CTAs (deepseek: 48), and 2 or 4
@@ -176,23 +183,21 @@ decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
   return g;
 }
 
-// The pipeline depth of a tile: with block_n 16, the deepest ring (3..6 chunks) that still fits
-// two CTAs per SM; otherwise (block_n 32, or no such depth) the deepest of 2..6 that fits one.
-// 0 when none fits.
-int decode_stages(decode::Geometry g) {
-  if (g.block_n == 16) {
-    for (int stages = kDecodeMaxStages; stages >= kDecodeTwoCtaMinStages; --stages) {
+// The pipeline depth of a tile at T = tokens: the deepest ring (2..6 chunks) that keeps the CTAs
+// per SM aimed for (3 for block_n 16 with 8 FC1 strips from T = 16, else 2), else the deepest
+// that keeps fewer. 0 when none fits.
+int decode_stages(decode::Geometry g, int tokens) {
+  const int aim = g.block_n == 16 && g.fc1_strips == 8 && tokens >= kDecodeThreeCtaMinTokens
+                      ? kDecodeCtasPerSm
+                      : kDecodeSmallTCtasPerSm;
+  for (int ctas = aim; ctas >= 1; --ctas) {
+    for (int stages = kDecodeMaxStages; stages >= kDecodeMinStages; --stages) {
       g.stages = stages;
-      if (g.rule() == decode::Rule::kOk && g.blocks_per_sm() == 2) return stages;
+      if (g.rule() == decode::Rule::kOk && g.blocks_per_sm() >= ctas) return stages;
     }
-  }
-  for (int stages = kDecodeMaxStages; stages >= kDecodeMinStages; --stages) {
-    g.stages = stages;
-    if (g.rule() == decode::Rule::kOk) return stages;
   }
   return 0;
 }
-
 
 // The rules of the shape alone (no biases; E, K, H, I) without building a message: the op asks
 // this on every forward.
@@ -442,7 +447,7 @@ std::string decode_moe_problem(const ModelShape& shape) {
 MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override) {
   const int block_n = block_n_override != 0 ? block_n_override : kDecodeBlockN;
   decode::Geometry g = decode_tile(shape, block_n, tokens);
-  g.stages = decode_stages(g);
+  g.stages = decode_stages(g, tokens);
   return decode_params_of(shape, g);
 }
 
