@@ -284,6 +284,100 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
   }
 }
 
+// What one 2D tensor copy of the producer lands in shared memory: the box of `m` at element
+// (x0, row0), row-major, 8-byte elements, as byte offsets into the tensor (the copy engine's
+// tile mode, no swizzle).
+std::vector<long long> box_offsets(const decode::TensorMapShape& m, long long x0, long long row0) {
+  std::vector<long long> out;
+  for (int r = 0; r < m.box_rows; ++r) {
+    for (int x = 0; x < m.box_inner; ++x) {
+      for (int b = 0; b < decode::kMapElementBytes; ++b) {
+        out.push_back((row0 + r) * m.row_bytes + (x0 + x) * decode::kMapElementBytes + b);
+      }
+    }
+  }
+  return out;
+}
+
+TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the consumers read",
+          "[plan][decode]") {
+  namespace layout = moejit::kern::moe::layout;
+  const std::vector<ModelShape> refs = reference_shapes();
+  for (const std::string& name : kServed) {
+    const ModelShape& shape = find_shape(refs, name);
+    for (int t : {1, 2, 6, 16, 256}) {
+      for (int forced : {0, 32}) {
+        const decode::Geometry g = geometry_of(detail::choose_decode_config(shape, t, forced));
+        INFO(name << " T = " << t << " fc1_strips " << g.fc1_strips << " block_n " << g.block_n);
+        for (bool fc2 : {false, true}) {
+          INFO((fc2 ? "FC2" : "FC1"));
+          const layout::Dims dims = fc2 ? layout::Dims{g.fc2_m_atoms(), g.fc2_k_atoms()}
+                                        : layout::Dims{g.fc1_m_atoms(), g.fc1_k_atoms()};
+          const int strips = fc2 ? g.fc2_strips : g.fc1_strips;
+          const int chunk_k = fc2 ? g.fc2_chunk_k() : decode::kFc1ChunkK;
+          const int chunks = fc2 ? g.fc2_chunks() : g.fc1_chunks();
+          const int items = fc2 ? g.fc2_items() : g.fc1_items();
+          const decode::TensorMapShape w = fc2 ? decode::fc2_map_shape(g, false)
+                                               : decode::fc1_map_shape(g, false);
+          const decode::TensorMapShape sc = fc2 ? decode::fc2_map_shape(g, true)
+                                                : decode::fc1_map_shape(g, true);
+          // The tensors are exactly the kernel layout's buffers, and the boxes fit the engine.
+          CHECK(w.rows * w.row_bytes == layout::weight_bytes(dims, g.experts));
+          CHECK(sc.rows * sc.row_bytes == layout::scale_bytes(dims, g.experts));
+          for (const decode::TensorMapShape& m : {w, sc}) {
+            CHECK(m.row_bytes % 16 == 0);
+            CHECK(m.box_inner >= 1);
+            CHECK(m.box_inner <= 256);
+            CHECK(m.box_rows <= 256);
+            CHECK((m.box_inner * decode::kMapElementBytes) % 16 == 0);
+            CHECK(m.inner * decode::kMapElementBytes == m.row_bytes);
+          }
+          // The bytes the chunk's barrier expects for its weights and scales, and the slot
+          // regions they land in.
+          CHECK(w.box_bytes() == strips * chunk_k * layout::kAtomBytes);
+          CHECK(sc.box_bytes() == strips * chunk_k * layout::kAtomScaleBytes);
+          CHECK(w.box_bytes() <= g.slot_weight_bytes());
+          CHECK(sc.box_bytes() <= g.slot_scale_bytes());
+          // First and last expert, item and chunk: slot byte (strip r, atom j, byte b) holds the
+          // atom (slice * strips + r, c * chunk_k + j) of expert e, as mma_chunk reads it.
+          for (int e : {0, g.experts - 1}) {
+            for (int item : {0, items - 1}) {
+              for (int c : {0, chunks - 1}) {
+                const long long row0 = static_cast<long long>(e) * dims.m_atoms + item * strips;
+                const std::vector<long long> wb = box_offsets(
+                    w, static_cast<long long>(c) * chunk_k * layout::kAtomBytes / 8, row0);
+                const std::vector<long long> sb = box_offsets(
+                    sc, static_cast<long long>(c) * chunk_k * layout::kAtomScaleBytes / 8, row0);
+                bool weights_ok = true;
+                bool scales_ok = true;
+                for (int r = 0; r < strips; ++r) {
+                  for (int j = 0; j < chunk_k; ++j) {
+                    const long long atom =
+                        layout::atom_index(dims, e, item * strips + r, c * chunk_k + j);
+                    for (int b = 0; b < layout::kAtomBytes; ++b) {
+                      const std::size_t at =
+                          static_cast<std::size_t>((r * chunk_k + j) * layout::kAtomBytes + b);
+                      weights_ok = weights_ok && wb[at] == atom * layout::kAtomBytes + b;
+                    }
+                    for (int b = 0; b < layout::kAtomScaleBytes; ++b) {
+                      const std::size_t at = static_cast<std::size_t>(
+                          (r * chunk_k + j) * layout::kAtomScaleBytes + b);
+                      scales_ok = scales_ok && sb[at] == atom * layout::kAtomScaleBytes + b;
+                    }
+                  }
+                }
+                INFO("expert " << e << ", item " << item << ", chunk " << c);
+                CHECK(weights_ok);
+                CHECK(scales_ok);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("decode_moe supports(): every Geometry rule, the types and the arch, with the reason",
           "[plan][decode]") {
   REQUIRE(moejit::supports(spec_of(good_params())).empty());
