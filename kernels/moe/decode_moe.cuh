@@ -94,13 +94,6 @@ __device__ __forceinline__ bool test_wait(u32 bar, u32 parity) {
   return done != 0;
 }
 // Bulk copy global -> this CTA's shared memory; completes `bytes` transactions on `bar`.
-__device__ __forceinline__ void copy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
-      "[%1], %2, [%3], %4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-      : "memory");
-}
 __device__ __forceinline__ void copy(u32 dst, const void* src, u32 bytes, u32 bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
@@ -486,7 +479,9 @@ __device__ __forceinline__ void combine_slice(const DecodeMoeParams& p, const fl
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const __grid_constant__ DecodeMoeParams p) {
+// Why __grid_constant__: the tensor copies name the maps in the parameter space by address.
+__global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
+    decode_moe(const __grid_constant__ DecodeMoeParams p) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 kNT = G.n_tiles();
   constexpr i32 kS = G.stages;
@@ -603,8 +598,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
 
   if (warp == kProducerWarp) {
     // ============================== producer ==============================
-    // Lane 0 keeps the books; all lanes issue bulk copies (one per strip run, one per
-    // activation row).
+    // Lane 0 keeps the books and issues a chunk's two tensor copies (weights, scales); lanes
+    // below the virtual expert's count copy its activation rows.
     const u64 evict_first = ptx::policy_evict_first();
     if (lane == 0) {
       pipe::prefetch_map(p.w13);
@@ -720,7 +715,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
           headers[4 * slot] = item;
           headers[4 * slot + 1] = c;
           headers[4 * slot + 2] = v;
-          headers[4 * slot + 3] = slice | (fc2 ? kHeaderFc2 : 0) | (c == chunks - 1 ? kHeaderLast : 0);
+          headers[4 * slot + 3] =
+              slice | (fc2 ? kHeaderFc2 : 0) | (c == chunks - 1 ? kHeaderLast : 0);
           pipe::expect_tx(ptx::smem_u32(full + slot), tx);
         }
         __syncwarp();
@@ -774,7 +770,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm) decode_moe(const
     if (lane == 0) {
       pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
       // Wakes the publisher: the barrier of item `issued` (never issued) completes at once.
-      while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) pipe::sleep_ns(256);
+      while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
+        pipe::sleep_ns(256);
+      }
       pipe::arrive(ptx::smem_u32(item_done + issued % kInFlight), kConsumerWarps);
     }
     for (;;) {

@@ -211,8 +211,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                                std::to_string(args.workspace_bytes));
       }
       kern::moe::decode::DecodeMoeParams params{};
-      detail::encode_decode_weight_maps(kOp, main, w.w13, w.w13_scales, w.w2, w.w2_scales,
-                                        params);
+      detail::encode_decode_weight_maps(kOp, main, w.w13, w.w13_scales, w.w2, w.w2_scales, params);
       params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
       params.topk_ids = ids.data;  // int32, or int64 read directly (DecodeTraits' Ids64)
       params.topk_weights = static_cast<const float*>(weights.data);

@@ -45,7 +45,7 @@ constexpr int kRouteSingleRows = 1024;
 constexpr int kRouteChunkRows = 1024;
 constexpr int kRouteLargeRows = 32768;
 constexpr int kRouteLargeChunkRows = 4096;
-constexpr int kRouteMaxItems = 32;  // RouteTraits: ChunkRows / BlockThreads <= 32
+constexpr int kRouteMaxItems = 32;   // RouteTraits: ChunkRows / BlockThreads <= 32
 constexpr int kRouteRankBlockM = 8;  // the block size every rank kernel is built with
 
 // Combine: T <= kCombineSmallTokens uses small CTAs so one token's H / 8 threads spread over
@@ -163,7 +163,7 @@ double expected_experts_touched(const ModelShape& shape, int tokens) {
 // The tile of one block_n choice at T = tokens, stages not yet chosen: FC1 strips by the rule
 // above among those Geometry::rule() accepts, 8 FC2 strips (else 4).
 decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
-  decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,      shape.intermediate,
+  decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,     shape.intermediate,
                      block_n,           2,           kDecodeFc2Strips, kDecodeMinStages};
   const double strips_total = expected_experts_touched(shape, tokens) * g.fc1_m_atoms();
   for (int strips : {8, 4, 2}) {

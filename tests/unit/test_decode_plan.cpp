@@ -317,10 +317,10 @@ TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the 
           const int chunk_k = fc2 ? g.fc2_chunk_k() : decode::kFc1ChunkK;
           const int chunks = fc2 ? g.fc2_chunks() : g.fc1_chunks();
           const int items = fc2 ? g.fc2_items() : g.fc1_items();
-          const decode::TensorMapShape w = fc2 ? decode::fc2_map_shape(g, false)
-                                               : decode::fc1_map_shape(g, false);
-          const decode::TensorMapShape sc = fc2 ? decode::fc2_map_shape(g, true)
-                                                : decode::fc1_map_shape(g, true);
+          const decode::TensorMapShape w =
+              fc2 ? decode::fc2_map_shape(g, false) : decode::fc1_map_shape(g, false);
+          const decode::TensorMapShape sc =
+              fc2 ? decode::fc2_map_shape(g, true) : decode::fc1_map_shape(g, true);
           // The tensors are exactly the kernel layout's buffers, and the boxes fit the engine.
           CHECK(w.rows * w.row_bytes == layout::weight_bytes(dims, g.experts));
           CHECK(sc.rows * sc.row_bytes == layout::scale_bytes(dims, g.experts));
@@ -360,8 +360,8 @@ TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the 
                       weights_ok = weights_ok && wb[at] == atom * layout::kAtomBytes + b;
                     }
                     for (int b = 0; b < layout::kAtomScaleBytes; ++b) {
-                      const std::size_t at = static_cast<std::size_t>(
-                          (r * chunk_k + j) * layout::kAtomScaleBytes + b);
+                      const std::size_t at =
+                          static_cast<std::size_t>((r * chunk_k + j) * layout::kAtomScaleBytes + b);
                       scales_ok = scales_ok && sb[at] == atom * layout::kAtomScaleBytes + b;
                     }
                   }
@@ -462,8 +462,7 @@ TEST_CASE("decode_moe supports(): every Geometry rule, the types and the arch, w
   deep.stages = 8;
   const long long smem = detail::decode_moe_smem_bytes(deep);
   REQUIRE(smem > 101376);
-  expect_refused(deep, {"needs " + std::to_string(smem), "sm_120 allows at most 101376"},
-                 "sm_120");
+  expect_refused(deep, {"needs " + std::to_string(smem), "sm_120 allows at most 101376"}, "sm_120");
   CHECK_FALSE(detail::decode_moe_runs_on(deep, Arch::parse("sm_120")));
   CHECK_FALSE(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_80")));
   CHECK(detail::decode_moe_runs_on(good_params(), Arch::parse("sm_90a")));
