@@ -128,10 +128,16 @@ decode::Geometry geometry_of(const MoeDecodeParams& p) {
 // The tile rules below follow the H200 measurements of decode_moe (tools/PERF_LOG.md,
 // "decode_moe"); keep them in these functions so planner and op agree.
 //
-// Why block_n 16 always: blocks of 32 need one CTA per SM (shared memory) and measured slower at
-// every T tried (v4, deepseek-v4-flash T = 256: 23% of copy bandwidth against 37%; qwen3
-// T = 256: 14% against 21%). 32 stays available when forced (MoeForwardOptions::decode_block_n).
-constexpr int kDecodeBlockN = 16;  // the planner's block_n at every T (see above)
+// Why block_n 16, and 32 only where experts average 12 positions or more: a virtual expert
+// streams its expert's weights, so an expert with 17..32 positions reads them twice with blocks
+// of 16 (qwen3 T = 256, 16 per expert on average: block_n 32 39.1% of copy against 34.8%; with
+// 12 on average about one expert in ten has more than 16), while blocks of 32 double the
+// activation rows of every ring slot, which costs pipeline depth or a CTA per SM where experts
+// hold few positions (v7: deepseek T = 96 68.5% against 70.2%; kimi drops to one CTA per SM:
+// 46.8% against 64.2% at T = 96). Either is available when forced (decode_block_n).
+constexpr int kDecodeBlockN = 16;       // the planner's block_n below kDecodeWideBlockPositions
+constexpr int kDecodeWideBlockN = 32;
+constexpr double kDecodeWideBlockPositions = 12.0;  // expected positions per touched expert
 constexpr int kDecodeMinStages = 2;
 constexpr int kDecodeMaxStages = 6;
 // CTAs per SM the planner aims for. Why 3 from T = 16 for the tiles of 8 FC1 strips (block_n 16):
@@ -444,8 +450,16 @@ std::string decode_moe_problem(const ModelShape& shape) {
   return out;
 }
 
+// The planner's block_n at T = tokens (see kDecodeWideBlockPositions).
+int decode_block_n(const ModelShape& shape, int tokens) {
+  const double touched = expected_experts_touched(shape, tokens);
+  const double positions = static_cast<double>(tokens) * shape.top_k;
+  return touched > 0 && positions / touched >= kDecodeWideBlockPositions ? kDecodeWideBlockN
+                                                                          : kDecodeBlockN;
+}
+
 MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override) {
-  const int block_n = block_n_override != 0 ? block_n_override : kDecodeBlockN;
+  const int block_n = block_n_override != 0 ? block_n_override : decode_block_n(shape, tokens);
   decode::Geometry g = decode_tile(shape, block_n, tokens);
   g.stages = decode_stages(g, tokens);
   return decode_params_of(shape, g);

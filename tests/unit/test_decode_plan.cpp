@@ -135,6 +135,15 @@ int expected_fc1_strips(const ModelShape& shape, int tokens) {
   return 2;
 }
 
+// The planner's block_n, restated: 32 where the expected positions per touched expert,
+// T * k / (E * (1 - (1 - k / E)^T)), are at least 12; else 16.
+int expected_block_n(const ModelShape& shape, int tokens) {
+  const double touched =
+      shape.num_experts *
+      (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
+  return static_cast<double>(tokens) * shape.top_k / touched >= 12.0 ? 32 : 16;
+}
+
 // The distinct main kernels the planner picks for T in 1..min(256, max_tokens).
 std::vector<MoeDecodeParams> planner_choices(const ModelShape& shape, int max_tokens) {
   std::vector<MoeDecodeParams> out;
@@ -252,14 +261,16 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
         CHECK(p.activation.beta == shape.activation.beta);
         CHECK(p.activation.limit == shape.activation.limit);
         CHECK(p.id_dtype == shape.id_dtype);
-        // block_n 16 unless forced; 8 FC2 strips; FC1 strips by T (expected_fc1_strips).
-        CHECK(p.block_n == (forced != 0 ? forced : 16));
+        // block_n as forced, else expected_block_n; 8 FC2 strips; FC1 strips by T
+        // (expected_fc1_strips).
+        CHECK(p.block_n == (forced != 0 ? forced : expected_block_n(shape, t)));
         CHECK(p.fc1_strips == expected_fc1_strips(shape, t));
         CHECK(p.fc2_strips == 8);
         CHECK(p.stages == expected_stages(g, t));
         // For these shapes every 16-wide tile keeps three CTAs per SM from T = 16 (8 FC1 strips
         // there), two below.
         if (p.block_n == 16) CHECK(g.blocks_per_sm() == (t >= 16 ? 3 : 2));
+        if (forced == 0 && p.block_n == 32) CHECK(g.blocks_per_sm() == 2);
         CHECK(p == (forced == 0 ? detail::choose_moe_config(shape, t).decode_main : p));
       }
     }
@@ -273,6 +284,10 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
   CHECK(detail::choose_decode_config(find_shape(refs, "deepseek-v4-flash-tp4"), 1, 0).fc1_strips ==
         2);
   CHECK(detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), 1, 0).fc1_strips == 4);
+  // block_n 32 where experts average 12 positions or more: qwen3 at T = 256 (16), not at 96 (6).
+  CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 256, 0).block_n == 32);
+  CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 96, 0).block_n == 16);
+  CHECK(detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), 256, 0).block_n == 16);
   for (const std::string& name : kServed) {
     INFO(name);
     for (int t : {6, 24, 96, 256}) {
