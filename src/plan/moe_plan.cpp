@@ -135,17 +135,18 @@ decode::Geometry geometry_of(const MoeDecodeParams& p) {
 // activation rows of every ring slot, which costs pipeline depth or a CTA per SM where experts
 // hold few positions (v7: deepseek T = 96 68.5% against 70.2%; kimi drops to one CTA per SM:
 // 46.8% against 64.2% at T = 96). Either is available when forced (decode_block_n).
-constexpr int kDecodeBlockN = 16;       // the planner's block_n below kDecodeWideBlockPositions
+constexpr int kDecodeBlockN = 16;  // the planner's block_n below kDecodeWideBlockPositions
 constexpr int kDecodeWideBlockN = 32;
 constexpr double kDecodeWideBlockPositions = 12.0;  // expected positions per touched expert
 constexpr int kDecodeMinStages = 2;
 constexpr int kDecodeMaxStages = 6;
 // CTAs per SM the planner aims for. Why 3 from T = 16 for the tiles of 8 FC1 strips (block_n 16):
 // the consumers are latency-bound (ncu, v7 deepseek T = 24: no eligible warp in 37% of cycles),
-// and a third CTA with a 2-chunk ring beats two with 3-4 chunks at T = 24 (through the library:
-// kimi 70.1% of copy against 65.7%, kimi-ep2 74.4% against 71.2%, deepseek 70.9% against 70.0%,
-// qwen3 67.7% against 67.1%) and beyond. Why 2 below: every CTA routes and starts on its own, and
-// at small T a third CTA costs more than it hides (T = 6: kimi-ep2 83.5 us against 70.1, qwen3
+// and a third CTA with a 2-chunk ring beats two with 3-4 chunks from T = 24 (harness: deepseek
+// 73.0% of copy against 72.7% in one run; kimi T = 24 71.4% against 65.4%, T = 256 61.5% against
+// 56.9%, and qwen3 67.5% against 66.0%, the two-CTA figures from the run before the publisher's
+// end-of-kernel wake-up, worth ~1 us). Why 2 below: every CTA routes and starts on its own,
+// and at small T a third CTA costs more than it hides (T = 6: kimi-ep2 83.5 us against 70.1, qwen3
 // 51.6 against 45.0; deepseek T = 4: 52.6 against 42.0).
 constexpr int kDecodeThreeCtaMinTokens = 16;
 constexpr int kDecodeSmallTCtasPerSm = 2;
@@ -455,7 +456,7 @@ int decode_block_n(const ModelShape& shape, int tokens) {
   const double touched = expected_experts_touched(shape, tokens);
   const double positions = static_cast<double>(tokens) * shape.top_k;
   return touched > 0 && positions / touched >= kDecodeWideBlockPositions ? kDecodeWideBlockN
-                                                                          : kDecodeBlockN;
+                                                                         : kDecodeBlockN;
 }
 
 MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override) {
