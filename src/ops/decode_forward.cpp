@@ -9,6 +9,7 @@
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "ops/moe_launch.hpp"
+#include "plan/decode_geometry.hpp"
 #include "plan/moe_plan.hpp"
 
 namespace moejit::detail {
@@ -107,8 +108,7 @@ void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, cons
                                kern::moe::decode::DecodeMoeParams& args) {
   namespace decode = kern::moe::decode;
   thread_local std::array<EncodedMap, 4> memo;
-  const decode::Geometry g{main.num_experts, main.top_k,      main.hidden,     main.intermediate,
-                           main.block_n,     main.fc1_strips, main.fc2_strips, main.stages};
+  const decode::Geometry g = decode_geometry(main);
   encode_map(op, "weights.w13", w13, decode::fc1_map_shape(g, false), memo[0], args.w13);
   encode_map(op, "weights.w13_scales", w13_scales, decode::fc1_map_shape(g, true), memo[1],
              args.w13_scales);

@@ -10,6 +10,8 @@
 #include <moejit/kern/moe/route_params.cuh>
 #include <sstream>
 
+#include "plan/decode_geometry.hpp"
+
 namespace moejit::detail {
 
 namespace {
@@ -119,11 +121,6 @@ namespace decode = kern::moe::decode;
 
 static_assert(kDecodeMaxTokens == decode::kMaxTokens, "moe_plan.hpp's copy of decode::kMaxTokens");
 static_assert(kDecodeThreads == decode::kThreads, "moe_plan.hpp's copy of decode::kThreads");
-
-decode::Geometry geometry_of(const MoeDecodeParams& p) {
-  return decode::Geometry{p.num_experts, p.top_k,      p.hidden,     p.intermediate,
-                          p.block_n,     p.fc1_strips, p.fc2_strips, p.stages};
-}
 
 // The tile rules below follow the H200 measurements of decode_moe (tools/PERF_LOG.md,
 // "decode_moe"); keep them in these functions so planner and op agree.
@@ -352,16 +349,20 @@ long long max_dynamic_smem_bytes(const Arch& arch) {
   }
 }
 
-long long decode_moe_smem_bytes(const MoeDecodeParams& p) { return geometry_of(p).smem_bytes(); }
+long long decode_moe_smem_bytes(const MoeDecodeParams& p) {
+  return decode_geometry(p).smem_bytes();
+}
 
-int decode_moe_blocks_per_sm(const MoeDecodeParams& p) { return geometry_of(p).blocks_per_sm(); }
+int decode_moe_blocks_per_sm(const MoeDecodeParams& p) {
+  return decode_geometry(p).blocks_per_sm();
+}
 
 long long decode_moe_workspace_bytes(const MoeDecodeParams& p) {
-  return geometry_of(p).workspace_bytes();
+  return decode_geometry(p).workspace_bytes();
 }
 
 std::string decode_rule_problem(const MoeDecodeParams& p) {
-  const decode::Geometry g = geometry_of(p);
+  const decode::Geometry g = decode_geometry(p);
   std::ostringstream os;
   switch (g.rule()) {
     case decode::Rule::kOk:

@@ -121,13 +121,17 @@ int expected_stages(decode::Geometry g, int tokens) {
   return 0;
 }
 
+// Experts uniform top-k routing of T tokens touches, expected: E * (1 - (1 - k / E)^T).
+double expected_touched(const ModelShape& shape, int tokens) {
+  return shape.num_experts *
+         (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
+}
+
 // The planner's FC1 strips per item, restated: the most of 8, 4, 2 (dividing intermediate / 8)
-// whose expected FC1 items at T, E * (1 - (1 - k / E)^T) experts touched times
-// intermediate / (8 * strips), number at least 160; else 2.
+// whose expected FC1 items at T, expected_touched times intermediate / (8 * strips), number at
+// least 160; else 2.
 int expected_fc1_strips(const ModelShape& shape, int tokens) {
-  const double touched =
-      shape.num_experts *
-      (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
+  const double touched = expected_touched(shape, tokens);
   const int strips_total = shape.intermediate / 8;
   for (int strips : {8, 4}) {
     if (strips_total % strips == 0 && touched * strips_total / strips >= 160.0) return strips;
@@ -136,12 +140,10 @@ int expected_fc1_strips(const ModelShape& shape, int tokens) {
 }
 
 // The planner's block_n, restated: 32 where the expected positions per touched expert,
-// T * k / (E * (1 - (1 - k / E)^T)), are at least 12; else 16.
+// T * k / expected_touched, are at least 12; else 16.
 int expected_block_n(const ModelShape& shape, int tokens) {
-  const double touched =
-      shape.num_experts *
-      (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
-  return static_cast<double>(tokens) * shape.top_k / touched >= 12.0 ? 32 : 16;
+  return static_cast<double>(tokens) * shape.top_k / expected_touched(shape, tokens) >= 12.0 ? 32
+                                                                                             : 16;
 }
 
 // The distinct main kernels the planner picks for T in 1..min(256, max_tokens).
