@@ -12,7 +12,7 @@
 // Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset)
 // for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem); and
 // marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
-// the faster one (decode_moe for 6 <= T <= 256 where it serves; see MoePath), MoeForwardOptions
+// the faster one (decode_moe for 4 <= T <= 256 where it serves; see MoePath), MoeForwardOptions
 // can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
@@ -125,15 +125,15 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for 6 <= T <= 256
-            // where it serves, marlin_moe otherwise (T < 6 included: there it is faster)
+  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for 4 <= T <= 256
+            // where it serves, marlin_moe otherwise (T < 4 included: there it is faster)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };
 
 struct MoeForwardOptions {
   MoePath path = MoePath::kAuto;
-  // decode_moe's positions per virtual expert: 0 = the planner's choice, 16 or 32 forces it
+  // decode_moe's positions per virtual expert: 0 = the planner's choice, 8, 16 or 32 forces it
   // (used whenever the call takes the decode path; prewarm builds only the planner's choices, so
   // a forced value that differs is compiled on first use). Anything else: Error{kInvalidArgument}.
   int decode_block_n = 0;

@@ -82,9 +82,8 @@ typedef struct moejit_moe_weights {
  * dequantized exactly. Shapes of the tensors: see moejit/moe.hpp. */
 moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w13_blocks,
                                         const DLTensor* w13_scales, const DLTensor* w2_blocks,
-                                        const DLTensor* w2_scales,
-                                        const moejit_moe_weights* target, int first_expert,
-                                        int32_t* bad_scale_count, void* stream);
+                                        const DLTensor* w2_scales, const moejit_moe_weights* target,
+                                        int first_expert, int32_t* bad_scale_count, void* stream);
 moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* w1_blocks,
                                          const DLTensor* w1_scales, const DLTensor* w3_blocks,
                                          const DLTensor* w3_scales, const DLTensor* w2_blocks,
@@ -111,7 +110,7 @@ typedef enum moejit_moe_path {
 } moejit_moe_path;
 
 /* moejit_moe_forward with moejit::MoeForwardOptions: `path`, and decode_block_n (0 = the
- * planner's choice, 16 or 32 forces decode_moe's positions per virtual expert). */
+ * planner's choice, 8, 16 or 32 forces decode_moe's positions per virtual expert). */
 moejit_status moejit_moe_forward_ex(const moejit_moe* moe, const DLTensor* hidden,
                                     const DLTensor* topk_ids, const DLTensor* topk_weights,
                                     const moejit_moe_weights* weights, void* workspace,

@@ -9,8 +9,9 @@
 //   consumers compute, the one its producer loads and the next one it claimed;
 // - warp roles: eight consumer warps dequantize (mxfp4.cuh) and run mma.sync m16n8k16 with weight
 //   rows in M and the virtual expert's positions in N (only the n8 tiles that hold positions);
-//   one producer warp streams weights and scales (one 2D tensor copy each per chunk,
-//   evict-first) and activation rows (bulk copies) into a ring of `stages` chunks guarded by
+//   one producer warp streams weights and scales (2D tensor copies, evict-first: one each per
+//   chunk, or per 4 atoms of the 8- or 16-atom FC1 chunks of the block_n 8 tiles that serve
+//   small T) and activation rows (bulk copies) into a ring of `stages` chunks guarded by
 //   mbarriers, across item boundaries, and writes each chunk's header (item, chunk, virtual
 //   expert, slice, flags) so consumers do no item arithmetic; one publisher warp retires
 //   finished items (it sleeps on per-item barriers, then a gpu-scope fence and the counters).
@@ -167,7 +168,7 @@ __device__ __forceinline__ u32 lanemask_lt() {
 template <i32 kExperts_, i32 kTopK_, i32 kHidden_, i32 kInter_, i32 kBlockN_, i32 kFc1Strips_,
           i32 kFc2Strips_, i32 kStages_, class Act_, bool kIds64_>
 struct DecodeTraits {
-  using Act = Act_;                     // gated activation functor (activation.cuh)
+  using Act = Act_;                        // gated activation functor (activation.cuh)
   static constexpr bool kIds64 = kIds64_;  // topk_ids int64 (else int32)
   static constexpr Geometry kGeo{kExperts_, kTopK_,      kHidden_,    kInter_,
                                  kBlockN_,  kFc1Strips_, kFc2Strips_, kStages_};
@@ -178,7 +179,7 @@ struct DecodeTraits {
                 "decode_moe: hidden must be a multiple of 256 (whole FC1 chunks of 4 K atoms)");
   static_assert(kGeo.rule() != Rule::kInter,
                 "decode_moe: inter must be a multiple of 128 (whole FC2 chunks of 2 K atoms)");
-  static_assert(kGeo.rule() != Rule::kBlockN, "decode_moe: block_n must be 16 or 32");
+  static_assert(kGeo.rule() != Rule::kBlockN, "decode_moe: block_n must be 8, 16 or 32");
   static_assert(kGeo.rule() != Rule::kFc1Strips,
                 "decode_moe: fc1_strips must be 2, 4 or 8 and divide inter / 8");
   static_assert(kGeo.rule() != Rule::kFc2Strips,
@@ -189,7 +190,7 @@ struct DecodeTraits {
   static_assert(kGeo.rule() == Rule::kOk, "decode_moe: shape rule broken");
   static_assert(kThreads == 320 && kConsumerWarps == 8,
                 "eight consumer warps, one producer warp, one publisher warp");
-  static_assert(kFc1ChunkK % kGeo.fc1_warps_k() == 0,
+  static_assert(kGeo.fc1_chunk_k() % kGeo.fc1_warps_k() == 0,
                 "FC1 chunk atoms split evenly over the warps of a strip");
   static_assert(kGeo.fc2_chunk_k() % kGeo.fc2_warps_k() == 0,
                 "FC2 chunk atoms split evenly over the warps of a strip");
@@ -267,8 +268,8 @@ __device__ __forceinline__ u32 local_expert(const DecodeMoeParams& p, i32 pos) {
 // Fills sorted[] (positions by (expert, token, slot)) and vinfo[] (pack_virtual per virtual
 // expert); returns the number of virtual experts. `scratch` is the (still unused) ring.
 template <class T>
-__device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16* sorted,
-                                     u32* vinfo, u32* warp_sums) {
+__device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16* sorted, u32* vinfo,
+                                     u32* warp_sums) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 E = G.experts;
   const i32 tid = static_cast<i32>(threadIdx.x);
@@ -358,20 +359,20 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
 
 // One chunk of one strip: this warp's atoms (every kWK-th of kChunkK, from kslice) into acc.
 // kActive n8 tiles of kNT hold positions (warp-uniform, a template argument so the MMAs carry
-// no per-tile branch).
-template <i32 kChunkK, i32 kWK, i32 kNT, i32 kActive>
-__device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i32 strip,
-                                          i32 kslice, float (&acc)[kNT][4]) {
+// no per-tile branch). The chunk holds kStrips strips (slot_atom); activation rows are kActRow
+// bytes apart.
+template <i32 kStrips, i32 kChunkK, i32 kWK, i32 kActRow, i32 kNT, i32 kActive>
+__device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i32 strip, i32 kslice,
+                                          float (&acc)[kNT][4]) {
   static_assert(kActive >= 1 && kActive <= kNT, "active tiles within the accumulator");
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
   const i32 g = lane >> 2;
   // ldmatrix row addresses: lanes 8q..8q+7 give matrix q = rows 0..7 of K block q (8 elements).
-  const u32 a_lane = a_base + static_cast<u32>((lane & 7) * Geometry::act_row_bytes() +
-                                               (lane >> 3) * 16);
+  const u32 a_lane = a_base + static_cast<u32>((lane & 7) * kActRow + (lane >> 3) * 16);
 #pragma unroll
   for (i32 i = 0; i < kChunkK / kWK; ++i) {
     const i32 j = kslice + i * kWK;  // K atom inside the chunk
-    const i32 atom = strip * kChunkK + j;
+    const i32 atom = slot_atom(kStrips, kChunkK, strip, j);
     u32 w[4];
     ptx::lds128(w_base + static_cast<u32>(atom * layout::kAtomBytes + lane * 16), w);
     const u32 sw = ptx::lds32(s_base + static_cast<u32>(atom * layout::kAtomScaleBytes + g * 4));
@@ -382,9 +383,9 @@ __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i3
       u32 b[kActive][4];
 #pragma unroll
       for (i32 nt = 0; nt < kActive; ++nt) {
-        ptx::ldmatrix_x4(a_lane + static_cast<u32>(nt * 8 * Geometry::act_row_bytes() +
-                                                   (j * layout::kAtomK + st * 16) * 2),
-                         b[nt]);
+        ptx::ldmatrix_x4(
+            a_lane + static_cast<u32>(nt * 8 * kActRow + (j * layout::kAtomK + st * 16) * 2),
+            b[nt]);
       }
 #pragma unroll
       for (i32 h = 0; h < 2; ++h) {
@@ -400,19 +401,20 @@ __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i3
 }
 
 // mma_chunk for the chunk's active tile count (1 .. kNT).
-template <i32 kChunkK, i32 kWK, i32 kNT>
+template <i32 kStrips, i32 kChunkK, i32 kWK, i32 kActRow, i32 kNT>
 __device__ __forceinline__ void mma_chunk_active(u32 w_base, u32 s_base, u32 a_base, i32 strip,
-                                                 i32 kslice, i32 n_active,
-                                                 float (&acc)[kNT][4]) {
-  static_assert(kNT == 2 || kNT == 4, "block_n 16 or 32");
-  if (n_active == 1) {
-    mma_chunk<kChunkK, kWK, kNT, 1>(w_base, s_base, a_base, strip, kslice, acc);
+                                                 i32 kslice, i32 n_active, float (&acc)[kNT][4]) {
+  static_assert(kNT == 1 || kNT == 2 || kNT == 4, "block_n 8, 16 or 32");
+  if (kNT == 1 || n_active == 1) {
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, 1>(w_base, s_base, a_base, strip, kslice, acc);
   } else if (kNT == 2 || n_active == 2) {
-    mma_chunk<kChunkK, kWK, kNT, 2>(w_base, s_base, a_base, strip, kslice, acc);
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, (kNT > 1 ? 2 : 1)>(w_base, s_base, a_base, strip,
+                                                                      kslice, acc);
   } else if (n_active == 3) {
-    mma_chunk<kChunkK, kWK, kNT, (kNT > 2 ? 3 : 2)>(w_base, s_base, a_base, strip, kslice, acc);
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, (kNT > 2 ? 3 : 1)>(w_base, s_base, a_base, strip,
+                                                                      kslice, acc);
   } else {
-    mma_chunk<kChunkK, kWK, kNT, kNT>(w_base, s_base, a_base, strip, kslice, acc);
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, kNT>(w_base, s_base, a_base, strip, kslice, acc);
   }
 }
 
@@ -431,10 +433,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeP
 // Why barriers and not counters the publisher polls: an idle poll costs ~50 issue slots the
 // consumer warps of its SM need (ncu, v4-v6: 6-7.5% of the kernel's instructions), a barrier
 // wait suspends the warp.
-inline constexpr i32 kMiscScan = 0;       // [0, 10): block_exclusive_scan warp sums + total
-inline constexpr i32 kMiscRetired = 16;   // items the publisher has retired
-inline constexpr i32 kMiscInFlight = 32;  // [32, 64): items issued, not yet retired (ring)
-inline constexpr i32 kMiscCombine = 64;   // [64, 96): H slices to combine
+inline constexpr i32 kMiscScan = 0;             // [0, 10): block_exclusive_scan warp sums + total
+inline constexpr i32 kMiscRetired = 16;         // items the publisher has retired
+inline constexpr i32 kMiscInFlight = 32;        // [32, 64): items issued, not yet retired (ring)
+inline constexpr i32 kMiscCombine = 64;         // [64, 96): H slices to combine
 inline constexpr i32 kMiscCombinesPushed = 96;  // combines the publisher has listed
 inline constexpr i32 kMiscIssuedFinal = 97;     // items the producer issued, once it is done
 inline constexpr i32 kMiscPublisherDone = 98;   // 1 once every item is retired
@@ -454,7 +456,7 @@ __device__ __forceinline__ void combine_slice(const DecodeMoeParams& p, const fl
                                               i32 slice) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 kCols = G.fc2_strips * layout::kAtomRows;  // 64 or 128
-  constexpr i32 kThreadsPerToken = kCols / 4;               // 4 columns (16 bytes) each
+  constexpr i32 kThreadsPerToken = kCols / 4;              // 4 columns (16 bytes) each
   constexpr i32 kTokensPerPass = kConsumerThreads / kThreadsPerToken;
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 col = slice * kCols + (tid % kThreadsPerToken) * 4;
@@ -539,6 +541,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   const i32 total = fc1_total + nv * G.fc2_items();
   const u32 ring_base = ptx::smem_u32(ring);
   constexpr i32 kActRow = G.act_row_bytes();
+  constexpr i32 kFc1ChunkK = G.fc1_chunk_k();
   constexpr i32 kFc2ChunkK = G.fc2_chunk_k();
 
   i32* const in_flight = reinterpret_cast<i32*>(misc + kMiscInFlight);
@@ -610,7 +613,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
     u32 seq = 0;                // ring entries produced (position and phase)
     u32 issued = 0;
-    u32 combined = 0;           // combine entries pushed into the ring
+    u32 combined = 0;  // combine entries pushed into the ring
 
     const auto open_entry = [&]() {
       const i32 slot = static_cast<i32>(seq % kS);
@@ -655,25 +658,31 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       const i32 row0 = e * (fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) + slice * strips;
       const u32 act_bytes = static_cast<u32>(chunk_k * layout::kAtomK * 2);
       // Bytes the copies of one chunk deliver (FC2 activations come by cp.async).
-      const u32 tx = static_cast<u32>(strips * chunk_k *
-                                      (layout::kAtomBytes + layout::kAtomScaleBytes)) +
-                     (fc2 ? 0u : static_cast<u32>(count) * act_bytes);
+      const u32 tx =
+          static_cast<u32>(strips * chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
+          (fc2 ? 0u : static_cast<u32>(count) * act_bytes);
       // FC1: this lane's activation row (lane < count), the hidden row of its token.
       const u16* const act_src =
           !fc2 && lane < count
               ? p.hidden + static_cast<i64>(sorted[first + lane] / G.top_k) * G.hidden
               : nullptr;
-      // One tensor copy lands the chunk's strips in slot order (strip-major, chunk_k atoms
-      // each), one its scales.
+      // One tensor copy per group of up to 4 atoms lands the chunk's strips (slot_atom's
+      // order), one more its scales.
       const auto issue_weights = [&](i32 c, i32 slot) {
         if (lane == 0) {
           const u32 bar = ptx::smem_u32(full + slot);
           const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
-          pipe::copy_2d(slot_base, wmap, c * chunk_k * (layout::kAtomBytes / kMapElementBytes),
-                        row0, bar, evict_first);
-          pipe::copy_2d(slot_base + static_cast<u32>(G.slot_weight_bytes()), smap,
-                        c * chunk_k * (layout::kAtomScaleBytes / kMapElementBytes), row0, bar,
-                        evict_first);
+          const i32 gw = copy_group_atoms(chunk_k);
+          for (i32 q = 0; q < chunk_k / gw; ++q) {
+            const i32 atom0 = c * chunk_k + q * gw;  // the group's first K atom
+            const u32 first = static_cast<u32>(q * strips * gw);
+            pipe::copy_2d(slot_base + first * layout::kAtomBytes, wmap,
+                          atom0 * (layout::kAtomBytes / kMapElementBytes), row0, bar, evict_first);
+            pipe::copy_2d(slot_base + static_cast<u32>(G.slot_weight_bytes()) +
+                              first * layout::kAtomScaleBytes,
+                          smap, atom0 * (layout::kAtomScaleBytes / kMapElementBytes), row0, bar,
+                          evict_first);
+          }
         }
       };
       // FC1 rows (hidden, written before this grid) come by bulk copy. FC2 rows were written in
@@ -692,8 +701,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
           return;
         }
         constexpr i32 kPieces = kFc2ChunkK * layout::kAtomK * 2 / 16;  // 16 or 32 per row
-        const u16* const rows = inter + static_cast<i64>(v) * G.block_n * G.inter +
-                                c * kFc2ChunkK * layout::kAtomK;
+        const u16* const rows =
+            inter + static_cast<i64>(v) * G.block_n * G.inter + c * kFc2ChunkK * layout::kAtomK;
         for (i32 i = lane; i < count * kPieces; i += 32) {
           const i32 n = i / kPieces;
           const i32 piece = i % kPieces;
@@ -833,11 +842,11 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     const u32 a_base = s_base + static_cast<u32>(G.slot_scale_bytes());
 
     if (fc2) {
-      mma_chunk_active<kFc2ChunkK, kWk2, kNT>(w_base, s_base, a_base, strip, kslice, n_active,
-                                              acc);
+      mma_chunk_active<G.fc2_strips, kFc2ChunkK, kWk2, kActRow, kNT>(w_base, s_base, a_base, strip,
+                                                                     kslice, n_active, acc);
     } else {
-      mma_chunk_active<kFc1ChunkK, kWk1, kNT>(w_base, s_base, a_base, strip, kslice, n_active,
-                                              acc);
+      mma_chunk_active<G.fc1_strips, kFc1ChunkK, kWk1, kActRow, kNT>(w_base, s_base, a_base, strip,
+                                                                     kslice, n_active, acc);
     }
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));

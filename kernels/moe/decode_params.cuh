@@ -10,7 +10,9 @@
 // - strip: 16 weight rows of one expert (layout.cuh atoms); FC1 strips hold 8 gate/up pairs.
 // - item: the unit of work claimed from the queue: FC1 (virtual expert, kFc1Strips strips, all
 //   of K = hidden) or FC2 (virtual expert, kFc2Strips strips, all of K = inter).
-// - chunk: one pipeline stage of an item, kStrips strips x kChunkK 64-wide K atoms.
+// - chunk: one pipeline stage of an item, strips x chunk_k 64-wide K atoms, landed by chunk_k / 4
+//   tensor copies (one per group of at most 4 atoms: a box row holds at most 2 KB) in slot
+//   order [group][strip][atom] (slot_atom).
 #pragma once
 
 #include <moejit/kern/moe/layout.cuh>
@@ -18,14 +20,16 @@
 
 namespace moejit::kern::moe::decode {
 
-inline constexpr i32 kMaxTokens = 256;         // decode_moe serves T <= 256
-inline constexpr i32 kConsumerWarps = 8;       // warps that dequantize and multiply
+inline constexpr i32 kMaxTokens = 256;                     // decode_moe serves T <= 256
+inline constexpr i32 kConsumerWarps = 8;                   // warps that dequantize and multiply
 inline constexpr i32 kProducerWarp = kConsumerWarps;       // streams the ring
 inline constexpr i32 kPublisherWarp = kConsumerWarps + 1;  // retires items (fences, counters)
 inline constexpr i32 kThreads = 32 * (kConsumerWarps + 2);
 inline constexpr i32 kConsumerThreads = 32 * kConsumerWarps;
-inline constexpr i32 kFc1ChunkK = 4;           // FC1 chunk: 4 K atoms = 256 of hidden
+inline constexpr i32 kFc1ChunkKMin = 4;        // FC1 chunk: 4 to 16 K atoms (fc1_chunk_k)
 inline constexpr i32 kFc2ChunkKMax = 4;        // FC2 chunk: 4 K atoms where I % 256 == 0, else 2
+inline constexpr i32 kSlotAtoms = 32;          // weight atoms per ring slot: 16 KB
+inline constexpr i32 kCopyAtoms = 4;           // atoms per box row of one tensor copy (2 KB)
 inline constexpr i32 kMaxExperts = 4096;       // 12 bits in a virtual expert's packed info
 inline constexpr i32 kMaxTopK = 64;            // positions < 2^14
 inline constexpr i32 kSmemLimit = 227 * 1024;  // sm_90 opt-in limit per CTA
@@ -35,15 +39,15 @@ inline constexpr i32 kSmemLimit = 227 * 1024;  // sm_90 opt-in limit per CTA
 // marlin_moe with the rule's text.
 enum class Rule : i32 {
   kOk = 0,
-  kExperts,      // 1 <= E <= kMaxExperts (12-bit expert field)
-  kTopK,         // 1 <= K <= kMaxTopK (positions fit 14 bits)
-  kHidden,       // H % 256 == 0: FC1 chunks are whole 256-wide K runs; FC2 strips whole
-  kInter,        // I % 128 == 0: FC2 chunks are whole 128- or 256-wide K runs; FC1 items whole
-  kBlockN,       // BlockN in {16, 32}: n8 MMA tiles, packed count field
-  kFc1Strips,    // kFc1Strips in {2, 4, 8} and divides I / 8
-  kFc2Strips,    // kFc2Strips in {4, 8} and divides H / 16
-  kStages,       // 2 <= stages <= 8
-  kSharedMemory, // the CTA's shared memory fits sm_90's 227 KB
+  kExperts,       // 1 <= E <= kMaxExperts (12-bit expert field)
+  kTopK,          // 1 <= K <= kMaxTopK (positions fit 14 bits)
+  kHidden,        // H % 256 == 0: FC1 chunks are whole 256-wide K runs; FC2 strips whole
+  kInter,         // I % 128 == 0: FC2 chunks are whole 128- or 256-wide K runs; FC1 items whole
+  kBlockN,        // BlockN in {8, 16, 32}: n8 MMA tiles, packed count field
+  kFc1Strips,     // kFc1Strips in {2, 4, 8} and divides I / 8
+  kFc2Strips,     // kFc2Strips in {4, 8} and divides H / 16
+  kStages,        // 2 <= stages <= 8
+  kSharedMemory,  // the CTA's shared memory fits sm_90's 227 KB
 };
 
 // Every size of one decode_moe instance, derived from the shape traits (E, K, H, I, BlockN) and
@@ -54,7 +58,7 @@ struct Geometry {
   i32 top_k;       // K
   i32 hidden;      // H
   i32 inter;       // I
-  i32 block_n;     // BlockN positions per virtual expert (the MMA's N, 2 or 4 n8 tiles)
+  i32 block_n;     // BlockN positions per virtual expert (the MMA's N, 1, 2 or 4 n8 tiles)
   i32 fc1_strips;  // strips per FC1 item
   i32 fc2_strips;  // strips per FC2 item
   i32 stages;      // pipeline depth (chunks in flight per CTA)
@@ -71,7 +75,21 @@ struct Geometry {
   MOEJIT_HD constexpr i32 fc1_k_atoms() const { return hidden / layout::kAtomK; }
   MOEJIT_HD constexpr i32 fc1_m_atoms() const { return inter / layout::kGateUpRows; }
   MOEJIT_HD constexpr i32 fc1_items() const { return fc1_m_atoms() / fc1_strips; }  // per v
-  MOEJIT_HD constexpr i32 fc1_chunks() const { return fc1_k_atoms() / kFc1ChunkK; }  // per item
+  // Why FC1 chunks wider than 4 atoms with block_n 8 (the small-T tiles): with few strips per
+  // item a chunk of 4 atoms left most of a 16 KB slot empty, and each CTA kept ~12 KB in flight
+  // on its one item (ncu, v8 deepseek T = 1: consumers waited on the ring in 35% of samples).
+  // With block_n 8 the chunk is the widest of 16, 8 atoms that fills at most a slot and divides
+  // H / 64 (its activation rows, 8 x 16 atoms, take 16 KB of the slot: two CTAs per SM still
+  // fit). block_n 16 and 32 keep 4 atoms.
+  MOEJIT_HD constexpr i32 fc1_chunk_k() const {
+    if (block_n == 8) {
+      for (i32 c = 16; c > kFc1ChunkKMin; c /= 2) {
+        if (fc1_strips * c <= kSlotAtoms && fc1_k_atoms() % c == 0) return c;
+      }
+    }
+    return kFc1ChunkKMin;
+  }
+  MOEJIT_HD constexpr i32 fc1_chunks() const { return fc1_k_atoms() / fc1_chunk_k(); }  // per item
   MOEJIT_HD constexpr i32 fc1_warps_k() const { return kConsumerWarps / fc1_strips; }
   // ---- FC2: W2 [H x I]; K = I ----
   MOEJIT_HD constexpr i32 fc2_k_atoms() const { return inter / layout::kAtomK; }
@@ -85,13 +103,14 @@ struct Geometry {
 
   // ---- shared memory (bytes; every region 16-byte aligned) ----
   MOEJIT_HD constexpr i32 chunk_atoms() const {
-    return fc1_strips * kFc1ChunkK > fc2_strips * fc2_chunk_k() ? fc1_strips * kFc1ChunkK
-                                                                : fc2_strips * fc2_chunk_k();
+    return fc1_strips * fc1_chunk_k() > fc2_strips * fc2_chunk_k() ? fc1_strips * fc1_chunk_k()
+                                                                   : fc2_strips * fc2_chunk_k();
   }
   // Why +16: consecutive activation rows then start 16 bytes apart modulo 128, so ldmatrix is
   // free of bank conflicts without a swizzle.
-  MOEJIT_HD static constexpr i32 act_row_bytes() {
-    return (kFc1ChunkK > kFc2ChunkKMax ? kFc1ChunkK : kFc2ChunkKMax) * layout::kAtomK * 2 + 16;
+  MOEJIT_HD constexpr i32 act_row_bytes() const {
+    return (fc1_chunk_k() > kFc2ChunkKMax ? fc1_chunk_k() : kFc2ChunkKMax) * layout::kAtomK * 2 +
+           16;
   }
   MOEJIT_HD constexpr i32 slot_weight_bytes() const { return chunk_atoms() * layout::kAtomBytes; }
   MOEJIT_HD constexpr i32 slot_scale_bytes() const {
@@ -106,8 +125,7 @@ struct Geometry {
   // (by item parity) so one barrier per item suffices.
   // None when no item splits K over warps (8 strips per item).
   MOEJIT_HD constexpr i32 reduce_bytes() const {
-    return fc1_warps_k() > 1 || fc2_warps_k() > 1 ? 2 * kConsumerWarps * n_tiles() * 4 * 32 * 4
-                                                  : 0;
+    return fc1_warps_k() > 1 || fc2_warps_k() > 1 ? 2 * kConsumerWarps * n_tiles() * 4 * 32 * 4 : 0;
   }
   MOEJIT_HD constexpr i32 sorted_bytes() const { return align16(positions() * 2); }
   MOEJIT_HD constexpr i32 vinfo_bytes() const { return align16(max_virtual() * 4); }
@@ -143,19 +161,17 @@ struct Geometry {
   }
   MOEJIT_HD constexpr i64 ws_out2() const { return ws_inter() + align256(inter_bytes()); }
   // FC2 rows, fp32 [positions][H], top-k weight applied; summed per token in slot order.
-  MOEJIT_HD constexpr i64 out2_bytes() const {
-    return static_cast<i64>(positions()) * hidden * 4;
-  }
+  MOEJIT_HD constexpr i64 out2_bytes() const { return static_cast<i64>(positions()) * hidden * 4; }
   MOEJIT_HD constexpr i64 workspace_bytes() const { return ws_out2() + align256(out2_bytes()); }
 
   MOEJIT_HD constexpr Rule rule() const {
     if (experts < 1 || experts > kMaxExperts) return Rule::kExperts;
     if (top_k < 1 || top_k > kMaxTopK) return Rule::kTopK;
-    if (hidden < kFc1ChunkK * layout::kAtomK || hidden % (kFc1ChunkK * layout::kAtomK) != 0) {
+    if (hidden < kFc1ChunkKMin * layout::kAtomK || hidden % (kFc1ChunkKMin * layout::kAtomK) != 0) {
       return Rule::kHidden;
     }
     if (inter < 128 || inter % 128 != 0) return Rule::kInter;
-    if (block_n != 16 && block_n != 32) return Rule::kBlockN;
+    if (block_n != 8 && block_n != 16 && block_n != 32) return Rule::kBlockN;
     if ((fc1_strips != 2 && fc1_strips != 4 && fc1_strips != 8) ||
         fc1_m_atoms() % fc1_strips != 0) {
       return Rule::kFc1Strips;
@@ -175,32 +191,41 @@ struct Geometry {
 };
 
 // ---- weight streams as 2D tensors for the bulk tensor copy (TMA) ----
-// Why tensor copies: one copy moves a whole chunk (all strips x chunk K) of weights and one its
+// Why tensor copies: one copy moves every strip of a chunk (up to 4 atoms of K each) and one its
 // scales, where a plain bulk copy moves one strip run; the producer warp was the kernel's limit
 // (ncu, v4: 250 instructions per 8 KB chunk, 180 of them bookkeeping and per-strip copies).
 // The layout's atoms are [expert][m_atom][k_atom], so a matrix is 2D: rows = expert * m_atoms +
 // strip, each row k_atoms atoms long, elements of 8 bytes (the box's inner extent is at most 256
-// elements: 4 atoms).
+// elements: 4 atoms, so a wider FC1 chunk takes one copy per 4 atoms: slot_atom).
 struct TensorMapShape {
-  i64 inner;         // elements (8 bytes) per row
-  i64 rows;          // E * m_atoms
-  i64 row_bytes;     // stride between rows
-  i32 box_inner;     // elements per row in one copy
-  i32 box_rows;      // strips in one copy
+  i64 inner;      // elements (8 bytes) per row
+  i64 rows;       // E * m_atoms
+  i64 row_bytes;  // stride between rows
+  i32 box_inner;  // elements per row in one copy
+  i32 box_rows;   // strips in one copy
   MOEJIT_HD constexpr i32 box_bytes() const { return box_inner * box_rows * 8; }
 };
 inline constexpr i32 kMapElementBytes = 8;
+// Atoms per box row (copy group) of a chunk chunk_k atoms wide.
+MOEJIT_HD constexpr i32 copy_group_atoms(i32 chunk_k) {
+  return chunk_k < kCopyAtoms ? chunk_k : kCopyAtoms;
+}
+// Where atom j (0 .. chunk_k - 1) of strip `strip` of a chunk lands in its slot, in atoms: the
+// chunk's copies land one after the other, each [strips][group atoms].
+MOEJIT_HD constexpr i32 slot_atom(i32 strips, i32 chunk_k, i32 strip, i32 j) {
+  const i32 gw = copy_group_atoms(chunk_k);
+  return (j / gw) * strips * gw + strip * gw + j % gw;
+}
 MOEJIT_HD constexpr TensorMapShape weight_map_shape(layout::Dims d, i32 experts, i32 chunk_k,
                                                     i32 strips, bool scales) {
   const i32 atom = scales ? layout::kAtomScaleBytes : layout::kAtomBytes;
   return TensorMapShape{static_cast<i64>(d.k_atoms) * atom / kMapElementBytes,
-                        static_cast<i64>(experts) * d.m_atoms,
-                        static_cast<i64>(d.k_atoms) * atom,
-                        chunk_k * atom / kMapElementBytes, strips};
+                        static_cast<i64>(experts) * d.m_atoms, static_cast<i64>(d.k_atoms) * atom,
+                        copy_group_atoms(chunk_k) * atom / kMapElementBytes, strips};
 }
 MOEJIT_HD constexpr TensorMapShape fc1_map_shape(const Geometry& g, bool scales) {
-  return weight_map_shape(layout::Dims{g.fc1_m_atoms(), g.fc1_k_atoms()}, g.experts, kFc1ChunkK,
-                          g.fc1_strips, scales);
+  return weight_map_shape(layout::Dims{g.fc1_m_atoms(), g.fc1_k_atoms()}, g.experts,
+                          g.fc1_chunk_k(), g.fc1_strips, scales);
 }
 MOEJIT_HD constexpr TensorMapShape fc2_map_shape(const Geometry& g, bool scales) {
   return weight_map_shape(layout::Dims{g.fc2_m_atoms(), g.fc2_k_atoms()}, g.experts,
@@ -230,13 +255,13 @@ struct DecodeMoeParams {
   TensorMap w13_scales;
   TensorMap w2;
   TensorMap w2_scales;
-  const u16* hidden;       // bf16 [T][H], rows 16-byte aligned
-  const void* topk_ids;    // [T][K] int32, or int64 with kIds64
+  const u16* hidden;          // bf16 [T][H], rows 16-byte aligned
+  const void* topk_ids;       // [T][K] int32, or int64 with kIds64
   const float* topk_weights;  // [T][K]
-  u16* out;                // bf16 [T][H]
-  u8* workspace;           // Geometry::workspace_bytes(), 256-byte aligned
-  i32 num_tokens;          // T, 1 .. kMaxTokens
-  i32 expert_offset;       // global id of local expert 0
+  u16* out;                   // bf16 [T][H]
+  u8* workspace;              // Geometry::workspace_bytes(), 256-byte aligned
+  i32 num_tokens;             // T, 1 .. kMaxTokens
+  i32 expert_offset;          // global id of local expert 0
 };
 
 }  // namespace moejit::kern::moe::decode

@@ -50,9 +50,10 @@ void check_options(const MoeForwardOptions& options) {
     detail::throw_argument(kOp, "options.path", "MoePath::kAuto, kMarlin or kDecode",
                            std::to_string(static_cast<int>(options.path)));
   }
-  if (options.decode_block_n != 0 && options.decode_block_n != 16 && options.decode_block_n != 32) {
+  if (options.decode_block_n != 0 && options.decode_block_n != 8 && options.decode_block_n != 16 &&
+      options.decode_block_n != 32) {
     detail::throw_argument(kOp, "options.decode_block_n",
-                           "0 (the planner's choice), 16 or 32 (decode_moe's block_n)",
+                           "0 (the planner's choice), 8, 16 or 32 (decode_moe's block_n)",
                            std::to_string(options.decode_block_n));
   }
 }

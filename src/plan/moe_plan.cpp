@@ -131,7 +131,22 @@ static_assert(kDecodeThreads == decode::kThreads, "moe_plan.hpp's copy of decode
 // 12 on average about one expert in ten has more than 16), while blocks of 32 double the
 // activation rows of every ring slot, which costs pipeline depth or a CTA per SM where experts
 // hold few positions (v7: deepseek T = 96 68.5% against 70.2%; kimi drops to one CTA per SM:
-// 46.8% against 64.2% at T = 96). Either is available when forced (decode_block_n).
+// 46.8% against 64.2% at T = 96). Any of 8, 16, 32 is available when forced (decode_block_n).
+//
+// Why block_n 8 below T = 6: it halves the activation rows of a ring slot, which lets an FC1
+// chunk be 8 or 16 atoms wide with few strips per item (Geometry::fc1_chunk_k), so each CTA
+// keeps 2-4x the bytes in flight on its item (v10, harness, H200: deepseek T = 1 / 2 / 4 19.9 /
+// 32.9 / 45.6% of copy against 17.7 / 26.9 / 41.2% with the block_n 16 tiles; qwen3 T = 2 / 4
+// 33.6 / 47.6% against 31.3 / 41.4%; kimi T = 2 / 4 39.9 / 51.9% against 37.4 / 49.3%). From
+// T = 6 the 8-strip block_n 16 tiles are as fast or faster (kimi T = 6: 57.8% against 55.3%).
+constexpr int kDecodeNarrowBlockN = 8;
+constexpr int kDecodeNarrowMaxTokens = 5;  // block_n 8 for T <= this
+// Why items of at least 64 KB for block_n 8: four 16 KB chunks, one more than the ring holds, so
+// the ring stays full through the item; among those, the fewest strips give the most items
+// (v10, T = 1 / 2 / 4: deepseek 2 strips (64 KB) 19.9 / 32.9 / 45.6% against 4 strips 16.2 /
+// 31.7 / 41.4%; kimi 4 strips (112 KB) 28.8 / 39.9 / 51.9% against 2 (56 KB) 28.0 / 39.4 /
+// 48.2%; qwen3 4 strips (64 KB) 18.0 / 33.6 / 47.6% against 2 (32 KB) 21.9 / 30.0 / 33.9%).
+constexpr long long kDecodeNarrowItemBytes = 64 * 1024;
 constexpr int kDecodeBlockN = 16;  // the planner's block_n below kDecodeWideBlockPositions
 constexpr int kDecodeWideBlockN = 32;
 constexpr double kDecodeWideBlockPositions = 12.0;  // expected positions per touched expert
@@ -164,8 +179,9 @@ double expected_experts_touched(const ModelShape& shape, int tokens) {
   return e * (1.0 - std::pow(miss, tokens));
 }
 
-// The tile of one block_n choice at T = tokens, stages not yet chosen: FC1 strips by the rule
-// above among those Geometry::rule() accepts, 8 FC2 strips (else 4).
+// The tile of one block_n choice at T = tokens, stages not yet chosen: FC1 strips by the rules
+// above among those Geometry::rule() accepts (block_n 8: by item bytes, else by item count),
+// 8 FC2 strips (else 4).
 decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
   decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,     shape.intermediate,
                      block_n,           2,           kDecodeFc2Strips, kDecodeMinStages};
@@ -174,6 +190,17 @@ decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
     g.fc1_strips = strips;
     if (g.rule() == decode::Rule::kFc1Strips) continue;
     if (strips == 2 || strips_total / strips >= kDecodeFc1TargetItems) break;
+  }
+  if (block_n == kDecodeNarrowBlockN) {
+    for (int strips : {2, 4, 8}) {
+      decode::Geometry t = g;
+      t.fc1_strips = strips;
+      if (t.rule() == decode::Rule::kFc1Strips) continue;
+      g = t;
+      const long long item_bytes =
+          static_cast<long long>(strips) * g.fc1_k_atoms() * kern::moe::layout::kAtomBytes;
+      if (item_bytes >= kDecodeNarrowItemBytes) break;
+    }
   }
   if (g.rule() == decode::Rule::kFc1Strips) {
     for (int strips : {4, 2, 8}) {
@@ -387,7 +414,8 @@ std::string decode_rule_problem(const MoeDecodeParams& p) {
       break;
     case decode::Rule::kBlockN:
       os << "block_n = " << p.block_n
-         << " is not allowed; allowed: 16, 32 (two or four n8 MMA tiles per virtual expert)";
+         << " is not allowed; allowed: 8, 16, 32 (one, two or four n8 MMA tiles per virtual "
+            "expert)";
       break;
     case decode::Rule::kFc1Strips:
       os << "fc1_strips = " << p.fc1_strips << " is not allowed; allowed: 2, 4 or 8 dividing "
@@ -427,9 +455,9 @@ std::string decode_moe_problem(const ModelShape& shape) {
     reasons.push_back("decode_moe has no bias epilogue (has_bias is true)");
   }
   if (reasons.empty()) {
-    // Every tile the planner can choose: each T (the strips change with it), block_n 16 and 32.
+    // Every tile the planner can choose: each T (the strips change with it), every block_n.
     for (int tokens = 1; tokens <= kDecodeMaxTokens; ++tokens) {
-      for (int block_n : {16, 32}) {
+      for (int block_n : kDecodeBlockNs) {
         MoeDecodeParams p = choose_decode_config(shape, tokens, block_n);
         if (p.stages != 0) continue;
         // Why stages 2: the shallowest ring names the smallest shared memory that would be needed.
@@ -452,8 +480,9 @@ std::string decode_moe_problem(const ModelShape& shape) {
   return out;
 }
 
-// The planner's block_n at T = tokens (see kDecodeWideBlockPositions).
+// The planner's block_n at T = tokens (see kDecodeNarrowMaxTokens, kDecodeWideBlockPositions).
 int decode_block_n(const ModelShape& shape, int tokens) {
+  if (tokens <= kDecodeNarrowMaxTokens) return kDecodeNarrowBlockN;
   const double touched = expected_experts_touched(shape, tokens);
   const double positions = static_cast<double>(tokens) * shape.top_k;
   return touched > 0 && positions / touched >= kDecodeWideBlockPositions ? kDecodeWideBlockN
@@ -632,11 +661,11 @@ std::size_t moe_workspace_bytes_for(const ModelShape& shape, int max_tokens) {
   for (int t : moe_config_segment_ends(shape, max_tokens)) {
     bytes = std::max(bytes, moe_workspace_layout(shape, choose_moe_config(shape, t)).bytes);
   }
-  // Why every T and both block_n: a call may force block_n (MoeForwardOptions), and the decode
+  // Why every T and every block_n: a call may force block_n (MoeForwardOptions), and the decode
   // workspace depends on the tile (block_n, strips per item), not on T itself.
   if (decode_shape_ok(shape)) {
     for (int t = 1; t <= std::min(max_tokens, kDecodeMaxTokens); ++t) {
-      for (int block_n : {16, 32}) {
+      for (int block_n : kDecodeBlockNs) {
         const MoeDecodeParams p = choose_decode_config(shape, t, block_n);
         if (p.stages == 0) continue;
         bytes = std::max(bytes, static_cast<std::size_t>(decode_moe_workspace_bytes(p)));

@@ -44,14 +44,18 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
 // MoePath::kAuto takes decode_moe for kDecodeAutoMinTokens <= T <= 256 on shapes it serves.
-// Why from 6: on the H200 decode_moe v6 takes 0.86-0.97x marlin_moe's time from T = 6 on kimi,
-// kimi-ep2 and qwen3 (deepseek: 1.05x at 6, 0.90-0.97x from 24; qwen3 T = 256: 1.04x), but
-// 1.12-1.55x at T = 1 and 1.00-1.26x at T = 2 (tools/PERF_LOG.md, "decode_moe v6").
-inline constexpr int kDecodeAutoMinTokens = 6;
+// Why from 4: on the H200 decode_moe v10 (block_n 8 below T = 6) takes 0.89-1.01x marlin_moe's
+// time at T = 4, 0.95-0.97x at T = 5 and 0.82-1.04x from T = 6 on the four served reference
+// shapes, but 1.10-1.55x at T = 1, 1.01-1.15x at T = 2 and 0.88-1.03x at T = 3
+// (tools/PERF_LOG.md, "decode_moe v10").
+inline constexpr int kDecodeAutoMinTokens = 4;
 inline constexpr bool decode_by_default(int tokens) {
   return tokens >= kDecodeAutoMinTokens && tokens <= kDecodeMaxTokens;
 }
-inline constexpr int kDecodeThreads = 320;  // decode::kThreads: 8 consumer, 1 producer, 1 publisher warp
+inline constexpr int kDecodeThreads =
+    320;  // decode::kThreads: 8 consumer, 1 producer, 1 publisher warp
+// The block_n values decode_moe supports (Geometry::rule()); a call may force any of them.
+inline constexpr int kDecodeBlockNs[] = {8, 16, 32};
 
 // Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits.
 long long decode_moe_smem_bytes(const MoeDecodeParams& p);
@@ -63,12 +67,12 @@ std::string decode_rule_problem(const MoeDecodeParams& p);
 
 // "" when decode_moe serves `shape` (arch aside: sm_90 or newer, see decode_moe_runs_on): no
 // biases, and Geometry::rule() is kOk for every tile the planner can choose for T in 1..256
-// with either block_n (16 or 32, so a forced block_n also works). Otherwise every reason,
+// with every block_n (8, 16 or 32, so a forced block_n also works). Otherwise every reason,
 // ending with "such shapes use marlin_moe".
 std::string decode_moe_problem(const ModelShape& shape);
 
 // The decode_moe main kernel for T tokens (1..256) of `shape`: block_n_override 0 = the
-// planner's block_n, 16 or 32 forces it. Pure arithmetic, no allocation. stages == 0 when no
+// planner's block_n, 8, 16 or 32 forces it. Pure arithmetic, no allocation. stages == 0 when no
 // pipeline depth fits (decode_moe_problem names that shape).
 MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override);
 // The reset kernel that goes with a main kernel (same traits).
@@ -90,7 +94,7 @@ struct MoeForwardConfig {
   bool decode = false;           // T <= 256 and decode_moe serves the shape at the planner's tile
   MoeDecodeParams decode_reset;  // kReset (valid when decode)
   MoeDecodeParams decode_main;   // kMain (valid when decode)
-  bool narrow_ids = false;  // int64 ids: one narrowing launch first
+  bool narrow_ids = false;       // int64 ids: one narrowing launch first
   NarrowIdsParams narrow;
   bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
   MoeRouteParams route;      // kernel = kSingle, or kRank (scan and scatter share the rest)
@@ -146,14 +150,14 @@ struct MoeWorkspaceLayout {
   std::size_t slot_row = 0;
   std::size_t total_blocks = 0;
   std::size_t chunk_base = 0;
-  std::size_t ids32 = 0;      // narrowed ids [T * K] int32 (only with narrow_ids)
-  std::size_t inter = 0;      // FC1 output, bf16 [padded rows, I]
-  std::size_t out2 = 0;       // FC2 output, [padded rows, H] in fc2.out_dtype
+  std::size_t ids32 = 0;         // narrowed ids [T * K] int32 (only with narrow_ids)
+  std::size_t inter = 0;         // FC1 output, bf16 [padded rows, I]
+  std::size_t out2 = 0;          // FC2 output, [padded rows, H] in fc2.out_dtype
   std::size_t marlin_bytes = 0;  // end of the marlin chain's regions
   std::size_t decode_bytes = 0;  // config.decode: decode_moe's Geometry::workspace_bytes(), else 0
   std::size_t bytes = 0;         // max(marlin_bytes, decode_bytes): enough for either path
-  long long max_blocks = 0;   // route blocks provisioned: the GEMMs' grid.x
-  long long padded_rows = 0;  // max_blocks * block
+  long long max_blocks = 0;      // route blocks provisioned: the GEMMs' grid.x
+  long long padded_rows = 0;     // max_blocks * block
 };
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config);
 

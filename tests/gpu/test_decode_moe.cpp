@@ -1,5 +1,5 @@
 // decode_moe (family 4, the fused small-T layer) through the library: moe_forward with
-// MoeForwardOptions{kDecode, 16 or 32} on every reference shape decode_moe serves, at its real
+// MoeForwardOptions{kDecode, 8, 16 or 32} on every reference shape decode_moe serves, at its real
 // expert count, T in {1, 7, 48, 96, 256}, against the fp64 CPU reference (src/ops/moe_reference);
 // the same bits over 3 runs and from a CUDA-graph replay; forced marlin_moe within tolerance of
 // it; block_n 0 equal to the planner's block_n, and the automatic path equal to the path the
@@ -74,7 +74,7 @@ namespace detail = moejit::detail;
 
 const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
 const MoeForwardOptions kAuto{MoePath::kAuto, 0};
-constexpr int kBlockNs[] = {16, 32};
+constexpr int kBlockNs[] = {8, 16, 32};
 constexpr int kSweepTokens[] = {1, 7, 48, 96, 256};
 
 MoeForwardOptions forced_decode(int block_n) {
@@ -500,7 +500,7 @@ TEST_CASE("decode_moe: gpt-oss shapes are refused with their rule and served by 
     const Tokens tk = decode_tokens(shape, tokens, rng);
     ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
     // Forced decode is refused before anything runs, whatever T and block_n, naming the rule.
-    for (int block_n : {0, 16, 32}) {
+    for (int block_n : {0, 8, 16, 32}) {
       INFO("forced decode, block_n " << block_n);
       const std::string message = expect_refused(io, io.args(*model), stream.get(),
                                                  forced_decode(block_n), ErrorCode::kUnsupported);
@@ -538,8 +538,8 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  const std::vector<MoeForwardOptions> decode_paths = {forced_decode(0), forced_decode(16),
-                                                       forced_decode(32)};
+  const std::vector<MoeForwardOptions> decode_paths = {forced_decode(0), forced_decode(8),
+                                                       forced_decode(16), forced_decode(32)};
   for (const ModelShape& shape : shapes) {
     INFO(shape.name << " (" << moejit::dtype_name(shape.id_dtype) << " ids)");
     const int sources = 8;
@@ -559,7 +559,8 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
       const Tokens none = decode_tokens(shape, 0, rng);
       ForwardIo io(shape, none, moejit::moe_workspace_bytes(shape, 256));
       for (const MoeForwardOptions& options :
-           {forced_decode(0), forced_decode(16), forced_decode(32), kAuto, kMarlin}) {
+           {forced_decode(0), forced_decode(8), forced_decode(16), forced_decode(32), kAuto,
+            kMarlin}) {
         poison(io.workspace, stream.get(), 0xA5);
         moejit::moe_forward(shape, io.args(*model), stream.get(), options);
         stream.sync();
@@ -622,7 +623,7 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
         // Forced decode_moe at each block_n (0: the planner's), and the automatic path
         // (whichever it takes).
         for (const MoeForwardOptions& options :
-             {forced_decode(0), forced_decode(16), forced_decode(32), kAuto}) {
+             {forced_decode(0), forced_decode(8), forced_decode(16), forced_decode(32), kAuto}) {
           const std::size_t need = call_workspace_bytes(shape, tokens, options);
           INFO("T=" << tokens << ", path " << path_name(options.path) << ", block_n "
                     << options.decode_block_n << ": needs " << need << " of " << sized << " bytes");
@@ -653,7 +654,7 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
       const Tokens tk = decode_tokens(shape, 7, rng);
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, 7));
       for (const MoeForwardOptions& options :
-           {forced_decode(8), forced_decode(64), forced_decode(-16),
+           {forced_decode(12), forced_decode(64), forced_decode(-16),
             MoeForwardOptions{MoePath::kAuto, 24}, MoeForwardOptions{static_cast<MoePath>(7), 0}}) {
         INFO("path " << path_name(options.path) << ", block_n " << options.decode_block_n);
         expect_refused(io, io.args(*model), stream.get(), options, ErrorCode::kInvalidArgument);
@@ -789,10 +790,10 @@ TEST_CASE("decode_moe: the C ABI forward (moejit_moe_forward, _ex) equals the C+
       moejit_moe_path capi;
       MoeForwardOptions cpp;
     };
-    for (const Path& path : {Path{MOEJIT_MOE_PATH_AUTO, kAuto},
-                             Path{MOEJIT_MOE_PATH_MARLIN, kMarlin},
-                             Path{MOEJIT_MOE_PATH_DECODE, forced_decode(0)},
-                             Path{MOEJIT_MOE_PATH_DECODE, forced_decode(32)}}) {
+    for (const Path& path :
+         {Path{MOEJIT_MOE_PATH_AUTO, kAuto}, Path{MOEJIT_MOE_PATH_MARLIN, kMarlin},
+          Path{MOEJIT_MOE_PATH_DECODE, forced_decode(0)},
+          Path{MOEJIT_MOE_PATH_DECODE, forced_decode(32)}}) {
       INFO("path " << path_name(path.cpp.path) << " block_n " << path.cpp.decode_block_n);
       const std::vector<uint16_t> want = io.run(*model, stream.get(), path.cpp);
       poison(io.out, stream.get());
@@ -806,9 +807,8 @@ TEST_CASE("decode_moe: the C ABI forward (moejit_moe_forward, _ex) equals the C+
       CHECK(got == want);
       if (path.capi == MOEJIT_MOE_PATH_AUTO) {
         poison(io.out, stream.get());
-        REQUIRE(moejit_moe_forward(moe, a.hidden, a.topk_ids, a.topk_weights, &weights,
-                                   a.workspace, a.workspace_bytes, a.out,
-                                   stream.get()) == MOEJIT_OK);
+        REQUIRE(moejit_moe_forward(moe, a.hidden, a.topk_ids, a.topk_weights, &weights, a.workspace,
+                                   a.workspace_bytes, a.out, stream.get()) == MOEJIT_OK);
         stream.sync();
         CHECK(io.output() == want);
       }

@@ -2,7 +2,7 @@
 // (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000},
 // on the automatic path, forced marlin_moe and forced decode_moe where it serves (T <= 256 on the
 // shapes it accepts; refused elsewhere), the automatic path bit for bit the one the library picks
-// (decode_moe for 6 <= T <= 256 on the shapes it serves, as detail::decode_by_default says, else
+// (decode_moe for 4 <= T <= 256 on the shapes it serves, as detail::decode_by_default says, else
 // marlin_moe), bitwise repeatability, expert parallelism (two halves sum to the whole), ids of -1
 // and of other ranks (int32 and int64), CUDA-graph capture and replay, the workspace size
 // contract, the repack round trip for both checkpoint layouts (unpacked on the CPU with

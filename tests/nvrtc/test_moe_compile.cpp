@@ -476,7 +476,7 @@ TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "
   cases.push_back({p, "inter must be a multiple of 128", "intermediate = 320"});
   p = good;
   p.block_n = 24;
-  cases.push_back({p, "block_n must be 16 or 32", "block_n = 24"});
+  cases.push_back({p, "block_n must be 8, 16 or 32", "block_n = 24"});
   p = good;
   p.stages = 9;
   cases.push_back({p, "2 <= stages <= 8", "stages = 9"});

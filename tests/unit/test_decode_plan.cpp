@@ -127,21 +127,32 @@ double expected_touched(const ModelShape& shape, int tokens) {
          (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
 }
 
-// The planner's FC1 strips per item, restated: the most of 8, 4, 2 (dividing intermediate / 8)
-// whose expected FC1 items at T, expected_touched times intermediate / (8 * strips), number at
-// least 160; else 2.
-int expected_fc1_strips(const ModelShape& shape, int tokens) {
-  const double touched = expected_touched(shape, tokens);
+// The planner's FC1 strips per item, restated. block_n 8: the fewest of 2, 4, 8 (dividing
+// intermediate / 8) whose FC1 item, strips x hidden / 64 atoms of 512 bytes, is at least 64 KB.
+// Otherwise the most of 8, 4, 2 whose expected FC1 items at T, expected_touched times
+// intermediate / (8 * strips), number at least 160; else 2.
+int expected_fc1_strips(const ModelShape& shape, int tokens, int block_n) {
   const int strips_total = shape.intermediate / 8;
+  if (block_n == 8) {
+    int last = 0;
+    for (int strips : {2, 4, 8}) {
+      if (strips_total % strips != 0) continue;
+      last = strips;
+      if (strips * (shape.hidden / 64) * 512 >= 64 * 1024) break;
+    }
+    return last;
+  }
+  const double touched = expected_touched(shape, tokens);
   for (int strips : {8, 4}) {
     if (strips_total % strips == 0 && touched * strips_total / strips >= 160.0) return strips;
   }
   return 2;
 }
 
-// The planner's block_n, restated: 32 where the expected positions per touched expert,
-// T * k / expected_touched, are at least 12; else 16.
+// The planner's block_n, restated: 8 for T <= 5; else 32 where the expected positions per
+// touched expert, T * k / expected_touched, are at least 12; else 16.
 int expected_block_n(const ModelShape& shape, int tokens) {
+  if (tokens <= 5) return 8;
   return static_cast<double>(tokens) * shape.top_k / expected_touched(shape, tokens) >= 12.0 ? 32
                                                                                              : 16;
 }
@@ -240,7 +251,7 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
   for (const ModelShape& shape : shapes) {
     INFO(shape.name);
     for (int t = 1; t <= 256; ++t) {
-      for (int forced : {0, 16, 32}) {
+      for (int forced : {0, 8, 16, 32}) {
         INFO("T = " << t << ", block_n override " << forced);
         const MoeDecodeParams p = detail::choose_decode_config(shape, t, forced);
         const decode::Geometry g = geometry_of(p);
@@ -266,26 +277,49 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
         // block_n as forced, else expected_block_n; 8 FC2 strips; FC1 strips by T
         // (expected_fc1_strips).
         CHECK(p.block_n == (forced != 0 ? forced : expected_block_n(shape, t)));
-        CHECK(p.fc1_strips == expected_fc1_strips(shape, t));
+        CHECK(p.fc1_strips == expected_fc1_strips(shape, t, p.block_n));
+        // Wide FC1 chunks only with block_n 8 (Geometry::fc1_chunk_k): 16 or 8 atoms filling at
+        // most a 16 KB slot and dividing hidden / 64, else 4.
+        if (p.block_n == 8) {
+          CHECK(g.fc1_chunk_k() >= 8);
+          CHECK(g.fc1_strips * g.fc1_chunk_k() <= 32);
+          CHECK(g.fc1_k_atoms() % g.fc1_chunk_k() == 0);
+          if (g.fc1_chunk_k() == 8) {
+            CHECK((g.fc1_strips * 16 > 32 || g.fc1_k_atoms() % 16 != 0));
+          }
+        } else {
+          CHECK(g.fc1_chunk_k() == 4);
+        }
         CHECK(p.fc2_strips == 8);
         CHECK(p.stages == expected_stages(g, t));
         // For these shapes every 16-wide tile keeps three CTAs per SM from T = 16 (8 FC1 strips
         // there), two below.
         if (p.block_n == 16) CHECK(g.blocks_per_sm() == (t >= 16 ? 3 : 2));
-        if (forced == 0 && p.block_n == 32) CHECK(g.blocks_per_sm() == 2);
+        if (forced == 0 && p.block_n != 16) CHECK(g.blocks_per_sm() == 2);
         CHECK(p == (forced == 0 ? detail::choose_moe_config(shape, t).decode_main : p));
       }
     }
   }
 
-  // The measured cases behind the rule (tools/PERF_LOG.md, decode_moe v6): at T = 1 deepseek
-  // (6 experts x 64 strips) takes 2 strips per item and kimi (16 x 48) 4; from T = 6 every
-  // served shape takes 8, with three CTAs per SM from T = 16. So each shape compiles two to four
-  // main kernels, not one per T.
+  // The measured cases behind the rules (tools/PERF_LOG.md, decode_moe v6 and v10): below T = 6
+  // block_n 8, with 2 strips per item for deepseek (64 KB items) and 4 for kimi (2 strips would
+  // be 56 KB) and qwen3 (32 KB); from T = 6 every served shape takes 8 strips, with three CTAs
+  // per SM from T = 16. So each shape compiles two to four main kernels, not one per T.
   const std::vector<ModelShape> refs = reference_shapes();
-  CHECK(detail::choose_decode_config(find_shape(refs, "deepseek-v4-flash-tp4"), 1, 0).fc1_strips ==
-        2);
-  CHECK(detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), 1, 0).fc1_strips == 4);
+  for (int t : {1, 5}) {
+    const MoeDecodeParams ds =
+        detail::choose_decode_config(find_shape(refs, "deepseek-v4-flash-tp4"), t, 0);
+    CHECK(ds.block_n == 8);
+    CHECK(ds.fc1_strips == 2);
+    CHECK(geometry_of(ds).fc1_chunk_k() == 16);
+    const MoeDecodeParams kimi =
+        detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), t, 0);
+    CHECK(kimi.block_n == 8);
+    CHECK(kimi.fc1_strips == 4);
+    CHECK(geometry_of(kimi).fc1_chunk_k() == 8);
+    CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), t, 0).fc1_strips == 4);
+  }
+  CHECK(detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), 6, 0).block_n == 16);
   // block_n 32 where experts average 12 positions or more: qwen3 at T = 256 (16), not at 96 (6).
   CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 256, 0).block_n == 32);
   CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 96, 0).block_n == 16);
@@ -323,7 +357,7 @@ TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the 
   for (const std::string& name : kServed) {
     const ModelShape& shape = find_shape(refs, name);
     for (int t : {1, 2, 6, 16, 256}) {
-      for (int forced : {0, 32}) {
+      for (int forced : {0, 8, 16, 32}) {
         const decode::Geometry g = geometry_of(detail::choose_decode_config(shape, t, forced));
         INFO(name << " T = " << t << " fc1_strips " << g.fc1_strips << " block_n " << g.block_n);
         for (bool fc2 : {false, true}) {
@@ -331,7 +365,10 @@ TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the 
           const layout::Dims dims = fc2 ? layout::Dims{g.fc2_m_atoms(), g.fc2_k_atoms()}
                                         : layout::Dims{g.fc1_m_atoms(), g.fc1_k_atoms()};
           const int strips = fc2 ? g.fc2_strips : g.fc1_strips;
-          const int chunk_k = fc2 ? g.fc2_chunk_k() : decode::kFc1ChunkK;
+          const int chunk_k = fc2 ? g.fc2_chunk_k() : g.fc1_chunk_k();
+          const int group = decode::copy_group_atoms(chunk_k);  // atoms per copy
+          const int groups = chunk_k / group;
+          CHECK(groups * group == chunk_k);
           const int chunks = fc2 ? g.fc2_chunks() : g.fc1_chunks();
           const int items = fc2 ? g.fc2_items() : g.fc1_items();
           const decode::TensorMapShape w =
@@ -351,20 +388,28 @@ TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the 
           }
           // The bytes the chunk's barrier expects for its weights and scales, and the slot
           // regions they land in.
-          CHECK(w.box_bytes() == strips * chunk_k * layout::kAtomBytes);
-          CHECK(sc.box_bytes() == strips * chunk_k * layout::kAtomScaleBytes);
-          CHECK(w.box_bytes() <= g.slot_weight_bytes());
-          CHECK(sc.box_bytes() <= g.slot_scale_bytes());
-          // First and last expert, item and chunk: slot byte (strip r, atom j, byte b) holds the
-          // atom (slice * strips + r, c * chunk_k + j) of expert e, as mma_chunk reads it.
+          CHECK(groups * w.box_bytes() == strips * chunk_k * layout::kAtomBytes);
+          CHECK(groups * sc.box_bytes() == strips * chunk_k * layout::kAtomScaleBytes);
+          CHECK(groups * w.box_bytes() <= g.slot_weight_bytes());
+          CHECK(groups * sc.box_bytes() <= g.slot_scale_bytes());
+          // First and last expert, item and chunk: the chunk's copies (one per group of atoms,
+          // landing one after the other) put the atom (slice * strips + r, c * chunk_k + j) of
+          // expert e at slot_atom(strips, chunk_k, r, j), where mma_chunk reads it.
           for (int e : {0, g.experts - 1}) {
             for (int item : {0, items - 1}) {
               for (int c : {0, chunks - 1}) {
                 const long long row0 = static_cast<long long>(e) * dims.m_atoms + item * strips;
-                const std::vector<long long> wb = box_offsets(
-                    w, static_cast<long long>(c) * chunk_k * layout::kAtomBytes / 8, row0);
-                const std::vector<long long> sb = box_offsets(
-                    sc, static_cast<long long>(c) * chunk_k * layout::kAtomScaleBytes / 8, row0);
+                std::vector<long long> wb;
+                std::vector<long long> sb;
+                for (int q = 0; q < groups; ++q) {
+                  const long long atom0 = static_cast<long long>(c) * chunk_k + q * group;
+                  const std::vector<long long> wq =
+                      box_offsets(w, atom0 * layout::kAtomBytes / 8, row0);
+                  const std::vector<long long> sq =
+                      box_offsets(sc, atom0 * layout::kAtomScaleBytes / 8, row0);
+                  wb.insert(wb.end(), wq.begin(), wq.end());
+                  sb.insert(sb.end(), sq.begin(), sq.end());
+                }
                 bool weights_ok = true;
                 bool scales_ok = true;
                 for (int r = 0; r < strips; ++r) {
@@ -372,13 +417,13 @@ TEST_CASE("decode_moe tensor maps: each chunk's copies land the atoms where the 
                     const long long atom =
                         layout::atom_index(dims, e, item * strips + r, c * chunk_k + j);
                     for (int b = 0; b < layout::kAtomBytes; ++b) {
-                      const std::size_t at =
-                          static_cast<std::size_t>((r * chunk_k + j) * layout::kAtomBytes + b);
+                      const std::size_t at = static_cast<std::size_t>(
+                          decode::slot_atom(strips, chunk_k, r, j) * layout::kAtomBytes + b);
                       weights_ok = weights_ok && wb[at] == atom * layout::kAtomBytes + b;
                     }
                     for (int b = 0; b < layout::kAtomScaleBytes; ++b) {
-                      const std::size_t at =
-                          static_cast<std::size_t>((r * chunk_k + j) * layout::kAtomScaleBytes + b);
+                      const std::size_t at = static_cast<std::size_t>(
+                          decode::slot_atom(strips, chunk_k, r, j) * layout::kAtomScaleBytes + b);
                       scales_ok = scales_ok && sb[at] == atom * layout::kAtomScaleBytes + b;
                     }
                   }
@@ -421,7 +466,7 @@ TEST_CASE("decode_moe supports(): every Geometry rule, the types and the arch, w
        {"intermediate = 320 is not a multiple of 128", "128- or 256-wide FC2 chunks"}},
       {[](MoeDecodeParams& p) { p.block_n = 24; },
        decode::Rule::kBlockN,
-       {"block_n = 24", "16, 32"}},
+       {"block_n = 24", "8, 16, 32"}},
       {[](MoeDecodeParams& p) { p.fc1_strips = 3; },
        decode::Rule::kFc1Strips,
        {"fc1_strips = 3", "2, 4 or 8", "intermediate / 8 = 48"}},
@@ -664,7 +709,7 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
   }
 }
 
-TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, both block_n",
+TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, every block_n",
           "[plan][decode]") {
   for (const std::string& name : kServed) {
     const ModelShape& shape = find_shape(reference_shapes(), name);
@@ -673,7 +718,7 @@ TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, b
       INFO("max_tokens " << max_tokens);
       const std::size_t bytes = moejit::moe_workspace_bytes(shape, max_tokens);
       for (int t = 1; t <= std::min(max_tokens, 256); ++t) {
-        for (int forced : {0, 16, 32}) {
+        for (int forced : {0, 8, 16, 32}) {
           const MoeDecodeParams p = detail::choose_decode_config(shape, t, forced);
           CHECK(bytes >= static_cast<std::size_t>(geometry_of(p).workspace_bytes()));
         }
@@ -722,7 +767,8 @@ TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options wit
   };
   moejit::MoeForwardOptions options;
   options.decode_block_n = 24;
-  expect(kimi, options, ErrorCode::kInvalidArgument, {"options.decode_block_n", "16 or 32", "24"});
+  expect(kimi, options, ErrorCode::kInvalidArgument,
+         {"options.decode_block_n", "8, 16 or 32", "24"});
   options.decode_block_n = 0;
   options.path = static_cast<moejit::MoePath>(9);
   expect(kimi, options, ErrorCode::kInvalidArgument, {"options.path", "9"});
@@ -764,7 +810,7 @@ TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options wit
   CHECK(contains(moejit_last_error(), "moejit_moe_forward_ex: path"));
   CHECK(contains(moejit_last_error(), "MOEJIT_MOE_PATH_DECODE"));
   CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
-                              MOEJIT_MOE_PATH_AUTO, 8, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+                              MOEJIT_MOE_PATH_AUTO, 12, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(contains(moejit_last_error(), "decode_block_n"));
   CHECK(moejit_moe_forward_ex(refused, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
                               MOEJIT_MOE_PATH_DECODE, 0, nullptr) == MOEJIT_ERROR_UNSUPPORTED);

@@ -735,7 +735,7 @@ struct Options {
   std::vector<std::string> decode_models = {"kimi-k3.1-tp8", "kimi-k3.1-tp4-ep2",
                                             "deepseek-v4-flash-tp4", "qwen3-30b-a3b"};
   std::vector<int> decode_tokens = {1, 6, 24, 96, 256};
-  int decode_block_n = 0;  // 0 = the planner's, 16 or 32 forced
+  int decode_block_n = 0;  // 0 = the planner's, 8, 16 or 32 forced
   bool global_routing = true;
   std::string shapes_file;
   std::string json_path;
@@ -1805,8 +1805,8 @@ int main(int argc, char** argv) {
                  "Comma-separated token counts; replaces both sections' lists (the decode "
                  "section keeps T <= 256)");
   app.add_option("--decode-block-n", o.decode_block_n,
-                 "decode section: force decode_moe's block_n to 16 or 32 (0 = the planner's)")
-      ->check(CLI::IsMember({0, 16, 32}));
+                 "decode section: force decode_moe's block_n to 8, 16 or 32 (0 = the planner's)")
+      ->check(CLI::IsMember({0, 8, 16, 32}));
   app.add_flag("--local-routing", local_routing,
                "Draw top-k ids from the rank's own experts only (default: from all global "
                "experts, so an expert-parallel rank such as kimi-k3.1-tp4-ep2 sees its share)");
