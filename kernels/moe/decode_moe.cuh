@@ -400,6 +400,15 @@ __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i3
   }
 }
 
+template <i32 kNT>
+__device__ __forceinline__ void zero(float (&acc)[kNT][4]) {
+#pragma unroll
+  for (i32 nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+  }
+}
+
 // mma_chunk for the chunk's active tile count (1 .. kNT).
 template <i32 kStrips, i32 kChunkK, i32 kWK, i32 kActRow, i32 kNT>
 __device__ __forceinline__ void mma_chunk_active(u32 w_base, u32 s_base, u32 a_base, i32 strip,
@@ -621,6 +630,14 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       ++seq;
       return slot;
     };
+    // Lane 0, before it issues item `issued`: at most kInFlight items between the publisher and
+    // the producer (the ring of item barriers and in_flight[]); the wait is reached only if the
+    // publisher falls far behind.
+    const auto wait_for_room = [&]() {
+      while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
+        pipe::sleep_ns(256);
+      }
+    };
     const auto push_combines = [&]() {
       const u32 pushed = pipe::load_acquire_cta(misc + kMiscCombinesPushed);
       for (; combined < pushed; ++combined) {
@@ -731,12 +748,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         __syncwarp();
         return slot;
       };
-      // At most kInFlight items between the publisher and the producer (the ring of item
-      // barriers and in_flight[]); reached only if the publisher falls far behind.
       if (lane == 0) {
-        while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
-          pipe::sleep_ns(256);
-        }
+        wait_for_room();
         in_flight[issued % kInFlight] = item;
       }
       ++issued;
@@ -779,9 +792,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     if (lane == 0) {
       pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
       // Wakes the publisher: the barrier of item `issued` (never issued) completes at once.
-      while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
-        pipe::sleep_ns(256);
-      }
+      wait_for_room();
       pipe::arrive(ptx::smem_u32(item_done + issued % kInFlight), kConsumerWarps);
     }
     for (;;) {
@@ -801,11 +812,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   // ============================== consumers ==============================
   // Zero at the start and after each item's epilogue (not per chunk: no select per chunk).
   float acc[kNT][4];
-#pragma unroll
-  for (i32 nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-    for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
-  }
+  zero(acc);
   u32 seq = 0;
   u32 items = 0;    // items finished by this warp
   u32 reduces = 0;  // items that went through the K-split reduction (red buffer parity)
@@ -911,11 +918,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         }
       }
     }
-#pragma unroll
-    for (i32 nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-      for (i32 r = 0; r < 4; ++r) acc[nt][r] = 0.f;
-    }
+    zero(acc);
     // The publisher retires the item once every warp has arrived on its barrier.
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(item_done + items % kInFlight));
