@@ -10,9 +10,9 @@
 // - strip: 16 weight rows of one expert (layout.cuh atoms); FC1 strips hold 8 gate/up pairs.
 // - item: the unit of work claimed from the queue: FC1 (virtual expert, kFc1Strips strips, all
 //   of K = hidden) or FC2 (virtual expert, kFc2Strips strips, all of K = inter).
-// - chunk: one pipeline stage of an item, strips x chunk_k 64-wide K atoms, landed by chunk_k / 4
-//   tensor copies (one per group of at most 4 atoms: a box row holds at most 2 KB) in slot
-//   order [group][strip][atom] (slot_atom).
+// - chunk: one pipeline stage of an item, strips x chunk_k 64-wide K atoms, landed by one tensor
+//   copy per group of up to 4 atoms (a box row holds at most 2 KB), in slot order
+//   [group][strip][atom] (slot_atom).
 #pragma once
 
 #include <moejit/kern/moe/layout.cuh>
