@@ -185,21 +185,20 @@ double expected_experts_touched(const ModelShape& shape, int tokens) {
 decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
   decode::Geometry g{shape.num_experts, shape.top_k, shape.hidden,     shape.intermediate,
                      block_n,           2,           kDecodeFc2Strips, kDecodeMinStages};
-  const double strips_total = expected_experts_touched(shape, tokens) * g.fc1_m_atoms();
-  for (int strips : {8, 4, 2}) {
-    g.fc1_strips = strips;
-    if (g.rule() == decode::Rule::kFc1Strips) continue;
-    if (strips == 2 || strips_total / strips >= kDecodeFc1TargetItems) break;
-  }
   if (block_n == kDecodeNarrowBlockN) {
     for (int strips : {2, 4, 8}) {
-      decode::Geometry t = g;
-      t.fc1_strips = strips;
-      if (t.rule() == decode::Rule::kFc1Strips) continue;
-      g = t;
+      g.fc1_strips = strips;
+      if (g.rule() == decode::Rule::kFc1Strips) continue;
       const long long item_bytes =
           static_cast<long long>(strips) * g.fc1_k_atoms() * kern::moe::layout::kAtomBytes;
       if (item_bytes >= kDecodeNarrowItemBytes) break;
+    }
+  } else {
+    const double strips_total = expected_experts_touched(shape, tokens) * g.fc1_m_atoms();
+    for (int strips : {8, 4, 2}) {
+      g.fc1_strips = strips;
+      if (g.rule() == decode::Rule::kFc1Strips) continue;
+      if (strips == 2 || strips_total / strips >= kDecodeFc1TargetItems) break;
     }
   }
   if (g.rule() == decode::Rule::kFc1Strips) {
