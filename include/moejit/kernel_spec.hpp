@@ -107,6 +107,11 @@ struct MarlinMoeParams {
   bool has_bias = false;      // FC1 bias [E, 2I] (gate, up pairs), FC2 bias [E, H]
   Activation activation;      // FC1: the gated activation; FC2: none (left default)
   DType out_dtype = DType::kBF16;  // FC1: bf16; FC2: f32 or bf16 (the FC2 rows combine sums)
+  // 0: the mma.sync main loop (moe_gemm.cuh). 64, 128 or 256: the sm_90a warpgroup main loop
+  // (moe_gemm_wg.cuh) with this wgmma N, warps_m / 4 warpgroups of block_m / warps_m * 4 rows
+  // each, warps_n = warps_k = 1 and block_k = 64; block_n (the route block) is wgmma_n, or
+  // wgmma_n / 2 when a CTA pairs two consecutive blocks of one expert.
+  int wgmma_n = 0;
 
   friend bool operator==(const MarlinMoeParams& a, const MarlinMoeParams& b) {
     return a.stage == b.stage && a.block_m == b.block_m && a.block_n == b.block_n &&
@@ -116,7 +121,8 @@ struct MarlinMoeParams {
            a.has_bias == b.has_bias && a.activation.kind == b.activation.kind &&
            a.activation.limit == b.activation.limit && a.activation.alpha == b.activation.alpha &&
            a.activation.beta == b.activation.beta &&
-           a.activation.linear_beta == b.activation.linear_beta && a.out_dtype == b.out_dtype;
+           a.activation.linear_beta == b.activation.linear_beta && a.out_dtype == b.out_dtype &&
+           a.wgmma_n == b.wgmma_n;
   }
 };
 

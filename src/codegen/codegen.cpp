@@ -182,6 +182,23 @@ FamilyText family_text(const MarlinMoeParams& p) {
                (p.out_dtype == DType::kBF16 ? "true" : "false") + ", " +
                (p.has_bias ? "true" : "false") + ">";
   }
+  if (p.wgmma_n != 0) {
+    const int groups = p.warps_m / 4;
+    std::ostringstream name;
+    name << kMoeNs << "moe_gemm_wg<" << kMoeNs << "MoeGemmWgTraits<" << p.wgmma_n << ", " << groups
+         << ", " << p.block_m / (64 * groups) << ", " << p.stages << ", " << p.min_blocks_per_sm
+         << ", " << (p.block_n != p.wgmma_n ? "true" : "false") << ", "
+         << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
+    std::ostringstream stem;
+    stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_wgmma" << p.wgmma_n << "_m"
+         << p.block_m << "_n" << p.block_n << "_s" << p.stages << "_g" << groups << "_o"
+         << p.min_blocks_per_sm;
+    if (p.early_weights) stem << "_early";
+    if (fc1) stem << '_' << epilogue_stem;
+    if (p.has_bias) stem << "_bias";
+    stem << '_' << dtype_short_name(p.out_dtype);
+    return FamilyText{"moejit/kern/moe/moe_gemm_wg.cuh", name.str(), stem.str()};
+  }
   std::ostringstream name;
   name << kMoeNs << "moe_gemm<" << kMoeNs << "MoeGemmTraits<" << p.block_m << ", " << p.block_n
        << ", " << p.block_k << ", " << p.stages << ", " << p.warps_m << ", " << p.warps_n << ", "

@@ -256,8 +256,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   const CUkernel fc1_kernel = runtime.kernel(specs.fc1, stream);
   const CUkernel fc2_kernel = runtime.kernel(specs.fc2, stream);
   const CUkernel combine_kernel = runtime.kernel(specs.combine, stream);
-  const int fc1_smem = static_cast<int>(detail::marlin_moe_smem_bytes(config.fc1));
-  const int fc2_smem = static_cast<int>(detail::marlin_moe_smem_bytes(config.fc2));
+  const int fc1_smem = static_cast<int>(detail::marlin_moe_smem_bytes(specs.fc1_params));
+  const int fc2_smem = static_cast<int>(detail::marlin_moe_smem_bytes(specs.fc2_params));
   detail::ensure_dynamic_smem(kOp, specs.fc1, fc1_kernel, device.ordinal, fc1_smem);
   detail::ensure_dynamic_smem(kOp, specs.fc2, fc2_kernel, device.ordinal, fc2_smem);
 
@@ -332,8 +332,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     void* fc1_args[] = {&fc1};
     detail::LaunchShape geometry;
     geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
-    geometry.grid_y = m_tiles(sizes.fc1_m_atoms, config.fc1.block_m);
-    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(config.fc1));
+    geometry.grid_y = m_tiles(sizes.fc1_m_atoms, specs.fc1_params.block_m);
+    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(specs.fc1_params));
     geometry.smem = static_cast<unsigned>(fc1_smem);
     detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, geometry, true, stream, fc1_args);
   }
@@ -359,8 +359,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     void* fc2_args[] = {&fc2};
     detail::LaunchShape geometry;
     geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
-    geometry.grid_y = m_tiles(sizes.fc2_m_atoms, config.fc2.block_m);
-    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(config.fc2));
+    geometry.grid_y = m_tiles(sizes.fc2_m_atoms, specs.fc2_params.block_m);
+    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(specs.fc2_params));
     geometry.smem = static_cast<unsigned>(fc2_smem);
     detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
   }

@@ -191,12 +191,51 @@ bool is_default_activation(const Activation& a) {
          a.linear_beta == 0.f;
 }
 
+// The stage-independent half of marlin_problem's rules (out_dtype, early weights, activation).
+std::string marlin_stage_problem(const MarlinMoeParams& p);
+
+// marlin_moe with the warpgroup main loop (moe_gemm_wg.cuh: MoeGemmWgTraits' static_asserts).
+std::string wgmma_problem(const MarlinMoeParams& p) {
+  std::ostringstream os;
+  const int groups = p.warps_m / 4;
+  if (p.wgmma_n != 64 && p.wgmma_n != 128 && p.wgmma_n != 256) {
+    os << "wgmma_n = " << p.wgmma_n << "; allowed: 0 (mma.sync), 64, 128, 256";
+  } else if (p.block_n != p.wgmma_n && !(2 * p.block_n == p.wgmma_n && p.wgmma_n >= 128)) {
+    os << "block_n = " << p.block_n << " with wgmma_n = " << p.wgmma_n
+       << "; allowed: block_n = wgmma_n, or wgmma_n / 2 (paired route blocks, wgmma_n >= 128)";
+  } else if (p.warps_m < 4 || p.warps_m % 4 != 0 || p.warps_n != 1 || p.warps_k != 1) {
+    os << "warps = " << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
+       << " with wgmma_n; allowed: warps_m a multiple of 4 (whole warpgroups), warps_n = "
+          "warps_k = 1";
+  } else if (p.block_m != 64 * groups && p.block_m != 128 * groups) {
+    os << "block_m = " << p.block_m << " with " << groups << " warpgroups; allowed: "
+       << 64 * groups << " or " << 128 * groups << " (one or two m64 tiles per warpgroup)";
+  } else if (p.block_k != 64) {
+    os << "block_k = " << p.block_k << " with wgmma_n; allowed: 64 (one atom column per stage)";
+  } else if (p.stages < 3) {
+    os << "stages = " << p.stages
+       << " with wgmma_n; allowed: >= 3 (a stage is refilled only after the wgmmas reading it)";
+  } else if (detail::marlin_moe_threads(p) > 1024) {
+    os << "warps_m = " << p.warps_m << "; allowed: at most 32 warps (1024 threads)";
+  } else if (p.min_blocks_per_sm < 1) {
+    os << "min_blocks_per_sm = " << p.min_blocks_per_sm << "; allowed: >= 1";
+  } else if (detail::marlin_moe_smem_bytes(p) > 227 * 1024) {
+    os << "needs " << detail::marlin_moe_smem_bytes(p)
+       << " bytes of shared memory; allowed: at most " << 227 * 1024
+       << " (sm_90): lower stages or wgmma_n";
+  } else {
+    return marlin_stage_problem(p);
+  }
+  return os.str();
+}
+
 std::string marlin_problem(const MarlinMoeParams& p) {
   std::ostringstream os;
-  const bool fc1 = p.stage == MoeGemmStage::kFc1;
   if (p.stage != MoeGemmStage::kFc1 && p.stage != MoeGemmStage::kFc2) {
     os << "stage = " << static_cast<int>(p.stage)
        << " is not a GEMM of the layer; allowed: fc1, fc2";
+  } else if (p.wgmma_n != 0) {
+    return wgmma_problem(p);
   } else if (p.warps_m < 1 || p.warps_n < 1 || p.warps_k < 1) {
     os << "warps = " << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
        << "; allowed: at least 1 warp along each of M, N and K";
@@ -224,7 +263,16 @@ std::string marlin_problem(const MarlinMoeParams& p) {
     os << "needs " << detail::marlin_moe_smem_bytes(p)
        << " bytes of shared memory; allowed: at most " << 227 * 1024
        << " (sm_90): lower stages, block_k or block_n";
-  } else if (fc1 && p.early_weights) {
+  } else {
+    return marlin_stage_problem(p);
+  }
+  return os.str();
+}
+
+std::string marlin_stage_problem(const MarlinMoeParams& p) {
+  std::ostringstream os;
+  const bool fc1 = p.stage == MoeGemmStage::kFc1;
+  if (fc1 && p.early_weights) {
     os << "early_weights with stage fc1: FC1 reads the route's block map, which the previous "
           "kernel writes, before the early weight prologue; allowed: early_weights for fc2 only";
   } else if (fc1 && p.out_dtype != DType::kBF16) {
@@ -303,9 +351,14 @@ std::string family_arch_problem(Family family, const FamilyParams& params, const
     }
   }
   if (family == Family::kMarlinMoe) {
+    const auto* wg = std::get_if<MarlinMoeParams>(&params);
     if (arch.sm < 80) {
       os << "marlin_moe needs sm_80 or newer (bf16 mma.sync, cp.async, ldmatrix); found "
          << arch.name();
+    } else if (wg != nullptr && wg->wgmma_n != 0 && !(arch.sm == 90 && arch.arch_specific)) {
+      os << "marlin_moe with wgmma_n = " << wg->wgmma_n
+         << " needs sm_90a (wgmma exists on sm_90a only); found " << arch.name()
+         << ": use wgmma_n = 0 (the mma.sync main loop)";
     } else if (const auto* p = std::get_if<MarlinMoeParams>(&params)) {
       const long long need = detail::marlin_moe_smem_bytes(*p);
       const long long limit = detail::max_dynamic_smem_bytes(arch);
@@ -412,6 +465,7 @@ void add_params_json(nlohmann::ordered_json& out, const MarlinMoeParams& p) {
   out["has_bias"] = p.has_bias;
   out["activation"] = activation_json(p.activation);
   out["out_dtype"] = detail::dtype_short_name(p.out_dtype);
+  out["wgmma_n"] = p.wgmma_n;
 }
 
 void add_params_json(nlohmann::ordered_json& out, const MoeCombineParams& p) {
@@ -455,6 +509,7 @@ void add_params_display(std::ostringstream& os, const MarlinMoeParams& p) {
   if (p.early_weights) os << ",early";
   if (p.stage == MoeGemmStage::kFc1) os << ',' << activation_text(p.activation);
   if (p.has_bias) os << ",bias";
+  if (p.wgmma_n != 0) os << ",wgmma" << p.wgmma_n;
   os << ',' << detail::dtype_short_name(p.out_dtype) << '>';
 }
 
@@ -530,6 +585,7 @@ void hash_params(std::size_t& seed, const MarlinMoeParams& p) {
     combine(seed, float_bits(v));
   }
   combine(seed, static_cast<std::size_t>(p.out_dtype));
+  combine(seed, std::hash<int>{}(p.wgmma_n));
 }
 
 void hash_params(std::size_t& seed, const MoeCombineParams& p) {

@@ -25,6 +25,13 @@ struct GemmTile {
   int block_m, block_n, block_k, stages, warps_m, warps_n, warps_k, min_blocks_per_sm;
 };
 
+// The sm_90a warpgroup tile (moe_gemm_wg.cuh) that replaces a GemmTile on devices with wgmma.
+// Its route block must be the GemmTile's block_n, so both share one route and one workspace.
+struct WgmmaTile {
+  int max_tokens;  // the GemmTile bucket it replaces
+  int wgmma_n, block_n, warpgroups, tiles_m, stages, min_blocks_per_sm;
+};
+
 constexpr GemmTile kGemmTiles[] = {
     // T = 1: few experts touched; 32-row CTAs with K split over two warps put more CTAs on them.
     {2, 32, 8, 256, 4, 2, 1, 2, 4},
@@ -58,6 +65,26 @@ constexpr int kCombineThreads = 256;
 
 constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
+
+// T > 2048 (measured on the H200, tools/PERF_LOG.md "marlin_moe prefill on wgmma"): N = 128 from
+// two paired 64-row route blocks, two warpgroups of one m64 tile, 4 stages, two CTAs per SM;
+// gpt-oss-120b T = 4096 FC1 + FC2 2.19-2.26 ms against 3.58 ms for the mma.sync tile.
+constexpr WgmmaTile kWgmmaTiles[] = {
+    {INT_MAX, 128, 64, 2, 1, 4, 2},
+};
+
+constexpr bool wgmma_tiles_share_route_blocks() {
+  for (const WgmmaTile& wg : kWgmmaTiles) {
+    bool found = false;
+    for (const GemmTile& tile : kGemmTiles) {
+      if (tile.max_tokens == wg.max_tokens) found = tile.block_n == wg.block_n;
+    }
+    if (!found) return false;
+  }
+  return true;
+}
+static_assert(wgmma_tiles_share_route_blocks(),
+              "every WgmmaTile must replace a GemmTile bucket with the same block_n (route block)");
 
 const GemmTile& tile_for(int tokens) {
   for (const GemmTile& tile : kGemmTiles) {
@@ -102,6 +129,35 @@ MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const Mode
     // rounding at the end.
     p.out_dtype = DType::kF32;
   }
+  return p;
+}
+
+// The wgmma variant of `tile`'s bucket, or null when the bucket has none.
+const WgmmaTile* wgmma_tile_for(const GemmTile& tile) {
+  for (const WgmmaTile& wg : kWgmmaTiles) {
+    if (wg.max_tokens == tile.max_tokens) return &wg;
+  }
+  return nullptr;
+}
+
+MarlinMoeParams wgmma_params(const WgmmaTile& wg, MoeGemmStage stage, const ModelShape& shape) {
+  MarlinMoeParams p;
+  p.stage = stage;
+  p.block_m = 64 * wg.warpgroups * wg.tiles_m;
+  p.block_n = wg.block_n;
+  p.block_k = kern::moe::layout::kAtomK;
+  p.stages = wg.stages;
+  p.warps_m = 4 * wg.warpgroups;
+  p.warps_n = 1;
+  p.warps_k = 1;
+  p.min_blocks_per_sm = wg.min_blocks_per_sm;
+  p.wgmma_n = wg.wgmma_n;
+  p.has_bias = shape.has_bias;
+  // The same stage roles as the mma.sync tile (early weights, activation, out dtype).
+  const MarlinMoeParams roles = gemm_params(GemmTile{}, stage, shape);
+  p.early_weights = roles.early_weights;
+  p.activation = roles.activation;
+  p.out_dtype = roles.out_dtype;
   return p;
 }
 
@@ -326,6 +382,16 @@ int marlin_moe_threads(const MarlinMoeParams& p) { return 32 * p.warps_m * p.war
 
 long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
+  if (p.wgmma_n != 0) {
+    // MoeGemmWgTraits::kSmemBytes: stages of (wgmma_n input rows of 128 bytes + the CTA's weight
+    // atoms and scales for 64 K), each rounded to 1024; token ids and rows; 1024 for alignment.
+    const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
+    const long long stage_raw =
+        static_cast<long long>(p.wgmma_n) * 128 +
+        atoms_m * (kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes);
+    const long long stage = (stage_raw + 1023) / 1024 * 1024;
+    return p.stages * stage + 2LL * p.wgmma_n * 4 + 1024;
+  }
   const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
   const long long atoms_k = p.block_k / kern::moe::layout::kAtomK;
   const long long warp_atoms_m = atoms_m / p.warps_m;
@@ -501,6 +567,8 @@ MoeDecodeParams decode_reset_params(const MoeDecodeParams& main) {
   return p;
 }
 
+bool wgmma_runs_on(const Arch& arch) { return arch.sm == 90 && arch.arch_specific; }
+
 bool decode_moe_runs_on(const MoeDecodeParams& p, const Arch& arch) {
   return arch.sm >= 90 && decode_moe_smem_bytes(p) <= max_dynamic_smem_bytes(arch);
 }
@@ -523,6 +591,11 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   const GemmTile& tile = tile_for(tokens);
   c.fc1 = gemm_params(tile, MoeGemmStage::kFc1, shape);
   c.fc2 = gemm_params(tile, MoeGemmStage::kFc2, shape);
+  if (const WgmmaTile* wg = wgmma_tile_for(tile)) {
+    c.wgmma = true;
+    c.fc1_wgmma = wgmma_params(*wg, MoeGemmStage::kFc1, shape);
+    c.fc2_wgmma = wgmma_params(*wg, MoeGemmStage::kFc2, shape);
+  }
 
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
   const int threads = route_threads(shape.num_experts);
@@ -566,8 +639,11 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
     if (part.kernel == RouteKernel::kRank) part.block_m = kRouteRankBlockM;
     s.route[i] = make_spec(Family::kRoute, arch, part);
   }
-  s.fc1 = make_spec(Family::kMarlinMoe, arch, config.fc1);
-  s.fc2 = make_spec(Family::kMarlinMoe, arch, config.fc2);
+  const bool wgmma = config.wgmma && wgmma_runs_on(arch);
+  s.fc1_params = wgmma ? config.fc1_wgmma : config.fc1;
+  s.fc2_params = wgmma ? config.fc2_wgmma : config.fc2;
+  s.fc1 = make_spec(Family::kMarlinMoe, arch, s.fc1_params);
+  s.fc2 = make_spec(Family::kMarlinMoe, arch, s.fc2_params);
   s.combine = make_spec(Family::kCombine, arch, config.combine);
   return s;
 }

@@ -82,6 +82,8 @@ MoeDecodeParams decode_reset_params(const MoeDecodeParams& main);
 bool decode_moe_runs_on(const MoeDecodeParams& p, const Arch& arch);
 // The spec of one decode kernel on `arch`.
 KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch);
+// marlin_moe's warpgroup main loop (MarlinMoeParams::wgmma_n) runs on `arch`: sm_90a only.
+bool wgmma_runs_on(const Arch& arch);
 
 // ---- the choice per T ---------------------------------------------------------------------------
 
@@ -98,8 +100,13 @@ struct MoeForwardConfig {
   NarrowIdsParams narrow;
   bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
   MoeRouteParams route;      // kernel = kSingle, or kRank (scan and scatter share the rest)
-  MarlinMoeParams fc1;
+  MarlinMoeParams fc1;  // the mma.sync main loop (any arch)
   MarlinMoeParams fc2;
+  // The tile has an sm_90a warpgroup variant (same route block, so the same route and
+  // workspace): on such devices FC1 and FC2 run fc1_wgmma / fc2_wgmma instead.
+  bool wgmma = false;
+  MarlinMoeParams fc1_wgmma;
+  MarlinMoeParams fc2_wgmma;
   MoeCombineParams combine;
 };
 
@@ -120,6 +127,8 @@ struct MoeForwardSpecs {
   KernelSpec narrow;
   int route_count = 0;  // 1 (single) or 3 (rank, scan, scatter)
   KernelSpec route[3];
+  MarlinMoeParams fc1_params;  // config.fc1, or config.fc1_wgmma where wgmma runs on `arch`
+  MarlinMoeParams fc2_params;
   KernelSpec fc1;
   KernelSpec fc2;
   KernelSpec combine;

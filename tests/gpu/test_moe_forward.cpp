@@ -1,5 +1,6 @@
 // The MXFP4 MoE layer on the GPU (moejit/moe.hpp): moe_forward against the fp64 CPU reference
-// (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000},
+// (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000}
+// (and T = 2100, 4096 for the prefill tile, on 128 sampled tokens),
 // on the automatic path, forced marlin_moe and forced decode_moe where it serves (T <= 256 on the
 // shapes it accepts; refused elsewhere), the automatic path bit for bit the one the library picks
 // (decode_moe for 4 <= T <= 256 on the shapes it serves, as detail::decode_by_default says, else
@@ -201,6 +202,61 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
                     fmt(paths).c_str());
         CHECK(paths <= kRelL2Tolerance);
       }
+    }
+  }
+}
+
+// Above T = 2048 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh: paired route
+// blocks, N = 128, and N = 64 for an expert's lone last block) where the device is sm_90a, the
+// mma.sync tile elsewhere. With 24-48 experts every expert gets tens of 64-row blocks, so both
+// tile widths and the expert boundaries are exercised.
+TEST_CASE("moe_forward: the prefill tile (T = 2100, 4096) vs the fp64 reference", "[gpu][moe]") {
+  gpu();
+  TestStream stream;
+  constexpr int kPrefillTokens[] = {2100, 4096};
+  std::vector<ModelShape> shapes;
+  for (const SweepShape& s : kSweep) {
+    shapes.push_back(resized(reference_shape(s.name), s.experts, 0, s.experts, 4096));
+  }
+  prewarm_shapes(shapes);
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::printf("moe_forward prefill: seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
+  const bool wgmma = moejit::detail::wgmma_runs_on(arch);
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const ModelShape& shape = shapes[n];
+    const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
+    std::unique_ptr<DeviceModel> model;
+    {
+      const DeviceCheckpoint dck(ck);
+      model = repacked_model(shape, dck, 0, stream.get());
+    }
+    const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
+    IdPlan plan;
+    plan.lo = 0;
+    plan.hi = shape.num_experts;
+    for (int tokens : kPrefillTokens) {
+      const std::string label = std::string(kSweep[n].name) + " T=" + std::to_string(tokens);
+      INFO(label << " " << describe(shape, reference_shape(kSweep[n].name).num_experts));
+      const moejit::detail::MoeForwardSpecs specs = moejit::detail::moe_forward_specs(
+          moejit::detail::choose_moe_config(shape, tokens), arch);
+      CHECK(specs.fc1_params.wgmma_n == (wgmma ? 128 : 0));
+      CHECK(specs.fc2_params.wgmma_n == (wgmma ? 128 : 0));
+      const Tokens tk = make_tokens(shape, tokens, plan, rng);
+      ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
+      const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
+      const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
+      bool repeat = false;
+      const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), kAuto, &repeat);
+      check_score(label + (wgmma ? " [wgmma]" : " [mma.sync]"), score(out, ref, which, shape.hidden),
+                  which.size(), tokens);
+      INFO("3 runs bitwise identical, every element finite");
+      CHECK(count_nonfinite(out) == 0);
+      CHECK(repeat);
+      // The forced marlin path is the same call at these T.
+      CHECK(same_bits(io.run(*model, stream.get(), kMarlin), out));
     }
   }
 }

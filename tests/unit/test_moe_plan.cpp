@@ -116,6 +116,18 @@ MarlinMoeParams good_fc2() {
   return p;
 }
 
+// A valid FC1 spec of the sm_90a warpgroup main loop (the planner's prefill tile).
+MarlinMoeParams good_wgmma_fc1() {
+  MarlinMoeParams p = good_fc1();
+  p.block_m = 128;
+  p.block_n = 64;
+  p.block_k = 64;
+  p.warps_m = 8;
+  p.min_blocks_per_sm = 2;
+  p.wgmma_n = 128;
+  return p;
+}
+
 MoeRouteParams good_route() {
   MoeRouteParams p;
   p.kernel = RouteKernel::kSingle;
@@ -296,6 +308,44 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.route.block_m == c.fc1.block_n);  // route pads to the GEMM's token tile
     CHECK(c.combine.in_dtype == c.fc2.out_dtype);
     CHECK(c.tokens == tokens);
+    CHECK(c.fc1.wgmma_n == 0);
+    CHECK(c.fc2.wgmma_n == 0);
+  }
+
+  // Above T = 2048 the tile has an sm_90a warpgroup variant on the same route blocks; the
+  // specs take it on sm_90a only.
+  const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};
+  for (int tokens : {1, 1000, 2048, 2049, 4096, 16384}) {
+    INFO("T = " << tokens);
+    const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
+    CHECK(c.wgmma == (tokens > 2048));
+    const detail::MoeForwardSpecs on_90a = detail::moe_forward_specs(c, Arch::parse("sm_90a"));
+    const detail::MoeForwardSpecs on_90 = detail::moe_forward_specs(c, Arch::parse("sm_90"));
+    const detail::MoeForwardSpecs on_100a = detail::moe_forward_specs(c, Arch::parse("sm_100a"));
+    CHECK(on_90.fc1_params == c.fc1);
+    CHECK(on_100a.fc2_params == c.fc2);
+    if (!c.wgmma) {
+      CHECK(on_90a.fc1_params == c.fc1);
+      continue;
+    }
+    for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
+      CHECK(same_tile(tile_of(*p), wg));
+      CHECK(p->wgmma_n == 128);
+      CHECK(p->block_n == c.route.block_m);  // two route blocks per CTA, same route
+    }
+    CHECK(on_90a.fc1_params == c.fc1_wgmma);
+    CHECK(on_90a.fc2_params == c.fc2_wgmma);
+    CHECK(c.fc1_wgmma.activation.kind == c.fc1.activation.kind);
+    CHECK(c.fc1_wgmma.has_bias == c.fc1.has_bias);
+    CHECK_FALSE(c.fc1_wgmma.early_weights);
+    CHECK(c.fc2_wgmma.early_weights);
+    CHECK(c.fc2_wgmma.out_dtype == c.fc2.out_dtype);
+    CHECK(moejit::supports(on_90a.fc1).empty());
+    CHECK(moejit::supports(on_90a.fc2).empty());
+    CHECK(detail::marlin_moe_threads(c.fc1_wgmma) == 256);
+    // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
+    // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes).
+    CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == 4 * 21504 + 1024 + 1024);
   }
 
   // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 1024.
@@ -452,6 +502,42 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
     c.edit(p);
     expect_refused(Family::kMarlinMoe, p, c.expected, c.arch);
   }
+  // The warpgroup main loop (MoeGemmWgTraits): its own geometry rules, and sm_90a only.
+  CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_wgmma_fc1())).empty());
+  const std::vector<GemmCase> wgmma_cases = {
+      {[](MarlinMoeParams& p) { p.wgmma_n = 96; }, {"wgmma_n = 96", "64, 128, 256"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.block_n = 32; },
+       {"block_n = 32 with wgmma_n = 128", "wgmma_n / 2"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.wgmma_n = 64;
+         p.block_n = 32;
+       },
+       {"block_n = 32 with wgmma_n = 64", "wgmma_n >= 128"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.warps_m = 6; }, {"warps = 6x1x1", "whole warpgroups"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.warps_k = 2; }, {"warps = 8x1x2", "warps_k = 1"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.block_m = 192; },
+       {"block_m = 192 with 2 warpgroups", "128 or 256"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.block_k = 128; }, {"block_k = 128", "allowed: 64"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.stages = 2; }, {"stages = 2", ">= 3"}, "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.stages = 12;
+         p.wgmma_n = 256;
+         p.block_n = 128;
+       },
+       {"bytes of shared memory", "lower stages or wgmma_n"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) { p.out_dtype = DType::kF32; }, {"out_dtype = f32"}, "sm_90a"},
+      {[](MarlinMoeParams&) {}, {"needs sm_90a", "found sm_90", "wgmma_n = 0"}, "sm_90"},
+      {[](MarlinMoeParams&) {}, {"needs sm_90a", "found sm_100a"}, "sm_100a"},
+  };
+  for (const GemmCase& c : wgmma_cases) {
+    MarlinMoeParams p = good_wgmma_fc1();
+    c.edit(p);
+    expect_refused(Family::kMarlinMoe, p, c.expected, c.arch);
+  }
   MarlinMoeParams fc2 = good_fc2();
   fc2.activation.kind = ActivationKind::kSiTU;
   expect_refused(Family::kMarlinMoe, fc2, {"with stage fc2", "FC2 applies none"});
@@ -602,6 +688,16 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
     edit(p);
     variants.push_back(spec_of(Family::kMarlinMoe, p));
   }
+  // The warpgroup main loop: a different kernel from the mma.sync tile of the same sizes, and
+  // paired blocks (block_n = wgmma_n / 2) differ from unpaired ones.
+  const MarlinMoeParams wg = good_wgmma_fc1();
+  variants.push_back(spec_of(Family::kMarlinMoe, wg));
+  MarlinMoeParams wg_same_sizes = wg;
+  wg_same_sizes.wgmma_n = 0;
+  variants.push_back(spec_of(Family::kMarlinMoe, wg_same_sizes));
+  MarlinMoeParams wg_unpaired = wg;
+  wg_unpaired.block_n = 128;
+  variants.push_back(spec_of(Family::kMarlinMoe, wg_unpaired));
   const std::vector<std::function<void(MoeRouteParams&)>> route_edits = {
       [](MoeRouteParams&) {},
       [](MoeRouteParams& p) { p.kernel = RouteKernel::kScan; },
@@ -644,6 +740,19 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
   CHECK(detail::render(fc2).name_expression ==
         "moejit::kern::moe::moe_gemm<moejit::kern::moe::MoeGemmTraits<64, 8, 256, 4, 4, 1, 1, 4, "
         "true, moejit::kern::moe::Fc2Epilogue<false, true>>>");
+  const KernelSpec wg_fc1 = spec_of(Family::kMarlinMoe, wg);
+  CHECK(wg_fc1.display_name() ==
+        "marlin_moe<fc1,m128,n64,k64,s4,w8x1x1,o2,gpt_oss(limit=7,alpha=1.702),bias,wgmma128,bf16>"
+        "@sm_90a");
+  CHECK(nlohmann::json::parse(wg_fc1.to_json())["params"]["wgmma_n"] == 128);
+  const detail::GeneratedSource wg_src = detail::render(wg_fc1);
+  CHECK(contains(wg_src.source, "#include <moejit/kern/moe/moe_gemm_wg.cuh>"));
+  CHECK(wg_src.name_expression ==
+        "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<128, 2, 1, 4, 2, true, "
+        "false, moejit::kern::moe::Fc1Epilogue<moejit::kern::moe::act::GptOssSwiGLU<1702, 1000, "
+        "7, 1>, true>>>");
+  CHECK(contains(detail::render(spec_of(Family::kMarlinMoe, wg_unpaired)).name_expression,
+                 "MoeGemmWgTraits<128, 2, 1, 4, 2, false, false"));
   MarlinMoeParams situ = good_fc1();
   situ.has_bias = false;
   situ.activation = Activation{};
