@@ -38,12 +38,43 @@
 
 namespace moejit::kern::moe {
 
+// The type kB picks (no <type_traits> under NVRTC without the toolkit's C++ library).
+template <bool kB, class A, class B>
+struct Select {
+  using Type = A;
+};
+template <class A, class B>
+struct Select<false, A, B> {
+  using Type = B;
+};
+
 // FC1: W13 x hidden[token] -> + bias -> Act(gate, up) -> inter (bf16).
 template <class Act_, bool kHasBias_>
 struct Fc1Epilogue {
   using Act = Act_;                            // gated activation functor (activation.cuh)
   static constexpr bool kHasBias = kHasBias_;  // add bias [E][I][2] (gate, up) first
   static constexpr bool kGatherTokens = true;  // input row = token = sorted id / top_k
+  using Out = u16;                             // inter element: bf16 bits
+  static constexpr i32 kOutPerAtom = layout::kGateUpRows;  // outputs of a 16-row strip
+
+  // The (gate, up) bias pair of output j as bf16x2 bits (0 without bias).
+  __device__ __forceinline__ static u32 bias(const MoeGemmParams& p, i32 expert, i32 j) {
+    if constexpr (kHasBias) {
+      return reinterpret_cast<const u32*>(p.bias)[static_cast<i64>(expert) * p.out_features + j];
+    } else {
+      return 0u;
+    }
+  }
+  // Output j from its gate and up accumulators (rows g and g + 8 of the strip).
+  __device__ __forceinline__ static u16 value(float acc_gate, float acc_up, u32 bias_pair) {
+    float gate = acc_gate * mxfp4::kAccumulatorScale;
+    float up = acc_up * mxfp4::kAccumulatorScale;
+    if constexpr (kHasBias) {
+      gate += ptx::bf16_lo(bias_pair);
+      up += ptx::bf16_hi(bias_pair);
+    }
+    return ptx::to_bf16(Act::apply(gate, up));
+  }
 
   // Token column h (0/1) of a lane's fragment c: rows g (gate j) and g + 8 (up j).
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
@@ -51,15 +82,7 @@ struct Fc1Epilogue {
                                                i32 h) {
     const i32 j = m_atom * layout::kGateUpRows + g;
     if (j >= p.out_features) return;
-    float gate = c[h] * mxfp4::kAccumulatorScale;
-    float up = c[2 + h] * mxfp4::kAccumulatorScale;
-    if constexpr (kHasBias) {
-      const u32 b =
-          reinterpret_cast<const u32*>(p.bias)[static_cast<i64>(expert) * p.out_features + j];
-      gate += ptx::bf16_lo(b);
-      up += ptx::bf16_hi(b);
-    }
-    static_cast<u16*>(p.output)[row * p.ld_output + j] = ptx::to_bf16(Act::apply(gate, up));
+    static_cast<u16*>(p.output)[row * p.ld_output + j] = value(c[h], c[2 + h], bias(p, expert, j));
   }
 };
 
@@ -69,6 +92,28 @@ struct Fc2Epilogue {
   static constexpr bool kOutBf16 = kOutBf16_;   // out2 element type: bf16 (true) or fp32
   static constexpr bool kHasBias = kHasBias_;   // add bias [E][H] before the top-k weight
   static constexpr bool kGatherTokens = false;  // input row = the padded row itself
+  using Out = typename Select<kOutBf16, u16, float>::Type;  // out2 element
+  static constexpr i32 kOutPerAtom = layout::kAtomRows;     // outputs of a 16-row strip
+
+  // The bias of output col (0 without bias).
+  __device__ __forceinline__ static float bias(const MoeGemmParams& p, i32 expert, i32 col) {
+    if constexpr (kHasBias) {
+      return __uint_as_float(
+          static_cast<u32>(p.bias[static_cast<i64>(expert) * p.out_features + col]) << 16);
+    } else {
+      return 0.0f;
+    }
+  }
+  __device__ __forceinline__ static Out value(float acc, float bias_v, float weight) {
+    float v = acc * mxfp4::kAccumulatorScale;
+    if constexpr (kHasBias) v += bias_v;
+    v *= weight;
+    if constexpr (kOutBf16) {
+      return ptx::to_bf16(v);
+    } else {
+      return v;
+    }
+  }
 
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
                                                i32 g, i64 row, i32 id, const float (&c)[4], i32 h) {
@@ -77,17 +122,8 @@ struct Fc2Epilogue {
     for (i32 r = 0; r < 2; ++r) {
       const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
       if (col >= p.out_features) continue;
-      float v = c[2 * r + h] * mxfp4::kAccumulatorScale;
-      if constexpr (kHasBias) {
-        v += __uint_as_float(
-            static_cast<u32>(p.bias[static_cast<i64>(expert) * p.out_features + col]) << 16);
-      }
-      v *= weight;
-      if constexpr (kOutBf16) {
-        static_cast<u16*>(p.output)[row * p.ld_output + col] = ptx::to_bf16(v);
-      } else {
-        static_cast<float*>(p.output)[row * p.ld_output + col] = v;
-      }
+      static_cast<Out*>(p.output)[row * p.ld_output + col] =
+          value(c[2 * r + h], bias(p, expert, col), weight);
     }
   }
 };

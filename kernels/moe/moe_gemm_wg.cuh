@@ -14,8 +14,8 @@
 // - CTA = kWarpGroups warpgroups; warpgroup q owns kWgTilesM m64 tiles (64 weight rows each:
 //   four 16-row atom strips, one per warp) of the CTA's kBlockM rows, and all kBlockN tokens.
 // - Pipeline: kStages-deep cp.async ring of 64-wide K tiles (one atom column). A stage holds
-//   the CTA's gathered input rows (128-byte swizzle, zero-filled past in_features), its
-//   weight atoms (verbatim) and their scales. Every thread
+//   the CTA's gathered input rows (128-byte swizzle, zero-filled for padding rows and past
+//   in_features), its weight atoms (verbatim) and their scales. Every thread
 //   copies a share of each stage.
 // - Per K tile kt a warpgroup issues the 4 k16 steps x kWgTilesM wgmmas of tile kt from
 //   registers dequantized earlier, commits, waits until only that group runs (tile kt - 1
@@ -25,9 +25,11 @@
 // - Route blocks: with kPairBlocks the route runs with blocks of kBlockN / 2 rows and a CTA
 //   takes two consecutive blocks of one expert (N = kBlockN) or a lone last one (N =
 //   kBlockN / 2), so padding is that of the half-size block.
-// - Epilogue: after the last wait, the accumulators are in mma.sync's C order per 8-token
-//   slice, so moe_gemm.cuh's Fc1Epilogue / Fc2Epilogue store them unchanged; one CTA owns each
-//   output element (no split-K), so results are bitwise deterministic.
+// - Epilogue: after the last wait the accumulators are in mma.sync's C order per 8-token
+//   slice; moe_gemm.cuh's Fc1Epilogue / Fc2Epilogue turn them into outputs (activation, bias,
+//   top-k weight), which go through a staging tile in shared memory so each token's row leaves
+//   in whole 16-byte pieces. One CTA owns each output element (no split-K): results are
+//   bitwise deterministic.
 // - PDL: as moe_gemm.cuh (kEarlyWeights: weight prologue before griddepcontrol.wait).
 #pragma once
 
@@ -68,9 +70,17 @@ struct MoeGemmWgTraits {
   // Why rounded to 1024: every stage's input tile must start on a swizzle atom.
   static constexpr int kStageBytes =
       ceil_div(kStageInputBytes + kStageWeightBytes + kStageScaleBytes, 1024) * 1024;
-  // + token ids and input rows, + 1024 to align the ring by hand.
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBlockN * 4 + 1024;
-  static constexpr int kChunksWeights = (kStageWeightBytes + kStageScaleBytes) / 16;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  // The epilogue stages the CTA's outputs [kBlockN tokens][kOutFeatures] in the ring, rows
+  // padded by 16 bytes (conflict-free stores from the accumulator layout), then writes whole
+  // 16-byte pieces of each token's row.
+  static constexpr int kOutFeatures = kAtomsM * Epilogue::kOutPerAtom;
+  static constexpr int kStagingRowBytes =
+      kOutFeatures * static_cast<int>(sizeof(typename Epilogue::Out)) + 16;
+  static constexpr int kStagingBytes = kBlockN * kStagingRowBytes;
+  // + token ids and input rows (FC2: then top-k weights), + 1024 to align the ring by hand.
+  static constexpr int kSmemBytes =
+      (kRingBytes > kStagingBytes ? kRingBytes : kStagingBytes) + 2 * kBlockN * 4 + 1024;
 
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
                 "kBlockN must be 64, 128 or 256 (the wgmma shapes wgmma.cuh wraps)");
@@ -84,6 +94,7 @@ struct MoeGemmWgTraits {
   static_assert(kSmemBytes <= 227 * 1024,
                 "shared memory over the sm_90 limit (227 KB): lower kStages or kBlockN");
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
+  static_assert(kStagingRowBytes % 16 == 0, "a staged output row must be whole 16-byte pieces");
 
   // Launch geometry (host or device): grid.x = route blocks provisioned, grid.y = M tiles.
   MOEJIT_HD static constexpr i32 m_tiles(i32 m_atoms) { return ceil_div(m_atoms, kAtomsM); }
@@ -100,7 +111,8 @@ struct Int {
 // over all of K, then the epilogue.
 template <class T, int kN>
 __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i32 row0,
-                                          i32 m_atom0, u32 smem_base, i32* s_ids, i32* s_rows) {
+                                          i32 m_atom0, u8* smem, u32 smem_base, i32* s_ids,
+                                          i32* s_rows) {
   using Epi = typename T::Epilogue;
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -122,25 +134,33 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   // again by the CTAs of its other route blocks, so they should stay in L2 a while.
   // Why running pointers: each thread copies the same chunk positions of every K tile, and
   // tiles are fetched in order, so a copy is one pointer bump.
-  // Why padding is read, not zero-filled: a padding token's column and a strip past m_atoms
-  // only feed accumulators the epilogue never stores (columns and rows of D are independent),
-  // so they copy a valid row (token row 0, the expert's strip 0) and need no per-copy size.
-  // Only K past in_features must be zeros (0 x Inf would poison real columns): the last tile
-  // checks it per copy.
-  constexpr i32 kNW = ceil_div(T::kChunksWeights, T::kThreads);
-  constexpr i32 kChunksW = T::kStageWeightBytes / 16;
+  // A strip past m_atoms only feeds accumulator rows the epilogue never stores (rows and
+  // columns of D are independent), so it copies the expert's strip 0 at full size. Padding
+  // token rows are zero-filled without a read instead (src-size 0): copying a real row there
+  // measured 2x slower at T = 1000 (every padding row of every CTA reading one hot line), and
+  // K past in_features must be zeros (0 x Inf would poison real columns).
+  constexpr i32 kChunksW = T::kStageWeightBytes / 16;  // then kChunksS scale chunks
+  constexpr i32 kChunksS = T::kStageScaleBytes / 16;
+  constexpr i32 kNW = ceil_div(kChunksW, T::kThreads);
+  constexpr i32 kNS = ceil_div(kChunksS, T::kThreads);
   const u8* w_src[kNW];
-  u32 w_step[kNW];
+  const u8* s_src[kNS];
 #pragma unroll
   for (i32 i = 0; i < kNW; ++i) {
     const i32 c = tid + i * T::kThreads;
-    const bool is_scale = c >= kChunksW;
-    const i32 cs = c - kChunksW;
-    const i32 ma = m_atom0 + (is_scale ? cs / 2 : c / 32);
-    const i64 atom = layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, 0);
-    w_step[i] = is_scale ? layout::kAtomScaleBytes : layout::kAtomBytes;
-    w_src[i] = is_scale ? p.scales + atom * layout::kAtomScaleBytes + (cs % 2) * 16
-                        : p.weights + atom * layout::kAtomBytes + (c % 32) * 16;
+    const i32 ma = m_atom0 + c / 32;
+    w_src[i] = p.weights +
+               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, 0) * layout::kAtomBytes +
+               (c % 32) * 16;
+  }
+#pragma unroll
+  for (i32 i = 0; i < kNS; ++i) {
+    const i32 c = tid + i * T::kThreads;
+    const i32 ma = m_atom0 + c / 2;
+    s_src[i] = p.scales +
+               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, 0) *
+                   layout::kAtomScaleBytes +
+               (c % 2) * 16;
   }
   // Copies the K tile after the previous call's into `stage`.
   auto load_weights = [&](i32 stage) {
@@ -148,43 +168,59 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
 #pragma unroll
     for (i32 i = 0; i < kNW; ++i) {
       const i32 c = tid + i * T::kThreads;
-      if (T::kChunksWeights % T::kThreads == 0 || c < T::kChunksWeights) {
+      if (kChunksW % T::kThreads == 0 || c < kChunksW) {
         ptx::cp_async_16(dst + c * 16, w_src[i], 16u);
-        w_src[i] += w_step[i];
+        w_src[i] += layout::kAtomBytes;
+      }
+    }
+#pragma unroll
+    for (i32 i = 0; i < kNS; ++i) {
+      const i32 c = tid + i * T::kThreads;
+      if (kChunksS % T::kThreads == 0 || c < kChunksS) {
+        ptx::cp_async_16(dst + T::kStageWeightBytes + c * 16, s_src[i], 16u);
+        s_src[i] += layout::kAtomScaleBytes;
       }
     }
   };
+  // Copy i of a thread is chunk j = tid % 8 of token row n = tid / 8 + i * kThreads / 8; as
+  // kThreads / 8 is a multiple of 8, the swizzle (j ^ n % 8) and so the offset inside a stage
+  // differ between copies by a constant.
   constexpr i32 kChunksPerRow = T::kInputRowBytes / 16;
   constexpr i32 kChunksInput = kN * kChunksPerRow;
   constexpr i32 kNI = ceil_div(kChunksInput, T::kThreads);
-  const u16* in_src[kNI];
-  u32 in_dst[kNI];  // swizzled offset inside a stage
+  constexpr i32 kRowsPerCopy = T::kThreads / kChunksPerRow;  // rows between a thread's copies
+  static_assert(kChunksPerRow == 8 && kRowsPerCopy % 8 == 0,
+                "a thread's input copies must share one swizzle phase");
+  static_assert(kNI <= 32, "one bit per input copy of a thread");
+  const i32 in_j = tid % kChunksPerRow;
+  const u32 in_dst = static_cast<u32>((tid / kChunksPerRow) * T::kInputRowBytes +
+                                      ((in_j ^ ((tid / kChunksPerRow) & 7)) * 16));
+  // Element offsets of the copies' sources from p.input, + 64 per tile (32 bits: an input of
+  // 2^32 elements would be 8 GB).
+  u32 in_off[kNI];
+  u32 in_real = 0;  // bit i: copy i is of a real token row (else zero-filled, nothing read)
   auto setup_inputs = [&] {
 #pragma unroll
     for (i32 i = 0; i < kNI; ++i) {
-      const i32 c = tid + i * T::kThreads;
-      const i32 n = (c / kChunksPerRow) % kN;
-      const i32 j = c % kChunksPerRow;
+      const i32 n = (tid / kChunksPerRow + i * kRowsPerCopy) % kN;
       const i32 row = s_rows[n];
-      in_src[i] = p.input + (row >= 0 ? static_cast<i64>(row) * p.ld_input : 0) + j * 8;
-      in_dst[i] = static_cast<u32>(n * T::kInputRowBytes + ((j ^ (n & 7)) * 16));
+      in_real |= (row >= 0 ? 1u : 0u) << i;
+      in_off[i] = static_cast<u32>((row >= 0 ? static_cast<i64>(row) * p.ld_input : 0) + in_j * 8);
     }
   };
   // Copies K tile kt (the one after the previous call's) into `stage`.
   auto load_inputs = [&](i32 stage, i32 kt) {
-    const u32 dst = smem_base + stage * T::kStageBytes;
+    const u32 dst = smem_base + stage * T::kStageBytes + in_dst;
     const i32 k_left = p.in_features - kt * T::kBlockK;  // K elements left in this tile
+    const bool in_k = in_j * 8 < k_left;                 // this thread's chunk lies inside K
 #pragma unroll
     for (i32 i = 0; i < kNI; ++i) {
       const i32 c = tid + i * T::kThreads;
       if (kChunksInput % T::kThreads == 0 || c < kChunksInput) {
-        if (k_left >= T::kBlockK) {
-          ptx::cp_async_16(dst + in_dst[i], in_src[i], 16u);
-        } else {
-          const bool ok = (c % kChunksPerRow) * 8 < k_left;
-          ptx::cp_async_16(dst + in_dst[i], ok ? in_src[i] : p.input, ok ? 16u : 0u);
-        }
-        in_src[i] += T::kBlockK;
+        const u32 bytes = in_k ? ((in_real >> i) & 1u) * 16u : 0u;
+        ptx::cp_async_16(dst + i * kRowsPerCopy * T::kInputRowBytes,
+                         p.input + (bytes != 0 ? in_off[i] : 0u), bytes);
+        in_off[i] += T::kBlockK;
       }
     }
   };
@@ -288,20 +324,79 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   for (i32 i = 0; i < T::kWgTilesM; ++i) wgmma::fence_operands(acc[i]);
   ptx::cp_async_wait<0>();
 
+  // Epilogue: values into the staging tile (the ring, free once every warp is past its last
+  // wgmma), then whole 16-byte pieces of each real token's row to the output.
+  using Out = typename Epi::Out;
+  if constexpr (!Epi::kGatherTokens) {
+    // FC2: each token column's top-k weight, once per CTA (s_rows is not read any more).
+    for (i32 n = tid; n < kN; n += T::kThreads) {
+      const i32 id = s_ids[n];
+      s_rows[n] = __float_as_int(id >= 0 ? p.topk_weights[id] : 0.0f);
+    }
+  }
+  __syncthreads();
   const i32 t = lane & 3;
 #pragma unroll
   for (i32 i = 0; i < T::kWgTilesM; ++i) {
-    const i32 m_atom = m_atom0 + (wg * T::kWgTilesM + i) * 4 + wq;
-    if (m_atom >= p.m_atoms) continue;
+    const i32 strip = (wg * T::kWgTilesM + i) * 4 + wq;  // inside the CTA
+    const i32 m_atom = m_atom0 + strip;
+    if constexpr (Epi::kGatherTokens) {
+      // FC1: this lane's output j (gate row g, up row g + 8 of the strip) for 2 tokens per slice.
+      const i32 f = strip * layout::kGateUpRows + g;
+      const i32 j = m_atom * layout::kGateUpRows + g;
+      const u32 bias = j < p.out_features ? Epi::bias(p, expert, j) : 0u;
 #pragma unroll
-    for (i32 j = 0; j < kN / 8; ++j) {
-      const float c[4] = {acc[i][4 * j], acc[i][4 * j + 1], acc[i][4 * j + 2], acc[i][4 * j + 3]};
+      for (i32 s8 = 0; s8 < kN / 8; ++s8) {
 #pragma unroll
-      for (i32 h = 0; h < 2; ++h) {
-        const i32 n = 8 * j + 2 * t + h;
-        const i32 id = s_ids[n];
-        if (id < 0) continue;
-        Epi::store(p, expert, m_atom, g, static_cast<i64>(row0) + n, id, c, h);
+        for (i32 h = 0; h < 2; ++h) {
+          const i32 n = 8 * s8 + 2 * t + h;
+          reinterpret_cast<Out*>(smem + n * T::kStagingRowBytes)[f] =
+              Epi::value(acc[i][4 * s8 + h], acc[i][4 * s8 + 2 + h], bias);
+        }
+      }
+    } else {
+      // FC2: this lane's outputs g and g + 8 of the strip for 2 tokens per slice.
+      float bias[2];
+#pragma unroll
+      for (i32 r = 0; r < 2; ++r) {
+        const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
+        bias[r] = col < p.out_features ? Epi::bias(p, expert, col) : 0.0f;
+      }
+#pragma unroll
+      for (i32 s8 = 0; s8 < kN / 8; ++s8) {
+#pragma unroll
+        for (i32 h = 0; h < 2; ++h) {
+          const i32 n = 8 * s8 + 2 * t + h;
+          const float weight = __int_as_float(s_rows[n]);
+          Out* row = reinterpret_cast<Out*>(smem + n * T::kStagingRowBytes);
+#pragma unroll
+          for (i32 r = 0; r < 2; ++r) {
+            row[strip * layout::kAtomRows + g + 8 * r] =
+                Epi::value(acc[i][4 * s8 + 2 * r + h], bias[r], weight);
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  constexpr i32 kPerPiece = 16 / static_cast<i32>(sizeof(Out));
+  constexpr i32 kPiecesPerRow = T::kOutFeatures / kPerPiece;
+  const i32 f_base = m_atom0 * Epi::kOutPerAtom;
+  Out* const out = static_cast<Out*>(p.output);
+  // Whole pieces need 16-byte aligned rows; otherwise (never for the planner's shapes) the
+  // same values go out one element at a time.
+  const bool aligned = p.ld_output % kPerPiece == 0 && reinterpret_cast<u64>(out) % 16 == 0;
+  for (i32 c = tid; c < kN * kPiecesPerRow; c += T::kThreads) {
+    const i32 n = c / kPiecesPerRow;
+    const i32 f0 = f_base + (c % kPiecesPerRow) * kPerPiece;
+    if (s_ids[n] < 0 || f0 >= p.out_features) continue;
+    const u8* src = smem + n * T::kStagingRowBytes + (c % kPiecesPerRow) * 16;
+    Out* dst = out + (static_cast<i64>(row0) + n) * p.ld_output + f0;
+    if (aligned && f0 + kPerPiece <= p.out_features) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (i32 e = 0; e < kPerPiece && f0 + e < p.out_features; ++e) {
+        dst[e] = reinterpret_cast<const Out*>(src)[e];
       }
     }
   }
@@ -316,8 +411,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   extern __shared__ __align__(1024) u8 smem_raw[];
   const u32 raw_base = ptx::smem_u32(smem_raw);
   const u32 smem_base = (raw_base + 1023u) & ~1023u;
-  i32* s_ids =
-      reinterpret_cast<i32*>(smem_raw + (smem_base - raw_base) + T::kStages * T::kStageBytes);
+  u8* const smem = smem_raw + (smem_base - raw_base);
+  i32* s_ids = reinterpret_cast<i32*>(smem + (T::kSmemBytes - 1024 - 2 * T::kBlockN * 4));
   i32* s_rows = s_ids + T::kBlockN;
 
   if constexpr (!T::kEarlyWeights) {
@@ -346,13 +441,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const bool pair =
         block + 1 < static_cast<i32>(gridDim.x) && p.block_expert[block + 1] == expert;
     if (!pair) {
-      wg_detail::gemm_tile<T, T::kBlockN / 2>(p, expert, block * T::kRouteBlock, m_atom0,
+      wg_detail::gemm_tile<T, T::kBlockN / 2>(p, expert, block * T::kRouteBlock, m_atom0, smem,
                                                smem_base, s_ids, s_rows);
       return;
     }
   }
-  wg_detail::gemm_tile<T, T::kBlockN>(p, expert, block * T::kRouteBlock, m_atom0, smem_base,
-                                      s_ids, s_rows);
+  wg_detail::gemm_tile<T, T::kBlockN>(p, expert, block * T::kRouteBlock, m_atom0, smem,
+                                      smem_base, s_ids, s_rows);
 }
 
 }  // namespace moejit::kern::moe

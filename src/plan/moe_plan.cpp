@@ -384,13 +384,23 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
   if (p.wgmma_n != 0) {
     // MoeGemmWgTraits::kSmemBytes: stages of (wgmma_n input rows of 128 bytes + the CTA's weight
-    // atoms and scales for 64 K), each rounded to 1024; token ids and rows; 1024 for alignment.
+    // atoms and scales for 64 K), each rounded to 1024, or the staging tile if larger; token
+    // ids and rows; 1024 for alignment.
     const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
     const long long stage_raw =
         static_cast<long long>(p.wgmma_n) * 128 +
         atoms_m * (kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes);
     const long long stage = (stage_raw + 1023) / 1024 * 1024;
-    return p.stages * stage + 2LL * p.wgmma_n * 4 + 1024;
+    // The epilogue's staging tile: wgmma_n rows of the CTA's outputs (FC1: 8 bf16 per strip,
+    // FC2: 16 of out_dtype), each padded by 16 bytes; it reuses the ring.
+    const bool fc1 = p.stage == MoeGemmStage::kFc1;
+    const long long out_bytes = fc1 || p.out_dtype == DType::kBF16 ? 2 : 4;
+    const long long staging = static_cast<long long>(p.wgmma_n) *
+                              (atoms_m * (fc1 ? kern::moe::layout::kGateUpRows
+                                              : kern::moe::layout::kAtomRows) *
+                                   out_bytes +
+                               16);
+    return std::max(p.stages * stage, staging) + 2LL * p.wgmma_n * 4 + 1024;
   }
   const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
   const long long atoms_k = p.block_k / kern::moe::layout::kAtomK;
