@@ -153,11 +153,14 @@ MarlinMoeParams wgmma_params(const WgmmaTile& wg, MoeGemmStage stage, const Mode
   p.min_blocks_per_sm = wg.min_blocks_per_sm;
   p.wgmma_n = wg.wgmma_n;
   p.has_bias = shape.has_bias;
-  // The same stage roles as the mma.sync tile (early weights, activation, out dtype).
+  // The same stage roles as the mma.sync tile (early weights, activation), except FC2's rows.
   const MarlinMoeParams roles = gemm_params(GemmTile{}, stage, shape);
   p.early_weights = roles.early_weights;
   p.activation = roles.activation;
-  p.out_dtype = roles.out_dtype;
+  // Why bf16 FC2 rows: at these T the rows are T * k * H values written by FC2 and read back by
+  // combine (gpt-oss-120b T = 4096: 231 MB in fp32); bf16 halves that traffic for one more
+  // rounding (2^-9 relative) of each weighted row before the top-k sum.
+  p.out_dtype = DType::kBF16;
   return p;
 }
 
@@ -626,6 +629,8 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.combine.top_k = shape.top_k;
   c.combine.in_dtype = c.fc2.out_dtype;
   c.combine.block_threads = tokens <= kCombineSmallTokens ? kCombineSmallThreads : kCombineThreads;
+  c.combine_wgmma = c.combine;
+  if (c.wgmma) c.combine_wgmma.in_dtype = c.fc2_wgmma.out_dtype;
   return c;
 }
 
@@ -654,7 +659,7 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   s.fc2_params = wgmma ? config.fc2_wgmma : config.fc2;
   s.fc1 = make_spec(Family::kMarlinMoe, arch, s.fc1_params);
   s.fc2 = make_spec(Family::kMarlinMoe, arch, s.fc2_params);
-  s.combine = make_spec(Family::kCombine, arch, config.combine);
+  s.combine = make_spec(Family::kCombine, arch, wgmma ? config.combine_wgmma : config.combine);
   return s;
 }
 

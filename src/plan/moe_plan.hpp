@@ -103,11 +103,13 @@ struct MoeForwardConfig {
   MarlinMoeParams fc1;  // the mma.sync main loop (any arch)
   MarlinMoeParams fc2;
   // The tile has an sm_90a warpgroup variant (same route block, so the same route and
-  // workspace): on such devices FC1 and FC2 run fc1_wgmma / fc2_wgmma instead.
+  // workspace; its bf16 FC2 rows fit the fp32 rows' region): on such devices FC1, FC2 and
+  // combine run fc1_wgmma, fc2_wgmma and combine_wgmma instead.
   bool wgmma = false;
   MarlinMoeParams fc1_wgmma;
   MarlinMoeParams fc2_wgmma;
   MoeCombineParams combine;
+  MoeCombineParams combine_wgmma;  // combine reading fc2_wgmma's rows
 };
 
 // The config for `tokens` (1 <= tokens) of `shape`. Pure arithmetic on the shape's sizes, no

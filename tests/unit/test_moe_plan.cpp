@@ -206,7 +206,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
             CHECK(p->out_dtype == DType::kBF16);
           } else {
             CHECK(p->early_weights);
-            CHECK(p->out_dtype == DType::kF32);
+            // fp32 rows, but bf16 from the sm_90a prefill tile (wgmma_n).
+            CHECK(p->out_dtype == (p->wgmma_n != 0 ? DType::kBF16 : DType::kF32));
           }
           CHECK(p->has_bias == shape.has_bias);
         }
@@ -240,7 +241,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // One rank kernel per chunk size (the planner's two: 1024 and 4096 entries).
       CHECK(rank_kernels == 2);
       CHECK(count[Family::kRepack] == 2);
-      CHECK(count[Family::kCombine] == 2);  // small-T and large-T CTAs
+      // Small-T and large-T CTAs, and on sm_90a the prefill tile's bf16 rows.
+      CHECK(count[Family::kCombine] == (std::string(arch) == "sm_90a" ? 3 : 2));
       CHECK(count[Family::kNarrowIds] == (shape.id_dtype == DType::kI64 ? 1 : 0));
       CHECK(count[Family::kAppendShared] == (shape.shared.count > 0 ? 1 : 0));
       // decode_moe needs sm_90: an sm_80 prewarm plans none.
@@ -339,13 +341,19 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.fc1_wgmma.has_bias == c.fc1.has_bias);
     CHECK_FALSE(c.fc1_wgmma.early_weights);
     CHECK(c.fc2_wgmma.early_weights);
-    CHECK(c.fc2_wgmma.out_dtype == c.fc2.out_dtype);
+    CHECK(c.fc2.out_dtype == DType::kF32);
+    CHECK(c.fc2_wgmma.out_dtype == DType::kBF16);  // half the FC2-row traffic at these T
+    CHECK(c.combine_wgmma.in_dtype == DType::kBF16);
+    CHECK(std::get<MoeCombineParams>(on_90a.combine.params) == c.combine_wgmma);
+    CHECK(std::get<MoeCombineParams>(on_90.combine.params) == c.combine);
     CHECK(moejit::supports(on_90a.fc1).empty());
     CHECK(moejit::supports(on_90a.fc2).empty());
     CHECK(detail::marlin_moe_threads(c.fc1_wgmma) == 256);
     // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
     // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes).
     CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == 4 * 21504 + 1024 + 1024);
+    // FC2's staging tile (128 tokens x 128 bf16 + 16 bytes) fits in its ring.
+    CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == 4 * 21504 + 1024 + 1024);
   }
 
   // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 1024.
