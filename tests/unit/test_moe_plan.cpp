@@ -230,7 +230,7 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // Distinct specs only.
       const SpecSet distinct(specs.begin(), specs.end());
       CHECK(distinct.size() == specs.size());
-      // Five measured tiles (T = 1, <= 160, <= 512, <= 2048, above), FC1 and FC2 each.
+      // Five measured tiles (T = 1, <= 160, <= 512, <= 1024, above), FC1 and FC2 each.
       CHECK(count[Family::kMarlinMoe] == 10);
       CHECK(fc1_tiles ==
             std::set<std::pair<int, int>>{{32, 8}, {64, 8}, {64, 16}, {64, 32}, {128, 64}});
@@ -301,7 +301,7 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   const std::vector<std::pair<int, Tile>> expected = {
       {1, t1},       {2, t1},       {3, t96},      {7, t96},      {96, t96},
       {160, t96},    {161, t256},   {256, t256},   {512, t256},   {513, t1000},
-      {1000, t1000}, {2048, t1000}, {2049, t4096}, {4096, t4096}, {16384, t4096}};
+      {1024, t1000}, {1025, t4096}, {2048, t4096}, {4096, t4096}, {16384, t4096}};
   for (const auto& [tokens, tile] : expected) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
@@ -314,13 +314,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.fc2.wgmma_n == 0);
   }
 
-  // Above T = 2048 the tile has an sm_90a warpgroup variant on the same route blocks; the
+  // Above T = 1024 the tile has an sm_90a warpgroup variant on the same route blocks; the
   // specs take it on sm_90a only.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};
-  for (int tokens : {1, 1000, 2048, 2049, 4096, 16384}) {
+  for (int tokens : {1, 1000, 1024, 1025, 2048, 4096, 16384}) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
-    CHECK(c.wgmma == (tokens > 2048));
+    CHECK(c.wgmma == (tokens > 1024));
     const detail::MoeForwardSpecs on_90a = detail::moe_forward_specs(c, Arch::parse("sm_90a"));
     const detail::MoeForwardSpecs on_90 = detail::moe_forward_specs(c, Arch::parse("sm_90"));
     const detail::MoeForwardSpecs on_100a = detail::moe_forward_specs(c, Arch::parse("sm_100a"));
