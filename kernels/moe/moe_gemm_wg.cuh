@@ -15,8 +15,8 @@
 //   four 16-row atom strips, one per warp) of the CTA's kBlockM rows, and all kBlockN tokens.
 // - Pipeline: kStages-deep cp.async ring of 64-wide K tiles (one atom column). A stage holds
 //   the CTA's gathered input rows (128-byte swizzle, zero-filled for padding rows and past
-//   in_features), its weight atoms (verbatim) and their scales. Every thread
-//   copies a share of each stage.
+//   in_features), its weight atoms (verbatim) and their scales. Every thread copies a share
+//   of each stage.
 // - Per K tile kt a warpgroup issues the 4 k16 steps x kWgTilesM wgmmas of tile kt from
 //   registers dequantized earlier, commits, waits until only that group runs (tile kt - 1
 //   done), passes the CTA barrier (tile kt + 1 landed, tile kt - 1's stage free for the next
@@ -90,7 +90,7 @@ struct MoeGemmWgTraits {
   static_assert(kWgTilesM >= 1 && kWgTilesM <= 2,
                 "kWgTilesM must be 1 or 2: each m64 tile holds kBlockN / 2 fp32 registers");
   static_assert(kStages >= 3,
-                "kStages must be >= 3: a stage is refilled only after the wgmmas reading it");
+                "kStages must be >= 3: the next tile lands while one is read and one refills");
   static_assert(kSmemBytes <= 227 * 1024,
                 "shared memory over the sm_90 limit (227 KB): lower kStages or kBlockN");
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
