@@ -191,7 +191,10 @@ bool is_default_activation(const Activation& a) {
          a.linear_beta == 0.f;
 }
 
-// The stage-independent half of marlin_problem's rules (out_dtype, early weights, activation).
+// The rules both main loops share after their geometry: occupancy and shared memory
+// (`smem_hint` says what to lower), then marlin_stage_problem.
+std::string marlin_limits_problem(const MarlinMoeParams& p, const char* smem_hint);
+// The stage's roles (out_dtype, early weights, activation), whatever the main loop.
 std::string marlin_stage_problem(const MarlinMoeParams& p);
 
 // marlin_moe with the warpgroup main loop (moe_gemm_wg.cuh: MoeGemmWgTraits' static_asserts).
@@ -214,17 +217,11 @@ std::string wgmma_problem(const MarlinMoeParams& p) {
     os << "block_k = " << p.block_k << " with wgmma_n; allowed: 64 (one atom column per stage)";
   } else if (p.stages < 3) {
     os << "stages = " << p.stages
-       << " with wgmma_n; allowed: >= 3 (a stage is refilled only after the wgmmas reading it)";
+       << " with wgmma_n; allowed: >= 3 (the next tile lands while one is read and one refills)";
   } else if (detail::marlin_moe_threads(p) > 1024) {
     os << "warps_m = " << p.warps_m << "; allowed: at most 32 warps (1024 threads)";
-  } else if (p.min_blocks_per_sm < 1) {
-    os << "min_blocks_per_sm = " << p.min_blocks_per_sm << "; allowed: >= 1";
-  } else if (detail::marlin_moe_smem_bytes(p) > 227 * 1024) {
-    os << "needs " << detail::marlin_moe_smem_bytes(p)
-       << " bytes of shared memory; allowed: at most " << 227 * 1024
-       << " (sm_90): lower stages or wgmma_n";
   } else {
-    return marlin_stage_problem(p);
+    return marlin_limits_problem(p, "lower stages or wgmma_n");
   }
   return os.str();
 }
@@ -257,12 +254,19 @@ std::string marlin_problem(const MarlinMoeParams& p) {
   } else if (detail::marlin_moe_threads(p) > 1024) {
     os << "warps_m * warps_n * warps_k = " << p.warps_m * p.warps_n * p.warps_k
        << " warps; allowed: at most 32 (1024 threads)";
-  } else if (p.min_blocks_per_sm < 1) {
+  } else {
+    return marlin_limits_problem(p, "lower stages, block_k or block_n");
+  }
+  return os.str();
+}
+
+std::string marlin_limits_problem(const MarlinMoeParams& p, const char* smem_hint) {
+  std::ostringstream os;
+  if (p.min_blocks_per_sm < 1) {
     os << "min_blocks_per_sm = " << p.min_blocks_per_sm << "; allowed: >= 1";
   } else if (detail::marlin_moe_smem_bytes(p) > 227 * 1024) {
     os << "needs " << detail::marlin_moe_smem_bytes(p)
-       << " bytes of shared memory; allowed: at most " << 227 * 1024
-       << " (sm_90): lower stages, block_k or block_n";
+       << " bytes of shared memory; allowed: at most " << 227 * 1024 << " (sm_90): " << smem_hint;
   } else {
     return marlin_stage_problem(p);
   }
