@@ -148,14 +148,17 @@ struct NarrowIdsParams {
   }
 };
 
-// decode_moe: one of the family's two kernels. kReset zeroes the work-queue counters (one CTA,
-// launched without programmatic dependent launch, so it starts after everything before it);
-// kMain is the persistent fused layer, launched with it (it waits on kReset before touching the
-// counters). Both take the same traits.
-enum class DecodeKernel { kReset, kMain };
+// decode_moe: one kernel of the family's two launch pairs. The persistent tile: kReset zeroes the
+// work-queue counters (one CTA, launched without programmatic dependent launch, so it starts
+// after everything before it); kMain is the persistent fused layer, launched with it (it waits on
+// kReset before touching the counters). Both take the same traits. The two-launch tile for the
+// smallest T (kernels/moe/decode_pair.cuh): kPairFc1 (FC1 with the activation), then kPairFc2
+// (FC2 and the top-k sum) launched with programmatic dependent launch; both take PairTraits.
+enum class DecodeKernel { kReset, kMain, kPairFc1, kPairFc2 };
 
-// decode_moe (kernels/moe/decode_moe.cuh DecodeTraits): the model's sizes are template arguments,
-// so every rule of kernels/moe/decode_params.cuh (Geometry::rule) is checked per spec.
+// decode_moe (kernels/moe/decode_moe.cuh DecodeTraits, decode_pair.cuh PairTraits): the model's
+// sizes are template arguments, so every rule of kernels/moe/decode_params.cuh (Geometry::rule)
+// or decode_pair_params.cuh (PairGeometry::rule) is checked per spec.
 struct MoeDecodeParams {
   DecodeKernel kernel = DecodeKernel::kMain;
   int num_experts = 0;           // E local experts (1..4096: 12-bit field)
@@ -166,6 +169,9 @@ struct MoeDecodeParams {
   int fc1_strips = 0;            // 16-row strips per FC1 item: 2, 4 or 8 dividing I / 8
   int fc2_strips = 0;            // 16-row strips per FC2 item: 4 or 8 dividing H / 16
   int stages = 0;                // chunks in flight per CTA (2..8)
+  // The pair kernels have no block_n, strips or stages (all 0): their tile follows from the
+  // shape and the T bucket they serve, 1, 2, 4 or 8 tokens (0 for kReset and kMain).
+  int max_tokens = 0;
   Activation activation;         // the gated activation of FC1
   DType id_dtype = DType::kI32;  // topk_ids element type read directly (kI32 or kI64)
 
@@ -173,6 +179,7 @@ struct MoeDecodeParams {
     return a.kernel == b.kernel && a.num_experts == b.num_experts && a.top_k == b.top_k &&
            a.hidden == b.hidden && a.intermediate == b.intermediate && a.block_n == b.block_n &&
            a.fc1_strips == b.fc1_strips && a.fc2_strips == b.fc2_strips && a.stages == b.stages &&
+           a.max_tokens == b.max_tokens &&
            a.activation.kind == b.activation.kind && a.activation.limit == b.activation.limit &&
            a.activation.alpha == b.activation.alpha && a.activation.beta == b.activation.beta &&
            a.activation.linear_beta == b.activation.linear_beta && a.id_dtype == b.id_dtype;
@@ -185,7 +192,8 @@ using FamilyParams =
 
 const char* route_kernel_name(RouteKernel kernel) noexcept;  // "single", "rank", "scan", "scatter"
 const char* moe_gemm_stage_name(MoeGemmStage stage) noexcept;  // "fc1", "fc2"
-const char* decode_kernel_name(DecodeKernel kernel) noexcept;  // "reset", "main"
+// "reset", "main", "pair_fc1", "pair_fc2"
+const char* decode_kernel_name(DecodeKernel kernel) noexcept;
 
 struct KernelSpec {
   Family family = Family::kAppendShared;

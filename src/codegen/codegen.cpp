@@ -240,18 +240,27 @@ FamilyText family_text(const MoeDecodeParams& p) {
   const bool ids64 = p.id_dtype == DType::kI64;
   const std::string decode_ns = std::string(kMoeNs) + "decode::";
   std::ostringstream traits;
+  std::ostringstream name;
+  std::ostringstream stem;
+  stem << "decode_moe_" << decode_kernel_name(p.kernel) << "_e" << p.num_experts << "_k" << p.top_k
+       << "_h" << p.hidden << "_i" << p.intermediate;
+  if (decode_pair_kernel(p.kernel)) {
+    traits << decode_ns << "PairTraits<" << p.num_experts << ", " << p.top_k << ", " << p.hidden
+           << ", " << p.intermediate << ", " << p.max_tokens << ", " << act.type << ", "
+           << (ids64 ? "true" : "false") << '>';
+    const bool fc1 = p.kernel == DecodeKernel::kPairFc1;
+    name << decode_ns << (fc1 ? "decode_pair_fc1<" : "decode_pair_fc2<") << traits.str() << '>';
+    stem << "_t" << p.max_tokens << '_' << act.stem << '_' << dtype_short_name(p.id_dtype);
+    return FamilyText{"moejit/kern/moe/decode_pair.cuh", name.str(), stem.str()};
+  }
   traits << decode_ns << "DecodeTraits<" << p.num_experts << ", " << p.top_k << ", " << p.hidden
          << ", " << p.intermediate << ", " << p.block_n << ", " << p.fc1_strips << ", "
          << p.fc2_strips << ", " << p.stages << ", " << act.type << ", "
          << (ids64 ? "true" : "false") << '>';
   const bool reset = p.kernel == DecodeKernel::kReset;
-  std::ostringstream name;
   name << decode_ns << (reset ? "decode_moe_reset<" : "decode_moe<") << traits.str() << '>';
-  std::ostringstream stem;
-  stem << "decode_moe_" << decode_kernel_name(p.kernel) << "_e" << p.num_experts << "_k" << p.top_k
-       << "_h" << p.hidden << "_i" << p.intermediate << "_n" << p.block_n << "_f" << p.fc1_strips
-       << 'x' << p.fc2_strips << "_s" << p.stages << '_' << act.stem << '_'
-       << dtype_short_name(p.id_dtype);
+  stem << "_n" << p.block_n << "_f" << p.fc1_strips << 'x' << p.fc2_strips << "_s" << p.stages
+       << '_' << act.stem << '_' << dtype_short_name(p.id_dtype);
   return FamilyText{"moejit/kern/moe/decode_moe.cuh", name.str(), stem.str()};
 }
 

@@ -148,4 +148,36 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   launch_moe_kernel(op, main_spec, main_kernel, main_shape, true, stream, kernel_args);
 }
 
+void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
+                        const kern::moe::decode::DecodePairParams& args, CUstream stream) {
+  Runtime& runtime = Runtime::instance();
+  const MoeDecodeParams fc2 = decode_pair_fc2_params(fc1);
+  const KernelSpec fc1_spec = decode_moe_spec(fc1, device.arch);
+  const KernelSpec fc2_spec = decode_moe_spec(fc2, device.arch);
+  // Both kernels first, so a capture miss (or any build failure) launches nothing.
+  const CUkernel fc1_kernel = runtime.kernel(fc1_spec, stream);
+  const CUkernel fc2_kernel = runtime.kernel(fc2_spec, stream);
+  const int fc1_smem = static_cast<int>(decode_moe_smem_bytes(fc1));
+  const int fc2_smem = static_cast<int>(decode_moe_smem_bytes(fc2));
+  ensure_dynamic_smem(op, fc1_spec, fc1_kernel, device.ordinal, fc1_smem, true);
+  ensure_dynamic_smem(op, fc2_spec, fc2_kernel, device.ordinal, fc2_smem, true);
+  const int sms = multiprocessor_count(device.ordinal);
+
+  kern::moe::decode::DecodePairParams params = args;
+  void* kernel_args[] = {&params};
+  // Why no PDL for fc1: it overwrites the intermediate rows the previous forward's fc2 may still
+  // read, and it reads hidden and topk_ids, which the kernels before it write.
+  LaunchShape fc1_shape;
+  fc1_shape.grid_x = static_cast<unsigned>(sms);
+  fc1_shape.block = static_cast<unsigned>(kDecodePairFc1Threads);
+  fc1_shape.smem = static_cast<unsigned>(fc1_smem);
+  launch_moe_kernel(op, fc1_spec, fc1_kernel, fc1_shape, false, stream, kernel_args);
+
+  LaunchShape fc2_shape;
+  fc2_shape.grid_x = static_cast<unsigned>(decode_pair_geometry(fc2).fc2_grid(sms));
+  fc2_shape.block = static_cast<unsigned>(kDecodePairFc2Threads);
+  fc2_shape.smem = static_cast<unsigned>(fc2_smem);
+  launch_moe_kernel(op, fc2_spec, fc2_kernel, fc2_shape, true, stream, kernel_args);
+}
+
 }  // namespace moejit::detail

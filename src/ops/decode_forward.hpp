@@ -6,6 +6,7 @@
 
 #include <cuda.h>
 
+#include <moejit/kern/moe/decode_pair_params.cuh>
 #include <moejit/kern/moe/decode_params.cuh>
 
 #include "moejit/kernel_spec.hpp"
@@ -34,5 +35,14 @@ void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, cons
 // args.workspace at least Geometry::workspace_bytes() bytes (checked by the caller).
 void launch_decode_moe(const char* op, const MoeDecodeParams& main, const CurrentDevice& device,
                        const kern::moe::decode::DecodeMoeParams& args, CUstream stream);
+
+// Launches the two-launch tile for `fc1` (a kPairFc1 spec's params; its kPairFc2 is derived):
+// both kernels looked up first, shared memory and the largest carveout opted into (one CTA of
+// each kernel shares an SM). fc1: one CTA per multiprocessor, 544 threads, launched plainly (it
+// starts after everything before it); fc2: PairGeometry::fc2_grid CTAs of 288 threads under
+// programmatic dependent launch. args.inter at least PairGeometry::workspace_bytes() bytes
+// (checked by the caller).
+void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
+                        const kern::moe::decode::DecodePairParams& args, CUstream stream);
 
 }  // namespace moejit::detail

@@ -196,12 +196,41 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
 
   // The decode path: forced, or automatic where it is the faster path (detail::decode_by_default).
   const bool want_decode = options.path == MoePath::kDecode ||
-                           (options.path == MoePath::kAuto && detail::decode_by_default(t));
+                           (options.path == MoePath::kAuto && detail::decode_by_default(config));
+  if (want_decode && config.decode && config.decode_pair && options.decode_block_n == 0 &&
+      detail::decode_moe_runs_on(config.decode_first, device.arch) &&
+      detail::decode_moe_runs_on(config.decode_second, device.arch)) {
+    const std::size_t need =
+        static_cast<std::size_t>(detail::decode_moe_workspace_bytes(config.decode_first));
+    if (args.workspace_bytes < need) {
+      detail::throw_argument(kOp, "workspace_bytes",
+                             "at least " + std::to_string(need) +
+                                 " bytes for decode_moe at T = " + std::to_string(t) +
+                                 " (size it with moe_workspace_bytes(shape, max T))",
+                             std::to_string(args.workspace_bytes));
+    }
+    kern::moe::decode::DecodePairParams params{};
+    params.w13 = static_cast<const kern::moe::u8*>(w.w13);
+    params.w13_scales = static_cast<const kern::moe::u8*>(w.w13_scales);
+    params.w2 = static_cast<const kern::moe::u8*>(w.w2);
+    params.w2_scales = static_cast<const kern::moe::u8*>(w.w2_scales);
+    params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
+    params.topk_ids = ids.data;  // int32, or int64 read directly (PairTraits' Ids64)
+    params.topk_weights = static_cast<const float*>(weights.data);
+    params.out = static_cast<kern::moe::u16*>(out.data);
+    params.inter = static_cast<kern::moe::u16*>(args.workspace);
+    params.num_tokens = t;
+    params.expert_offset = shape.expert_offset;
+    detail::launch_decode_pair(kOp, config.decode_first, device, params, stream);
+    return;
+  }
   if (want_decode && config.decode) {
+    // The persistent tile: the planner's (T >= 3, or where the pair does not serve the shape) or,
+    // with a forced block_n, the one of that block_n at any T.
     const MoeDecodeParams main =
-        options.decode_block_n == 0
-            ? config.decode_main
-            : detail::choose_decode_config(shape, t, options.decode_block_n);
+        options.decode_block_n != 0 ? detail::choose_decode_config(shape, t, options.decode_block_n)
+        : config.decode_pair        ? detail::choose_decode_config(shape, t, 0)
+                                    : config.decode_second;
     if (detail::decode_moe_runs_on(main, device.arch)) {
       const std::size_t need = static_cast<std::size_t>(detail::decode_moe_workspace_bytes(main));
       if (args.workspace_bytes < need) {

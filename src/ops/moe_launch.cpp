@@ -87,12 +87,24 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
 }
 
 void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
-                         int bytes) {
+                         int bytes, bool max_carveout) {
   // Why 48 KB: every CUDA device gives a CTA that much without opting in.
-  if (bytes <= 48 * 1024) return;
+  if (bytes <= 48 * 1024 && !max_carveout) return;
   SmemOptIns& table = SmemOptIns::instance();
   if (table.contains(kernel, device, bytes)) return;
   const DriverApi& api = driver();
+  if (max_carveout) {
+    const CUresult carveout = api.cuKernelSetAttribute(
+        CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+        kernel, device);
+    if (carveout != CUDA_SUCCESS) {
+      std::ostringstream os;
+      os << op << ": " << spec.display_name()
+         << ": asking for the largest shared-memory carveout failed (cuKernelSetAttribute: "
+         << describe(carveout) << ")";
+      throw Error(ErrorCode::kDriver, os.str());
+    }
+  }
   const CUresult result = api.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                    bytes, kernel, device);
   if (result != CUDA_SUCCESS) {

@@ -29,9 +29,12 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
 
 // Lets `kernel` use `bytes` of dynamic shared memory on device `device` (cuKernelSetAttribute,
 // needed above 48 KB). The first call per (kernel, device) sets it; later ones are a table read.
-// Throws Error{kUnsupported} with the device's limit when it is lower.
+// Throws Error{kUnsupported} with the device's limit when it is lower. With `max_carveout` it also
+// asks for the SM's largest shared-memory carveout, for kernels whose CTAs must share an SM with
+// another kernel's (the driver otherwise sizes the carveout for one kernel alone, and a second
+// kernel's CTA then waits for the SM to drain).
 void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
-                         int bytes);
+                         int bytes, bool max_carveout = false);
 
 // `pointer` non-null and aligned to `alignment` bytes, else Error{kInvalidArgument}.
 void check_device_pointer(const char* op, const char* arg, const void* pointer,

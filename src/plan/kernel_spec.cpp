@@ -322,12 +322,14 @@ std::string narrow_ids_problem(const NarrowIdsParams& p) {
 
 std::string decode_problem(const MoeDecodeParams& p) {
   std::ostringstream os;
-  if (p.kernel != DecodeKernel::kReset && p.kernel != DecodeKernel::kMain) {
+  if (p.kernel != DecodeKernel::kReset && p.kernel != DecodeKernel::kMain &&
+      p.kernel != DecodeKernel::kPairFc1 && p.kernel != DecodeKernel::kPairFc2) {
     os << "kernel = " << static_cast<int>(p.kernel)
-       << " is not a decode_moe kernel; allowed: reset, main";
+       << " is not a decode_moe kernel; allowed: reset, main, pair_fc1, pair_fc2";
     return os.str();
   }
-  std::string reason = detail::decode_rule_problem(p);
+  std::string reason = detail::decode_pair_kernel(p.kernel) ? detail::decode_pair_rule_problem(p)
+                                                            : detail::decode_rule_problem(p);
   if (!reason.empty()) return reason;
   if (p.id_dtype != DType::kI32 && p.id_dtype != DType::kI64) {
     os << "id_dtype = " << detail::dtype_short_name(p.id_dtype)
@@ -493,6 +495,7 @@ void add_params_json(nlohmann::ordered_json& out, const MoeDecodeParams& p) {
   out["fc1_strips"] = p.fc1_strips;
   out["fc2_strips"] = p.fc2_strips;
   out["stages"] = p.stages;
+  out["max_tokens"] = p.max_tokens;
   out["activation"] = activation_json(p.activation);
   out["id_dtype"] = detail::dtype_short_name(p.id_dtype);
 }
@@ -528,9 +531,13 @@ void add_params_display(std::ostringstream& os, const NarrowIdsParams& p) {
 
 void add_params_display(std::ostringstream& os, const MoeDecodeParams& p) {
   os << '<' << decode_kernel_name(p.kernel) << ",e" << p.num_experts << ",k" << p.top_k << ",h"
-     << p.hidden << ",i" << p.intermediate << ",n" << p.block_n << ",f" << p.fc1_strips << 'x'
-     << p.fc2_strips << ",s" << p.stages << ',' << activation_text(p.activation) << ','
-     << detail::dtype_short_name(p.id_dtype) << '>';
+     << p.hidden << ",i" << p.intermediate;
+  if (detail::decode_pair_kernel(p.kernel)) {
+    os << ",t" << p.max_tokens;
+  } else {
+    os << ",n" << p.block_n << ",f" << p.fc1_strips << 'x' << p.fc2_strips << ",s" << p.stages;
+  }
+  os << ',' << activation_text(p.activation) << ',' << detail::dtype_short_name(p.id_dtype) << '>';
 }
 
 void add_params_display(std::ostringstream& os, const AppendSharedParams& p) {
@@ -606,7 +613,7 @@ void hash_params(std::size_t& seed, const NarrowIdsParams& p) {
 void hash_params(std::size_t& seed, const MoeDecodeParams& p) {
   combine(seed, static_cast<std::size_t>(p.kernel));
   for (int v : {p.num_experts, p.top_k, p.hidden, p.intermediate, p.block_n, p.fc1_strips,
-                p.fc2_strips, p.stages}) {
+                p.fc2_strips, p.stages, p.max_tokens}) {
     combine(seed, std::hash<int>{}(v));
   }
   combine(seed, static_cast<std::size_t>(p.activation.kind));
@@ -639,6 +646,10 @@ const char* decode_kernel_name(DecodeKernel kernel) noexcept {
       return "reset";
     case DecodeKernel::kMain:
       return "main";
+    case DecodeKernel::kPairFc1:
+      return "pair_fc1";
+    case DecodeKernel::kPairFc2:
+      return "pair_fc2";
   }
   return "unknown";
 }

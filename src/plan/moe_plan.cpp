@@ -183,6 +183,9 @@ namespace decode = kern::moe::decode;
 
 static_assert(kDecodeMaxTokens == decode::kMaxTokens, "moe_plan.hpp's copy of decode::kMaxTokens");
 static_assert(kDecodeThreads == decode::kThreads, "moe_plan.hpp's copy of decode::kThreads");
+static_assert(kDecodePairFc1Threads == decode::kPairFc1Threads &&
+                  kDecodePairFc2Threads == decode::kPairFc2Threads,
+              "moe_plan.hpp's copies of decode::kPairFc1Threads and kPairFc2Threads");
 
 // The tile rules below follow the H200 measurements of decode_moe (tools/PERF_LOG.md,
 // "decode_moe"); keep them in these functions so planner and op agree.
@@ -458,15 +461,53 @@ long long max_dynamic_smem_bytes(const Arch& arch) {
 }
 
 long long decode_moe_smem_bytes(const MoeDecodeParams& p) {
+  if (p.kernel == DecodeKernel::kPairFc1) return decode_pair_geometry(p).fc1_smem_bytes();
+  if (p.kernel == DecodeKernel::kPairFc2) return decode_pair_geometry(p).fc2_smem_bytes();
   return decode_geometry(p).smem_bytes();
 }
 
 int decode_moe_blocks_per_sm(const MoeDecodeParams& p) {
+  if (decode_pair_kernel(p.kernel)) return 1;
   return decode_geometry(p).blocks_per_sm();
 }
 
 long long decode_moe_workspace_bytes(const MoeDecodeParams& p) {
+  if (decode_pair_kernel(p.kernel)) return decode_pair_geometry(p).workspace_bytes();
   return decode_geometry(p).workspace_bytes();
+}
+
+std::string decode_pair_rule_problem(const MoeDecodeParams& p) {
+  const decode::PairGeometry g = decode_pair_geometry(p);
+  std::ostringstream os;
+  switch (g.rule()) {
+    case decode::PairRule::kOk:
+      break;
+    case decode::PairRule::kExperts:
+      os << "num_experts = " << p.num_experts
+         << " is out of range; allowed: 1..4096 (decode_moe packs the local expert into 12 bits)";
+      break;
+    case decode::PairRule::kTokens:
+      os << "max_tokens = " << p.max_tokens << " with top_k = " << p.top_k
+         << " is not allowed; allowed: max_tokens 1, 2, 4 or 8 with max_tokens * top_k <= "
+         << decode::kPairMaxPositions << " (the pair's routing is quadratic in the positions)";
+      break;
+    case decode::PairRule::kHidden:
+      os << "hidden = " << p.hidden
+         << " is not a multiple of 512 (the pair splits a strip's K atoms over eight warps)";
+      break;
+    case decode::PairRule::kInter:
+      os << "intermediate = " << p.intermediate
+         << " is not a multiple of 64 (the pair's FC2 reads whole 64-wide K atoms)";
+      break;
+    case decode::PairRule::kSharedMemory:
+      os << "the pair's shared memory (" << decode::kPairSmemBudget << " bytes per kernel) holds "
+         << g.fc1_stages() << " FC1 strips (" << g.fc1_unit_bytes() << " bytes each; needs "
+         << decode::kPairFc1Groups << ") and " << g.fc2_stages() << " FC2 units ("
+         << g.fc2_unit_bytes() << " bytes each; needs " << decode::kPairConsumerWarps
+         << ") at max_tokens = " << p.max_tokens;
+      break;
+  }
+  return os.str();
 }
 
 std::string decode_rule_problem(const MoeDecodeParams& p) {
@@ -583,6 +624,29 @@ MoeDecodeParams decode_reset_params(const MoeDecodeParams& main) {
   return p;
 }
 
+MoeDecodeParams choose_decode_pair(const ModelShape& shape, int tokens) {
+  MoeDecodeParams p;
+  p.kernel = DecodeKernel::kPairFc1;
+  if (tokens < 1 || tokens > kDecodePairMaxTokens || shape.has_bias) return p;
+  int bucket = 1;
+  while (bucket < tokens) bucket *= 2;
+  p.num_experts = shape.num_experts;
+  p.top_k = shape.top_k;
+  p.hidden = shape.hidden;
+  p.intermediate = shape.intermediate;
+  p.max_tokens = bucket;
+  p.activation = shape.activation;
+  p.id_dtype = shape.id_dtype;
+  if (decode_pair_geometry(p).rule() != decode::PairRule::kOk) p.max_tokens = 0;
+  return p;
+}
+
+MoeDecodeParams decode_pair_fc2_params(const MoeDecodeParams& fc1) {
+  MoeDecodeParams p = fc1;
+  p.kernel = DecodeKernel::kPairFc2;
+  return p;
+}
+
 bool wgmma_runs_on(const Arch& arch) { return arch.sm == 90 && arch.arch_specific; }
 
 bool decode_moe_runs_on(const MoeDecodeParams& p, const Arch& arch) {
@@ -597,9 +661,17 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   MoeForwardConfig c;
   c.tokens = tokens;
   if (tokens >= 1 && tokens <= kDecodeMaxTokens && decode_shape_ok(shape)) {
-    c.decode_main = choose_decode_config(shape, tokens, 0);
-    c.decode = c.decode_main.stages != 0;
-    c.decode_reset = decode_reset_params(c.decode_main);
+    const MoeDecodeParams pair = choose_decode_pair(shape, tokens);
+    if (pair.max_tokens != 0) {
+      c.decode = true;
+      c.decode_pair = true;
+      c.decode_first = pair;
+      c.decode_second = decode_pair_fc2_params(pair);
+    } else {
+      c.decode_second = choose_decode_config(shape, tokens, 0);
+      c.decode = c.decode_second.stages != 0;
+      c.decode_first = decode_reset_params(c.decode_second);
+    }
   }
   c.narrow_ids = shape.id_dtype == DType::kI64;
   c.narrow.block_threads = kNarrowIdsThreads;
@@ -639,10 +711,11 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
 
 MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch) {
   MoeForwardSpecs s;
-  s.decode = config.decode && decode_moe_runs_on(config.decode_main, arch);
+  s.decode = config.decode && decode_moe_runs_on(config.decode_first, arch) &&
+             decode_moe_runs_on(config.decode_second, arch);
   if (s.decode) {
-    s.decode_reset = decode_moe_spec(config.decode_reset, arch);
-    s.decode_main = decode_moe_spec(config.decode_main, arch);
+    s.decode_first = decode_moe_spec(config.decode_first, arch);
+    s.decode_second = decode_moe_spec(config.decode_second, arch);
   }
   s.has_narrow = config.narrow_ids;
   if (s.has_narrow) s.narrow = make_spec(Family::kNarrowIds, arch, config.narrow);
@@ -670,8 +743,8 @@ std::vector<KernelSpec> moe_config_specs(const MoeForwardConfig& config, const A
   const MoeForwardSpecs s = moe_forward_specs(config, arch);
   std::vector<KernelSpec> specs;
   if (s.decode) {
-    specs.push_back(s.decode_reset);
-    specs.push_back(s.decode_main);
+    specs.push_back(s.decode_first);
+    specs.push_back(s.decode_second);
   }
   if (s.has_narrow) specs.push_back(s.narrow);
   for (int i = 0; i < s.route_count; ++i) specs.push_back(s.route[i]);
@@ -691,9 +764,9 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.
   if (decode_shape_ok(shape)) {
     const int last = std::min(max_tokens, kDecodeMaxTokens);
-    MoeDecodeParams previous = choose_decode_config(shape, 1, 0);
+    MoeDecodeParams previous = choose_moe_config(shape, 1).decode_second;
     for (int t = 2; t <= last; ++t) {
-      const MoeDecodeParams current = choose_decode_config(shape, t, 0);
+      const MoeDecodeParams current = choose_moe_config(shape, t).decode_second;
       if (!(current == previous)) thresholds.push_back(t - 1);
       previous = current;
     }
@@ -741,7 +814,7 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
                          static_cast<std::size_t>(shape.hidden) * out2_elem);
   w.marlin_bytes = at;
   if (config.decode) {
-    w.decode_bytes = static_cast<std::size_t>(decode_moe_workspace_bytes(config.decode_main));
+    w.decode_bytes = static_cast<std::size_t>(decode_moe_workspace_bytes(config.decode_second));
   }
   w.bytes = std::max(w.marlin_bytes, w.decode_bytes);
   return w;
@@ -757,6 +830,11 @@ std::size_t moe_workspace_bytes_for(const ModelShape& shape, int max_tokens) {
   // Why every T and every block_n: a call may force block_n (MoeForwardOptions), and the decode
   // workspace depends on the tile (block_n, strips per item), not on T itself.
   if (decode_shape_ok(shape)) {
+    for (int t = 1; t <= std::min(max_tokens, kDecodePairMaxTokens); ++t) {
+      const MoeDecodeParams pair = choose_decode_pair(shape, t);
+      if (pair.max_tokens == 0) continue;
+      bytes = std::max(bytes, static_cast<std::size_t>(decode_moe_workspace_bytes(pair)));
+    }
     for (int t = 1; t <= std::min(max_tokens, kDecodeMaxTokens); ++t) {
       for (int block_n : kDecodeBlockNs) {
         const MoeDecodeParams p = choose_decode_config(shape, t, block_n);

@@ -43,24 +43,36 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
-// MoePath::kAuto takes decode_moe for kDecodeAutoMinTokens <= T <= 256 on shapes it serves.
-// Why from 4: on the H200 decode_moe v10 (block_n 8 below T = 6) takes 0.89-1.01x marlin_moe's
-// time at T = 4, 0.95-0.97x at T = 5 and 0.82-1.04x from T = 6 on the four served reference
-// shapes, but 1.10-1.55x at T = 1, 1.01-1.15x at T = 2 and 0.88-1.03x at T = 3
-// (tools/PERF_LOG.md, "decode_moe v10").
+// The persistent tile (reset -> main) serves kDecodeAutoMinTokens <= T <= 256 automatically, and
+// the two-launch pair T <= kDecodePairMaxTokens where its rules pass (decode_by_default).
+// Why from 4 for the persistent tile: on the H200 decode_moe v10 (block_n 8 below T = 6) takes
+// 0.89-1.01x marlin_moe's time at T = 4, 0.95-0.97x at T = 5 and 0.82-1.04x from T = 6 on the
+// four served reference shapes, but 1.10-1.55x at T = 1, 1.01-1.15x at T = 2 and 0.88-1.03x at
+// T = 3 (tools/PERF_LOG.md, "decode_moe v10").
 inline constexpr int kDecodeAutoMinTokens = 4;
-inline constexpr bool decode_by_default(int tokens) {
-  return tokens >= kDecodeAutoMinTokens && tokens <= kDecodeMaxTokens;
-}
+// Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
+// 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
+// the persistent tile's 23.9 / 29.3 / 26.7, and 23.8 / 37.6 / 23.4 at T = 2 against 28.8 / 41.7 /
+// 28.5; at T = 4 it lost (38.9 / - / 41.8 against 35.5 / 59.2 / 34.6).
+inline constexpr int kDecodePairMaxTokens = 2;
 inline constexpr int kDecodeThreads =
     320;  // decode::kThreads: 8 consumer, 1 producer, 1 publisher warp
+inline constexpr int kDecodePairFc1Threads = 544;  // decode::kPairFc1Threads: 16 + 1 warps
+inline constexpr int kDecodePairFc2Threads = 288;  // decode::kPairFc2Threads: 8 + 1 warps
+inline constexpr bool decode_pair_kernel(DecodeKernel kernel) {
+  return kernel == DecodeKernel::kPairFc1 || kernel == DecodeKernel::kPairFc2;
+}
 // The block_n values decode_moe supports (Geometry::rule()); a call may force any of them.
 inline constexpr int kDecodeBlockNs[] = {8, 16, 32};
 
-// Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits.
+// Geometry::smem_bytes(), blocks_per_sm() and workspace_bytes() of a decode spec's traits (for a
+// pair kernel: PairGeometry's fc1 or fc2 shared memory and its workspace; one CTA per SM).
 long long decode_moe_smem_bytes(const MoeDecodeParams& p);
 int decode_moe_blocks_per_sm(const MoeDecodeParams& p);
 long long decode_moe_workspace_bytes(const MoeDecodeParams& p);
+// The rule of PairGeometry::rule() that a pair kernel's sizes break, named with the value; "" when
+// rule() is kOk.
+std::string decode_pair_rule_problem(const MoeDecodeParams& p);
 // The rule of Geometry::rule() that `p`'s sizes and tile break, named with the value and how to
 // fix it ("hidden = 2880 is not a multiple of 256 (...)"); "" when rule() is kOk.
 std::string decode_rule_problem(const MoeDecodeParams& p);
@@ -77,6 +89,11 @@ std::string decode_moe_problem(const ModelShape& shape);
 MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override);
 // The reset kernel that goes with a main kernel (same traits).
 MoeDecodeParams decode_reset_params(const MoeDecodeParams& main);
+// The pair's fc1 kernel for T tokens of `shape` (T bucket 1, 2, 4 or 8), or max_tokens == 0 when
+// T > kDecodePairMaxTokens or PairGeometry::rule() refuses the shape. The fc2 kernel is the same
+// with kernel = kPairFc2 (decode_pair_fc2_params).
+MoeDecodeParams choose_decode_pair(const ModelShape& shape, int tokens);
+MoeDecodeParams decode_pair_fc2_params(const MoeDecodeParams& fc1);
 // Whether `p` runs on `arch`: sm_90 or newer (bulk copies, mbarrier transaction counts,
 // griddepcontrol) with the shared memory the arch allows one CTA.
 bool decode_moe_runs_on(const MoeDecodeParams& p, const Arch& arch);
@@ -87,15 +104,19 @@ bool wgmma_runs_on(const Arch& arch);
 
 // ---- the choice per T ---------------------------------------------------------------------------
 
-// Everything moe_forward may launch for one token count T >= 1. An automatic call launches the
-// decode pair (reset -> main) when `decode` and decode_moe runs on the device's arch; otherwise,
-// and whenever the marlin path is forced, [narrow_ids] -> route (single, or rank + scan +
-// scatter) -> FC1 -> FC2 -> combine. The marlin fields are always filled.
+// Everything moe_forward may launch for one token count T >= 1. An automatic call launches
+// decode_moe's two kernels (decode_first -> decode_second) when decode_by_default(config) and
+// decode_moe runs on the device's arch; otherwise, and whenever the marlin path is forced,
+// [narrow_ids] -> route (single, or rank + scan + scatter) -> FC1 -> FC2 -> combine. The marlin
+// fields are always filled.
 struct MoeForwardConfig {
   int tokens = 0;
-  bool decode = false;           // T <= 256 and decode_moe serves the shape at the planner's tile
-  MoeDecodeParams decode_reset;  // kReset (valid when decode)
-  MoeDecodeParams decode_main;   // kMain (valid when decode)
+  bool decode = false;  // T <= 256 and decode_moe serves the shape at the planner's tile
+  // The two launches: the persistent tile (kReset -> kMain), or where decode_pair the two-launch
+  // tile (kPairFc1 -> kPairFc2). Valid when decode.
+  bool decode_pair = false;
+  MoeDecodeParams decode_first;
+  MoeDecodeParams decode_second;
   bool narrow_ids = false;       // int64 ids: one narrowing launch first
   NarrowIdsParams narrow;
   bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
@@ -117,14 +138,21 @@ struct MoeForwardConfig {
 // one config.
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens);
 
+// Whether MoePath::kAuto takes the decode path for this config: the pair wherever the planner
+// chose it, the persistent tile for kDecodeAutoMinTokens <= T <= 256.
+inline bool decode_by_default(const MoeForwardConfig& config) {
+  return config.decode && (config.decode_pair || (config.tokens >= kDecodeAutoMinTokens &&
+                                                  config.tokens <= kDecodeMaxTokens));
+}
+
 // The kernels of one config for `arch`, by role. Filled without allocating (the op builds it on
 // every forward).
 struct MoeForwardSpecs {
-  // config.decode and decode_moe runs on `arch` (decode_moe_runs_on): an automatic call launches
-  // decode_reset then decode_main and nothing else. The marlin chain below is always filled.
+    // config.decode and decode_moe runs on `arch` (decode_moe_runs_on): an automatic call launches
+  // decode_first then decode_second and nothing else. The marlin chain below is always filled.
   bool decode = false;
-  KernelSpec decode_reset;
-  KernelSpec decode_main;
+  KernelSpec decode_first;
+  KernelSpec decode_second;
   bool has_narrow = false;
   KernelSpec narrow;
   int route_count = 0;  // 1 (single) or 3 (rank, scan, scatter)

@@ -193,13 +193,14 @@ inline bool decode_serves(const ModelShape& shape, int tokens) {
          detail::Runtime::instance().current_arch().sm >= 90;
 }
 
-// Whether an automatic call with T tokens takes decode_moe, as moe_forward decides it: for the T
-// detail::decode_by_default names, where the planner chose a decode tile that runs on this arch.
+// Whether an automatic call with T tokens takes decode_moe, as moe_forward decides it: where
+// detail::decode_by_default takes the planner's decode launches and they run on this arch.
 inline bool auto_takes_decode(const ModelShape& shape, int tokens) {
-  if (!detail::decode_by_default(tokens)) return false;
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+  if (!detail::decode_by_default(config)) return false;
   const Arch arch = detail::Runtime::instance().current_arch();
-  return config.decode && detail::decode_moe_runs_on(config.decode_main, arch);
+  return detail::decode_moe_runs_on(config.decode_first, arch) &&
+         detail::decode_moe_runs_on(config.decode_second, arch);
 }
 
 // The workspace bytes one call (T >= 1) checks for: decode_moe's at its tile on the decode path,
@@ -212,7 +213,7 @@ inline std::size_t call_workspace_bytes(const ModelShape& shape, int tokens,
   if (!decode) return detail::moe_workspace_layout(shape, config).marlin_bytes;
   const MoeDecodeParams main =
       options.decode_block_n == 0
-          ? config.decode_main
+          ? config.decode_second
           : detail::choose_decode_config(shape, tokens, options.decode_block_n);
   return static_cast<std::size_t>(detail::decode_moe_workspace_bytes(main));
 }

@@ -1,6 +1,8 @@
 // decode_moe (family 4, the fused small-T layer) through the library: moe_forward with
-// MoeForwardOptions{kDecode, 8, 16 or 32} on every reference shape decode_moe serves, at its real
-// expert count, T in {1, 7, 48, 96, 256}, against the fp64 CPU reference (src/ops/moe_reference);
+// MoeForwardOptions{kDecode, 8, 16 or 32} (the persistent tile) and, at T <= 2, {kDecode, 0} (the
+// two-launch pair the planner picks there) on every reference shape decode_moe serves, at its
+// real expert count, T in {1, 2, 7, 48, 96, 256}, against the fp64 CPU reference
+// (src/ops/moe_reference);
 // the same bits over 3 runs and from a CUDA-graph replay; forced marlin_moe within tolerance of
 // it; block_n 0 equal to the planner's block_n, and the automatic path equal to the path the
 // library picks (decode_moe at the planner's tile for the T detail::decode_by_default names,
@@ -75,7 +77,8 @@ namespace detail = moejit::detail;
 const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
 const MoeForwardOptions kAuto{MoePath::kAuto, 0};
 constexpr int kBlockNs[] = {8, 16, 32};
-constexpr int kSweepTokens[] = {1, 7, 48, 96, 256};
+// T = 1 and 2 also run the two-launch pair (the planner's choice there; T buckets 1 and 2).
+constexpr int kSweepTokens[] = {1, 2, 7, 48, 96, 256};
 
 MoeForwardOptions forced_decode(int block_n) {
   return MoeForwardOptions{MoePath::kDecode, block_n};
@@ -348,20 +351,16 @@ TEST_CASE("decode_moe: served reference shapes x T x block_n vs the fp64 referen
       check_score(std::string(c.name) + "[forced-marlin] T=" + std::to_string(tokens),
                   score(marlin, ref, which, shape.hidden), which.size(), tokens, "decode_moe");
 
-      const int planner_block_n = detail::choose_decode_config(shape, tokens, 0).block_n;
-      INFO("planner's block_n " << planner_block_n);
-      std::vector<uint16_t> planner_out;
-      for (int block_n : kBlockNs) {
-        const MoeForwardOptions options = forced_decode(block_n);
-        const std::string label = base + " bn=" + std::to_string(block_n);
+      // One decode variant: three eager runs (each on a NaN-poisoned output and an 0xFF
+      // workspace), every element written and finite, the checked tokens against the reference,
+      // two graph replays equal to the eager run, and forced marlin within tolerance.
+      const auto check_variant = [&](const std::string& label, const MoeForwardOptions& options) {
         INFO(label);
-        // Three eager runs, each on a NaN-poisoned output and an 0xFF workspace.
         const std::vector<uint16_t> first = io.run(*model, stream.get(), options);
         bool repeat = true;
         for (int again = 1; again < 3; ++again) {
           repeat = same_bits(io.run(*model, stream.get(), options), first) && repeat;
         }
-        // Every element written (no poison left) and finite, then the checked tokens.
         CHECK(count_nonfinite(first) == 0);
         check_score(label, score(first, ref, which, shape.hidden), which.size(), tokens,
                     "decode_moe");
@@ -379,14 +378,32 @@ TEST_CASE("decode_moe: served reference shapes x T x block_n vs the fp64 referen
         std::printf("decode_moe %s vs forced marlin relL2=%s\n", label.c_str(),
                     fmt(vs_marlin).c_str());
         CHECK(vs_marlin <= kRelL2Tolerance);
-        if (block_n == planner_block_n) planner_out = first;
+        return first;
+      };
+
+      // The persistent tile at every block_n (forced).
+      const int planner_block_n = detail::choose_decode_config(shape, tokens, 0).block_n;
+      INFO("planner's block_n " << planner_block_n);
+      std::vector<uint16_t> planner_out;
+      for (int block_n : kBlockNs) {
+        const std::vector<uint16_t> out =
+            check_variant(base + " bn=" + std::to_string(block_n), forced_decode(block_n));
+        if (block_n == planner_block_n) planner_out = out;
       }
-      // block_n 0 is the planner's block_n; the automatic path is the one the library picks.
       REQUIRE(!planner_out.empty());
-      CHECK(same_bits(io.run(*model, stream.get(), forced_decode(0)), planner_out));
+      // block_n 0 is the planner's choice: the two-launch pair where it picks that (T <= 2 on
+      // the shapes it serves), else the persistent tile at the planner's block_n.
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+      std::vector<uint16_t> default_out = planner_out;
+      if (config.decode_pair) {
+        default_out = check_variant(base + " pair", forced_decode(0));
+      } else {
+        CHECK(same_bits(io.run(*model, stream.get(), forced_decode(0)), planner_out));
+      }
+      // The automatic path is the one the library picks.
       const bool auto_decode = auto_takes_decode(shape, tokens);
       INFO("the automatic path takes " << (auto_decode ? "decode_moe" : "marlin_moe"));
-      CHECK(same_bits(io.run(*model, stream.get(), kAuto), auto_decode ? planner_out : marlin));
+      CHECK(same_bits(io.run(*model, stream.get(), kAuto), auto_decode ? default_out : marlin));
     }
   }
 }
@@ -410,7 +427,8 @@ TEST_CASE("decode_moe: EP halves (expert_offset 0 and E/2) sum to the whole laye
     INFO(s->name << ": " << problem);
     REQUIRE(problem.empty());
   }
-  const std::vector<int> token_counts = {7, 256};
+  // T = 2 also runs the two-launch pair (block_n 0 there: the planner's choice).
+  const std::vector<int> token_counts = {2, 7, 256};
   build_decode_kernels({whole, half0, half1}, token_counts);
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -437,9 +455,16 @@ TEST_CASE("decode_moe: EP halves (expert_offset 0 and E/2) sum to the whole laye
     const std::vector<int> which = tokens > 48 ? sampled_tokens(tokens, 48) : all_tokens(tokens);
     const std::vector<double> ref =
         reference_layer(f64, reference_tokens(tk, whole, source), which, mapped_options(whole));
-    for (int block_n : kBlockNs) {
+    std::vector<int> block_ns(std::begin(kBlockNs), std::end(kBlockNs));
+    if (tokens <= detail::kDecodePairMaxTokens) {
+      for (const ModelShape* s : std::initializer_list<const ModelShape*>{&whole, &half0, &half1}) {
+        REQUIRE(detail::choose_moe_config(*s, tokens).decode_pair);
+      }
+      block_ns.push_back(0);
+    }
+    for (int block_n : block_ns) {
       const MoeForwardOptions options = forced_decode(block_n);
-      INFO("T=" << tokens << " bn=" << block_n);
+      INFO("T=" << tokens << " bn=" << block_n << (block_n == 0 ? " (the pair)" : ""));
       const std::vector<uint16_t> bits_whole = io_whole.run(*m_whole, stream.get(), options);
       const std::vector<uint16_t> bits0 = io0.run(*m_half0, stream.get(), options);
       const std::vector<uint16_t> bits1 = io1.run(*m_half1, stream.get(), options);

@@ -99,9 +99,17 @@ const char* function_of(const KernelSpec& spec) {
     case Family::kAppendShared:
       return "append_shared_kernel";
     case Family::kDecodeMoe:
-      return std::get<MoeDecodeParams>(spec.params).kernel == moejit::DecodeKernel::kReset
-                 ? "decode_moe_reset"
-                 : "decode_moe";
+      switch (std::get<MoeDecodeParams>(spec.params).kernel) {
+        case moejit::DecodeKernel::kReset:
+          return "decode_moe_reset";
+        case moejit::DecodeKernel::kMain:
+          return "decode_moe";
+        case moejit::DecodeKernel::kPairFc1:
+          return "decode_pair_fc1";
+        case moejit::DecodeKernel::kPairFc2:
+          return "decode_pair_fc2";
+      }
+      break;
   }
   return "?";
 }
@@ -137,6 +145,21 @@ detail::GeneratedSource with_host_checks(const KernelSpec& spec) {
       src.source += "static_assert(" + device + " == " + host + ", \"host " + what +
                     " disagrees with the kernel's\");\n";
     };
+    if (detail::decode_pair_kernel(p->kernel)) {
+      const bool fc1 = p->kernel == moejit::DecodeKernel::kPairFc1;
+      check(traits + (fc1 ? "::kGeo.fc1_smem_bytes()" : "::kGeo.fc2_smem_bytes()"),
+            std::to_string(detail::decode_moe_smem_bytes(*p)), "decode_moe_smem_bytes");
+      check(traits + "::kGeo.workspace_bytes()",
+            std::to_string(detail::decode_moe_workspace_bytes(*p)) + "LL",
+            "decode_moe_workspace_bytes");
+      check("moejit::kern::moe::decode::kPairFc1Threads",
+            std::to_string(detail::kDecodePairFc1Threads), "kDecodePairFc1Threads");
+      check("moejit::kern::moe::decode::kPairFc2Threads",
+            std::to_string(detail::kDecodePairFc2Threads), "kDecodePairFc2Threads");
+      check(std::string("static_cast<int>(") + traits + "::kGeo.rule())", "0",
+            "PairGeometry::rule() (kOk)");
+      return src;
+    }
     check(traits + "::kGeo.smem_bytes()", std::to_string(detail::decode_moe_smem_bytes(*p)),
           "decode_moe_smem_bytes");
     check(traits + "::kGeo.blocks_per_sm()", std::to_string(detail::decode_moe_blocks_per_sm(*p)),
@@ -204,7 +227,7 @@ std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* w
 void check_outcomes(const std::vector<KernelSpec>& specs, const std::vector<Outcome>& outcomes) {
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const Outcome& out = outcomes[i];
-    INFO(out.name);
+    INFO(out.name << (out.error.empty() ? "" : ": " + out.error));
     CHECK(out.error.empty());
     if (!out.error.empty()) continue;
     CHECK(out.elf);
@@ -395,6 +418,17 @@ long long spill_bytes(const std::string& log) {
   return total;
 }
 
+// The "Used N registers" ptxas reports (-Xptxas=-v); -1 when the log has none.
+int used_registers(const std::string& log) {
+  const std::string what = "Used ";
+  const std::size_t at = log.find(what);
+  if (at == std::string::npos) return -1;
+  std::size_t end = at + what.size();
+  while (end < log.size() && log[end] >= '0' && log[end] <= '9') ++end;
+  if (end == at + what.size() || log.compare(end, 10, " registers") != 0) return -1;
+  return std::stoi(log.substr(at + what.size(), end - at - what.size()));
+}
+
 void check_decode_outcomes(const std::vector<KernelSpec>& specs,
                            const std::vector<Outcome>& outcomes) {
   check_outcomes(specs, outcomes);
@@ -405,6 +439,15 @@ void check_decode_outcomes(const std::vector<KernelSpec>& specs,
     // Why: a spill in the consumers' MMA loop or the producer's copy loop costs the bandwidth
     // the kernel exists for.
     CHECK(spill_bytes(out.log) == 0);
+    // Why: one CTA of each pair kernel shares an SM (fc2 loads its weights while fc1 runs), so
+    // fc1's 544 threads and fc2's 288 must fit the 64K registers together: at most 72 and 88
+    // registers a thread (39168 + 25344 = 64512).
+    const auto kernel = std::get<MoeDecodeParams>(specs[i].params).kernel;
+    if (kernel == moejit::DecodeKernel::kPairFc1 || kernel == moejit::DecodeKernel::kPairFc2) {
+      const int registers = used_registers(out.log);
+      CHECK(registers > 0);
+      CHECK(registers <= (kernel == moejit::DecodeKernel::kPairFc1 ? 72 : 88));
+    }
   }
 }
 
@@ -430,6 +473,9 @@ TEST_CASE("every planned decode_moe kernel compiles for sm_90a with no spills", 
     });
   };
   CHECK(any([](const MoeDecodeParams& p) { return p.kernel == moejit::DecodeKernel::kReset; }));
+  CHECK(any([](const MoeDecodeParams& p) { return p.kernel == moejit::DecodeKernel::kPairFc1; }));
+  CHECK(any([](const MoeDecodeParams& p) { return p.kernel == moejit::DecodeKernel::kPairFc2; }));
+  CHECK(any([](const MoeDecodeParams& p) { return p.max_tokens == 2; }));
   CHECK(any([](const MoeDecodeParams& p) { return p.id_dtype == DType::kI64; }));
   CHECK(any([](const MoeDecodeParams& p) { return p.block_n == 32; }));
   CHECK(any([](const MoeDecodeParams& p) { return p.block_n == 16; }));
@@ -445,14 +491,17 @@ TEST_CASE("decode_moe compiles for sm_100a: one tile of every served shape", "[n
   std::vector<KernelSpec> specs;
   for (const ModelShape& shape : decode_shapes()) {
     if (!detail::decode_moe_problem(shape).empty()) continue;
-    const detail::MoeForwardConfig config = detail::choose_moe_config(shape, 1);
-    REQUIRE(config.decode);
-    for (const MoeDecodeParams& p : {config.decode_reset, config.decode_main}) {
-      const KernelSpec spec = detail::decode_moe_spec(p, arch);
-      if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+    // T = 1: the two-launch pair where it serves the shape; T = 3: the persistent tile.
+    for (int tokens : {1, 3}) {
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+      REQUIRE(config.decode);
+      for (const MoeDecodeParams& p : {config.decode_first, config.decode_second}) {
+        const KernelSpec spec = detail::decode_moe_spec(p, arch);
+        if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+      }
     }
   }
-  CHECK(specs.size() >= 2 * 6);
+  CHECK(specs.size() >= 4 * 6);
   double wall = 0;
   unsigned threads = 0;
   const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
@@ -519,6 +568,64 @@ TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "
     REQUIRE(contains(good_traits, "DecodeTraits<128, 8, 2048, 768, 16, 2, 4, 4,"));
     src.file_name = "decode_bad_traits.cu";
     src.name_expression = "moejit::kern::moe::decode::decode_moe<" + bad_traits + ">";
+    try {
+      detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
+      FAIL("NVRTC accepted " << src.name_expression);
+    } catch (const CompileError& e) {
+      CHECK(contains(e.log(), c.message));
+    }
+  }
+}
+
+TEST_CASE("decode_moe pair: its static_asserts fire under NVRTC and match supports()",
+          "[nvrtc][decode]") {
+  struct Case {
+    MoeDecodeParams params;
+    const char* message;  // the static_assert's
+    const char* reason;   // supports()'s
+  };
+  MoeDecodeParams good;
+  good.kernel = moejit::DecodeKernel::kPairFc1;
+  good.num_experts = 128;
+  good.top_k = 8;
+  good.hidden = 2048;
+  good.intermediate = 768;
+  good.max_tokens = 2;
+  REQUIRE(moejit::supports(detail::decode_moe_spec(good, Arch::parse("sm_90a"))).empty());
+  std::vector<Case> cases;
+  MoeDecodeParams p = good;
+  p.hidden = 2816;  // a multiple of 256 (the persistent tile's rule), not of 512
+  cases.push_back({p, "hidden must be a multiple of 512", "hidden = 2816 is not a multiple of 512"});
+  p = good;
+  p.intermediate = 800;
+  cases.push_back({p, "inter must be a multiple of 64", "intermediate = 800"});
+  p = good;
+  p.max_tokens = 3;
+  cases.push_back({p, "max_tokens in {1, 2, 4, 8}", "max_tokens = 3 with top_k = 8"});
+  p = good;
+  p.max_tokens = 8;
+  p.top_k = 16;
+  cases.push_back({p, "max_tokens * top_k <= 64", "max_tokens = 8 with top_k = 16"});
+  p = good;
+  p.intermediate = 2560;
+  p.hidden = 3584;
+  p.kernel = moejit::DecodeKernel::kPairFc2;
+  cases.push_back({p, "fc2 8 units within 112 KB", "FC2 units"});
+  for (const Case& c : cases) {
+    KernelSpec spec = detail::decode_moe_spec(c.params, Arch::parse("sm_90a"));
+    INFO(spec.display_name());
+    CHECK(contains(moejit::supports(spec), c.reason));
+    // The kernel refuses the same traits on its own.
+    spec.params = good;
+    detail::GeneratedSource src = detail::render(spec);
+    REQUIRE(contains(src.name_expression, "PairTraits<128, 8, 2048, 768, 2,"));
+    const std::string bad_traits =
+        "moejit::kern::moe::decode::PairTraits<" + std::to_string(c.params.num_experts) + ", " +
+        std::to_string(c.params.top_k) + ", " + std::to_string(c.params.hidden) + ", " +
+        std::to_string(c.params.intermediate) + ", " + std::to_string(c.params.max_tokens) +
+        ", moejit::kern::moe::act::SwiGLU, false>";
+    src.file_name = "decode_pair_bad_traits.cu";
+    src.name_expression = "moejit::kern::moe::decode::decode_pair_fc2<" + bad_traits + ">";
     try {
       detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
       FAIL("NVRTC accepted " << src.name_expression);

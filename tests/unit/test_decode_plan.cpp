@@ -158,13 +158,25 @@ int expected_block_n(const ModelShape& shape, int tokens) {
 }
 
 // The distinct main kernels the planner picks for T in 1..min(256, max_tokens).
+// Every decode kernel the planner's configs launch for T <= min(max_tokens, 256): both kernels
+// of each launch pair (reset and main, or the pair's fc1 and fc2).
 std::vector<MoeDecodeParams> planner_choices(const ModelShape& shape, int max_tokens) {
   std::vector<MoeDecodeParams> out;
   for (int t = 1; t <= std::min(max_tokens, 256); ++t) {
-    const MoeDecodeParams p = detail::choose_decode_config(shape, t, 0);
-    if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+    const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+    if (!c.decode) continue;
+    for (const MoeDecodeParams& p : {c.decode_first, c.decode_second}) {
+      if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+    }
   }
   return out;
+}
+
+// The persistent tiles (kMain) among them.
+std::size_t main_tiles(const std::vector<MoeDecodeParams>& kernels) {
+  return static_cast<std::size_t>(
+      std::count_if(kernels.begin(), kernels.end(),
+                    [](const MoeDecodeParams& p) { return p.kernel == DecodeKernel::kMain; }));
 }
 
 }  // namespace
@@ -182,9 +194,24 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
       const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
       CHECK(config.decode == (t <= 256));
       if (!config.decode) continue;
-      CHECK(config.decode_main.kernel == DecodeKernel::kMain);
-      CHECK(config.decode_reset == detail::decode_reset_params(config.decode_main));
-      CHECK(config.decode_reset.kernel == DecodeKernel::kReset);
+      // The two-launch pair where it serves the shape up to kDecodePairMaxTokens, else the
+      // persistent tile.
+      const MoeDecodeParams pair = detail::choose_decode_pair(shape, t);
+      CHECK(config.decode_pair == (pair.max_tokens != 0));
+      CHECK(config.decode_pair == (t <= detail::kDecodePairMaxTokens && pair.max_tokens != 0));
+      if (config.decode_pair) {
+        CHECK(config.decode_first == pair);
+        CHECK(config.decode_first.kernel == DecodeKernel::kPairFc1);
+        CHECK(config.decode_first.max_tokens == (t == 1 ? 1 : 2));
+        CHECK(config.decode_second == detail::decode_pair_fc2_params(pair));
+        CHECK(config.decode_second.kernel == DecodeKernel::kPairFc2);
+        CHECK(detail::decode_by_default(config));
+        continue;
+      }
+      CHECK(config.decode_second.kernel == DecodeKernel::kMain);
+      CHECK(config.decode_first == detail::decode_reset_params(config.decode_second));
+      CHECK(config.decode_first.kernel == DecodeKernel::kReset);
+      CHECK(detail::decode_by_default(config) == (t >= detail::kDecodeAutoMinTokens));
     }
   }
   for (const std::string& name : kRefused) {
@@ -296,7 +323,8 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
         // there), two below.
         if (p.block_n == 16) CHECK(g.blocks_per_sm() == (t >= 16 ? 3 : 2));
         if (forced == 0 && p.block_n != 16) CHECK(g.blocks_per_sm() == 2);
-        CHECK(p == (forced == 0 ? detail::choose_moe_config(shape, t).decode_main : p));
+        const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+        if (forced == 0 && !c.decode_pair) CHECK(p == c.decode_second);
       }
     }
   }
@@ -329,7 +357,7 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
     for (int t : {6, 24, 96, 256}) {
       CHECK(detail::choose_decode_config(find_shape(refs, name), t, 0).fc1_strips == 8);
     }
-    const std::size_t tiles = planner_choices(find_shape(refs, name), 256).size();
+    const std::size_t tiles = main_tiles(planner_choices(find_shape(refs, name), 256));
     CHECK(tiles >= 2);
     CHECK(tiles <= 4);
   }
@@ -654,8 +682,6 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
       if (served && target.sm >= 90) {
         for (const MoeDecodeParams& p : choices) {
           expected.insert(detail::decode_moe_spec(p, target).display_name());
-          expected.insert(
-              detail::decode_moe_spec(detail::decode_reset_params(p), target).display_name());
         }
       }
       CHECK(planned_decode == expected);
@@ -664,17 +690,25 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
     }
   }
 
-  // The kernels of one config: the decode pair first, then the marlin chain a call may force.
+  // The kernels of one config: the decode launches first, then the marlin chain a call may force.
   ModelShape kimi = find_shape(shapes, "kimi-k3.1-tp8");
   const detail::MoeForwardConfig k1 = detail::choose_moe_config(kimi, 1);
   const detail::MoeForwardSpecs s90 = detail::moe_forward_specs(k1, sm90);
   CHECK(s90.decode);
-  CHECK(s90.decode_reset == detail::decode_moe_spec(k1.decode_reset, sm90));
-  CHECK(s90.decode_main == detail::decode_moe_spec(k1.decode_main, sm90));
+  CHECK(k1.decode_pair);
+  CHECK(s90.decode_first == detail::decode_moe_spec(k1.decode_first, sm90));
+  CHECK(s90.decode_second == detail::decode_moe_spec(k1.decode_second, sm90));
   const std::vector<KernelSpec> listed = detail::moe_config_specs(k1, sm90);
   REQUIRE(listed.size() == 6);
-  CHECK(listed[0] == s90.decode_reset);
-  CHECK(listed[1] == s90.decode_main);
+  CHECK(listed[0] == s90.decode_first);
+  CHECK(listed[1] == s90.decode_second);
+  CHECK(std::get<MoeDecodeParams>(listed[0].params).kernel == DecodeKernel::kPairFc1);
+  CHECK(std::get<MoeDecodeParams>(listed[1].params).kernel == DecodeKernel::kPairFc2);
+  const detail::MoeForwardConfig k3 = detail::choose_moe_config(kimi, 3);
+  CHECK_FALSE(k3.decode_pair);
+  const std::vector<KernelSpec> listed3 = detail::moe_config_specs(k3, sm90);
+  CHECK(std::get<MoeDecodeParams>(listed3[0].params).kernel == DecodeKernel::kReset);
+  CHECK(std::get<MoeDecodeParams>(listed3[1].params).kernel == DecodeKernel::kMain);
   CHECK(listed[2].family == Family::kRoute);
   CHECK(listed[5].family == Family::kCombine);
   // Below sm_90 the same config runs marlin only.
@@ -702,7 +736,8 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
       for (int t = previous + 1; t <= end; ++t) {
         const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
         CHECK(c.decode == at_end.decode);
-        CHECK(c.decode_main == at_end.decode_main);
+        CHECK(c.decode_first == at_end.decode_first);
+        CHECK(c.decode_second == at_end.decode_second);
       }
       previous = end;
     }
@@ -725,7 +760,14 @@ TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, e
         const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
         const detail::MoeWorkspaceLayout w = detail::moe_workspace_layout(shape, c);
         CHECK(w.decode_bytes ==
-              static_cast<std::size_t>(geometry_of(c.decode_main).workspace_bytes()));
+              static_cast<std::size_t>(detail::decode_moe_workspace_bytes(c.decode_second)));
+        if (c.decode_pair) {
+          CHECK(w.decode_bytes == static_cast<std::size_t>(
+                                      detail::decode_moe_workspace_bytes(c.decode_first)));
+        } else {
+          CHECK(w.decode_bytes ==
+                static_cast<std::size_t>(geometry_of(c.decode_second).workspace_bytes()));
+        }
         CHECK(w.bytes == std::max(w.marlin_bytes, w.decode_bytes));
         CHECK(bytes >= w.bytes);
       }
