@@ -26,8 +26,9 @@
 //     calls, median replay / N); the two graphs' replays alternate, so both see the same clocks;
 //   - experts touched, MXFP4 bytes touched, each path's fraction of the copy bandwidth, and the
 //     time ratio decode / marlin (below 1: decode_moe is faster);
-//   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM), the
-//     planner's unless --decode-block-n 16|32 forces block_n;
+//   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM, or
+//     "pair t<bucket>" for the two-launch tile of T <= 2), the planner's unless
+//     --decode-block-n 8|16|32 forces the persistent tile's block_n;
 //   - a check of one call of each: NaN/inf outputs, and decode vs marlin relative L2 difference.
 //   Default: kimi-k3.1-tp8, kimi-k3.1-tp4-ep2, deepseek-v4-flash-tp4, qwen3-30b-a3b at T = 1, 6,
 //   24, 96, 256. A model decode_moe can't serve (moe_decode_problem) is listed with the reason.
@@ -1394,6 +1395,7 @@ class ModelBench {
   // decode_moe's tile: n block_n, s FC1/FC2 strips per item, d pipeline stages, x CTAs per SM.
   static std::string tile_text(const DecodeRow& row) {
     const moejit::MoeDecodeParams& p = row.tile;
+    if (moejit::detail::decode_pair_kernel(p.kernel)) return "pair t" + std::to_string(p.max_tokens);
     return "n" + std::to_string(p.block_n) + " s" + std::to_string(p.fc1_strips) + "/" +
            std::to_string(p.fc2_strips) + " d" + std::to_string(p.stages) + " x" +
            std::to_string(row.ctas_per_sm);
@@ -1417,7 +1419,12 @@ class ModelBench {
     row.touched = r.touched;
     row.mxfp4_bytes = r.touched * expert_bytes_;
     row.rotation = std::min(copies_, rotation_for(row.mxfp4_bytes));
-    row.tile = moejit::detail::choose_decode_config(s, r.tokens, o_.decode_block_n);
+    // The tile the call runs: the planner's (the two-launch pair at small T where it serves the
+    // shape), or the persistent tile of a forced block_n.
+    const moejit::detail::MoeForwardConfig config = moejit::detail::choose_moe_config(s, r.tokens);
+    row.tile = o_.decode_block_n == 0 && config.decode_pair
+                   ? config.decode_first
+                   : moejit::detail::choose_decode_config(s, r.tokens, o_.decode_block_n);
     row.ctas_per_sm = moejit::detail::decode_moe_blocks_per_sm(row.tile);
     const moejit::MoeForwardOptions decode_path{moejit::MoePath::kDecode, o_.decode_block_n};
     LayerInputs in(s, r, o_.seed);
