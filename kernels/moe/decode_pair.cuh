@@ -136,6 +136,18 @@ __device__ __forceinline__ i32 route(const DecodePairParams& p, const Routing& r
   return static_cast<i32>(*r.total);
 }
 
+// Lands kAtoms K atoms of one strip, from atom `atom0` of a weight matrix and its scales, in a
+// ring slot at `dst` (weights, then scales), completing on `bar`: two bulk copies.
+template <i32 kAtoms>
+__device__ __forceinline__ void land_strip(u32 dst, u32 bar, const u8* weights, const u8* scales,
+                                           i64 atom0, u64 policy) {
+  pipe::expect_tx(bar, static_cast<u32>(kAtoms * (layout::kAtomBytes + layout::kAtomScaleBytes)));
+  pipe::copy(dst, weights + atom0 * layout::kAtomBytes, kAtoms * layout::kAtomBytes, bar, policy);
+  pipe::copy(dst + kAtoms * layout::kAtomBytes, scales + atom0 * layout::kAtomScaleBytes,
+             kAtoms * layout::kAtomScaleBytes, bar, policy);
+  pipe::arrive(bar);
+}
+
 // Named barrier 1 + `group` over one group of eight consumer warps.
 __device__ __forceinline__ void consumers_sync(i32 group = 0) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "n"(kPairConsumerThreads) : "memory");
@@ -241,15 +253,10 @@ __global__ void __launch_bounds__(kPairFc1Threads, 1) decode_pair_fc1(const Deco
         const i32 slot = i % kS;
         pipe::wait(ptx::smem_u32(empty + slot), static_cast<u32>((i / kS) & 1) ^ 1u);
         const i32 e = virtual_expert(r.vinfo[u / kStrips]);
-        const i64 atom0 = (static_cast<i64>(e) * kStrips + u % kStrips) * kAtoms;
-        const u32 bar = ptx::smem_u32(full + slot);
-        const u32 dst = ring_base + static_cast<u32>(slot * kUnit);
-        pipe::expect_tx(bar, static_cast<u32>(kUnit));
-        pipe::copy(dst, p.w13 + atom0 * layout::kAtomBytes, kAtoms * layout::kAtomBytes, bar,
-                   evict_first);
-        pipe::copy(dst + kAtoms * layout::kAtomBytes, p.w13_scales + atom0 * layout::kAtomScaleBytes,
-                   kAtoms * layout::kAtomScaleBytes, bar, evict_first);
-        pipe::arrive(bar);
+        pair::land_strip<kAtoms>(ring_base + static_cast<u32>(slot * kUnit),
+                                 ptx::smem_u32(full + slot), p.w13, p.w13_scales,
+                                 (static_cast<i64>(e) * kStrips + u % kStrips) * kAtoms,
+                                 evict_first);
       }
     }
     return;
@@ -371,15 +378,10 @@ __global__ void __launch_bounds__(kPairFc2Threads, 2) decode_pair_fc2(const Deco
         const i32 slot = u % kS;
         pipe::wait(ptx::smem_u32(empty + slot), static_cast<u32>((u / kS) & 1) ^ 1u);
         const i32 e = virtual_expert(r.vinfo[u % nv]);
-        const i64 atom0 = (static_cast<i64>(e) * kHStrips + strip0 + u / nv) * kAtoms;
-        const u32 bar = ptx::smem_u32(full + slot);
-        const u32 dst = ring_base + static_cast<u32>(slot * kUnit);
-        pipe::expect_tx(bar, static_cast<u32>(kUnit));
-        pipe::copy(dst, p.w2 + atom0 * layout::kAtomBytes, kAtoms * layout::kAtomBytes, bar,
-                   evict_first);
-        pipe::copy(dst + kAtoms * layout::kAtomBytes, p.w2_scales + atom0 * layout::kAtomScaleBytes,
-                   kAtoms * layout::kAtomScaleBytes, bar, evict_first);
-        pipe::arrive(bar);
+        pair::land_strip<kAtoms>(ring_base + static_cast<u32>(slot * kUnit),
+                                 ptx::smem_u32(full + slot), p.w2, p.w2_scales,
+                                 (static_cast<i64>(e) * kHStrips + strip0 + u / nv) * kAtoms,
+                                 evict_first);
       }
     }
     return;

@@ -14,8 +14,9 @@ namespace moejit::kern::moe::decode {
 
 inline constexpr i32 kPairConsumerWarps = 8;  // warps that share one unit (fc1) or one CTA (fc2)
 inline constexpr i32 kPairConsumerThreads = 32 * kPairConsumerWarps;
-// Why two groups in fc1: its warps are the SM's only busy ones while fc2's wait, and eight warps
-// could not issue the dequant fast enough (measured: 17 us at deepseek-v4-flash-tp4 T = 1).
+// Why two groups of eight warps in fc1 (units alternate between them): with fc2's CTA beside it
+// (the largest carveout), kimi-k3.1-tp8 T = 1 took 21.1 us against 23.5 with one group, deepseek
+// 15.0 against 15.3 (harness, H200; tools/PERF_LOG.md "decode_moe pair").
 inline constexpr i32 kPairFc1Groups = 2;
 inline constexpr i32 kPairFc1Threads = 32 * (kPairFc1Groups * kPairConsumerWarps + 1);
 inline constexpr i32 kPairFc2Threads = 32 * (kPairConsumerWarps + 1);  // + one producer warp

@@ -193,15 +193,9 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
 
   const int t = static_cast<int>(tokens);
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
-
-  // The decode path: forced, or automatic where it is the faster path (detail::decode_by_default).
-  const bool want_decode = options.path == MoePath::kDecode ||
-                           (options.path == MoePath::kAuto && detail::decode_by_default(config));
-  if (want_decode && config.decode && config.decode_pair && options.decode_block_n == 0 &&
-      detail::decode_moe_runs_on(config.decode_first, device.arch) &&
-      detail::decode_moe_runs_on(config.decode_second, device.arch)) {
-    const std::size_t need =
-        static_cast<std::size_t>(detail::decode_moe_workspace_bytes(config.decode_first));
+  // The workspace a decode launch pair needs (decode_moe_workspace_bytes of `p`).
+  const auto require_decode_workspace = [&](const MoeDecodeParams& p) {
+    const std::size_t need = static_cast<std::size_t>(detail::decode_moe_workspace_bytes(p));
     if (args.workspace_bytes < need) {
       detail::throw_argument(kOp, "workspace_bytes",
                              "at least " + std::to_string(need) +
@@ -209,6 +203,15 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                                  " (size it with moe_workspace_bytes(shape, max T))",
                              std::to_string(args.workspace_bytes));
     }
+  };
+
+  // The decode path: forced, or automatic where it is the faster path (detail::decode_by_default).
+  const bool want_decode = options.path == MoePath::kDecode ||
+                           (options.path == MoePath::kAuto && detail::decode_by_default(config));
+  if (want_decode && config.decode && config.decode_pair && options.decode_block_n == 0 &&
+      detail::decode_moe_runs_on(config.decode_first, device.arch) &&
+      detail::decode_moe_runs_on(config.decode_second, device.arch)) {
+    require_decode_workspace(config.decode_first);
     kern::moe::decode::DecodePairParams params{};
     params.w13 = static_cast<const kern::moe::u8*>(w.w13);
     params.w13_scales = static_cast<const kern::moe::u8*>(w.w13_scales);
@@ -232,14 +235,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
         : config.decode_pair        ? detail::choose_decode_config(shape, t, 0)
                                     : config.decode_second;
     if (detail::decode_moe_runs_on(main, device.arch)) {
-      const std::size_t need = static_cast<std::size_t>(detail::decode_moe_workspace_bytes(main));
-      if (args.workspace_bytes < need) {
-        detail::throw_argument(kOp, "workspace_bytes",
-                               "at least " + std::to_string(need) +
-                                   " bytes for decode_moe at T = " + std::to_string(t) +
-                                   " (size it with moe_workspace_bytes(shape, max T))",
-                               std::to_string(args.workspace_bytes));
-      }
+      require_decode_workspace(main);
       kern::moe::decode::DecodeMoeParams params{};
       detail::encode_decode_weight_maps(kOp, main, w.w13, w.w13_scales, w.w2, w.w2_scales, params);
       params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
