@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <moejit/kern/moe/decode_pair_params.cuh>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -742,6 +743,77 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
       previous = end;
     }
   }
+}
+
+TEST_CASE("decode_moe pair: the planner's choice, its rules, names and the SM it shares",
+          "[plan][decode]") {
+  const std::vector<ModelShape> shapes = reference_shapes();
+  // Every served reference shape but qwen2-57b-a14b takes the pair at T = 1 and 2 (buckets 1 and
+  // 2), nothing at T = 3; qwen2's I = 2560 leaves fc2 fewer than 8 units of shared memory.
+  for (const std::string& name : kServed) {
+    const ModelShape& shape = find_shape(shapes, name);
+    INFO(name);
+    const bool pair_served = name != "qwen2-57b-a14b";
+    for (int t = 1; t <= 3; ++t) {
+      const MoeDecodeParams p = detail::choose_decode_pair(shape, t);
+      CHECK(p.kernel == DecodeKernel::kPairFc1);
+      CHECK(p.max_tokens == (pair_served && t <= 2 ? t : 0));
+      if (p.max_tokens == 0) continue;
+      const MoeDecodeParams fc2 = detail::decode_pair_fc2_params(p);
+      for (const MoeDecodeParams& k : {p, fc2}) {
+        const KernelSpec spec = detail::decode_moe_spec(k, Arch::parse("sm_90a"));
+        INFO(spec.display_name());
+        CHECK(moejit::supports(spec).empty());
+        CHECK(detail::decode_moe_runs_on(k, Arch::parse("sm_90a")));
+        CHECK_FALSE(detail::decode_moe_runs_on(k, Arch::parse("sm_80")));
+        CHECK(detail::decode_moe_blocks_per_sm(k) == 1);
+      }
+      // One CTA of each kernel fits an SM together (228 KB, 1 KB reserved per CTA).
+      const long long both = detail::decode_moe_smem_bytes(p) + detail::decode_moe_smem_bytes(fc2);
+      CHECK(both + 2 * 1024 <= 228 * 1024);
+      CHECK(detail::decode_moe_workspace_bytes(p) ==
+            (static_cast<long long>(t) * shape.top_k * shape.intermediate * 2 + 255) / 256 * 256);
+      CHECK(detail::decode_moe_workspace_bytes(fc2) == detail::decode_moe_workspace_bytes(p));
+    }
+  }
+  const ModelShape qwen2 = find_shape(shapes, "qwen2-57b-a14b");
+  MoeDecodeParams refused = detail::choose_decode_pair(find_shape(shapes, "qwen3-30b-a3b"), 1);
+  refused.hidden = qwen2.hidden;
+  refused.intermediate = qwen2.intermediate;
+  refused.num_experts = qwen2.num_experts;
+  CHECK(contains(moejit::supports(spec_of(refused)), "FC2 units"));
+  CHECK(contains(detail::decode_pair_rule_problem(refused), "at max_tokens = 1"));
+  // A shape with biases never takes the pair (decode_moe has no bias epilogue).
+  ModelShape biased = find_shape(shapes, "qwen3-30b-a3b");
+  biased.has_bias = true;
+  CHECK(detail::choose_decode_pair(biased, 1).max_tokens == 0);
+
+  // Names, JSON and source: PairTraits with the T bucket; the persistent tile's fields unused.
+  CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kPairFc1)) == "pair_fc1");
+  CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kPairFc2)) == "pair_fc2");
+  const MoeDecodeParams kimi = detail::choose_decode_pair(find_shape(shapes, "kimi-k3.1-tp8"), 2);
+  const KernelSpec fc1 = spec_of(kimi);
+  const KernelSpec fc2 = spec_of(detail::decode_pair_fc2_params(kimi));
+  CHECK(fc1.display_name() ==
+        "decode_moe<pair_fc1,e896,k16,h3584,i384,t2,situ(beta=4,linear_beta=25),i32>@sm_90a");
+  CHECK(fc2.display_name() ==
+        "decode_moe<pair_fc2,e896,k16,h3584,i384,t2,situ(beta=4,linear_beta=25),i32>@sm_90a");
+  CHECK_FALSE(fc1 == fc2);
+  CHECK(fc1.hash() != fc2.hash());
+  const auto json = nlohmann::json::parse(fc1.to_json());
+  CHECK(json["params"]["kernel"] == "pair_fc1");
+  CHECK(json["params"]["max_tokens"] == 2);
+  const detail::GeneratedSource src = detail::render(fc2);
+  CHECK(contains(src.source, "#include <moejit/kern/moe/decode_pair.cuh>"));
+  CHECK(src.name_expression ==
+        "moejit::kern::moe::decode::decode_pair_fc2<moejit::kern::moe::decode::PairTraits<896, 16, "
+        "3584, 384, 2, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
+  CHECK(detail::render(fc1).file_name != src.file_name);
+  // fc2's grid: a CTA per H strip up to the SMs, never more than 4 strips a CTA.
+  const decode::PairGeometry g{896, 16, 3584, 384, 2};
+  CHECK(g.fc2_grid(132) == 132);
+  CHECK(g.fc2_grid(300) == 224);
+  CHECK(g.fc2_grid(16) == 56);
 }
 
 TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, every block_n",
