@@ -10,10 +10,11 @@
 //      every kernel moe_forward can pick for any T <= shape.max_tokens is then already built.
 //
 // Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset)
-// for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem); and
+// for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem), or for
+// T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is also a multiple of 512; and
 // marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
-// the faster one (decode_moe for 4 <= T <= 256 where it serves; see MoePath), MoeForwardOptions
-// can force either.
+// the faster one (decode_moe for T <= 2 and 4 <= T <= 256 where it serves; see MoePath),
+// MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
 // contiguous (row-major, strides null or compact). Shapes use E = shape.num_experts (local),
@@ -125,8 +126,9 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for 4 <= T <= 256
-            // where it serves, marlin_moe otherwise (T < 4 included: there it is faster)
+  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T <= 2 (its
+            // two-kernel tile, where that serves the shape) and 4 <= T <= 256 where it serves,
+            // marlin_moe otherwise (T = 3 included: there it is about as fast)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };
@@ -134,8 +136,9 @@ enum class MoePath {
 struct MoeForwardOptions {
   MoePath path = MoePath::kAuto;
   // decode_moe's positions per virtual expert: 0 = the planner's choice, 8, 16 or 32 forces it
-  // (used whenever the call takes the decode path; prewarm builds only the planner's choices, so
-  // a forced value that differs is compiled on first use). Anything else: Error{kInvalidArgument}.
+  // (the persistent tile at that block_n, also at T <= 2; used whenever the call takes the decode
+  // path; prewarm builds only the planner's choices, so a forced value that differs is compiled
+  // on first use). Anything else: Error{kInvalidArgument}.
   int decode_block_n = 0;
 };
 

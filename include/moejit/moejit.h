@@ -104,7 +104,7 @@ moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
 
 /* Which kernels compute the layer (moejit::MoePath). */
 typedef enum moejit_moe_path {
-  MOEJIT_MOE_PATH_AUTO = 0,   /* decode_moe for 1 <= T <= 256 where it serves, else marlin_moe */
+  MOEJIT_MOE_PATH_AUTO = 0,   /* the faster path (moejit::MoePath::kAuto) */
   MOEJIT_MOE_PATH_MARLIN = 1, /* route -> FC1 -> FC2 -> combine, every shape and T */
   MOEJIT_MOE_PATH_DECODE = 2  /* decode_moe; MOEJIT_ERROR_UNSUPPORTED where it can't serve */
 } moejit_moe_path;

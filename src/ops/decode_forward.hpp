@@ -1,5 +1,5 @@
 // The decode path of moe_forward: decode_moe's two launches (counter reset, then the persistent
-// fused layer under programmatic dependent launch) and the device fact its grid needs (the
+// fused layer under programmatic dependent launch, or the pair's FC1 then FC2) and the device fact its grid needs (the
 // multiprocessor count, queried once per device). moe_forward.cpp checks the arguments and
 // fills the kernel arguments; this unit looks the kernels up and launches them.
 #pragma once
