@@ -153,17 +153,18 @@ __device__ __forceinline__ void consumers_sync(i32 group = 0) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "n"(kPairConsumerThreads) : "memory");
 }
 
-// kAtoms K atoms of one strip (weights at w_base, scales at s_base) times the n8 tile whose
-// ldmatrix row address for this lane is b_lane (row = the lane's position, K at 0), into acc.
+// kAtoms consecutive K atoms, from atom0, of one strip (weights at w_base, scales at s_base)
+// times the n8 tile whose ldmatrix row address for this lane is b_lane (row = the lane's
+// position, K at 0), into acc.
 // Two accumulators: even and odd k16 steps, so consecutive MMAs do not wait for each other.
 template <i32 kAtoms>
 __device__ __forceinline__ void mma_strip(u32 w_base, u32 s_base, u32 b_lane, i32 atom0,
-                                          i32 atom_step, float (&acc)[2][4]) {
+                                          float (&acc)[2][4]) {
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
   const i32 g = lane >> 2;
 #pragma unroll
   for (i32 i = 0; i < kAtoms; ++i) {
-    const i32 j = atom0 + i * atom_step;
+    const i32 j = atom0 + i;
     u32 w[4];
     ptx::lds128(w_base + static_cast<u32>(j * layout::kAtomBytes + lane * 16), w);
     const u32 sw = ptx::lds32(s_base + static_cast<u32>(j * layout::kAtomScaleBytes + g * 4));
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kPairFc1Threads, 1) decode_pair_fc1(const Deco
 
     float acc[2][4] = {};
     pipe::wait(ptx::smem_u32(full + slot), static_cast<u32>((i / kS) & 1));
-    pair::mma_strip<kWarpAtoms>(w_base, s_base, b_lane, gw * kWarpAtoms, 1, acc);
+    pair::mma_strip<kWarpAtoms>(w_base, s_base, b_lane, gw * kWarpAtoms, acc);
 #pragma unroll
     for (i32 q = 0; q < 4; ++q) acc[0][q] += acc[1][q];
 
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(kPairFc2Threads, 2) decode_pair_fc2(const Deco
 
     float acc[2][4] = {};
     pipe::wait(ptx::smem_u32(full + slot), static_cast<u32>((u / kS) & 1));
-    pair::mma_strip<kAtoms>(w_base, s_base, b_lane, 0, 1, acc);
+    pair::mma_strip<kAtoms>(w_base, s_base, b_lane, 0, acc);
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
 #pragma unroll
