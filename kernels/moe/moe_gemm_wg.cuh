@@ -23,8 +23,10 @@
 //   copy), then dequantizes tile kt + 1 (one 16-byte load and one scale word per lane and m64
 //   tile, mxfp4::dequant_step) into the other register set while the tensor core works.
 // - Route blocks: with kPairBlocks the route runs with blocks of kBlockN / 2 rows and a CTA
-//   takes two consecutive blocks of one expert (N = kBlockN) or a lone last one (N =
-//   kBlockN / 2), so padding is that of the half-size block.
+//   takes two consecutive blocks of one expert or a lone last one. Its real rows are a prefix
+//   of those, and it runs at the narrowest N in {1, 2, 3, 4} x kBlockN / 4 that covers them
+//   (one gemm_tile instance per width), so an expert's last tile computes fewer than
+//   kBlockN / 4 padding rows.
 // - Epilogue: after the last wait the accumulators are in mma.sync's C order per 8-token
 //   slice; moe_gemm.cuh's Fc1Epilogue / Fc2Epilogue turn them into outputs (activation, bias,
 //   top-k weight), which go through a staging tile in shared memory so each token's row leaves
@@ -52,8 +54,8 @@ struct MoeGemmWgTraits {
   static constexpr int kWgTilesM = kWgTilesM_;      // m64 tiles (64 weight rows) per warpgroup
   static constexpr int kStages = kStages_;          // cp.async ring depth (K tiles of 64)
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
-  // Route blocks of kBlockN / 2 rows; a CTA takes two consecutive blocks of one expert at
-  // N = kBlockN, or a lone last block at N = kBlockN / 2 (half the padding of kBlockN blocks).
+  // Route blocks of kBlockN / 2 rows; a CTA takes two consecutive blocks of one expert, or a
+  // lone last block (then at most kBlockN / 2 real rows).
   static constexpr bool kPairBlocks = kPairBlocks_;
   static constexpr bool kEarlyWeights = kEarlyWeights_;  // weight prologue before PDL wait
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
@@ -85,7 +87,7 @@ struct MoeGemmWgTraits {
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
                 "kBlockN must be 64, 128 or 256 (the wgmma shapes wgmma.cuh wraps)");
   static_assert(!kPairBlocks || kBlockN >= 128,
-                "kPairBlocks needs kBlockN 128 or 256: a lone block runs at N = kBlockN / 2");
+                "kPairBlocks needs kBlockN 128 or 256: a lone block covers kBlockN / 2 rows");
   static_assert(kWarpGroups >= 1 && kThreads <= 1024, "kWarpGroups must be 1..8");
   static_assert(kWgTilesM >= 1 && kWgTilesM <= 2,
                 "kWgTilesM must be 1 or 2: each m64 tile holds kBlockN / 2 fp32 registers");
@@ -421,12 +423,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   const i32 block = static_cast<i32>(blockIdx.x);
   const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
+  const i32 row0 = block * T::kRouteBlock;
+  const i32 lane = static_cast<i32>(threadIdx.x) & 31;
+  // Lane q < 4 probes the first row of quarter q of the CTA's kBlockN rows (the second route
+  // block's rows exist when it is not the last block), issued beside block_expert's loads.
+  constexpr i32 kQuarter = T::kBlockN / 4;
+  const bool probe = lane < 4 && (lane * kQuarter < T::kRouteBlock ||
+                                  block + 1 < static_cast<i32>(gridDim.x));
+  const i32 quarter_row = probe ? p.sorted_rows[row0 + lane * kQuarter] : -1;
   const i32 expert = p.block_expert[block];
   if (expert < 0) return;
+  i32 rows = T::kBlockN;  // route rows the CTA covers
   if constexpr (T::kPairBlocks) {
     // The expert's blocks are consecutive: count those just before this one, 32 per round
     // (every warp computes the same answer). Odd: block - 1's CTA covers this block.
-    const i32 lane = static_cast<i32>(threadIdx.x) & 31;
     i32 before = 0;
     for (;;) {
       const i32 q = block - 1 - before - lane;
@@ -440,14 +450,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (before & 1) return;
     const bool pair =
         block + 1 < static_cast<i32>(gridDim.x) && p.block_expert[block + 1] == expert;
-    if (!pair) {
-      wg_detail::gemm_tile<T, T::kBlockN / 2>(p, expert, block * T::kRouteBlock, m_atom0, smem,
-                                               smem_base, s_ids, s_rows);
-      return;
-    }
+    if (!pair) rows = T::kRouteBlock;
   }
-  wg_detail::gemm_tile<T, T::kBlockN>(p, expert, block * T::kRouteBlock, m_atom0, smem,
-                                      smem_base, s_ids, s_rows);
+  // Real rows are a prefix of the CTA's rows (route pads only the end of an expert's last
+  // block), so the quarters holding one run at the narrowest wgmma N that covers them: an
+  // expert's last tile multiplies at most kBlockN / 4 - 1 padding rows instead of up to
+  // kRouteBlock - 1.
+  const i32 quarters =
+      __popc(__ballot_sync(~0u, lane * kQuarter < rows && quarter_row >= 0));
+  auto tile = [&](auto n) {
+    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, m_atom0, smem, smem_base,
+                                                  s_ids, s_rows);
+  };
+  if (quarters == 4) {
+    tile(wg_detail::Int<T::kBlockN>{});
+  } else if (quarters == 3) {
+    tile(wg_detail::Int<3 * kQuarter>{});
+  } else if (quarters == 2) {
+    tile(wg_detail::Int<2 * kQuarter>{});
+  } else {
+    tile(wg_detail::Int<kQuarter>{});
+  }
 }
 
 }  // namespace moejit::kern::moe

@@ -208,10 +208,11 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   }
 }
 
-// Above T = 1024 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh: paired route
-// blocks, N = 128, and N = 64 for an expert's lone last block) where the device is sm_90a, the
-// mma.sync tile elsewhere. With 24-48 experts every expert gets tens of 64-row blocks, so both
-// tile widths and the expert boundaries are exercised.
+// Above T = 1024 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh: paired 64-row
+// route blocks; a CTA runs at N = 32, 64, 96 or 128, the narrowest that holds its real rows)
+// where the device is sm_90a, the mma.sync tile elsewhere. With 24-48 experts every expert gets
+// tens of 64-row blocks and its last CTA a random remainder; the test counts which widths those
+// remainders pick and requires every one of them.
 TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference", "[gpu][moe]") {
   gpu();
   TestStream stream;
@@ -227,6 +228,7 @@ TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference"
   std::mt19937_64 rng(seed);
   const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
   const bool wgmma = moejit::detail::wgmma_runs_on(arch);
+  int last_tiles[4] = {};  // experts whose last CTA runs at N = 32, 64, 96, 128
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const ModelShape& shape = shapes[n];
     const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
@@ -247,6 +249,13 @@ TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference"
       CHECK(specs.fc1_params.wgmma_n == (wgmma ? 128 : 0));
       CHECK(specs.fc2_params.wgmma_n == (wgmma ? 128 : 0));
       const Tokens tk = make_tokens(shape, tokens, plan, rng);
+      std::vector<int> rows(static_cast<std::size_t>(shape.num_experts), 0);
+      for (int64_t id : tk.ids) {
+        if (id >= 0 && id < shape.num_experts) ++rows[static_cast<std::size_t>(id)];
+      }
+      for (int r : rows) {
+        if (r > 0) ++last_tiles[((r - 1) % 128) / 32];
+      }
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
       const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
@@ -260,6 +269,13 @@ TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference"
       // The forced marlin path is the same call at these T.
       CHECK(same_bits(io.run(*model, stream.get(), kMarlin), out));
     }
+  }
+  std::printf("moe_forward prefill: experts whose last tile is N = 32 / 64 / 96 / 128: %d / %d / "
+              "%d / %d\n",
+              last_tiles[0], last_tiles[1], last_tiles[2], last_tiles[3]);
+  for (int q = 0; q < 4; ++q) {
+    INFO("no expert's last tile ran at N = " << 32 * (q + 1));
+    CHECK(last_tiles[q] > 0);
   }
 }
 

@@ -23,5 +23,5 @@ def gen(n):
     L.append('      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));')
     L.append("}")
     return "\n".join(L)
-for n in (64, 128, 256):
+for n in (16, 32, 48, 64, 96, 128, 192, 256):
     print(gen(n)); print()
