@@ -22,11 +22,12 @@
 //   done), passes the CTA barrier (tile kt + 1 landed, tile kt - 1's stage free for the next
 //   copy), then dequantizes tile kt + 1 (one 16-byte load and one scale word per lane and m64
 //   tile, mxfp4::dequant_step) into the other register set while the tensor core works.
-// - Route blocks: with kPairBlocks the route runs with blocks of kBlockN / 2 rows and a CTA
-//   takes two consecutive blocks of one expert or a lone last one. Its real rows are a prefix
-//   of those, and it runs at the narrowest N in {1, 2, 3, 4} x kBlockN / 4 that covers them
-//   (one gemm_tile instance per width), so an expert's last tile computes fewer than
-//   kBlockN / 4 padding rows.
+// - Route blocks: the route runs with blocks of kRouteBlock rows (kBlockN / kRouteBlock = 1,
+//   2, 4, 8 or 16 of them per tile) and a CTA takes up to that many consecutive blocks of one
+//   expert, starting at the expert's first block or a multiple of that many after it. Its
+//   real rows are a prefix of those, and it runs at the narrowest N in {1, 2, 3, 4} x
+//   kBlockN / 4 that covers them (one gemm_tile instance per width), so an expert's last tile
+//   computes fewer than kBlockN / 4 padding rows, whatever the route block.
 // - Epilogue: after the last wait the accumulators are in mma.sync's C order per 8-token
 //   slice; moe_gemm.cuh's Fc1Epilogue / Fc2Epilogue turn them into outputs (activation, bias,
 //   top-k weight), which go through a staging tile in shared memory so each token's row leaves
@@ -47,20 +48,20 @@
 namespace moejit::kern::moe {
 
 template <int kBlockN_, int kWarpGroups_, int kWgTilesM_, int kStages_, int kMinBlocksPerSm_,
-          bool kPairBlocks_, bool kEarlyWeights_, class Epilogue_>
+          int kRouteBlock_, bool kEarlyWeights_, class Epilogue_>
 struct MoeGemmWgTraits {
   static constexpr int kBlockN = kBlockN_;          // tokens per CTA tile = wgmma N
   static constexpr int kWarpGroups = kWarpGroups_;  // warpgroups, each with its own weight rows
   static constexpr int kWgTilesM = kWgTilesM_;      // m64 tiles (64 weight rows) per warpgroup
   static constexpr int kStages = kStages_;          // cp.async ring depth (K tiles of 64)
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
-  // Route blocks of kBlockN / 2 rows; a CTA takes two consecutive blocks of one expert, or a
-  // lone last block (then at most kBlockN / 2 real rows).
-  static constexpr bool kPairBlocks = kPairBlocks_;
+  // Rows per route block: a CTA takes up to kGroupBlocks consecutive blocks of one expert.
+  static constexpr int kRouteBlock = kRouteBlock_;
   static constexpr bool kEarlyWeights = kEarlyWeights_;  // weight prologue before PDL wait
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
 
-  static constexpr int kRouteBlock = kPairBlocks ? kBlockN / 2 : kBlockN;  // route's block size
+  static constexpr int kGroupBlocks = kBlockN / kRouteBlock;  // route blocks per CTA tile
+  static constexpr int kQuarter = kBlockN / 4;  // the step of the CTA's wgmma widths
   static constexpr int kBlockM = 64 * kWarpGroups * kWgTilesM;  // weight rows per CTA
   static constexpr int kBlockK = layout::kAtomK;                // K per stage: one atom column
   static constexpr int kThreads = 128 * kWarpGroups;
@@ -86,8 +87,9 @@ struct MoeGemmWgTraits {
 
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
                 "kBlockN must be 64, 128 or 256 (the wgmma shapes wgmma.cuh wraps)");
-  static_assert(!kPairBlocks || kBlockN >= 128,
-                "kPairBlocks needs kBlockN 128 or 256: a lone block covers kBlockN / 2 rows");
+  static_assert(kRouteBlock >= 8 && kBlockN % kRouteBlock == 0 && kGroupBlocks <= 16 &&
+                    (kGroupBlocks & (kGroupBlocks - 1)) == 0,
+                "kRouteBlock must be kBlockN / 1, 2, 4, 8 or 16, and at least 8 (a route block)");
   static_assert(kWarpGroups >= 1 && kThreads <= 1024, "kWarpGroups must be 1..8");
   static_assert(kWgTilesM >= 1 && kWgTilesM <= 2,
                 "kWgTilesM must be 1 or 2: each m64 tile holds kBlockN / 2 fp32 registers");
@@ -109,12 +111,13 @@ struct Int {
   static constexpr int kValue = kV;
 };
 
-// One CTA tile: kN tokens (route rows row0 .. row0 + kN - 1) x the CTA's kBlockM weight rows,
-// over all of K, then the epilogue.
+// One CTA tile: kN tokens (route rows row0 .. row0 + kN - 1, those from row0 + limit on
+// treated as padding: they belong to the next expert) x the CTA's kBlockM weight rows, over all
+// of K, then the epilogue.
 template <class T, int kN>
 __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i32 row0,
-                                          i32 m_atom0, u8* smem, u32 smem_base, i32* s_ids,
-                                          i32* s_rows) {
+                                          i32 limit, i32 m_atom0, u8* smem, u32 smem_base,
+                                          i32* s_ids, i32* s_rows) {
   using Epi = typename T::Epilogue;
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -124,7 +127,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   const i32 g = lane >> 2;
 
   for (i32 n = tid; n < kN; n += T::kThreads) {
-    const i32 id = p.sorted_rows[row0 + n];
+    const i32 id = n < limit ? p.sorted_rows[row0 + n] : -1;
     s_ids[n] = id;
     s_rows[n] = id < 0 ? -1 : (Epi::kGatherTokens ? id / p.top_k : row0 + n);
   }
@@ -425,18 +428,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
   const i32 row0 = block * T::kRouteBlock;
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
-  // Lane q < 4 probes the first row of quarter q of the CTA's kBlockN rows (the second route
-  // block's rows exist when it is not the last block), issued beside block_expert's loads.
-  constexpr i32 kQuarter = T::kBlockN / 4;
-  const bool probe = lane < 4 && (lane * kQuarter < T::kRouteBlock ||
-                                  block + 1 < static_cast<i32>(gridDim.x));
+  // Lane j < kGroupBlocks loads block j of the CTA's group, lane q < 4 the first row of
+  // quarter q of its kBlockN rows (where provisioned), beside the load of this block's expert.
+  constexpr i32 kQuarter = T::kQuarter;
+  const i32 grid_blocks = static_cast<i32>(gridDim.x);
+  const i32 group_expert =
+      lane < T::kGroupBlocks && block + lane < grid_blocks ? p.block_expert[block + lane] : -1;
+  const bool probe = lane < 4 && block + lane * kQuarter / T::kRouteBlock < grid_blocks;
   const i32 quarter_row = probe ? p.sorted_rows[row0 + lane * kQuarter] : -1;
   const i32 expert = p.block_expert[block];
   if (expert < 0) return;
-  i32 rows = T::kBlockN;  // route rows the CTA covers
-  if constexpr (T::kPairBlocks) {
+  if constexpr (T::kGroupBlocks > 1) {
     // The expert's blocks are consecutive: count those just before this one, 32 per round
-    // (every warp computes the same answer). Odd: block - 1's CTA covers this block.
+    // (every warp computes the same answer). The CTA of the group's first block covers it.
     i32 before = 0;
     for (;;) {
       const i32 q = block - 1 - before - lane;
@@ -447,20 +451,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       before += 32;
     }
-    if (before & 1) return;
-    const bool pair =
-        block + 1 < static_cast<i32>(gridDim.x) && p.block_expert[block + 1] == expert;
-    if (!pair) rows = T::kRouteBlock;
+    if (before % T::kGroupBlocks != 0) return;
   }
+  // The group's blocks of this expert (a prefix: its blocks are consecutive) bound its rows; a
+  // quarter may reach past them into the next expert's first block when it spans several blocks.
+  const i32 limit =
+      __popc(__ballot_sync(~0u, group_expert == expert)) * T::kRouteBlock;
   // Real rows are a prefix of the CTA's rows (route pads only the end of an expert's last
   // block), so the quarters holding one run at the narrowest wgmma N that covers them: an
-  // expert's last tile multiplies at most kBlockN / 4 - 1 padding rows instead of up to
-  // kRouteBlock - 1.
+  // expert's last tile multiplies at most kBlockN / 4 - 1 padding rows.
   const i32 quarters =
-      __popc(__ballot_sync(~0u, lane * kQuarter < rows && quarter_row >= 0));
+      __popc(__ballot_sync(~0u, lane * kQuarter < limit && quarter_row >= 0));
   auto tile = [&](auto n) {
-    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, m_atom0, smem, smem_base,
-                                                  s_ids, s_rows);
+    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, limit, m_atom0, smem,
+                                                  smem_base, s_ids, s_rows);
   };
   if (quarters == 4) {
     tile(wg_detail::Int<T::kBlockN>{});

@@ -187,7 +187,7 @@ FamilyText family_text(const MarlinMoeParams& p) {
     std::ostringstream name;
     name << kMoeNs << "moe_gemm_wg<" << kMoeNs << "MoeGemmWgTraits<" << p.wgmma_n << ", " << groups
          << ", " << p.block_m / (64 * groups) << ", " << p.stages << ", " << p.min_blocks_per_sm
-         << ", " << (p.block_n != p.wgmma_n ? "true" : "false") << ", "
+         << ", " << p.block_n << ", "
          << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
     std::ostringstream stem;
     stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_wgmma" << p.wgmma_n << "_m"

@@ -203,9 +203,11 @@ std::string wgmma_problem(const MarlinMoeParams& p) {
   const int groups = p.warps_m / 4;
   if (p.wgmma_n != 64 && p.wgmma_n != 128 && p.wgmma_n != 256) {
     os << "wgmma_n = " << p.wgmma_n << "; allowed: 0 (mma.sync), 64, 128, 256";
-  } else if (p.block_n != p.wgmma_n && !(2 * p.block_n == p.wgmma_n && p.wgmma_n >= 128)) {
+  } else if (p.block_n < 8 || p.wgmma_n % p.block_n != 0 || p.wgmma_n / p.block_n > 16 ||
+             ((p.wgmma_n / p.block_n) & (p.wgmma_n / p.block_n - 1)) != 0) {
     os << "block_n = " << p.block_n << " with wgmma_n = " << p.wgmma_n
-       << "; allowed: block_n = wgmma_n, or wgmma_n / 2 (paired route blocks, wgmma_n >= 128)";
+       << "; allowed: wgmma_n / 1, 2, 4, 8 or 16 and at least 8 (the route block; a CTA takes "
+          "that many consecutive blocks of one expert)";
   } else if (p.warps_m < 4 || p.warps_m % 4 != 0 || p.warps_n != 1 || p.warps_k != 1) {
     os << "warps = " << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
        << " with wgmma_n; allowed: warps_m a multiple of 4 (whole warpgroups), warps_n = "

@@ -30,6 +30,9 @@ struct GemmTile {
 struct WgmmaTile {
   int max_tokens;  // the GemmTile bucket it replaces
   int wgmma_n, block_n, warpgroups, tiles_m, stages, min_blocks_per_sm;
+  // Taken where T * K >= min_rows_per_expert * (routed experts of all ranks): uniform routing
+  // gives each expert that many rows on average (0: everywhere in the bucket).
+  int min_rows_per_expert;
 };
 
 constexpr GemmTile kGemmTiles[] = {
@@ -69,11 +72,22 @@ constexpr int kCombineThreads = 256;
 constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
 
-// T > 1024 (measured on the H200, tools/PERF_LOG.md "marlin_moe prefill on wgmma"): N = 128 from
-// two paired 64-row route blocks, two warpgroups of one m64 tile, 4 stages, two CTAs per SM;
-// gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms for the mma.sync tile.
+// Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma" and "wgmma tile widths"):
+// N = 128 over up to 128 / block_n route blocks of one expert (a CTA runs at N = 32, 64, 96 or
+// 128, what its real rows need), two warpgroups of one m64 tile, 4 stages, two CTAs per SM.
+// - T > 1024: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms for the mma.sync tile.
+// - T = 513..1024: faster on every reference shape measured (T = 1024: gpt-oss 967 against 1432
+//   us, qwen3-30b-a3b 281 against 500, deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222
+//   against 1292; T = 600 and 768 alike).
+// - T = 161..512: only where experts average 14 rows or more (qwen3 T = 256, 16 rows: 185
+//   against 201 us; gpt-oss T = 512, 16 rows: 850 against 1017); at 12 rows it ties or loses
+//   (gpt-oss T = 384 825 against 827, deepseek T = 512 469 against 444), and with fewer rows
+//   the mma.sync tile wins (kimi T = 512, 4.6 rows: 1160 against 1019 us).
+// - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us).
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {INT_MAX, 128, 64, 2, 1, 4, 2},
+    {512, 128, 16, 2, 1, 4, 2, 14},
+    {1024, 128, 32, 2, 1, 4, 2, 0},
+    {INT_MAX, 128, 64, 2, 1, 4, 2, 0},
 };
 
 constexpr bool wgmma_tiles_share_route_blocks() {
@@ -88,6 +102,11 @@ constexpr bool wgmma_tiles_share_route_blocks() {
 }
 static_assert(wgmma_tiles_share_route_blocks(),
               "every WgmmaTile must replace a GemmTile bucket with the same block_n (route block)");
+
+// Routed experts across all ranks (an expert-parallel rank's experts see T * K / this rows each).
+long long routed_experts(const ModelShape& shape) {
+  return std::max(shape.global_experts, shape.num_experts);
+}
 
 const GemmTile& tile_for(int tokens) {
   for (const GemmTile& tile : kGemmTiles) {
@@ -679,7 +698,9 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   const GemmTile& tile = tile_for(tokens);
   c.fc1 = gemm_params(tile, MoeGemmStage::kFc1, shape);
   c.fc2 = gemm_params(tile, MoeGemmStage::kFc2, shape);
-  if (const WgmmaTile* wg = wgmma_tile_for(tile)) {
+  const WgmmaTile* wg = wgmma_tile_for(tile);
+  if (wg != nullptr && static_cast<long long>(tokens) * shape.top_k >=
+                           static_cast<long long>(wg->min_rows_per_expert) * routed_experts(shape)) {
     c.wgmma = true;
     c.fc1_wgmma = wgmma_params(*wg, MoeGemmStage::kFc1, shape);
     c.fc2_wgmma = wgmma_params(*wg, MoeGemmStage::kFc2, shape);
@@ -761,6 +782,11 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
                                        kRouteLargeRows / k};
   for (const GemmTile& tile : kGemmTiles) thresholds.push_back(tile.max_tokens);
+  // The last T below each warpgroup tile's rows-per-expert threshold.
+  for (const WgmmaTile& wg : kWgmmaTiles) {
+    const long long need = static_cast<long long>(wg.min_rows_per_expert) * routed_experts(shape);
+    if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
+  }
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.
   if (decode_shape_ok(shape)) {
     const int last = std::min(max_tokens, kDecodeMaxTokens);

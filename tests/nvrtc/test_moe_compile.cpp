@@ -318,13 +318,13 @@ TEST_CASE("the MoE kernels' static_asserts fire under NVRTC, matching supports()
        "true, moejit::kern::moe::Fc2Epilogue<false, false>>>",
        "kStages must be >= 2"},
       {"moe/moe_gemm_wg.cuh",
-       "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<128, 2, 1, 2, 2, true, "
+       "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<128, 2, 1, 2, 2, 64, "
        "true, moejit::kern::moe::Fc2Epilogue<false, false>>>",
        "kStages must be >= 3"},
       {"moe/moe_gemm_wg.cuh",
-       "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<64, 2, 1, 4, 2, true, "
+       "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<64, 2, 1, 4, 2, 4, "
        "true, moejit::kern::moe::Fc2Epilogue<false, false>>>",
-       "kPairBlocks needs kBlockN 128 or 256"},
+       "kRouteBlock must be kBlockN / 1, 2, 4, 8 or 16"},
       {"moe/moe_gemm.cuh",
        "moejit::kern::moe::moe_gemm<moejit::kern::moe::MoeGemmTraits<64, 128, 256, 16, 4, 1, 1, 1, "
        "true, moejit::kern::moe::Fc2Epilogue<false, false>>>",

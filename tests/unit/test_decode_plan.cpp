@@ -686,8 +686,12 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
         }
       }
       CHECK(planned_decode == expected);
-      // marlin stays planned for every T (a call can force it): the five tiles, FC1 and FC2.
-      CHECK(marlin.size() == 10);
+      // marlin stays planned for every T (a call can force it): the five tiles, FC1 and FC2,
+      // and on sm_90a both tiles of T <= 512 where its warpgroup variant starts inside the
+      // bucket (test_moe_plan.cpp's reference-shape test says where).
+      const bool both = target == sm90 &&
+                        (shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b");
+      CHECK(marlin.size() == (both ? 12u : 10u));
     }
   }
 

@@ -232,10 +232,24 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // Distinct specs only.
       const SpecSet distinct(specs.begin(), specs.end());
       CHECK(distinct.size() == specs.size());
-      // Five measured tiles (T = 1, <= 160, <= 512, <= 1024, above), FC1 and FC2 each.
-      CHECK(count[Family::kMarlinMoe] == 10);
-      CHECK(fc1_tiles ==
-            std::set<std::pair<int, int>>{{32, 8}, {64, 8}, {64, 16}, {64, 32}, {128, 64}});
+      // Five measured tiles (T = 1, <= 160, <= 512, <= 1024, above), FC1 and FC2 each. On sm_90a
+      // the warpgroup tile (block_m 128) replaces the last two, and the T <= 512 one from
+      // T * K >= 14 * routed experts: for part of that bucket on gpt-oss-120b (T >= 448) and
+      // qwen3-30b-a3b (T >= 224), which so plan both, for all of it on gpt-oss-20b and
+      // qwen2-57b-a14b (T >= 112), never on the others.
+      const bool sm90a = std::string(arch) == "sm_90a";
+      const bool both_at_512 = shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b";
+      const bool wgmma_at_512 = both_at_512 || shape.name == "gpt-oss-20b" ||
+                                shape.name == "qwen2-57b-a14b";
+      CHECK(count[Family::kMarlinMoe] == (sm90a && both_at_512 ? 12 : 10));
+      std::set<std::pair<int, int>> tiles{{32, 8}, {64, 8}, {64, 16}, {64, 32}, {128, 64}};
+      if (sm90a) {
+        tiles.erase({64, 32});
+        tiles.insert({128, 32});
+        if (wgmma_at_512) tiles.insert({128, 16});
+        if (wgmma_at_512 && !both_at_512) tiles.erase({64, 16});
+      }
+      CHECK(fc1_tiles == tiles);
       CHECK(route_blocks == std::set<int>{8, 16, 32, 64});
       // max_tokens 16384 with K >= 4: both the one-launch and the three-launch route paths.
       CHECK(route_kernels == std::set<RouteKernel>{RouteKernel::kSingle, RouteKernel::kRank,
@@ -316,13 +330,17 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.fc2.wgmma_n == 0);
   }
 
-  // Above T = 1024 the tile has an sm_90a warpgroup variant on the same route blocks; the
+  // Above T = 512, and from T = 161 where experts average 14 rows or more (gpt-oss: T * 4 >=
+  // 14 * 128, T >= 448), the tile has an sm_90a warpgroup variant on the same route blocks; the
   // specs take it on sm_90a only.
-  const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};
-  for (int tokens : {1, 1000, 1024, 1025, 2048, 4096, 16384}) {
+  const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
+  const std::vector<std::pair<int, int>> wgmma_route = {
+      {1, 0},     {96, 0},     {160, 0},    {161, 0},    {447, 0},    {448, 16},   {512, 16},
+      {513, 32},  {1000, 32},  {1024, 32},  {1025, 64},  {2048, 64},  {4096, 64},  {16384, 64}};
+  for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
-    CHECK(c.wgmma == (tokens > 1024));
+    CHECK(c.wgmma == (route_block != 0));
     const detail::MoeForwardSpecs on_90a = detail::moe_forward_specs(c, Arch::parse("sm_90a"));
     const detail::MoeForwardSpecs on_90 = detail::moe_forward_specs(c, Arch::parse("sm_90"));
     const detail::MoeForwardSpecs on_100a = detail::moe_forward_specs(c, Arch::parse("sm_100a"));
@@ -332,10 +350,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
       CHECK(on_90a.fc1_params == c.fc1);
       continue;
     }
+    CHECK(c.route.block_m == route_block);
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
-      CHECK(same_tile(tile_of(*p), wg));
+      Tile expected = wg;
+      expected.n = route_block;
+      CHECK(same_tile(tile_of(*p), expected));
       CHECK(p->wgmma_n == 128);
-      CHECK(p->block_n == c.route.block_m);  // two route blocks per CTA, same route
+      CHECK(p->block_n == c.route.block_m);  // 128 / block_n route blocks per CTA, same route
     }
     CHECK(on_90a.fc1_params == c.fc1_wgmma);
     CHECK(on_90a.fc2_params == c.fc2_wgmma);
@@ -516,14 +537,20 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_wgmma_fc1())).empty());
   const std::vector<GemmCase> wgmma_cases = {
       {[](MarlinMoeParams& p) { p.wgmma_n = 96; }, {"wgmma_n = 96", "64, 128, 256"}, "sm_90a"},
-      {[](MarlinMoeParams& p) { p.block_n = 32; },
-       {"block_n = 32 with wgmma_n = 128", "wgmma_n / 2"},
+      {[](MarlinMoeParams& p) { p.block_n = 48; },
+       {"block_n = 48 with wgmma_n = 128", "wgmma_n / 1, 2, 4, 8 or 16"},
        "sm_90a"},
       {[](MarlinMoeParams& p) {
          p.wgmma_n = 64;
-         p.block_n = 32;
+         p.block_n = 4;
        },
-       {"block_n = 32 with wgmma_n = 64", "wgmma_n >= 128"},
+       {"block_n = 4 with wgmma_n = 64", "at least 8"},
+       "sm_90a"},
+      {[](MarlinMoeParams& p) {
+         p.wgmma_n = 256;
+         p.block_n = 8;
+       },
+       {"block_n = 8 with wgmma_n = 256", "or 16"},
        "sm_90a"},
       {[](MarlinMoeParams& p) { p.warps_m = 6; }, {"warps = 6x1x1", "whole warpgroups"}, "sm_90a"},
       {[](MarlinMoeParams& p) { p.warps_k = 2; }, {"warps = 8x1x2", "warps_k = 1"}, "sm_90a"},
@@ -699,7 +726,7 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
     variants.push_back(spec_of(Family::kMarlinMoe, p));
   }
   // The warpgroup main loop: a different kernel from the mma.sync tile of the same sizes, and
-  // paired blocks (block_n = wgmma_n / 2) differ from unpaired ones.
+  // each route block (block_n = wgmma_n / 2 here) is a different kernel.
   const MarlinMoeParams wg = good_wgmma_fc1();
   variants.push_back(spec_of(Family::kMarlinMoe, wg));
   MarlinMoeParams wg_same_sizes = wg;
@@ -758,11 +785,11 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
   const detail::GeneratedSource wg_src = detail::render(wg_fc1);
   CHECK(contains(wg_src.source, "#include <moejit/kern/moe/moe_gemm_wg.cuh>"));
   CHECK(wg_src.name_expression ==
-        "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<128, 2, 1, 4, 2, true, "
+        "moejit::kern::moe::moe_gemm_wg<moejit::kern::moe::MoeGemmWgTraits<128, 2, 1, 4, 2, 64, "
         "false, moejit::kern::moe::Fc1Epilogue<moejit::kern::moe::act::GptOssSwiGLU<1702, 1000, "
         "7, 1>, true>>>");
   CHECK(contains(detail::render(spec_of(Family::kMarlinMoe, wg_unpaired)).name_expression,
-                 "MoeGemmWgTraits<128, 2, 1, 4, 2, false, false"));
+                 "MoeGemmWgTraits<128, 2, 1, 4, 2, 128, false"));
   MarlinMoeParams situ = good_fc1();
   situ.has_bias = false;
   situ.activation = Activation{};
