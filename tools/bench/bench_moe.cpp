@@ -15,8 +15,9 @@
 //   - TFLOP/s = 2·(T·k local entries)·3·H·I / time, beside a dense bf16 baseline measured in the
 //     same run: cuBLAS bf16 GEMMs (fp32 accumulate) over the same routing, one [m_e x H] x
 //     [H x 2I] and one [m_e x I] x [I x H] per touched expert (inputs pre-gathered; no activation
-//     or combine), captured in a CUDA graph; and one GEMM pair of the same FLOPs (M = the T·k
-//     local entries as rows, one expert's weights) as the dense compute roofline.
+//     or combine), captured in a CUDA graph whose replays alternate with the layer's (both see
+//     the same clocks); and one GEMM pair of the same FLOPs (M = the T·k local entries as rows,
+//     one expert's weights) as the dense compute roofline.
 //   Default: gpt-oss-120b, deepseek-v4-flash-tp4, qwen3-30b-a3b, kimi-k3.1-tp8 at T = 1, 6, 24,
 //   96, 256, 1024, 4096.
 //
@@ -1241,12 +1242,25 @@ class ModelBench {
     for (int c = 0; c < row.rotation; ++c) layers.push_back(capture(stream_, [&] { forward(c); }));
     const std::vector<CUgraphNode> order = topological_nodes(layers[0].graph);
 
-    // The whole layer: N calls captured back to back (iteration j reads copy j mod R).
+    // The whole layer: N calls captured back to back (iteration j reads copy j mod R); with the
+    // dense baseline, their replays alternate so both see the same clocks and temperature.
     {
       Graph all = capture(stream_, [&] {
         for (int j = 0; j < row.iterations; ++j) forward(j % row.rotation);
       });
-      row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events);
+      if (dense_copies > 0) {
+        const std::unique_ptr<DenseLayer> dense =
+            dense_layer(r, dense_expert_bytes, dense_copies, events, &row);
+        const std::vector<double> us = replay_alternating_us(
+            {&all, &dense->graph}, {row.iterations, row.dense_iterations}, stream_, o_.trials,
+            events);
+        row.layer_us = us[0];
+        row.dense_us = us[1];
+        row.dense_tflops = flops / (row.dense_us * 1e-6) / 1e12;
+        row.dense_single_tflops = dense_single_tflops(*dense, r, flops, events);
+      } else {
+        row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events);
+      }
     }
     // Each kernel: prefixes of the layer, chained N times.
     try {
@@ -1267,23 +1281,33 @@ class ModelBench {
     }
     row.copy_fraction = row.mxfp4_bytes / (row.layer_us * 1e-6) / (copy_gbs_ * 1e9);
     row.tflops = flops / (row.layer_us * 1e-6) / 1e12;
-
-    if (dense_copies > 0) dense_row(r, dense_expert_bytes, dense_copies, flops, events, &row);
     return row;
   }
 
-  void dense_row(const Routing& r, double dense_expert_bytes, int dense_copies, double flops,
-                 Events& events, Row* row) {
+  // The dense baseline of a row: gathered inputs [T*K, H], FC1 out [T*K, 2I], FC2 out [T*K, H]
+  // (expert e's rows contiguous), and N grouped calls captured back to back.
+  struct DenseLayer {
+    Buffer x, y1, y2;
+    Graph graph;
+    double estimate_us = 1;  // one grouped call, eager
+  };
+
+  // Builds the dense baseline's graph; sets row->dense_rotation and row->dense_iterations.
+  std::unique_ptr<DenseLayer> dense_layer(const Routing& r, double dense_expert_bytes,
+                                          int dense_copies, Events& events, Row* row) {
     const auto& s = s_;
     const int64_t t = r.tokens;
     const int h = s.hidden;
     const int i = s.intermediate;
     const int64_t rows = t * s.top_k;
     row->dense_rotation = std::min(dense_copies, rotation_for(r.touched * dense_expert_bytes));
-    // Gathered inputs [T*K, H], FC1 out [T*K, 2I], FC2 out [T*K, H]; expert e's rows contiguous.
-    Buffer x(to_size(rows * h * 2));
-    Buffer y1(to_size(rows * 2 * i * 2));
-    Buffer y2(to_size(rows * h * 2));
+    auto dense = std::make_unique<DenseLayer>();
+    dense->x = Buffer(to_size(rows * h * 2));
+    dense->y1 = Buffer(to_size(rows * 2 * i * 2));
+    dense->y2 = Buffer(to_size(rows * h * 2));
+    const Buffer& x = dense->x;
+    const Buffer& y1 = dense->y1;
+    const Buffer& y2 = dense->y2;
     const std::vector<uint8_t> pattern = random_bf16_bytes(std::size_t{1} << 20, o_.seed + 51);
     fill_with_pattern(x.ptr(), x.bytes(), pattern, stream_);
     BENCH_BLAS(cublasSetStream(blas_, reinterpret_cast<cudaStream_t>(stream_)));
@@ -1306,34 +1330,39 @@ class ModelBench {
       eager.push_back(events.time_us(stream_, [&] { grouped(rep % row->dense_rotation); }));
     }
     const double estimate = std::max(1.0, median(eager));
+    dense->estimate_us = estimate;
     // Why the node cap: a graph of tens of thousands of GEMM nodes takes long to instantiate.
     const int max_by_nodes = std::max(2, 6000 / std::max(1, 2 * r.touched));
     row->dense_iterations = std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 2,
                                        std::min(400, max_by_nodes));
-    {
-      Graph g = capture(stream_, [&] {
-        for (int j = 0; j < row->dense_iterations; ++j) grouped(j % row->dense_rotation);
-      });
-      row->dense_us = replay_us(g, stream_, o_.trials, row->dense_iterations, events);
-    }
-    row->dense_tflops = flops / (row->dense_us * 1e-6) / 1e12;
-    // The same FLOPs as one GEMM pair (M = T*K rows on expert 0's weights): the dense roofline.
-    {
-      const int m = static_cast<int>(r.local_entries);
-      gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
-      gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
-      BENCH_CU(cu().cuStreamSynchronize(stream_));
-      const int per =
-          std::clamp(static_cast<int>(o_.target_ms * 1000.0 / std::max(1.0, estimate)), 2, 50);
-      Graph g = capture(stream_, [&] {
-        for (int j = 0; j < per; ++j) {
-          gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
-          gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
-        }
-      });
-      const double us = replay_us(g, stream_, o_.trials, per, events);
-      row->dense_single_tflops = flops / (us * 1e-6) / 1e12;
-    }
+    dense->graph = capture(stream_, [&] {
+      for (int j = 0; j < row->dense_iterations; ++j) grouped(j % row->dense_rotation);
+    });
+    return dense;
+  }
+
+  // TFLOP/s of the same FLOPs as one GEMM pair (M = T*K rows on expert 0's weights): the dense
+  // roofline.
+  double dense_single_tflops(const DenseLayer& dense, const Routing& r, double flops,
+                             Events& events) {
+    const int h = s_.hidden;
+    const int i = s_.intermediate;
+    const Buffer& x = dense.x;
+    const Buffer& y1 = dense.y1;
+    const Buffer& y2 = dense.y2;
+    const int m = static_cast<int>(r.local_entries);
+    gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
+    gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
+    BENCH_CU(cu().cuStreamSynchronize(stream_));
+    const int per = std::clamp(static_cast<int>(o_.target_ms * 1000.0 / dense.estimate_us), 2, 50);
+    Graph g = capture(stream_, [&] {
+      for (int j = 0; j < per; ++j) {
+        gemm_bf16(blas_, m, 2 * i, h, x.data(), h, dense_w13(0, 0), h, y1.data(), 2 * i);
+        gemm_bf16(blas_, m, h, i, y1.data(), 2 * i, dense_w2(0, 0), i, y2.data(), h);
+      }
+    });
+    const double us = replay_us(g, stream_, o_.trials, per, events);
+    return flops / (us * 1e-6) / 1e12;
   }
 
   json row_json(const Row& row) const {
