@@ -82,7 +82,7 @@ constexpr int kRepackThreads = 256;
 // - T = 161..512: only where experts average 14 rows or more (qwen3 T = 256, 16 rows: 185
 //   against 201 us; gpt-oss T = 512, 16 rows: 850 against 1017); at 12 rows it ties or loses
 //   (gpt-oss T = 384 825 against 827, deepseek T = 512 469 against 444), and with fewer rows
-//   the mma.sync tile wins (kimi T = 512, 4.6 rows: 1160 against 1019 us).
+//   the mma.sync tile wins (kimi-k3.1-tp8 T = 512, 9.1 rows: 1160 against 1019 us).
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us).
 constexpr WgmmaTile kWgmmaTiles[] = {
     {512, 128, 16, 2, 1, 4, 2, 14},
