@@ -109,8 +109,8 @@ struct MarlinMoeParams {
   DType out_dtype = DType::kBF16;  // FC1: bf16; FC2: f32 or bf16 (the FC2 rows combine sums)
   // 0: the mma.sync main loop (moe_gemm.cuh). 64, 128 or 256: the sm_90a warpgroup main loop
   // (moe_gemm_wg.cuh) with this wgmma N, warps_m / 4 warpgroups of block_m / warps_m * 4 rows
-  // each, warps_n = warps_k = 1 and block_k = 64; block_n (the route block) is wgmma_n, or
-  // wgmma_n / 2 when a CTA pairs two consecutive blocks of one expert.
+  // each, warps_n = warps_k = 1 and block_k = 64; block_n (the route block) is wgmma_n / 1, 2,
+  // 4, 8 or 16 (at least 8): a CTA takes that many consecutive blocks of one expert.
   int wgmma_n = 0;
 
   friend bool operator==(const MarlinMoeParams& a, const MarlinMoeParams& b) {
