@@ -453,6 +453,26 @@ TEST_CASE("moe plan: segment ends cover [1, max_tokens]", "[plan]") {
     }
     previous_end = end;
   }
+  // Every reference shape, every T up to 1100 (the marlin buckets and the warpgroup tile's
+  // rows-per-expert threshold, which counts the routed experts of all ranks): the kernels of
+  // each T are those of its segment's end, so a prewarm over the ends covers every call.
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    const std::vector<int> shape_ends = detail::moe_config_segment_ends(shape, 1100);
+    const auto specs_at = [&](int t) {
+      return detail::moe_config_specs(detail::choose_moe_config(shape, t), Arch::parse("sm_90a"));
+    };
+    int mismatches = 0;
+    for (std::size_t i = 0, t = 1; i < shape_ends.size(); ++i) {
+      const std::vector<KernelSpec> at_end = specs_at(shape_ends[i]);
+      for (; static_cast<int>(t) <= shape_ends[i]; ++t) {
+        if (specs_at(static_cast<int>(t)) == at_end) continue;
+        ++mismatches;
+        FAIL_CHECK("T = " << t << " differs from its segment's end " << shape_ends[i]);
+      }
+    }
+    CHECK(mismatches == 0);
+  }
 }
 
 TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the reason", "[plan]") {
