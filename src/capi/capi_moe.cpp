@@ -41,6 +41,16 @@ moejit::MoeWeights weights_of(const char* call, const char* arg, const moejit_mo
   return out;
 }
 
+// Where a repack writes: the target weights, its first expert and the bad-scale counter.
+moejit::MoeRepackTarget repack_target(const char* call, const moejit_moe_weights* target,
+                                      int first_expert, int32_t* bad_scale_count) {
+  moejit::MoeRepackTarget into;
+  into.weights = weights_of(call, "target", target);
+  into.first_expert = first_expert;
+  into.bad_scale_count = bad_scale_count;
+  return into;
+}
+
 void require_out(const char* call, const void* out) {
   if (out == nullptr) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -133,11 +143,9 @@ moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w
     checkpoint.w13_scales = w13_scales;
     checkpoint.w2_blocks = w2_blocks;
     checkpoint.w2_scales = w2_scales;
-    moejit::MoeRepackTarget into;
-    into.weights = weights_of(call, "target", target);
-    into.first_expert = first_expert;
-    into.bad_scale_count = bad_scale_count;
-    moejit::moe_repack_gpt_oss(shape, checkpoint, into, static_cast<moejit::Stream>(stream));
+    moejit::moe_repack_gpt_oss(shape, checkpoint,
+                               repack_target(call, target, first_expert, bad_scale_count),
+                               static_cast<moejit::Stream>(stream));
   });
 }
 
@@ -157,11 +165,9 @@ moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* 
     checkpoint.w3_scales = w3_scales;
     checkpoint.w2_blocks = w2_blocks;
     checkpoint.w2_scales = w2_scales;
-    moejit::MoeRepackTarget into;
-    into.weights = weights_of(call, "target", target);
-    into.first_expert = first_expert;
-    into.bad_scale_count = bad_scale_count;
-    moejit::moe_repack_separate(shape, checkpoint, into, static_cast<moejit::Stream>(stream));
+    moejit::moe_repack_separate(shape, checkpoint,
+                                repack_target(call, target, first_expert, bad_scale_count),
+                                static_cast<moejit::Stream>(stream));
   });
 }
 

@@ -18,6 +18,7 @@
 #include "moejit/moejit.h"
 #include "moejit/ops.hpp"
 #include "moejit/runtime.hpp"
+#include "ops/moe_reference.hpp"
 #include "support/support.hpp"
 
 namespace moejit::test {
@@ -158,19 +159,10 @@ class Tensor2D {
   DLTensor tensor_{};
 };
 
-// bf16 bits of `value` (round to nearest even) and the exact value those bits hold.
-inline uint16_t bf16_bits(float value) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, &value, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value = 0;
-  std::memcpy(&value, &wide, 4);
-  return value;
-}
+// bf16 bits of `value` (round to nearest even) and the exact value those bits hold: the
+// reference's (ops/moe_reference.hpp).
+using detail::bf16_bits;
+using detail::bf16_value;
 
 // fp16 bits of a finite `value` with |value| < 65504 (round to nearest even).
 inline uint16_t f16_bits(float value) {

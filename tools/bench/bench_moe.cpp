@@ -76,14 +76,21 @@
 #include <thread>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/version.hpp"
+#include "ops/moe_reference.hpp"
 #include "plan/moe_plan.hpp"
 
 namespace {
+
+using moejit::bench::fixed;
+using moejit::bench::print_table;
+using moejit::detail::bf16_bits;
+using moejit::detail::bf16_value;
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -172,12 +179,6 @@ double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::string fixed(double value, int digits) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.*f", digits, value);
-  return text;
-}
-
 uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -190,44 +191,11 @@ double unit(uint64_t seed, uint64_t i) {
   return static_cast<double>(mix64(seed * 0x100000001B3ull + i) >> 11) * 0x1p-53;
 }
 
-uint16_t bf16_bits(float value) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, &value, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // A normal sample from (seed, i) (Box-Muller).
 double normal(uint64_t seed, uint64_t i) {
   const double u1 = std::max(unit(seed, 2 * i), 1e-300);
   const double u2 = unit(seed, 2 * i + 1);
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-}
-
-void print_table(const std::string& title, const std::vector<std::string>& header,
-                 const std::vector<std::vector<std::string>>& rows) {
-  std::vector<std::size_t> width(header.size(), 0);
-  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
-  for (const auto& r : rows) {
-    for (std::size_t c = 0; c < r.size() && c < width.size(); ++c) {
-      width[c] = std::max(width[c], r[c].size());
-    }
-  }
-  auto line = [&width](const std::vector<std::string>& cells) {
-    std::string out = " ";
-    for (std::size_t c = 0; c < width.size(); ++c) {
-      const std::string cell = c < cells.size() ? cells[c] : "";
-      const std::string pad(width[c] - cell.size(), ' ');
-      out += " " + (c == 0 ? cell + pad : pad + cell) + " ";
-    }
-    return out;
-  };
-  std::cout << "\n" << title << "\n" << line(header) << "\n";
-  std::size_t total = 1;
-  for (std::size_t w : width) total += w + 2;
-  std::cout << " " << std::string(total, '-') << "\n";
-  for (const auto& r : rows) std::cout << line(r) << "\n";
-  std::cout.flush();
 }
 
 // ---- device memory ------------------------------------------------------------------------------
@@ -715,13 +683,6 @@ int64_t count_nonfinite(const std::vector<uint16_t>& bf16) {
   int64_t n = 0;
   for (uint16_t b : bf16) n += (b & 0x7F80u) == 0x7F80u ? 1 : 0;
   return n;
-}
-
-float bf16_value(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value = 0;
-  std::memcpy(&value, &word, 4);
-  return value;
 }
 
 const moejit::MoeForwardOptions kMarlinPath{moejit::MoePath::kMarlin, 0};

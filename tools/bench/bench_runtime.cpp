@@ -31,14 +31,20 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
 #include "driver/driver.hpp"
 #include "moejit/moejit.hpp"
 #include "ops/append_shared_spec.hpp"
+#include "ops/moe_reference.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace {
+
+using moejit::bench::fixed;
+using moejit::bench::print_table;
+using moejit::detail::bf16_bits;
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -81,35 +87,6 @@ Stats summarize(std::vector<double> v) {
 json to_json(const Stats& s) {
   return json{{"n", s.n},     {"median", s.median}, {"p10", s.p10},
               {"p90", s.p90}, {"min", s.min},       {"mean", s.mean}};
-}
-
-std::string fixed(double value, int digits) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.*f", digits, value);
-  return text;
-}
-
-void print_table(const std::string& title, const std::vector<std::string>& header,
-                 const std::vector<std::vector<std::string>>& rows) {
-  std::vector<std::size_t> width(header.size(), 0);
-  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
-  for (const auto& r : rows)
-    for (std::size_t c = 0; c < r.size() && c < width.size(); ++c)
-      width[c] = std::max(width[c], r[c].size());
-  auto line = [&width](const std::vector<std::string>& cells) {
-    std::string out = " ";
-    for (std::size_t c = 0; c < width.size(); ++c) {
-      std::string cell = c < cells.size() ? cells[c] : "";
-      std::string pad(width[c] - cell.size(), ' ');
-      out += " " + (c == 0 ? cell + pad : pad + cell) + " ";
-    }
-    return out;
-  };
-  std::cout << "\n" << title << "\n" << line(header) << "\n";
-  std::size_t total = 1;
-  for (std::size_t w : width) total += w + 2;
-  std::cout << " " << std::string(total, '-') << "\n";
-  for (const auto& r : rows) std::cout << line(r) << "\n";
 }
 
 // A private temporary directory, removed at the end.
@@ -221,13 +198,6 @@ class DeviceBuffer {
   std::size_t bytes_;
 };
 
-uint16_t to_bf16(float x) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even (inputs are finite)
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // The tensors of one append_shared call with T tokens, K = 8, S = 1, int32 ids, bf16 logits.
 struct AppendSharedProblem {
   static constexpr int kTopK = 8;
@@ -255,7 +225,7 @@ struct AppendSharedProblem {
     std::vector<uint16_t> h_l(static_cast<std::size_t>(t) * kShared);
     for (auto& x : h_ids) x = id_dist(rng);
     for (auto& x : h_w) x = w_dist(rng);
-    for (auto& x : h_l) x = to_bf16(l_dist(rng));
+    for (auto& x : h_l) x = bf16_bits(l_dist(rng));
     ids.upload(h_ids.data(), h_ids.size() * sizeof(int32_t));
     weights.upload(h_w.data(), h_w.size() * sizeof(float));
     logits.upload(h_l.data(), h_l.size() * sizeof(uint16_t));
