@@ -30,7 +30,10 @@
 //   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM, or
 //     "pair t<bucket>" for the two-launch tile of T <= 2), the planner's unless
 //     --decode-block-n 8|16|32 forces the persistent tile's block_n;
-//   - a check of one call of each: NaN/inf outputs, and decode vs marlin relative L2 difference.
+//   - a check of one call of each: NaN/inf outputs, decode vs marlin relative L2 difference, and
+//     the rms and exact zeros of marlin's output (so a 0 difference is seen to be one between
+//     real outputs: where both paths add K in the same order, as the persistent decode tile and
+//     the mma.sync marlin tile do, the outputs are equal to the bit).
 //   Default: kimi-k3.1-tp8, kimi-k3.1-tp4-ep2, deepseek-v4-flash-tp4, qwen3-30b-a3b at T = 1, 6,
 //   24, 96, 256. A model decode_moe can't serve (moe_decode_problem) is listed with the reason.
 //
@@ -820,6 +823,8 @@ struct DecodeRow {
   int64_t marlin_nonfinite = 0;
   double rel_l2 = 0;        // ||decode - marlin|| / ||marlin|| over one checked call
   double max_abs_diff = 0;  // max |decode - marlin| over the same call
+  double marlin_rms = 0;    // root mean square of marlin's output (0: the check says nothing)
+  int64_t marlin_zeros = 0;  // marlin's outputs that are exactly 0
   std::vector<std::string> decode_kernels;  // the kernels of one captured call, launch order
   std::vector<std::string> marlin_kernels;
   std::string error;  // a moejit::Error that stopped the row (the rest of the run goes on)
@@ -983,7 +988,8 @@ class ModelBench {
                 << " us (" << fixed(100 * row.decode_copy_fraction, 1) << "% of copy), marlin "
                 << fixed(row.marlin_us, 1) << " us (" << fixed(100 * row.marlin_copy_fraction, 1)
                 << "%), decode/marlin " << fixed(row.decode_us / row.marlin_us, 2) << "x, tile "
-                << tile_text(row) << std::endl;
+                << tile_text(row) << "; check: rel L2 " << row.rel_l2 << ", marlin rms "
+                << row.marlin_rms << ", " << row.marlin_zeros << " zeros" << std::endl;
     }
     out["rows"] = rows;
     return out;
@@ -1440,9 +1446,11 @@ class ModelBench {
         const double m = bf16_value(reference[j]);
         diff_sq += (d - m) * (d - m);
         ref_sq += m * m;
+        row.marlin_zeros += m == 0 ? 1 : 0;
         row.max_abs_diff = std::max(row.max_abs_diff, std::fabs(d - m));
       }
       row.rel_l2 = std::sqrt(ref_sq > 0 ? diff_sq / ref_sq : diff_sq);
+      row.marlin_rms = std::sqrt(ref_sq / static_cast<double>(std::max<std::size_t>(1, decoded.size())));
 
       auto iterations = [&](const moejit::MoeForwardOptions& path) {
         std::vector<double> eager;
@@ -1510,6 +1518,8 @@ class ModelBench {
     j["marlin_nonfinite_outputs"] = row.marlin_nonfinite;
     j["rel_l2_decode_vs_marlin"] = row.rel_l2;
     j["max_abs_diff_decode_vs_marlin"] = row.max_abs_diff;
+    j["marlin_output_rms"] = row.marlin_rms;
+    j["marlin_output_zeros"] = row.marlin_zeros;
     j["decode_kernels"] = row.decode_kernels;
     j["marlin_kernels"] = row.marlin_kernels;
     return j;
