@@ -225,6 +225,16 @@ static_assert(kDecodePairFc1Threads == decode::kPairFc1Threads &&
 // T = 6 the 8-strip block_n 16 tiles are as fast or faster (kimi T = 6: 57.8% against 55.3%).
 constexpr int kDecodeNarrowBlockN = 8;
 constexpr int kDecodeNarrowMaxTokens = 5;  // block_n 8 for T <= this
+// Why block_n 8 also below T = 16 where the 8-strip block_n 16 tile would give each of its CTAs
+// fewer than 1.4 FC1 items: with about one item per CTA the ones holding two set the time, while
+// block_n 8's 2-strip items are four times as many (library bench, H200, eighth session,
+// deepseek-v4-flash-tp4 with 1.09 / 1.35 / 1.48 / 1.93 such items per CTA at T = 6 / 8 / 9 / 12:
+// block_n 8 51.0 / 60.0 / 66.2 / 83.1 us, block_n 16 57.6 / 62.2 / 63.7-64.3 / 74.8; qwen3-30b-a3b
+// (1.95 at T = 6) and kimi-k3.1-tp8 (2.07) were faster with block_n 16: 44.8 against 46.3 us,
+// 79.4 against 83.3). The CTAs are those of the H200 the tile rules were measured on (132 SMs,
+// two CTAs per SM).
+constexpr double kDecodeNarrowMinItemsPerCta = 1.4;
+constexpr int kDecodePlannedSms = 132;
 // Why items of at least 64 KB for block_n 8: four 16 KB chunks, one more than the ring holds, so
 // the ring stays full through the item; among those, the fewest strips give the most items
 // (v10, T = 1 / 2 / 4: deepseek 2 strips (64 KB) 19.9 / 32.9 / 45.6% against 4 strips 16.2 /
@@ -621,10 +631,19 @@ std::string decode_moe_problem(const ModelShape& shape) {
   return out;
 }
 
-// The planner's block_n at T = tokens (see kDecodeNarrowMaxTokens, kDecodeWideBlockPositions).
+// The planner's block_n at T = tokens (see kDecodeNarrowMaxTokens, kDecodeNarrowMinItemsPerCta,
+// kDecodeWideBlockPositions).
 int decode_block_n(const ModelShape& shape, int tokens) {
   if (tokens <= kDecodeNarrowMaxTokens) return kDecodeNarrowBlockN;
   const double touched = expected_experts_touched(shape, tokens);
+  if (tokens < kDecodeThreeCtaMinTokens) {
+    const decode::Geometry wide = decode_tile(shape, kDecodeBlockN, tokens);
+    const double items = touched * wide.fc1_items();
+    const double ctas = static_cast<double>(kDecodeSmallTCtasPerSm) * kDecodePlannedSms;
+    if (wide.fc1_strips == 8 && items < kDecodeNarrowMinItemsPerCta * ctas) {
+      return kDecodeNarrowBlockN;
+    }
+  }
   const double positions = static_cast<double>(tokens) * shape.top_k;
   return touched > 0 && positions / touched >= kDecodeWideBlockPositions ? kDecodeWideBlockN
                                                                          : kDecodeBlockN;

@@ -154,6 +154,11 @@ int expected_fc1_strips(const ModelShape& shape, int tokens, int block_n) {
 // touched expert, T * k / expected_touched, are at least 12; else 16.
 int expected_block_n(const ModelShape& shape, int tokens) {
   if (tokens <= 5) return 8;
+  // Below T = 16, also where the 8-strip block_n 16 tile (I / 64 FC1 items per touched expert)
+  // would give its 2 x 132 CTAs fewer than 1.4 items each.
+  if (tokens < 16 && expected_touched(shape, tokens) * (shape.intermediate / 64) < 1.4 * 264) {
+    return 8;
+  }
   return static_cast<double>(tokens) * shape.top_k / expected_touched(shape, tokens) >= 12.0 ? 32
                                                                                              : 16;
 }
@@ -353,10 +358,22 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
   CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 256, 0).block_n == 32);
   CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 96, 0).block_n == 16);
   CHECK(detail::choose_decode_config(find_shape(refs, "kimi-k3.1-tp8"), 256, 0).block_n == 16);
+  // block_n 8 up to where the 8-strip tile has 1.4 FC1 items per CTA: deepseek-v4-flash-tp4
+  // (8 items per expert) to T = 8 (44.7 experts touched), not at T = 9 (49); qwen3-30b-a3b (12 per
+  // expert, 43 experts at T = 6) and kimi-k3.1-tp8 (6 per expert, 91 experts) not at T = 6.
+  const ModelShape& deepseek = find_shape(refs, "deepseek-v4-flash-tp4");
+  for (int t = 6; t <= 8; ++t) {
+    INFO("T = " << t);
+    CHECK(detail::choose_decode_config(deepseek, t, 0).block_n == 8);
+    CHECK(detail::choose_decode_config(deepseek, t, 0).fc1_strips == 2);
+  }
+  CHECK(detail::choose_decode_config(deepseek, 9, 0).block_n == 16);
+  CHECK(detail::choose_decode_config(find_shape(refs, "qwen3-30b-a3b"), 6, 0).block_n == 16);
   for (const std::string& name : kServed) {
     INFO(name);
     for (int t : {6, 24, 96, 256}) {
-      CHECK(detail::choose_decode_config(find_shape(refs, name), t, 0).fc1_strips == 8);
+      const MoeDecodeParams p = detail::choose_decode_config(find_shape(refs, name), t, 0);
+      if (p.block_n != 8) CHECK(p.fc1_strips == 8);
     }
     const std::size_t tiles = main_tiles(planner_choices(find_shape(refs, name), 256));
     CHECK(tiles >= 2);
