@@ -228,9 +228,9 @@ constexpr int kDecodeNarrowMaxTokens = 5;  // block_n 8 for T <= this
 // Why block_n 8 also below T = 16 where the 8-strip block_n 16 tile would give each of its CTAs
 // fewer than 1.4 FC1 items: with about one item per CTA the ones holding two set the time, while
 // block_n 8's 2-strip items are four times as many (library bench, H200, eighth session,
-// deepseek-v4-flash-tp4 with 1.09 / 1.35 / 1.48 / 1.93 such items per CTA at T = 6 / 8 / 9 / 12:
+// deepseek-v4-flash-tp4 with 1.03 / 1.34 / 1.49 / 1.92 such items per CTA at T = 6 / 8 / 9 / 12:
 // block_n 8 51.0 / 60.0 / 66.2 / 83.1 us, block_n 16 57.6 / 62.2 / 63.7-64.3 / 74.8; qwen3-30b-a3b
-// (1.95 at T = 6) and kimi-k3.1-tp8 (2.07) were faster with block_n 16: 44.8 against 46.3 us,
+// (1.87 at T = 6) and kimi-k3.1-tp8 (2.09) were faster with block_n 16: 44.8 against 46.3 us,
 // 79.4 against 83.3). The CTAs are those of the H200 the tile rules were measured on (132 SMs,
 // two CTAs per SM).
 constexpr double kDecodeNarrowMinItemsPerCta = 1.4;
