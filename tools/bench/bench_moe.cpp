@@ -821,9 +821,9 @@ struct DecodeRow {
   int marlin_iterations = 0;
   int64_t decode_nonfinite = 0;
   int64_t marlin_nonfinite = 0;
-  double rel_l2 = 0;        // ||decode - marlin|| / ||marlin|| over one checked call
-  double max_abs_diff = 0;  // max |decode - marlin| over the same call
-  double marlin_rms = 0;    // root mean square of marlin's output (0: the check says nothing)
+  double rel_l2 = 0;         // ||decode - marlin|| / ||marlin|| over one checked call
+  double max_abs_diff = 0;   // max |decode - marlin| over the same call
+  double marlin_rms = 0;     // root mean square of marlin's output (0: the check says nothing)
   int64_t marlin_zeros = 0;  // marlin's outputs that are exactly 0
   std::vector<std::string> decode_kernels;  // the kernels of one captured call, launch order
   std::vector<std::string> marlin_kernels;
@@ -1450,7 +1450,8 @@ class ModelBench {
         row.max_abs_diff = std::max(row.max_abs_diff, std::fabs(d - m));
       }
       row.rel_l2 = std::sqrt(ref_sq > 0 ? diff_sq / ref_sq : diff_sq);
-      row.marlin_rms = std::sqrt(ref_sq / static_cast<double>(std::max<std::size_t>(1, decoded.size())));
+      row.marlin_rms =
+          std::sqrt(ref_sq / static_cast<double>(std::max<std::size_t>(1, decoded.size())));
 
       auto iterations = [&](const moejit::MoeForwardOptions& path) {
         std::vector<double> eager;
