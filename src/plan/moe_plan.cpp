@@ -637,10 +637,14 @@ int decode_block_n(const ModelShape& shape, int tokens) {
   if (tokens <= kDecodeNarrowMaxTokens) return kDecodeNarrowBlockN;
   const double touched = expected_experts_touched(shape, tokens);
   if (tokens < kDecodeThreeCtaMinTokens) {
-    const decode::Geometry wide = decode_tile(shape, kDecodeBlockN, tokens);
+    // The FC1 items of the 8-strip block_n 16 tile, which decode_tile takes where they reach
+    // kDecodeFc1TargetItems (no tile is built here: this runs on every forward).
+    const decode::Geometry wide{shape.num_experts, shape.top_k,     shape.hidden,
+                                shape.intermediate, kDecodeBlockN,   8,
+                                kDecodeFc2Strips,   kDecodeMinStages};
     const double items = touched * wide.fc1_items();
     const double ctas = static_cast<double>(kDecodeSmallTCtasPerSm) * kDecodePlannedSms;
-    if (wide.fc1_strips == 8 && items < kDecodeNarrowMinItemsPerCta * ctas) {
+    if (items >= kDecodeFc1TargetItems && items < kDecodeNarrowMinItemsPerCta * ctas) {
       return kDecodeNarrowBlockN;
     }
   }
