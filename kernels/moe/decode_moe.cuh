@@ -264,8 +264,7 @@ __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i3
     u32 w[4];
     ptx::lds128(w_base + static_cast<u32>(atom * layout::kAtomBytes + lane * 16), w);
     const u32 sw = ptx::lds32(s_base + static_cast<u32>(atom * layout::kAtomScaleBytes + g * 4));
-    const u32 f_g[2] = {mxfp4::scale_factor<0>(sw), mxfp4::scale_factor<1>(sw)};
-    const u32 f_g8[2] = {mxfp4::scale_factor<2>(sw), mxfp4::scale_factor<3>(sw)};
+    const u32 f[2] = {mxfp4::group_factors<0>(sw), mxfp4::group_factors<1>(sw)};
 #pragma unroll
     for (i32 st = 0; st < 4; st += 2) {
       u32 b[kActive][4];
@@ -278,7 +277,7 @@ __device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i3
 #pragma unroll
       for (i32 h = 0; h < 2; ++h) {
         u32 a[4];
-        mxfp4::dequant_step(w[st + h], f_g[(st + h) >> 1], f_g8[(st + h) >> 1], a);
+        mxfp4::dequant_step(w[st + h], f[(st + h) >> 1], a);
 #pragma unroll
         for (i32 nt = 0; nt < kActive; ++nt) {
           ptx::mma_bf16_16816(acc[nt], a, b[nt][2 * h], b[nt][2 * h + 1]);

@@ -168,8 +168,7 @@ __device__ __forceinline__ void mma_strip(u32 w_base, u32 s_base, u32 b_lane, i3
     u32 w[4];
     ptx::lds128(w_base + static_cast<u32>(j * layout::kAtomBytes + lane * 16), w);
     const u32 sw = ptx::lds32(s_base + static_cast<u32>(j * layout::kAtomScaleBytes + g * 4));
-    const u32 f_g[2] = {mxfp4::scale_factor<0>(sw), mxfp4::scale_factor<1>(sw)};
-    const u32 f_g8[2] = {mxfp4::scale_factor<2>(sw), mxfp4::scale_factor<3>(sw)};
+    const u32 f[2] = {mxfp4::group_factors<0>(sw), mxfp4::group_factors<1>(sw)};
 #pragma unroll
     for (i32 st = 0; st < 4; st += 2) {
       u32 b[4];
@@ -177,7 +176,7 @@ __device__ __forceinline__ void mma_strip(u32 w_base, u32 s_base, u32 b_lane, i3
 #pragma unroll
       for (i32 h = 0; h < 2; ++h) {
         u32 a[4];
-        mxfp4::dequant_step(w[st + h], f_g[(st + h) >> 1], f_g8[(st + h) >> 1], a);
+        mxfp4::dequant_step(w[st + h], f[(st + h) >> 1], a);
         ptx::mma_bf16_16816(acc[h], a, b[2 * h], b[2 * h + 1]);
       }
     }
@@ -193,7 +192,7 @@ __device__ __forceinline__ void mma_strip(u32 w_base, u32 s_base, u32 b_lane, i3
 // has read, and the group's first warp sums the eight in warp order, applies the activation and
 // frees the slot (no separate reduction buffer).
 template <class T>
-__global__ void __launch_bounds__(kPairFc1Threads, 1) decode_pair_fc1(const DecodePairParams p) {
+__global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePairParams p) {
   constexpr PairGeometry G = T::kGeo;
   constexpr i32 kS = G.fc1_stages();
   constexpr i32 kAtoms = G.fc1_atoms();
@@ -332,7 +331,7 @@ __global__ void __launch_bounds__(kPairFc1Threads, 1) decode_pair_fc1(const Deco
 // K = I. The producer lands every unit it can before the CTA waits for fc1; consumer warp w takes
 // units w, w + 8, ... (stages >= 8, so a warp never waits on a slot two phases ahead).
 template <class T>
-__global__ void __launch_bounds__(kPairFc2Threads, 2) decode_pair_fc2(const DecodePairParams p) {
+__global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePairParams p) {
   constexpr PairGeometry G = T::kGeo;
   constexpr i32 kS = G.fc2_stages();
   constexpr i32 kAtoms = G.fc2_atoms();

@@ -20,6 +20,14 @@ inline constexpr i32 kPairConsumerThreads = 32 * kPairConsumerWarps;
 inline constexpr i32 kPairFc1Groups = 2;
 inline constexpr i32 kPairFc1Threads = 32 * (kPairFc1Groups * kPairConsumerWarps + 1);
 inline constexpr i32 kPairFc2Threads = 32 * (kPairConsumerWarps + 1);  // + one producer warp
+// Why register caps: one CTA of each kernel shares an SM (fc2 loads its weights while fc1 runs),
+// so their threads must fit the SM's 64K registers together. The kernels carry them as __maxnreg__
+// (ptxas would otherwise take up to 65536 / threads, and did on sm_100a: 79 for fc1).
+inline constexpr i32 kPairFc1MaxRegisters = 72;
+inline constexpr i32 kPairFc2MaxRegisters = 88;
+static_assert(kPairFc1Threads * kPairFc1MaxRegisters + kPairFc2Threads * kPairFc2MaxRegisters <=
+                  64 * 1024,
+              "one fc1 CTA and one fc2 CTA fit an SM's registers");
 inline constexpr i32 kPairMaxPositions = 64;  // T * top_k: routing is quadratic in it
 inline constexpr i32 kPairColumns = 8;        // positions per virtual expert (one n8 tile)
 // Why 112 KB: one CTA of each kernel shares an SM (fc2's prefetch runs while fc1 streams), and an

@@ -416,13 +416,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
 #pragma unroll
         for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi) {
-          const u32 f_g = kg == 0 ? mxfp4::scale_factor<0>(sw[mi]) : mxfp4::scale_factor<1>(sw[mi]);
-          const u32 f_g8 =
-              kg == 0 ? mxfp4::scale_factor<2>(sw[mi]) : mxfp4::scale_factor<3>(sw[mi]);
+          const u32 f =
+              kg == 0 ? mxfp4::group_factors<0>(sw[mi]) : mxfp4::group_factors<1>(sw[mi]);
 #pragma unroll
           for (i32 step = 0; step < 2; ++step) {
             u32 a[4];
-            mxfp4::dequant_step(w[mi][2 * kg + step], f_g, f_g8, a);
+            mxfp4::dequant_step(w[mi][2 * kg + step], f, a);
 #pragma unroll
             for (i32 ni = 0; ni < T::kWarpTilesN; ++ni) {
               if (T::kWarpTilesN == 1 || ni < tiles_on) {

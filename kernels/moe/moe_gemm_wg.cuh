@@ -275,11 +275,10 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
       u32 w[4];
       ptx::lds128(stage + a_lane[i], w);
       const u32 sw = ptx::lds32(stage + s_lane[i]);
-      const u32 f0 = mxfp4::scale_factor<0>(sw), f1 = mxfp4::scale_factor<1>(sw);
-      const u32 f2 = mxfp4::scale_factor<2>(sw), f3 = mxfp4::scale_factor<3>(sw);
+      const u32 f0 = mxfp4::group_factors<0>(sw), f1 = mxfp4::group_factors<1>(sw);
 #pragma unroll
       for (i32 s = 0; s < 4; ++s) {  // k16 steps; scale group s / 2
-        mxfp4::dequant_step(w[s], s < 2 ? f0 : f1, s < 2 ? f2 : f3, a[kBuf][i][s]);
+        mxfp4::dequant_step(w[s], s < 2 ? f0 : f1, a[kBuf][i][s]);
       }
     }
   };

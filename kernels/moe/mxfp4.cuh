@@ -9,7 +9,8 @@
 // (scales above 2^1), so the factor is 2^(s - kScaleBias) (bf16 bits (s + 63) << 7, finite for
 // s <= 191) and the fp32 accumulator is multiplied by 2^(kScaleBias - 1) = 2^63 in the epilogue,
 // which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 5 shifts (on the FMA pipe) + 4 bf16x2
-// multiplies; per scale byte a permute and a multiply-add.
+// multiplies; per two scale bytes a permute and a shift-add (each multiply takes its factor from
+// one half of a register, which the multiply's operand selects for free).
 #pragma once
 
 #include <moejit/kern/moe/layout.cuh>
@@ -21,13 +22,15 @@ namespace moejit::kern::moe::mxfp4 {
 inline constexpr float kAccumulatorScale = 0x1p63f;
 static_assert(layout::kScaleBias == 64, "kAccumulatorScale is 2^(kScaleBias - 1)");
 
-// bf16x2 factor 2^(s - kScaleBias) in both halves, from byte kByte (0..3) of a scale word.
-template <int kByte>
-__device__ __forceinline__ u32 scale_factor(u32 scale_word) {
-  static_assert(kByte >= 0 && kByte < 4, "a scale word holds four bytes");
-  // 0x00ss00ss, then ((s + 127 - kScaleBias) << 7) in each half: exponent field of 2^(s - 64).
-  constexpr u32 kSelect =
-      static_cast<u32>(kByte) | (4u << 4) | (static_cast<u32>(kByte) << 8) | (4u << 12);
+// The bf16 factors 2^(s - kScaleBias) of K group kGroup (0 or 1) of a lane's scale word: row g's
+// in the low half, row g + 8's in the high half (scale bytes kGroup and 2 + kGroup, layout.cuh).
+// dequant_step multiplies by one half at a time, so two factors cost a permute and a shift-add.
+template <int kGroup>
+__device__ __forceinline__ u32 group_factors(u32 scale_word) {
+  static_assert(kGroup == 0 || kGroup == 1, "an atom holds two 32-wide K groups");
+  // 0x00tt00ss (s: row g's byte, t: row g + 8's), then ((byte + 127 - kScaleBias) << 7) per half:
+  // the exponent field of 2^(byte - 64).
+  constexpr u32 kSelect = kGroup == 0 ? 0x4240u : 0x4341u;
   constexpr u32 kBiasBits = static_cast<u32>(127 - layout::kScaleBias) << 7;
   return ptx::prmt(scale_word, 0u, kSelect) * 128u + (kBiasBits | (kBiasBits << 16));
 }
@@ -61,12 +64,13 @@ __device__ __forceinline__ u32 extract_pair(u32 w) {
   }
 }
 
-// The four A registers of one k16 step: a0, a2 hold row g (factor f_row_g), a1, a3 row g + 8.
-__device__ __forceinline__ void dequant_step(u32 w, u32 f_row_g, u32 f_row_g8, u32 (&a)[4]) {
-  a[0] = ptx::mul_bf16x2(extract_pair<0>(w), f_row_g);
-  a[1] = ptx::mul_bf16x2(extract_pair<1>(w), f_row_g8);
-  a[2] = ptx::mul_bf16x2(extract_pair<2>(w), f_row_g);
-  a[3] = ptx::mul_bf16x2(extract_pair<3>(w), f_row_g8);
+// The four A registers of one k16 step: a0, a2 hold row g (the low half of `factors`, from
+// group_factors), a1, a3 row g + 8 (the high half).
+__device__ __forceinline__ void dequant_step(u32 w, u32 factors, u32 (&a)[4]) {
+  a[0] = ptx::mul_bf16x2_half<0>(extract_pair<0>(w), factors);
+  a[1] = ptx::mul_bf16x2_half<1>(extract_pair<1>(w), factors);
+  a[2] = ptx::mul_bf16x2_half<0>(extract_pair<2>(w), factors);
+  a[3] = ptx::mul_bf16x2_half<1>(extract_pair<3>(w), factors);
 }
 
 }  // namespace moejit::kern::moe::mxfp4

@@ -67,17 +67,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// bf16x2 product, round to nearest; subnormal inputs are kept (no flush for bf16).
-__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
-  u32 d;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-#else
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-#endif
-  return d;
-}
-
 // High 32 bits of the 64-bit product (IMAD.HI: runs on the FMA pipe, not the integer ALU).
 __device__ __forceinline__ u32 mul_hi(u32 a, u32 b) {
   u32 d;
@@ -89,6 +78,35 @@ __device__ __forceinline__ u32 mul_hi(u32 a, u32 b) {
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// bf16x2 product of a with one half of b (kHalf 0: low, 1: high) in both lanes, round to
+// nearest; subnormal inputs are kept (no flush for bf16). Why a half: ptxas folds the broadcast
+// into the multiply's operand (HMUL2 ..., R.H0_H0 / R.H1_H1), so one register carries two
+// factors and selecting one costs no instruction. (The broadcast is written inside the asm:
+// extracted in C++, it cost ~0.4 instructions per 32-bit word of weights in the decode tile.)
+template <int kHalf>
+__device__ __forceinline__ u32 mul_bf16x2_half(u32 a, u32 b) {
+  static_assert(kHalf == 0 || kHalf == 1, "a bf16x2 has two halves");
+  u32 d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kHalf == 0) {
+    asm("{ .reg .b16 l, h; .reg .b32 f; mov.b32 {l, h}, %2; mov.b32 f, {l, l};"
+        " mul.rn.bf16x2 %0, %1, f; }"
+        : "=r"(d)
+        : "r"(a), "r"(b));
+  } else {
+    asm("{ .reg .b16 l, h; .reg .b32 f; mov.b32 {l, h}, %2; mov.b32 f, {h, h};"
+        " mul.rn.bf16x2 %0, %1, f; }"
+        : "=r"(d)
+        : "r"(a), "r"(b));
+  }
+#else  // sm_80 has no bf16 mul: an fma with -0 added
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+      : "=r"(d)
+      : "r"(a), "r"(prmt(b, 0u, kHalf == 0 ? 0x1010u : 0x3232u)), "r"(0x80008000u));
+#endif
   return d;
 }
 
