@@ -51,6 +51,34 @@ constexpr GemmTile kGemmTiles[] = {
     {INT_MAX, 128, 64, 128, 4, 8, 1, 1, 2},
 };
 
+// FC2 over a short K: where the intermediate size (FC2's K) is at most kFc2ShortK, the 64-row CTA
+// of the buckets below runs only 1-3 of its 256-wide K tiles (deepseek-v4-flash-tp4, I = 512: 2;
+// kimi-k3.1-tp8, I = 384: 1.5, the half tile computed on zero-filled atoms), so its fixed costs
+// (route rows, pipeline fill, epilogue) weigh on ~12 KB of weights. FC2 then takes 128 rows over
+// eight warps and 128-wide K tiles, three CTAs per SM. Measured on the H200 (tools/PERF_LOG.md
+// "marlin_moe FC2 over a short K"), layer time against the bucket's tile for FC2:
+// kimi-k3.1-tp8 T = 24 233 against 270 us, T = 96 537 against 616, T = 256 726 against 848;
+// deepseek-v4-flash-tp4 T = 24 119 against 125, T = 256 319 against 338; qwen3-30b-a3b T = 24 87
+// against 91. gpt-oss-120b (I = 2880, 12 K tiles) lost with it (T = 6: 113 against 105 us).
+constexpr int kFc2ShortK = 768;
+constexpr GemmTile kFc2ShortKTiles[] = {
+    {160, 128, 8, 128, 5, 8, 1, 1, 3},
+    {512, 128, 16, 128, 4, 8, 1, 1, 3},
+};
+
+constexpr bool fc2_short_k_tiles_share_route_blocks() {
+  for (const GemmTile& fc2 : kFc2ShortKTiles) {
+    bool found = false;
+    for (const GemmTile& tile : kGemmTiles) {
+      if (tile.max_tokens == fc2.max_tokens) found = tile.block_n == fc2.block_n;
+    }
+    if (!found) return false;
+  }
+  return true;
+}
+static_assert(fc2_short_k_tiles_share_route_blocks(),
+              "every short-K FC2 tile must serve a GemmTile bucket with the same block_n");
+
 // Route: N = T * K <= kRouteSingleRows ranks in one CTA (one launch); above it the three-launch
 // path with chunks of kRouteChunkRows, and kRouteLargeChunkRows once N > kRouteLargeRows.
 // Why (kernels/moe/route.cuh, measured on the H200): one CTA is best while N is small (kimi T = 6:
@@ -113,6 +141,15 @@ const GemmTile& tile_for(int tokens) {
     if (tokens <= tile.max_tokens) return tile;
   }
   return kGemmTiles[sizeof(kGemmTiles) / sizeof(kGemmTiles[0]) - 1];
+}
+
+// FC2's tile in `tile`'s bucket: the short-K one where the shape's K calls for it.
+const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape) {
+  if (shape.intermediate > kFc2ShortK) return tile;
+  for (const GemmTile& fc2 : kFc2ShortKTiles) {
+    if (fc2.max_tokens == tile.max_tokens) return fc2;
+  }
+  return tile;
 }
 
 // Why the most threads that fit: the rank phase keeps a 16-bit counter per (warp, expert) in
@@ -720,7 +757,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
 
   const GemmTile& tile = tile_for(tokens);
   c.fc1 = gemm_params(tile, MoeGemmStage::kFc1, shape);
-  c.fc2 = gemm_params(tile, MoeGemmStage::kFc2, shape);
+  c.fc2 = gemm_params(fc2_tile_for(tile, shape), MoeGemmStage::kFc2, shape);
   const WgmmaTile* wg = wgmma_tile_for(tile);
   if (wg != nullptr && static_cast<long long>(tokens) * shape.top_k >=
                            static_cast<long long>(wg->min_rows_per_expert) * routed_experts(shape)) {

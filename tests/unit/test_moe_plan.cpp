@@ -306,6 +306,36 @@ TEST_CASE("moe plan: the config for every T in 1..16384 is one plan_kernels list
   }
 }
 
+TEST_CASE("moe plan: FC2 over a short K takes the 128-row, 128-K tile from T = 3 to 512", "[plan]") {
+  // Where I <= 768 the bucket's 64-row CTA would run 1-3 K tiles of 256; FC2 (only FC2: FC1's K
+  // is H) takes eight warps on 128 rows over 128-wide K tiles, with the bucket's route block.
+  const Tile n8{128, 8, 128, 5, 8, 1, 1, 3};
+  const Tile n16{128, 16, 128, 4, 8, 1, 1, 3};
+  int short_shapes = 0;
+  int long_shapes = 0;
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    const bool short_k = shape.intermediate <= 768;
+    ++(short_k ? short_shapes : long_shapes);
+    for (int tokens : {1, 2, 3, 24, 160, 161, 256, 512, 513, 1024, 4096}) {
+      INFO("T = " << tokens);
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
+      if (short_k && tokens >= 3 && tokens <= 512) {
+        CHECK(same_tile(tile_of(c.fc2), tokens <= 160 ? n8 : n16));
+      } else {
+        CHECK(same_tile(tile_of(c.fc2), tile_of(c.fc1)));
+      }
+      CHECK(c.fc2.block_n == c.route.block_m);
+      for (const char* arch : {"sm_90a", "sm_80"}) {
+        CHECK(moejit::supports(spec_of(Family::kMarlinMoe, c.fc2, arch)).empty());
+      }
+    }
+  }
+  // Both sides of the rule among the reference shapes (deepseek, kimi, qwen3; gpt-oss, qwen2).
+  CHECK(short_shapes >= 3);
+  CHECK(long_shapes >= 2);
+}
+
 TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan]") {
   const std::vector<ModelShape> shapes = reference_shapes();
   const ModelShape& gpt = find_shape(shapes, "gpt-oss-120b");
