@@ -62,7 +62,9 @@ constexpr GemmTile kGemmTiles[] = {
 // against 91. gpt-oss-120b (I = 2880, 12 K tiles) lost with it (T = 6: 113 against 105 us).
 constexpr int kFc2ShortK = 768;
 constexpr GemmTile kFc2ShortKTiles[] = {
-    {160, 128, 8, 128, 5, 8, 1, 1, 3},
+    // 256 rows, two atoms a warp: kimi-k3.1-tp8 T = 24 221 against 233 us with 128 rows,
+    // deepseek-v4-flash-tp4 T = 96 242 against 250, qwen3-30b-a3b T = 24 84 against 87.
+    {160, 256, 8, 128, 3, 8, 1, 1, 3},
     {512, 128, 16, 128, 4, 8, 1, 1, 3},
 };
 
@@ -736,6 +738,31 @@ KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch) {
   return make_spec(Family::kDecodeMoe, arch, p);
 }
 
+namespace {
+
+// FC1 in the T <= 160 bucket: 128 rows over eight warps, three CTAs per SM, where those CTAs
+// still fill kFc1TallMinWaves waves of the GPU's CTA slots (expected touched experts x 128-row
+// tiles), else the bucket's 64-row tile. Measured on the H200 (tools/PERF_LOG.md "marlin_moe
+// taller CTAs"): faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515 against
+// 527 us, qwen3-30b-a3b 120 against 125), slower at T = 6 where few CTAs remain
+// (deepseek-v4-flash-tp4: 288 of them, 54.2 against 52.3 us).
+constexpr GemmTile kFc1TallTile = {160, 128, 8, 256, 3, 8, 1, 1, 3};
+constexpr double kFc1TallMinWaves = 2.0;
+static_assert(kFc1TallTile.block_n == kGemmTiles[1].block_n &&
+                  kFc1TallTile.max_tokens == kGemmTiles[1].max_tokens,
+              "the tall FC1 tile serves the T <= 160 bucket with its route block");
+
+const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
+  if (tile.max_tokens != kFc1TallTile.max_tokens) return tile;
+  const int rows = 2 * shape.intermediate;  // gate and up
+  const double ctas = expected_experts_touched(shape, tokens) *
+                      kern::moe::ceil_div(rows, kFc1TallTile.block_m);
+  const double slots = static_cast<double>(kDecodePlannedSms) * kFc1TallTile.min_blocks_per_sm;
+  return ctas >= kFc1TallMinWaves * slots ? kFc1TallTile : tile;
+}
+
+}  // namespace
+
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   MoeForwardConfig c;
   c.tokens = tokens;
@@ -756,7 +783,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.narrow.block_threads = kNarrowIdsThreads;
 
   const GemmTile& tile = tile_for(tokens);
-  c.fc1 = gemm_params(tile, MoeGemmStage::kFc1, shape);
+  c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
   c.fc2 = gemm_params(fc2_tile_for(tile, shape), MoeGemmStage::kFc2, shape);
   const WgmmaTile* wg = wgmma_tile_for(tile);
   if (wg != nullptr && static_cast<long long>(tokens) * shape.top_k >=
@@ -846,6 +873,12 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   for (const WgmmaTile& wg : kWgmmaTiles) {
     const long long need = static_cast<long long>(wg.min_rows_per_expert) * routed_experts(shape);
     if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
+  }
+  // marlin_moe: FC1's tile changes inside the T <= 160 bucket (fc1_tile_for).
+  for (int t = 2; t <= std::min(max_tokens, kFc1TallTile.max_tokens); ++t) {
+    if (!(choose_moe_config(shape, t).fc1 == choose_moe_config(shape, t - 1).fc1)) {
+      thresholds.push_back(t - 1);
+    }
   }
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.
   if (decode_shape_ok(shape)) {

@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <cmath>
 #include "support/support.hpp"
 
 #include <stdlib.h>
@@ -60,6 +62,23 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
     if (shape.name == name) return shape;
   }
   throw std::runtime_error("no reference shape named " + name);
+}
+
+bool fc1_tall_expected(const ModelShape& shape, int tokens) {
+  if (tokens < 3 || tokens > 160) return false;
+  const double e = shape.num_experts;
+  const double touched =
+      e * (1.0 - std::pow(1.0 - std::min(1.0, shape.top_k / e), static_cast<double>(tokens)));
+  const int tiles = (2 * shape.intermediate + 127) / 128;
+  return touched * tiles >= 2.0 * 3 * 132;
+}
+
+Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape) {
+  Fc1BucketTiles out;
+  for (int t = 3; t <= std::min(160, shape.max_tokens); ++t) {
+    (fc1_tall_expected(shape, t) ? out.tall : out.base) = true;
+  }
+  return out;
 }
 
 int run_command(const std::string& command, std::string* output) {

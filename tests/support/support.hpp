@@ -34,6 +34,17 @@ std::vector<ModelShape> reference_shapes();
 // The shape named `name` in `shapes`; throws std::runtime_error naming it when absent.
 const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name);
 
+// marlin_moe's planner rule for FC1 in the T <= 160 bucket, restated for the tests: 128-row CTAs
+// (three per SM) where uniform top-k routing's expected touched experts, E (1 - (1 - k/E)^T),
+// times the 128-row tiles of FC1's 2I rows fill two waves of 3 x 132 CTA slots.
+bool fc1_tall_expected(const ModelShape& shape, int tokens);
+// Which FC1 tiles T = 3..min(160, max_tokens) use: the bucket's 64-row one, the tall one.
+struct Fc1BucketTiles {
+  bool base = false;
+  bool tall = false;
+};
+Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape);
+
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);
 

@@ -241,8 +241,14 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool both_at_512 = shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b";
       const bool wgmma_at_512 = both_at_512 || shape.name == "gpt-oss-20b" ||
                                 shape.name == "qwen2-57b-a14b";
-      CHECK(count[Family::kMarlinMoe] == (sm90a && both_at_512 ? 12 : 10));
-      std::set<std::pair<int, int>> tiles{{32, 8}, {64, 8}, {64, 16}, {64, 32}, {128, 64}};
+      // FC1 of T <= 160 takes 128 rows where its CTAs fill two waves (fc1_tall_expected): a
+      // shape whose T = 3..160 use both tiles plans one FC1 kernel more.
+      const moejit::test::Fc1BucketTiles fc1_160 = moejit::test::fc1_bucket_tiles(shape);
+      const int fc1_extra = fc1_160.base && fc1_160.tall ? 1 : 0;
+      CHECK(count[Family::kMarlinMoe] == (sm90a && both_at_512 ? 12 : 10) + fc1_extra);
+      std::set<std::pair<int, int>> tiles{{32, 8}, {64, 16}, {64, 32}, {128, 64}};
+      if (fc1_160.base) tiles.insert({64, 8});
+      if (fc1_160.tall) tiles.insert({128, 8});
       if (sm90a) {
         tiles.erase({64, 32});
         tiles.insert({128, 32});
@@ -306,10 +312,11 @@ TEST_CASE("moe plan: the config for every T in 1..16384 is one plan_kernels list
   }
 }
 
-TEST_CASE("moe plan: FC2 over a short K takes the 128-row, 128-K tile from T = 3 to 512", "[plan]") {
+TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 512", "[plan]") {
   // Where I <= 768 the bucket's 64-row CTA would run 1-3 K tiles of 256; FC2 (only FC2: FC1's K
-  // is H) takes eight warps on 128 rows over 128-wide K tiles, with the bucket's route block.
-  const Tile n8{128, 8, 128, 5, 8, 1, 1, 3};
+  // is H) takes eight warps on 256 rows (T <= 160) or 128 over 128-wide K tiles, with the
+  // bucket's route block.
+  const Tile n8{256, 8, 128, 3, 8, 1, 1, 3};
   const Tile n16{128, 16, 128, 4, 8, 1, 1, 3};
   int short_shapes = 0;
   int long_shapes = 0;
@@ -322,6 +329,8 @@ TEST_CASE("moe plan: FC2 over a short K takes the 128-row, 128-K tile from T = 3
       const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
       if (short_k && tokens >= 3 && tokens <= 512) {
         CHECK(same_tile(tile_of(c.fc2), tokens <= 160 ? n8 : n16));
+      } else if (moejit::test::fc1_tall_expected(shape, tokens)) {
+        CHECK(same_tile(tile_of(c.fc2), Tile{64, 8, 256, 4, 4, 1, 1, 4}));  // the bucket's
       } else {
         CHECK(same_tile(tile_of(c.fc2), tile_of(c.fc1)));
       }
@@ -336,6 +345,30 @@ TEST_CASE("moe plan: FC2 over a short K takes the 128-row, 128-K tile from T = 3
   CHECK(long_shapes >= 2);
 }
 
+TEST_CASE("moe plan: FC1 of T <= 160 takes 128-row CTAs where they fill two waves", "[plan]") {
+  const Tile tall{128, 8, 256, 3, 8, 1, 1, 3};
+  int shapes_with_both = 0;
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    for (int tokens = 1; tokens <= std::min(shape.max_tokens, 512); ++tokens) {
+      INFO("T = " << tokens);
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
+      CHECK(same_tile(tile_of(c.fc1), tall) == moejit::test::fc1_tall_expected(shape, tokens));
+      CHECK(c.fc1.block_n == c.route.block_m);
+    }
+    const moejit::test::Fc1BucketTiles used = moejit::test::fc1_bucket_tiles(shape);
+    shapes_with_both += used.base && used.tall ? 1 : 0;
+    // The segment ends (what prewarm walks) split the bucket where the tile changes.
+    const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
+    for (int t = 3; t < std::min(160, shape.max_tokens); ++t) {
+      if (moejit::test::fc1_tall_expected(shape, t) != moejit::test::fc1_tall_expected(shape, t + 1)) {
+        CHECK(std::find(ends.begin(), ends.end(), t) != ends.end());
+      }
+    }
+  }
+  CHECK(shapes_with_both >= 3);  // the rule flips inside the bucket on the reference shapes
+}
+
 TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan]") {
   const std::vector<ModelShape> shapes = reference_shapes();
   const ModelShape& gpt = find_shape(shapes, "gpt-oss-120b");
@@ -348,10 +381,15 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
       {1, t1},       {2, t1},       {3, t96},      {7, t96},      {96, t96},
       {160, t96},    {161, t256},   {256, t256},   {512, t256},   {513, t1000},
       {1024, t1000}, {1025, t4096}, {2048, t4096}, {4096, t4096}, {16384, t4096}};
+  // FC1 of T <= 160 on gpt-oss-120b: 45 128-row tiles per touched expert fill two waves of
+  // 3 x 132 CTAs from T = 5 (expected 18.3 experts touched: 824 CTAs; T = 4: 675).
+  const Tile t96_tall{128, 8, 256, 3, 8, 1, 1, 3};
+  CHECK_FALSE(moejit::test::fc1_tall_expected(gpt, 4));
+  CHECK(moejit::test::fc1_tall_expected(gpt, 5));
   for (const auto& [tokens, tile] : expected) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
-    CHECK(same_tile(tile_of(c.fc1), tile));
+    CHECK(same_tile(tile_of(c.fc1), tokens >= 5 && tokens <= 160 ? t96_tall : tile));
     CHECK(same_tile(tile_of(c.fc2), tile));
     CHECK(c.route.block_m == c.fc1.block_n);  // route pads to the GEMM's token tile
     CHECK(c.combine.in_dtype == c.fc2.out_dtype);
