@@ -293,7 +293,11 @@ constexpr int kDecodeMaxStages = 6;
 // end-of-kernel wake-up, worth ~1 us). Why 2 below: every CTA routes and starts on its own,
 // and at small T a third CTA costs more than it hides (T = 6: kimi-ep2 83.5 us against 70.1, qwen3
 // 51.6 against 45.0; deepseek T = 4: 52.6 against 42.0).
+// And only where the tile's expected FC1 items give those CTAs two each: deepseek-v4-flash-tp4 at
+// T = 16 (592 items for 396 CTAs) ran 94.6 us with three, against 73.3 at T = 12 with two
+// (tools/PERF_LOG.md "decode_moe: three CTAs per SM by items").
 constexpr int kDecodeThreeCtaMinTokens = 16;
+constexpr double kDecodeThreeCtaMinItemsPerCta = 2.0;
 constexpr int kDecodeSmallTCtasPerSm = 2;
 constexpr int kDecodeCtasPerSm = 3;
 // Why FC1 strips by T: an item of 8 strips is a 16 KB chunk that no warp splits along K, the
@@ -306,10 +310,13 @@ constexpr double kDecodeFc1TargetItems = 160.0;
 constexpr int kDecodeFc2Strips = 8;
 
 // Experts of the rank that uniform top-k routing of `tokens` tokens touches, expected.
-double expected_experts_touched(const ModelShape& shape, int tokens) {
-  const double e = shape.num_experts;
-  const double miss = 1.0 - std::min(1.0, static_cast<double>(shape.top_k) / e);
+double expected_experts_touched(int experts, int top_k, int tokens) {
+  const double e = experts;
+  const double miss = 1.0 - std::min(1.0, static_cast<double>(top_k) / e);
   return e * (1.0 - std::pow(miss, tokens));
+}
+double expected_experts_touched(const ModelShape& shape, int tokens) {
+  return expected_experts_touched(shape.num_experts, shape.top_k, tokens);
 }
 
 // The tile of one block_n choice at T = tokens, stages not yet chosen: FC1 strips by the rules
@@ -350,9 +357,10 @@ decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
 // per SM aimed for (3 for block_n 16 with 8 FC1 strips from T = 16, else 2), else the deepest
 // that keeps fewer. 0 when none fits.
 int decode_stages(decode::Geometry g, int tokens) {
-  const int aim = g.block_n == 16 && g.fc1_strips == 8 && tokens >= kDecodeThreeCtaMinTokens
-                      ? kDecodeCtasPerSm
-                      : kDecodeSmallTCtasPerSm;
+  const double items = expected_experts_touched(g.experts, g.top_k, tokens) * g.fc1_items();
+  const bool three = g.block_n == 16 && g.fc1_strips == 8 && tokens >= kDecodeThreeCtaMinTokens &&
+                     items >= kDecodeThreeCtaMinItemsPerCta * kDecodeCtasPerSm * kDecodePlannedSms;
+  const int aim = three ? kDecodeCtasPerSm : kDecodeSmallTCtasPerSm;
   for (int ctas = aim; ctas >= 1; --ctas) {
     for (int stages = kDecodeMaxStages; stages >= kDecodeMinStages; --stages) {
       g.stages = stages;

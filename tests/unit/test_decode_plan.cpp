@@ -111,8 +111,17 @@ void expect_refused(const MoeDecodeParams& p, const std::vector<std::string>& ex
 // The stage rule of the planner, restated on the kernel's Geometry: the deepest ring of 2..6
 // chunks that keeps 3 CTAs per SM (block_n 16 with 8 FC1 strips at T >= 16) or 2 (otherwise),
 // else the deepest that keeps fewer.
+// Three CTAs per SM for block_n 16 with 8 FC1 strips from T = 16 where the expected FC1 items,
+// E (1 - (1 - k / E)^T) x I / 64, give each of 3 x 132 CTAs two; else two.
+bool expected_three_ctas(const decode::Geometry& g, int tokens) {
+  const double touched =
+      g.experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.experts, tokens));
+  return g.block_n == 16 && g.fc1_strips == 8 && tokens >= 16 &&
+         touched * (g.inter / 64) >= 2.0 * 3 * 132;
+}
+
 int expected_stages(decode::Geometry g, int tokens) {
-  const int aim = g.block_n == 16 && g.fc1_strips == 8 && tokens >= 16 ? 3 : 2;
+  const int aim = expected_three_ctas(g, tokens) ? 3 : 2;
   for (int ctas = aim; ctas >= 1; --ctas) {
     for (int s = 6; s >= 2; --s) {
       g.stages = s;
@@ -325,13 +334,29 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
         }
         CHECK(p.fc2_strips == 8);
         CHECK(p.stages == expected_stages(g, t));
-        // For these shapes every 16-wide tile keeps three CTAs per SM from T = 16 (8 FC1 strips
-        // there), two below.
-        if (p.block_n == 16) CHECK(g.blocks_per_sm() == (t >= 16 ? 3 : 2));
+        // For these shapes every 16-wide tile keeps three CTAs per SM where it aims for them (8
+        // FC1 strips there), two elsewhere.
+        if (p.block_n == 16) CHECK(g.blocks_per_sm() == (expected_three_ctas(g, t) ? 3 : 2));
         if (forced == 0 && p.block_n != 16) CHECK(g.blocks_per_sm() == 2);
         const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
         if (forced == 0 && !c.decode_pair) CHECK(p == c.decode_second);
       }
+    }
+  }
+
+  // deepseek-v4-flash-tp4 at T = 16..20: 592-773 expected FC1 items, under two per CTA of three
+  // per SM, so two CTAs (T = 16: 82.7 us against 95.2 with three); T = 21 on, three.
+  {
+    const ModelShape& ds = find_shape(reference_shapes(), "deepseek-v4-flash-tp4");
+    for (int t : {16, 20, 21, 24}) {
+      INFO("deepseek T = " << t);
+      const MoeDecodeParams p = detail::choose_decode_config(ds, t, 0);
+      CHECK(geometry_of(p).blocks_per_sm() == (t >= 21 ? 3 : 2));
+    }
+    // kimi and qwen3 keep three from T = 16.
+    for (const char* name : {"kimi-k3.1-tp8", "qwen3-30b-a3b"}) {
+      const MoeDecodeParams p = detail::choose_decode_config(find_shape(reference_shapes(), name), 16, 0);
+      CHECK(geometry_of(p).blocks_per_sm() == 3);
     }
   }
 
