@@ -416,8 +416,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
 #pragma unroll
         for (i32 mi = 0; mi < T::kWarpAtomsM; ++mi) {
-          const u32 f =
-              kg == 0 ? mxfp4::group_factors<0>(sw[mi]) : mxfp4::group_factors<1>(sw[mi]);
+          const u32 f = kg == 0 ? mxfp4::group_factors<0>(sw[mi]) : mxfp4::group_factors<1>(sw[mi]);
 #pragma unroll
           for (i32 step = 0; step < 2; ++step) {
             u32 a[4];

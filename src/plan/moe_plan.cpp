@@ -51,6 +51,21 @@ constexpr GemmTile kGemmTiles[] = {
     {INT_MAX, 128, 64, 128, 4, 8, 1, 1, 2},
 };
 
+// Whether every tile of `variants` (short-K FC2, warpgroup, tall FC1) serves a GemmTile bucket
+// (the same max_tokens) with that bucket's route block: the variants share its route and
+// workspace.
+template <class Tile, std::size_t N>
+constexpr bool shares_route_blocks(const Tile (&variants)[N]) {
+  for (const Tile& variant : variants) {
+    bool found = false;
+    for (const GemmTile& tile : kGemmTiles) {
+      if (tile.max_tokens == variant.max_tokens) found = tile.block_n == variant.block_n;
+    }
+    if (!found) return false;
+  }
+  return true;
+}
+
 // FC2 over a short K: where the intermediate size (FC2's K) is at most kFc2ShortK, the 64-row CTA
 // of the buckets below runs only 1-3 of its 256-wide K tiles (deepseek-v4-flash-tp4, I = 512: 2;
 // kimi-k3.1-tp8, I = 384: 1.5, the half tile computed on zero-filled atoms), so its fixed costs
@@ -68,17 +83,7 @@ constexpr GemmTile kFc2ShortKTiles[] = {
     {512, 128, 16, 128, 4, 8, 1, 1, 3},
 };
 
-constexpr bool fc2_short_k_tiles_share_route_blocks() {
-  for (const GemmTile& fc2 : kFc2ShortKTiles) {
-    bool found = false;
-    for (const GemmTile& tile : kGemmTiles) {
-      if (tile.max_tokens == fc2.max_tokens) found = tile.block_n == fc2.block_n;
-    }
-    if (!found) return false;
-  }
-  return true;
-}
-static_assert(fc2_short_k_tiles_share_route_blocks(),
+static_assert(shares_route_blocks(kFc2ShortKTiles),
               "every short-K FC2 tile must serve a GemmTile bucket with the same block_n");
 
 // Route: N = T * K <= kRouteSingleRows ranks in one CTA (one launch); above it the three-launch
@@ -120,17 +125,7 @@ constexpr WgmmaTile kWgmmaTiles[] = {
     {INT_MAX, 128, 64, 2, 1, 4, 2, 0},
 };
 
-constexpr bool wgmma_tiles_share_route_blocks() {
-  for (const WgmmaTile& wg : kWgmmaTiles) {
-    bool found = false;
-    for (const GemmTile& tile : kGemmTiles) {
-      if (tile.max_tokens == wg.max_tokens) found = tile.block_n == wg.block_n;
-    }
-    if (!found) return false;
-  }
-  return true;
-}
-static_assert(wgmma_tiles_share_route_blocks(),
+static_assert(shares_route_blocks(kWgmmaTiles),
               "every WgmmaTile must replace a GemmTile bucket with the same block_n (route block)");
 
 // Routed experts across all ranks (an expert-parallel rank's experts see T * K / this rows each).
@@ -754,17 +749,17 @@ namespace {
 // taller CTAs"): faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515 against
 // 527 us, qwen3-30b-a3b 120 against 125), slower at T = 6 where few CTAs remain
 // (deepseek-v4-flash-tp4: 288 of them, 54.2 against 52.3 us).
-constexpr GemmTile kFc1TallTile = {160, 128, 8, 256, 3, 8, 1, 1, 3};
+constexpr GemmTile kFc1TallTiles[] = {{160, 128, 8, 256, 3, 8, 1, 1, 3}};
+constexpr const GemmTile& kFc1TallTile = kFc1TallTiles[0];
 constexpr double kFc1TallMinWaves = 2.0;
-static_assert(kFc1TallTile.block_n == kGemmTiles[1].block_n &&
-                  kFc1TallTile.max_tokens == kGemmTiles[1].max_tokens,
-              "the tall FC1 tile serves the T <= 160 bucket with its route block");
+static_assert(shares_route_blocks(kFc1TallTiles),
+              "the tall FC1 tile serves a GemmTile bucket with its route block");
 
 const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
   if (tile.max_tokens != kFc1TallTile.max_tokens) return tile;
   const int rows = 2 * shape.intermediate;  // gate and up
-  const double ctas = expected_experts_touched(shape, tokens) *
-                      kern::moe::ceil_div(rows, kFc1TallTile.block_m);
+  const double ctas =
+      expected_experts_touched(shape, tokens) * kern::moe::ceil_div(rows, kFc1TallTile.block_m);
   const double slots = static_cast<double>(kDecodePlannedSms) * kFc1TallTile.min_blocks_per_sm;
   return ctas >= kFc1TallMinWaves * slots ? kFc1TallTile : tile;
 }

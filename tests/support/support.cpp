@@ -1,10 +1,10 @@
-#include <algorithm>
-#include <cmath>
 #include "support/support.hpp"
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>

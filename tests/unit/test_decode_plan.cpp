@@ -355,7 +355,8 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
     }
     // kimi and qwen3 keep three from T = 16.
     for (const char* name : {"kimi-k3.1-tp8", "qwen3-30b-a3b"}) {
-      const MoeDecodeParams p = detail::choose_decode_config(find_shape(reference_shapes(), name), 16, 0);
+      const MoeDecodeParams p =
+          detail::choose_decode_config(find_shape(reference_shapes(), name), 16, 0);
       CHECK(geometry_of(p).blocks_per_sm() == 3);
     }
   }

@@ -361,7 +361,8 @@ TEST_CASE("moe plan: FC1 of T <= 160 takes 128-row CTAs where they fill two wave
     // The segment ends (what prewarm walks) split the bucket where the tile changes.
     const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
     for (int t = 3; t < std::min(160, shape.max_tokens); ++t) {
-      if (moejit::test::fc1_tall_expected(shape, t) != moejit::test::fc1_tall_expected(shape, t + 1)) {
+      if (moejit::test::fc1_tall_expected(shape, t) !=
+          moejit::test::fc1_tall_expected(shape, t + 1)) {
         CHECK(std::find(ends.begin(), ends.end(), t) != ends.end());
       }
     }
