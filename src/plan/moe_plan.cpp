@@ -69,9 +69,10 @@ constexpr bool shares_route_blocks(const Tile (&variants)[N]) {
 // FC2 over a short K: where the intermediate size (FC2's K) is at most kFc2ShortK, the 64-row CTA
 // of the buckets below runs only 1-3 of its 256-wide K tiles (deepseek-v4-flash-tp4, I = 512: 2;
 // kimi-k3.1-tp8, I = 384: 1.5, the half tile computed on zero-filled atoms), so its fixed costs
-// (route rows, pipeline fill, epilogue) weigh on ~12 KB of weights. FC2 then takes 128 rows over
-// eight warps and 128-wide K tiles, three CTAs per SM. Measured on the H200 (tools/PERF_LOG.md
-// "marlin_moe FC2 over a short K"), layer time against the bucket's tile for FC2:
+// (route rows, pipeline fill, epilogue) weigh on ~12 KB of weights. FC2 then takes taller CTAs of
+// eight warps over 128-wide K tiles, three per SM: 256 rows for T <= 160, 128 for T <= 512.
+// Measured on the H200 (tools/PERF_LOG.md "marlin_moe FC2 over a short K"), layer time with the
+// 128-row tile against the bucket's tile for FC2:
 // kimi-k3.1-tp8 T = 24 233 against 270 us, T = 96 537 against 616, T = 256 726 against 848;
 // deepseek-v4-flash-tp4 T = 24 119 against 125, T = 256 319 against 338; qwen3-30b-a3b T = 24 87
 // against 91. gpt-oss-120b (I = 2880, 12 K tiles) lost with it (T = 6: 113 against 105 us).
@@ -349,8 +350,8 @@ decode::Geometry decode_tile(const ModelShape& shape, int block_n, int tokens) {
 }
 
 // The pipeline depth of a tile at T = tokens: the deepest ring (2..6 chunks) that keeps the CTAs
-// per SM aimed for (3 for block_n 16 with 8 FC1 strips from T = 16, else 2), else the deepest
-// that keeps fewer. 0 when none fits.
+// per SM aimed for (3 for block_n 16 with 8 FC1 strips from T = 16 where the expected FC1 items
+// give each of them two, else 2), else the deepest that keeps fewer. 0 when none fits.
 int decode_stages(decode::Geometry g, int tokens) {
   const double items = expected_experts_touched(g.experts, g.top_k, tokens) * g.fc1_items();
   const bool three = g.block_n == 16 && g.fc1_strips == 8 && tokens >= kDecodeThreeCtaMinTokens &&
@@ -878,9 +879,12 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
     if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
   }
   // marlin_moe: FC1's tile changes inside the T <= 160 bucket (fc1_tile_for).
-  for (int t = 2; t <= std::min(max_tokens, kFc1TallTile.max_tokens); ++t) {
-    if (!(choose_moe_config(shape, t).fc1 == choose_moe_config(shape, t - 1).fc1)) {
-      thresholds.push_back(t - 1);
+  {
+    MarlinMoeParams previous = choose_moe_config(shape, 1).fc1;
+    for (int t = 2; t <= std::min(max_tokens, kFc1TallTile.max_tokens); ++t) {
+      const MarlinMoeParams current = choose_moe_config(shape, t).fc1;
+      if (!(current == previous)) thresholds.push_back(t - 1);
+      previous = current;
     }
   }
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.

@@ -64,13 +64,15 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
   throw std::runtime_error("no reference shape named " + name);
 }
 
+double expected_touched(int experts, int top_k, int tokens) {
+  const double e = experts;
+  return e * (1.0 - std::pow(1.0 - std::min(1.0, top_k / e), static_cast<double>(tokens)));
+}
+
 bool fc1_tall_expected(const ModelShape& shape, int tokens) {
   if (tokens < 3 || tokens > 160) return false;
-  const double e = shape.num_experts;
-  const double touched =
-      e * (1.0 - std::pow(1.0 - std::min(1.0, shape.top_k / e), static_cast<double>(tokens)));
   const int tiles = (2 * shape.intermediate + 127) / 128;
-  return touched * tiles >= 2.0 * 3 * 132;
+  return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 2.0 * 3 * 132;
 }
 
 Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape) {

@@ -34,6 +34,10 @@ std::vector<ModelShape> reference_shapes();
 // The shape named `name` in `shapes`; throws std::runtime_error naming it when absent.
 const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name);
 
+// Experts of a rank that uniform top-k routing of `tokens` tokens touches, expected (the
+// planners' estimate, restated): E (1 - (1 - k / E)^T).
+double expected_touched(int experts, int top_k, int tokens);
+
 // marlin_moe's planner rule for FC1 in the T <= 160 bucket, restated for the tests: 128-row CTAs
 // (three per SM) where uniform top-k routing's expected touched experts, E (1 - (1 - k/E)^T),
 // times the 128-row tiles of FC1's 2I rows fill two waves of 3 x 132 CTA slots.

@@ -114,10 +114,9 @@ void expect_refused(const MoeDecodeParams& p, const std::vector<std::string>& ex
 // Three CTAs per SM for block_n 16 with 8 FC1 strips from T = 16 where the expected FC1 items,
 // E (1 - (1 - k / E)^T) x I / 64, give each of 3 x 132 CTAs two; else two.
 bool expected_three_ctas(const decode::Geometry& g, int tokens) {
-  const double touched =
-      g.experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.experts, tokens));
   return g.block_n == 16 && g.fc1_strips == 8 && tokens >= 16 &&
-         touched * (g.inter / 64) >= 2.0 * 3 * 132;
+         moejit::test::expected_touched(g.experts, g.top_k, tokens) * (g.inter / 64) >=
+             2.0 * 3 * 132;
 }
 
 int expected_stages(decode::Geometry g, int tokens) {
@@ -131,10 +130,8 @@ int expected_stages(decode::Geometry g, int tokens) {
   return 0;
 }
 
-// Experts uniform top-k routing of T tokens touches, expected: E * (1 - (1 - k / E)^T).
 double expected_touched(const ModelShape& shape, int tokens) {
-  return shape.num_experts *
-         (1.0 - std::pow(1.0 - static_cast<double>(shape.top_k) / shape.num_experts, tokens));
+  return moejit::test::expected_touched(shape.num_experts, shape.top_k, tokens);
 }
 
 // The planner's FC1 strips per item, restated. block_n 8: the fewest of 2, 4, 8 (dividing
