@@ -108,17 +108,16 @@ void expect_refused(const MoeDecodeParams& p, const std::vector<std::string>& ex
   }
 }
 
-// The stage rule of the planner, restated on the kernel's Geometry: the deepest ring of 2..6
-// chunks that keeps 3 CTAs per SM (block_n 16 with 8 FC1 strips at T >= 16) or 2 (otherwise),
-// else the deepest that keeps fewer.
-// Three CTAs per SM for block_n 16 with 8 FC1 strips from T = 16 where the expected FC1 items,
-// E (1 - (1 - k / E)^T) x I / 64, give each of 3 x 132 CTAs two; else two.
+// The planner's CTAs per SM, restated: three for block_n 16 with 8 FC1 strips from T = 16 where
+// the expected FC1 items, E (1 - (1 - k / E)^T) x I / 64, give each of 3 x 132 CTAs two; else two.
 bool expected_three_ctas(const decode::Geometry& g, int tokens) {
   return g.block_n == 16 && g.fc1_strips == 8 && tokens >= 16 &&
          moejit::test::expected_touched(g.experts, g.top_k, tokens) * (g.inter / 64) >=
              2.0 * 3 * 132;
 }
 
+// The stage rule of the planner, restated on the kernel's Geometry: the deepest ring of 2..6
+// chunks that keeps those CTAs per SM, else the deepest that keeps fewer.
 int expected_stages(decode::Geometry g, int tokens) {
   const int aim = expected_three_ctas(g, tokens) ? 3 : 2;
   for (int ctas = aim; ctas >= 1; --ctas) {
@@ -360,8 +359,9 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
 
   // The measured cases behind the rules (tools/PERF_LOG.md, decode_moe v6 and v10): below T = 6
   // block_n 8, with 2 strips per item for deepseek (64 KB items) and 4 for kimi (2 strips would
-  // be 56 KB) and qwen3 (32 KB); from T = 6 every served shape takes 8 strips, with three CTAs
-  // per SM from T = 16. So each shape compiles two to four main kernels, not one per T.
+  // be 56 KB) and qwen3 (32 KB); above, 8 strips (deepseek from T = 9), with three CTAs per SM
+  // from T = 16 (deepseek from T = 21). So each shape compiles two to four main kernels, not one
+  // per T.
   const std::vector<ModelShape> refs = reference_shapes();
   for (int t : {1, 5}) {
     const MoeDecodeParams ds =
