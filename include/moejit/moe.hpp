@@ -13,7 +13,7 @@
 // for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem), or for
 // T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is also a multiple of 512; and
 // marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
-// the faster one (decode_moe for T <= 2 and 4 <= T <= 256 where it serves; see MoePath),
+// the faster one (decode_moe for T <= 24 where it serves; see MoePath),
 // MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
@@ -126,9 +126,9 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T <= 2 (its
-            // two-kernel tile, where that serves the shape) and 4 <= T <= 256 where it serves,
-            // marlin_moe otherwise (T = 3 included: there it is about as fast)
+  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T <= 24 where it
+            // serves (for T <= 2 its two-kernel tile where that serves the shape), marlin_moe
+            // otherwise (from T = 32 1-18% faster; up to 24 the two are within about 10%)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };

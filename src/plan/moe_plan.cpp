@@ -38,9 +38,11 @@ struct WgmmaTile {
 constexpr GemmTile kGemmTiles[] = {
     // T = 1: few experts touched; 32-row CTAs with K split over two warps put more CTAs on them.
     {2, 32, 8, 256, 4, 2, 1, 2, 4},
-    // T = 7..96: one n8 token tile, 64 weight rows per CTA, four CTAs per SM.
+    // T = 3..: one n8 token tile, 64 weight rows per CTA, four CTAs per SM. Taken by the rows
+    // experts see, not by T (tile_for): 160 only names the bucket for its variants below.
     {160, 64, 8, 256, 4, 4, 1, 1, 4},
-    // T ~ 256: 16-token blocks halve the dequant work per weight byte of an 8-row block.
+    // T <= 512 past that: 16-token blocks halve the dequant work per weight byte of two 8-row
+    // blocks.
     {512, 64, 16, 256, 3, 4, 1, 1, 4},
     // T ~ 1000: 32-token blocks, shorter K stages.
     {1024, 64, 32, 128, 4, 4, 1, 1, 3},
@@ -70,7 +72,7 @@ constexpr bool shares_route_blocks(const Tile (&variants)[N]) {
 // of the buckets below runs only 1-3 of its 256-wide K tiles (deepseek-v4-flash-tp4, I = 512: 2;
 // kimi-k3.1-tp8, I = 384: 1.5, the half tile computed on zero-filled atoms), so its fixed costs
 // (route rows, pipeline fill, epilogue) weigh on ~12 KB of weights. FC2 then takes taller CTAs of
-// eight warps over 128-wide K tiles, three per SM: 256 rows for T <= 160, 128 for T <= 512.
+// eight warps over 128-wide K tiles, three per SM: 256 rows with 8-row route blocks, 128 with 16.
 // Measured on the H200 (tools/PERF_LOG.md "marlin_moe FC2 over a short K"), layer time with the
 // 128-row tile against the bucket's tile for FC2:
 // kimi-k3.1-tp8 T = 24 233 against 270 us, T = 96 537 against 616, T = 256 726 against 848;
@@ -119,7 +121,8 @@ constexpr int kRepackThreads = 256;
 //   against 201 us; gpt-oss T = 512, 16 rows: 850 against 1017); at 12 rows it ties or loses
 //   (gpt-oss T = 384 825 against 827, deepseek T = 512 469 against 444), and with fewer rows
 //   the mma.sync tile wins (kimi-k3.1-tp8 T = 512, 9.1 rows: 1160 against 1019 us).
-// - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us).
+// - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
+//   wherever experts average at most 6 rows (tile_for).
 constexpr WgmmaTile kWgmmaTiles[] = {
     {512, 128, 16, 2, 1, 4, 2, 14},
     {1024, 128, 32, 2, 1, 4, 2, 0},
@@ -134,9 +137,29 @@ long long routed_experts(const ModelShape& shape) {
   return std::max(shape.global_experts, shape.num_experts);
 }
 
-const GemmTile& tile_for(int tokens) {
+constexpr const GemmTile& kFirstTile = kGemmTiles[0];       // T <= 2
+constexpr const GemmTile& kSmallBlockTile = kGemmTiles[1];  // route blocks of 8 rows
+
+// Route blocks of 8 rows (kSmallBlockTile's bucket) wherever uniform top-k routing gives each
+// routed expert at most this many rows on average, whatever T. Measured on the H200
+// (tools/PERF_LOG.md "marlin_moe: route blocks by rows per expert"), layer time with 8-row
+// against 16-row blocks: faster up to 6 rows (kimi-k3.1-tp8 T = 256, 4.6 rows: 691 against 765
+// us; deepseek-v4-flash-tp4 T = 256, 6 rows: 318 against 335), slower from 8 (gpt-oss-120b
+// T = 256: 783 against 701; qwen3-30b-a3b T = 128: 146 against 137; gpt-oss-20b T = 64: 198
+// against 176), even at 6.9 (kimi T = 384: 826 both).
+constexpr long long kSmallBlockMaxRowsPerExpert = 6;
+
+// The last T whose experts average at most kSmallBlockMaxRowsPerExpert rows.
+long long small_block_last_tokens(const ModelShape& shape) {
+  return kSmallBlockMaxRowsPerExpert * routed_experts(shape) / std::max(shape.top_k, 1);
+}
+
+// The bucket's tile for T: T <= 2 and the rows rule first, then the T buckets.
+const GemmTile& tile_for(const ModelShape& shape, int tokens) {
+  if (tokens <= kFirstTile.max_tokens) return kFirstTile;
+  if (tokens <= small_block_last_tokens(shape)) return kSmallBlockTile;
   for (const GemmTile& tile : kGemmTiles) {
-    if (tokens <= tile.max_tokens) return tile;
+    if (&tile != &kSmallBlockTile && tokens <= tile.max_tokens) return tile;
   }
   return kGemmTiles[sizeof(kGemmTiles) / sizeof(kGemmTiles[0]) - 1];
 }
@@ -744,7 +767,7 @@ KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch) {
 
 namespace {
 
-// FC1 in the T <= 160 bucket: 128 rows over eight warps, three CTAs per SM, where those CTAs
+// FC1 with 8-row route blocks: 128 rows over eight warps, three CTAs per SM, where those CTAs
 // still fill kFc1TallMinWaves waves of the GPU's CTA slots (expected touched experts x 128-row
 // tiles), else the bucket's 64-row tile. Measured on the H200 (tools/PERF_LOG.md "marlin_moe
 // taller CTAs"): faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515 against
@@ -786,7 +809,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.narrow_ids = shape.id_dtype == DType::kI64;
   c.narrow.block_threads = kNarrowIdsThreads;
 
-  const GemmTile& tile = tile_for(tokens);
+  const GemmTile& tile = tile_for(shape, tokens);
   c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
   c.fc2 = gemm_params(fc2_tile_for(tile, shape), MoeGemmStage::kFc2, shape);
   const WgmmaTile* wg = wgmma_tile_for(tile);
@@ -878,13 +901,15 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
     const long long need = static_cast<long long>(wg.min_rows_per_expert) * routed_experts(shape);
     if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
   }
-  // marlin_moe: FC1's tile changes inside the T <= 160 bucket (fc1_tile_for).
-  {
-    MarlinMoeParams previous = choose_moe_config(shape, 1).fc1;
-    for (int t = 2; t <= std::min(max_tokens, kFc1TallTile.max_tokens); ++t) {
-      const MarlinMoeParams current = choose_moe_config(shape, t).fc1;
-      if (!(current == previous)) thresholds.push_back(t - 1);
-      previous = current;
+  // marlin_moe: the last T of 8-row route blocks, and where FC1 turns tall inside them
+  // (fc1_tile_for; its CTA count only grows with T, so it turns once).
+  const long long small_last = small_block_last_tokens(shape);
+  thresholds.push_back(small_last);
+  for (long long t = kFirstTile.max_tokens + 1; t <= std::min<long long>(max_tokens, small_last);
+       ++t) {
+    if (&fc1_tile_for(kSmallBlockTile, shape, static_cast<int>(t)) == &kFc1TallTile) {
+      thresholds.push_back(t - 1);
+      break;
     }
   }
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.

@@ -43,13 +43,13 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
-// The persistent tile (reset -> main) serves kDecodeAutoMinTokens <= T <= 256 automatically, and
-// the two-launch pair T <= kDecodePairMaxTokens where its rules pass (decode_by_default).
-// Why from 4 for the persistent tile: on the H200 decode_moe v10 (block_n 8 below T = 6) takes
-// 0.89-1.01x marlin_moe's time at T = 4, 0.95-0.97x at T = 5 and 0.82-1.04x from T = 6 on the
-// four served reference shapes, but 1.10-1.55x at T = 1, 1.01-1.15x at T = 2 and 0.88-1.03x at
-// T = 3 (tools/PERF_LOG.md, "decode_moe v10").
-inline constexpr int kDecodeAutoMinTokens = 4;
+// MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair for
+// T <= kDecodePairMaxTokens where its rules pass, else the persistent tile), marlin_moe above.
+// Why 24: on the H200 (tools/PERF_LOG.md "decode_moe against marlin_moe with 8-row blocks by
+// rows per expert"), over the four served reference shapes decode_moe takes 0.90-1.03x
+// marlin_moe's time at T = 3, 0.90-1.12x at T = 4..24 (0.98-1.06x at 24), and 1.01-1.18x from
+// T = 32 (1.04-1.18x at 96, 1.06-1.18x at 192).
+inline constexpr int kDecodeAutoMaxTokens = 24;
 // Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
 // 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
 // the persistent tile's 23.9 / 29.3 / 26.7, and 23.8 / 37.6 / 23.4 at T = 2 against 28.8 / 41.7 /
@@ -138,11 +138,10 @@ struct MoeForwardConfig {
 // one config.
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens);
 
-// Whether MoePath::kAuto takes the decode path for this config: the pair wherever the planner
-// chose it, the persistent tile for kDecodeAutoMinTokens <= T <= 256.
+// Whether MoePath::kAuto takes the decode path for this config: where the planner chose one
+// (the pair or the persistent tile) for T <= kDecodeAutoMaxTokens.
 inline bool decode_by_default(const MoeForwardConfig& config) {
-  return config.decode && (config.decode_pair || (config.tokens >= kDecodeAutoMinTokens &&
-                                                  config.tokens <= kDecodeMaxTokens));
+  return config.decode && config.tokens <= kDecodeAutoMaxTokens;
 }
 
 // The kernels of one config for `arch`, by role. Filled without allocating (the op builds it on

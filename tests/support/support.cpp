@@ -69,16 +69,37 @@ double expected_touched(int experts, int top_k, int tokens) {
   return e * (1.0 - std::pow(1.0 - std::min(1.0, top_k / e), static_cast<double>(tokens)));
 }
 
+namespace {
+long long routed_rows(const ModelShape& shape, int tokens, int rows_per_expert) {
+  return static_cast<long long>(rows_per_expert) *
+         std::max(shape.num_experts, shape.global_experts) -
+         static_cast<long long>(tokens) * shape.top_k;
+}
+}  // namespace
+
+bool small_blocks_expected(const ModelShape& shape, int tokens) {
+  return tokens >= 3 && routed_rows(shape, tokens, 6) >= 0;
+}
+
 bool fc1_tall_expected(const ModelShape& shape, int tokens) {
-  if (tokens < 3 || tokens > 160) return false;
+  if (!small_blocks_expected(shape, tokens)) return false;
   const int tiles = (2 * shape.intermediate + 127) / 128;
   return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 2.0 * 3 * 132;
 }
 
 Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape) {
   Fc1BucketTiles out;
-  for (int t = 3; t <= std::min(160, shape.max_tokens); ++t) {
+  for (int t = 3; t <= shape.max_tokens && small_blocks_expected(shape, t); ++t) {
     (fc1_tall_expected(shape, t) ? out.tall : out.base) = true;
+  }
+  return out;
+}
+
+MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
+  MidBucketTiles out;
+  for (int t = 3; t <= std::min(512, shape.max_tokens); ++t) {
+    if (small_blocks_expected(shape, t)) continue;
+    (routed_rows(shape, t, 14) <= 0 ? out.wgmma : out.mma) = true;
   }
   return out;
 }

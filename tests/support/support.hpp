@@ -38,16 +38,28 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
 // planners' estimate, restated): E (1 - (1 - k / E)^T).
 double expected_touched(int experts, int top_k, int tokens);
 
-// marlin_moe's planner rule for FC1 in the T <= 160 bucket, restated for the tests: 128-row CTAs
-// (three per SM) where uniform top-k routing's expected touched experts, E (1 - (1 - k/E)^T),
-// times the 128-row tiles of FC1's 2I rows fill two waves of 3 x 132 CTA slots.
+// marlin_moe's planner rules, restated for the tests.
+// Route blocks of 8 rows from T = 3 while T * K <= 6 x the routed experts of all ranks (experts
+// average at most 6 rows), whatever T.
+bool small_blocks_expected(const ModelShape& shape, int tokens);
+// FC1 with 8-row blocks takes 128-row CTAs (three per SM) where uniform top-k routing's expected
+// touched experts, E (1 - (1 - k/E)^T), times the 128-row tiles of FC1's 2I rows fill two waves
+// of 3 x 132 CTA slots.
 bool fc1_tall_expected(const ModelShape& shape, int tokens);
-// Which FC1 tiles T = 3..min(160, max_tokens) use: the bucket's 64-row one, the tall one.
+// Which FC1 tiles the T of 8-row blocks (up to max_tokens) use: the bucket's 64-row one, the tall
+// one.
 struct Fc1BucketTiles {
   bool base = false;
   bool tall = false;
 };
 Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape);
+// Which tiles the T of 16-row blocks (past the 8-row ones, up to 512 and max_tokens) use on
+// sm_90a: the mma.sync one below 14 rows per routed expert, the warpgroup one from 14.
+struct MidBucketTiles {
+  bool mma = false;
+  bool wgmma = false;
+};
+MidBucketTiles mid_bucket_tiles(const ModelShape& shape);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);

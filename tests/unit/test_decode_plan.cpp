@@ -222,7 +222,7 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
       CHECK(config.decode_second.kernel == DecodeKernel::kMain);
       CHECK(config.decode_first == detail::decode_reset_params(config.decode_second));
       CHECK(config.decode_first.kernel == DecodeKernel::kReset);
-      CHECK(detail::decode_by_default(config) == (t >= detail::kDecodeAutoMinTokens));
+      CHECK(detail::decode_by_default(config) == (t <= detail::kDecodeAutoMaxTokens));
     }
   }
   for (const std::string& name : kRefused) {
@@ -727,13 +727,13 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
       }
       CHECK(planned_decode == expected);
       // marlin stays planned for every T (a call can force it): the five tiles, FC1 and FC2,
-      // and on sm_90a both tiles of T <= 512 where its warpgroup variant starts inside the
-      // bucket (test_moe_plan.cpp's reference-shape test says where).
-      const bool both = target == sm90 &&
-                        (shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b");
-      // FC1 of T <= 160: one kernel more where its 64-row and 128-row tiles both serve.
-      const moejit::test::Fc1BucketTiles fc1_160 = moejit::test::fc1_bucket_tiles(shape);
-      const std::size_t extra = fc1_160.base && fc1_160.tall ? 1u : 0u;
+      // and on sm_90a both tiles of the 16-row blocks where its warpgroup variant starts among
+      // their T (test_moe_plan.cpp's reference-shape test says where).
+      const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
+      const bool both = target == sm90 && mid.mma && mid.wgmma;
+      // FC1 with 8-row blocks: one kernel more where its 64-row and 128-row tiles both serve.
+      const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
+      const std::size_t extra = fc1_small.base && fc1_small.tall ? 1u : 0u;
       CHECK(marlin.size() == (both ? 12u : 10u) + extra);
     }
   }

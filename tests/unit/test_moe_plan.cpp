@@ -232,28 +232,29 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // Distinct specs only.
       const SpecSet distinct(specs.begin(), specs.end());
       CHECK(distinct.size() == specs.size());
-      // Five measured tiles (T = 1, <= 160, <= 512, <= 1024, above), FC1 and FC2 each. On sm_90a
-      // the warpgroup tile (block_m 128) replaces the last two, and the T <= 512 one from
-      // T * K >= 14 * routed experts: for part of that bucket on gpt-oss-120b (T >= 448) and
-      // qwen3-30b-a3b (T >= 224), which so plan both, for all of it on gpt-oss-20b and
-      // qwen2-57b-a14b (T >= 112), never on the others.
+      // Five measured tiles (T = 1, 8-row blocks, 16-row blocks up to T = 512, T <= 1024,
+      // above), FC1 and FC2 each. On sm_90a the warpgroup tile (block_m 128) replaces the last
+      // two, and the 16-row one from T * K >= 14 * routed experts: for part of those T on
+      // gpt-oss-120b (T >= 448), qwen3-30b-a3b (T >= 224), gpt-oss-20b and qwen2-57b-a14b
+      // (T >= 112; 16-row blocks from T = 49), which so plan both, never on the others.
       const bool sm90a = std::string(arch) == "sm_90a";
-      const bool both_at_512 = shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b";
-      const bool wgmma_at_512 = both_at_512 || shape.name == "gpt-oss-20b" ||
-                                shape.name == "qwen2-57b-a14b";
-      // FC1 of T <= 160 takes 128 rows where its CTAs fill two waves (fc1_tall_expected): a
-      // shape whose T = 3..160 use both tiles plans one FC1 kernel more.
-      const moejit::test::Fc1BucketTiles fc1_160 = moejit::test::fc1_bucket_tiles(shape);
-      const int fc1_extra = fc1_160.base && fc1_160.tall ? 1 : 0;
-      CHECK(count[Family::kMarlinMoe] == (sm90a && both_at_512 ? 12 : 10) + fc1_extra);
+      const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
+      const bool both_mid = sm90a && mid.mma && mid.wgmma;
+      CHECK(both_mid == (sm90a && (shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b" ||
+                                   shape.name == "gpt-oss-20b" || shape.name == "qwen2-57b-a14b")));
+      // FC1 with 8-row blocks takes 128 rows where its CTAs fill two waves (fc1_tall_expected):
+      // a shape whose T of 8-row blocks use both tiles plans one FC1 kernel more.
+      const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
+      const int fc1_extra = fc1_small.base && fc1_small.tall ? 1 : 0;
+      CHECK(count[Family::kMarlinMoe] == (both_mid ? 12 : 10) + fc1_extra);
       std::set<std::pair<int, int>> tiles{{32, 8}, {64, 16}, {64, 32}, {128, 64}};
-      if (fc1_160.base) tiles.insert({64, 8});
-      if (fc1_160.tall) tiles.insert({128, 8});
+      if (fc1_small.base) tiles.insert({64, 8});
+      if (fc1_small.tall) tiles.insert({128, 8});
       if (sm90a) {
         tiles.erase({64, 32});
         tiles.insert({128, 32});
-        if (wgmma_at_512) tiles.insert({128, 16});
-        if (wgmma_at_512 && !both_at_512) tiles.erase({64, 16});
+        if (mid.wgmma) tiles.insert({128, 16});
+        if (!mid.mma) tiles.erase({64, 16});
       }
       CHECK(fc1_tiles == tiles);
       CHECK(route_blocks == std::set<int>{8, 16, 32, 64});
@@ -314,8 +315,8 @@ TEST_CASE("moe plan: the config for every T in 1..16384 is one plan_kernels list
 
 TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 512", "[plan]") {
   // Where I <= 768 the bucket's 64-row CTA would run 1-3 K tiles of 256; FC2 (only FC2: FC1's K
-  // is H) takes eight warps on 256 rows (T <= 160) or 128 over 128-wide K tiles, with the
-  // bucket's route block.
+  // is H) takes eight warps on 256 rows (8-row blocks) or 128 over 128-wide K tiles (16-row
+  // blocks), with the bucket's route block.
   const Tile n8{256, 8, 128, 3, 8, 1, 1, 3};
   const Tile n16{128, 16, 128, 4, 8, 1, 1, 3};
   int short_shapes = 0;
@@ -324,11 +325,12 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
     INFO(shape.name);
     const bool short_k = shape.intermediate <= 768;
     ++(short_k ? short_shapes : long_shapes);
-    for (int tokens : {1, 2, 3, 24, 160, 161, 256, 512, 513, 1024, 4096}) {
+    for (int tokens : {1, 2, 3, 24, 48, 49, 160, 161, 256, 257, 336, 337, 512, 513, 1024, 4096}) {
       INFO("T = " << tokens);
       const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
-      if (short_k && tokens >= 3 && tokens <= 512) {
-        CHECK(same_tile(tile_of(c.fc2), tokens <= 160 ? n8 : n16));
+      const bool small = moejit::test::small_blocks_expected(shape, tokens);
+      if (short_k && tokens >= 3 && (small || tokens <= 512)) {
+        CHECK(same_tile(tile_of(c.fc2), small ? n8 : n16));
       } else if (moejit::test::fc1_tall_expected(shape, tokens)) {
         CHECK(same_tile(tile_of(c.fc2), Tile{64, 8, 256, 4, 4, 1, 1, 4}));  // the bucket's
       } else {
@@ -345,7 +347,8 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
   CHECK(long_shapes >= 2);
 }
 
-TEST_CASE("moe plan: FC1 of T <= 160 takes 128-row CTAs where they fill two waves", "[plan]") {
+TEST_CASE("moe plan: FC1 with 8-row blocks takes 128-row CTAs where they fill two waves",
+          "[plan]") {
   const Tile tall{128, 8, 256, 3, 8, 1, 1, 3};
   int shapes_with_both = 0;
   for (const ModelShape& shape : reference_shapes()) {
@@ -360,9 +363,12 @@ TEST_CASE("moe plan: FC1 of T <= 160 takes 128-row CTAs where they fill two wave
     shapes_with_both += used.base && used.tall ? 1 : 0;
     // The segment ends (what prewarm walks) split the bucket where the tile changes.
     const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
-    for (int t = 3; t < std::min(160, shape.max_tokens); ++t) {
+    for (int t = 3; t < std::min(512, shape.max_tokens); ++t) {
       if (moejit::test::fc1_tall_expected(shape, t) !=
-          moejit::test::fc1_tall_expected(shape, t + 1)) {
+              moejit::test::fc1_tall_expected(shape, t + 1) ||
+          moejit::test::small_blocks_expected(shape, t) !=
+              moejit::test::small_blocks_expected(shape, t + 1)) {
+        INFO("T = " << t);
         CHECK(std::find(ends.begin(), ends.end(), t) != ends.end());
       }
     }
@@ -380,17 +386,21 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   const Tile t4096{128, 64, 128, 4, 8, 1, 1, 2};
   const std::vector<std::pair<int, Tile>> expected = {
       {1, t1},       {2, t1},       {3, t96},      {7, t96},      {96, t96},
-      {160, t96},    {161, t256},   {256, t256},   {512, t256},   {513, t1000},
-      {1024, t1000}, {1025, t4096}, {2048, t4096}, {4096, t4096}, {16384, t4096}};
-  // FC1 of T <= 160 on gpt-oss-120b: 45 128-row tiles per touched expert fill two waves of
-  // 3 x 132 CTAs from T = 5 (expected 18.3 experts touched: 824 CTAs; T = 4: 675).
+      {160, t96},    {192, t96},    {193, t256},   {256, t256},   {512, t256},
+      {513, t1000},  {1024, t1000}, {1025, t4096}, {2048, t4096}, {4096, t4096},
+      {16384, t4096}};
+  // 8-row route blocks while experts average at most 6 rows: T * 4 <= 6 * 128, T <= 192.
+  CHECK(moejit::test::small_blocks_expected(gpt, 192));
+  CHECK_FALSE(moejit::test::small_blocks_expected(gpt, 193));
+  // FC1 with 8-row blocks on gpt-oss-120b: 45 128-row tiles per touched expert fill two waves
+  // of 3 x 132 CTAs from T = 5 (expected 18.3 experts touched: 824 CTAs; T = 4: 675).
   const Tile t96_tall{128, 8, 256, 3, 8, 1, 1, 3};
   CHECK_FALSE(moejit::test::fc1_tall_expected(gpt, 4));
   CHECK(moejit::test::fc1_tall_expected(gpt, 5));
   for (const auto& [tokens, tile] : expected) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
-    CHECK(same_tile(tile_of(c.fc1), tokens >= 5 && tokens <= 160 ? t96_tall : tile));
+    CHECK(same_tile(tile_of(c.fc1), tokens >= 5 && tokens <= 192 ? t96_tall : tile));
     CHECK(same_tile(tile_of(c.fc2), tile));
     CHECK(c.route.block_m == c.fc1.block_n);  // route pads to the GEMM's token tile
     CHECK(c.combine.in_dtype == c.fc2.out_dtype);
@@ -399,12 +409,12 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.fc2.wgmma_n == 0);
   }
 
-  // Above T = 512, and from T = 161 where experts average 14 rows or more (gpt-oss: T * 4 >=
-  // 14 * 128, T >= 448), the tile has an sm_90a warpgroup variant on the same route blocks; the
-  // specs take it on sm_90a only.
+  // Above T = 512, and with 16-row blocks where experts average 14 rows or more (gpt-oss:
+  // T * 4 >= 14 * 128, T >= 448), the tile has an sm_90a warpgroup variant on the same route
+  // blocks; the specs take it on sm_90a only.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
-      {1, 0},     {96, 0},     {160, 0},    {161, 0},    {447, 0},    {448, 16},   {512, 16},
+      {1, 0},     {96, 0},     {192, 0},    {193, 0},    {447, 0},    {448, 16},   {512, 16},
       {513, 32},  {1000, 32},  {1024, 32},  {1025, 64},  {2048, 64},  {4096, 64},  {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
