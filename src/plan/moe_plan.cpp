@@ -110,21 +110,24 @@ constexpr int kCombineThreads = 256;
 constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
 
-// Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma" and "wgmma tile widths"):
-// N = 128 over up to 128 / block_n route blocks of one expert (a CTA runs at N = 32, 64, 96 or
-// 128, what its real rows need), two warpgroups of one m64 tile, 4 stages, two CTAs per SM.
-// - T > 1024: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms for the mma.sync tile.
-// - T = 513..1024: faster on every reference shape measured (T = 1024: gpt-oss 967 against 1432
-//   us, qwen3-30b-a3b 281 against 500, deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222
-//   against 1292; T = 600 and 768 alike).
-// - T = 161..512: only where experts average 14 rows or more (qwen3 T = 256, 16 rows: 185
-//   against 201 us; gpt-oss T = 512, 16 rows: 850 against 1017); at 12 rows it ties or loses
-//   (gpt-oss T = 384 825 against 827, deepseek T = 512 469 against 444), and with fewer rows
-//   the mma.sync tile wins (kimi-k3.1-tp8 T = 512, 9.1 rows: 1160 against 1019 us).
+// Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma", "wgmma tile widths" and
+// "16-row blocks: a narrower warpgroup tile"): two warpgroups of one m64 tile, 4 stages, over up
+// to wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of
+// wgmma_n that holds its real rows).
+// - T > 1024: N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms
+//   for the mma.sync tile.
+// - T = 513..1024: the same tile, faster on every reference shape measured (T = 1024: gpt-oss 967
+//   against 1432 us, qwen3-30b-a3b 281 against 500, deepseek-v4-flash-tp4 490 against 581,
+//   kimi-k3.1-tp8 1222 against 1292; T = 600 and 768 alike).
+// - 16-row blocks (T <= 512): N = 64, three CTAs per SM, where experts average 12 rows or more
+//   (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us for the N = 128 tile; gpt-oss-120b
+//   T = 384, 12 rows: 721 against 791-807 for the mma.sync tile; gpt-oss-20b T = 96: 186
+//   against 199); with fewer rows the mma.sync tile wins (deepseek-v4-flash-tp4 T = 384, 9 rows:
+//   367 against 389; kimi-k3.1-tp8 T = 512, 9.1 rows: 877-888 against 929).
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 6 rows (tile_for).
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {512, 128, 16, 2, 1, 4, 2, 14},
+    {512, 64, 16, 2, 1, 4, 3, 12},
     {1024, 128, 32, 2, 1, 4, 2, 0},
     {INT_MAX, 128, 64, 2, 1, 4, 2, 0},
 };

@@ -234,14 +234,15 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       CHECK(distinct.size() == specs.size());
       // Five measured tiles (T = 1, 8-row blocks, 16-row blocks up to T = 512, T <= 1024,
       // above), FC1 and FC2 each. On sm_90a the warpgroup tile (block_m 128) replaces the last
-      // two, and the 16-row one from T * K >= 14 * routed experts: for part of those T on
-      // gpt-oss-120b (T >= 448), qwen3-30b-a3b (T >= 224), gpt-oss-20b and qwen2-57b-a14b
-      // (T >= 112; 16-row blocks from T = 49), which so plan both, never on the others.
+      // two, and the 16-row one from T * K >= 12 * routed experts: for part of those T on
+      // gpt-oss-120b (T >= 384), qwen3-30b-a3b (T >= 192), gpt-oss-20b and qwen2-57b-a14b
+      // (T >= 96; 16-row blocks from T = 49) and deepseek-v4-flash-tp4 (T = 512), which so plan
+      // both, never on the kimi shapes (T >= 672) or deepseek-v4.1-flash-tp4 (T >= 768).
       const bool sm90a = std::string(arch) == "sm_90a";
       const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
-      CHECK(both_mid == (sm90a && (shape.name == "gpt-oss-120b" || shape.name == "qwen3-30b-a3b" ||
-                                   shape.name == "gpt-oss-20b" || shape.name == "qwen2-57b-a14b")));
+      CHECK(both_mid == (sm90a && shape.name.rfind("kimi", 0) != 0 &&
+                         shape.name != "deepseek-v4.1-flash-tp4"));
       // FC1 with 8-row blocks takes 128 rows where its CTAs fill two waves (fc1_tall_expected):
       // a shape whose T of 8-row blocks use both tiles plans one FC1 kernel more.
       const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
@@ -253,7 +254,7 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       if (sm90a) {
         tiles.erase({64, 32});
         tiles.insert({128, 32});
-        if (mid.wgmma) tiles.insert({128, 16});
+        if (mid.wgmma) tiles.insert({128, 16});  // block_m 128, N = 64 over 16-row blocks
         if (!mid.mma) tiles.erase({64, 16});
       }
       CHECK(fc1_tiles == tiles);
@@ -409,12 +410,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.fc2.wgmma_n == 0);
   }
 
-  // Above T = 512, and with 16-row blocks where experts average 14 rows or more (gpt-oss:
-  // T * 4 >= 14 * 128, T >= 448), the tile has an sm_90a warpgroup variant on the same route
-  // blocks; the specs take it on sm_90a only.
+  // Above T = 512, and with 16-row blocks where experts average 12 rows or more (gpt-oss:
+  // T * 4 >= 12 * 128, T >= 384), the tile has an sm_90a warpgroup variant on the same route
+  // blocks; the specs take it on sm_90a only. N = 64 and three CTAs per SM over 16-row blocks,
+  // N = 128 and two above.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
-      {1, 0},     {96, 0},     {192, 0},    {193, 0},    {447, 0},    {448, 16},   {512, 16},
+      {1, 0},     {96, 0},     {192, 0},    {193, 0},    {383, 0},    {384, 16},   {512, 16},
       {513, 32},  {1000, 32},  {1024, 32},  {1025, 64},  {2048, 64},  {4096, 64},  {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
@@ -433,9 +435,10 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
       Tile expected = wg;
       expected.n = route_block;
+      if (route_block == 16) expected.occupancy = 3;
       CHECK(same_tile(tile_of(*p), expected));
-      CHECK(p->wgmma_n == 128);
-      CHECK(p->block_n == c.route.block_m);  // 128 / block_n route blocks per CTA, same route
+      CHECK(p->wgmma_n == (route_block == 16 ? 64 : 128));
+      CHECK(p->block_n == c.route.block_m);  // wgmma_n / block_n route blocks per CTA, same route
     }
     CHECK(on_90a.fc1_params == c.fc1_wgmma);
     CHECK(on_90a.fc2_params == c.fc2_wgmma);
@@ -452,10 +455,12 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(moejit::supports(on_90a.fc2).empty());
     CHECK(detail::marlin_moe_threads(c.fc1_wgmma) == 256);
     // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
-    // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes).
-    CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == 4 * 21504 + 1024 + 1024);
-    // FC2's staging tile (128 tokens x 128 bf16 + 16 bytes) fits in its ring.
-    CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == 4 * 21504 + 1024 + 1024);
+    // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes); with
+    // N = 64, 8 KB of inputs (stages of 13312) and half the ids.
+    const long long smem = route_block == 16 ? 4 * 13312 + 512 + 1024 : 4 * 21504 + 1024 + 1024;
+    CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == smem);
+    // FC2's staging tile (wgmma_n tokens x 128 bf16 + 16 bytes) fits in its ring.
+    CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == smem);
   }
 
   // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 1024.
