@@ -30,9 +30,15 @@ struct GemmTile {
 struct WgmmaTile {
   int max_tokens;  // the GemmTile bucket it replaces
   int wgmma_n, block_n, warpgroups, tiles_m, stages, min_blocks_per_sm;
-  // Taken where T * K >= min_rows_per_expert * (routed experts of all ranks): uniform routing
-  // gives each expert that many rows on average (0: everywhere in the bucket).
-  int min_rows_per_expert;
+  // Taken where min_rows_per_expert * R <= T * K < below_rows_per_expert * R, R the routed
+  // experts of all ranks: uniform routing gives each expert T * K / R rows on average (0: no
+  // bound).
+  int min_rows_per_expert, below_rows_per_expert;
+
+  constexpr bool takes(long long rows, long long routed) const {
+    return rows >= min_rows_per_expert * routed &&
+           (below_rows_per_expert == 0 || rows < below_rows_per_expert * routed);
+  }
 };
 
 constexpr GemmTile kGemmTiles[] = {
@@ -116,9 +122,13 @@ constexpr int kRepackThreads = 256;
 // wgmma_n that holds its real rows).
 // - T > 1024: N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms
 //   for the mma.sync tile.
-// - T = 513..1024: the same tile, faster on every reference shape measured (T = 1024: gpt-oss 967
-//   against 1432 us, qwen3-30b-a3b 281 against 500, deepseek-v4-flash-tp4 490 against 581,
-//   kimi-k3.1-tp8 1222 against 1292; T = 600 and 768 alike).
+// - T = 513..1024 (32-row blocks): faster than the mma.sync tile on every reference shape
+//   measured (T = 1024: gpt-oss 967 against 1432 us, qwen3-30b-a3b 281 against 500,
+//   deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222 against 1292); N = 64 and three
+//   CTAs per SM below 44 rows per expert (kimi-k3.1-tp8 T = 640, 11 rows: 936 against 1159 us;
+//   deepseek-v4-flash-tp4 T = 768, 18 rows: 419 against 466; qwen3-30b-a3b T = 640, 40 rows: 218
+//   against 231), N = 128 and two from 44 (qwen3-30b-a3b T = 768, 48 rows: 240 against 249;
+//   T = 1024: 278 against 323).
 // - 16-row blocks (T <= 512): N = 64, three CTAs per SM, where experts average 12 rows or more
 //   (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us for the N = 128 tile; gpt-oss-120b
 //   T = 384, 12 rows: 721 against 791-807 for the mma.sync tile; gpt-oss-20b T = 96: 186
@@ -126,10 +136,13 @@ constexpr int kRepackThreads = 256;
 //   367 against 389; kimi-k3.1-tp8 T = 512, 9.1 rows: 877-888 against 929).
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 6 rows (tile_for).
+// ptxas fits the N = 64 tile in 80 registers at three CTAs per SM with 68 bytes of spill and
+// notes its wgmmas serialized; it is faster all the same.
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {512, 64, 16, 2, 1, 4, 3, 12},
-    {1024, 128, 32, 2, 1, 4, 2, 0},
-    {INT_MAX, 128, 64, 2, 1, 4, 2, 0},
+    {512, 64, 16, 2, 1, 4, 3, 12, 0},
+    {1024, 64, 32, 2, 1, 4, 3, 0, 44},
+    {1024, 128, 32, 2, 1, 4, 2, 44, 0},
+    {INT_MAX, 128, 64, 2, 1, 4, 2, 0, 0},
 };
 
 static_assert(shares_route_blocks(kWgmmaTiles),
@@ -215,10 +228,12 @@ MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const Mode
   return p;
 }
 
-// The wgmma variant of `tile`'s bucket, or null when the bucket has none.
-const WgmmaTile* wgmma_tile_for(const GemmTile& tile) {
+// The wgmma variant of `tile`'s bucket for T, or null where the bucket has none at T's rows per
+// expert.
+const WgmmaTile* wgmma_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
+  const long long rows = static_cast<long long>(tokens) * shape.top_k;
   for (const WgmmaTile& wg : kWgmmaTiles) {
-    if (wg.max_tokens == tile.max_tokens) return &wg;
+    if (wg.max_tokens == tile.max_tokens && wg.takes(rows, routed_experts(shape))) return &wg;
   }
   return nullptr;
 }
@@ -815,9 +830,8 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   const GemmTile& tile = tile_for(shape, tokens);
   c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
   c.fc2 = gemm_params(fc2_tile_for(tile, shape), MoeGemmStage::kFc2, shape);
-  const WgmmaTile* wg = wgmma_tile_for(tile);
-  if (wg != nullptr && static_cast<long long>(tokens) * shape.top_k >=
-                           static_cast<long long>(wg->min_rows_per_expert) * routed_experts(shape)) {
+  const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
+  if (wg != nullptr) {
     c.wgmma = true;
     c.fc1_wgmma = wgmma_params(*wg, MoeGemmStage::kFc1, shape);
     c.fc2_wgmma = wgmma_params(*wg, MoeGemmStage::kFc2, shape);
@@ -899,10 +913,12 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
                                        kRouteLargeRows / k};
   for (const GemmTile& tile : kGemmTiles) thresholds.push_back(tile.max_tokens);
-  // The last T below each warpgroup tile's rows-per-expert threshold.
+  // The last T below each warpgroup tile's rows-per-expert bounds.
   for (const WgmmaTile& wg : kWgmmaTiles) {
-    const long long need = static_cast<long long>(wg.min_rows_per_expert) * routed_experts(shape);
-    if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
+    for (const int bound : {wg.min_rows_per_expert, wg.below_rows_per_expert}) {
+      const long long need = static_cast<long long>(bound) * routed_experts(shape);
+      if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
+    }
   }
   // marlin_moe: the last T of 8-row route blocks, and where FC1 turns tall inside them
   // (fc1_tile_for; its CTA count only grows with T, so it turns once).

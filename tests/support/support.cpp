@@ -104,6 +104,14 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
   return out;
 }
 
+WideBucketTiles wide_bucket_tiles(const ModelShape& shape) {
+  WideBucketTiles out;
+  for (int t = 513; t <= std::min(1024, shape.max_tokens); ++t) {
+    (routed_rows(shape, t, 44) > 0 ? out.n64 : out.n128) = true;
+  }
+  return out;
+}
+
 int run_command(const std::string& command, std::string* output) {
   std::string full = command + " 2>&1";
   FILE* pipe = popen(full.c_str(), "r");

@@ -243,11 +243,17 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
       CHECK(both_mid == (sm90a && shape.name.rfind("kimi", 0) != 0 &&
                          shape.name != "deepseek-v4.1-flash-tp4"));
+      // 32-row blocks (T = 513..1024) take N = 64 below 44 rows per expert, N = 128 from 44:
+      // qwen3-30b-a3b (32-64 rows) plans both.
+      const moejit::test::WideBucketTiles wide = moejit::test::wide_bucket_tiles(shape);
+      const bool both_wide = sm90a && wide.n64 && wide.n128;
+      CHECK(both_wide == (sm90a && shape.name == "qwen3-30b-a3b"));
       // FC1 with 8-row blocks takes 128 rows where its CTAs fill two waves (fc1_tall_expected):
       // a shape whose T of 8-row blocks use both tiles plans one FC1 kernel more.
       const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
       const int fc1_extra = fc1_small.base && fc1_small.tall ? 1 : 0;
-      CHECK(count[Family::kMarlinMoe] == (both_mid ? 12 : 10) + fc1_extra);
+      CHECK(count[Family::kMarlinMoe] ==
+            (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + fc1_extra);
       std::set<std::pair<int, int>> tiles{{32, 8}, {64, 16}, {64, 32}, {128, 64}};
       if (fc1_small.base) tiles.insert({64, 8});
       if (fc1_small.tall) tiles.insert({128, 8});
@@ -412,8 +418,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
 
   // Above T = 512, and with 16-row blocks where experts average 12 rows or more (gpt-oss:
   // T * 4 >= 12 * 128, T >= 384), the tile has an sm_90a warpgroup variant on the same route
-  // blocks; the specs take it on sm_90a only. N = 64 and three CTAs per SM over 16-row blocks,
-  // N = 128 and two above.
+  // blocks; the specs take it on sm_90a only. N = 64 and three CTAs per SM over 16-row blocks
+  // and over 32-row blocks below 44 rows per expert (gpt-oss: T <= 1024 has at most 32), else
+  // N = 128 and two.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
       {1, 0},     {96, 0},     {192, 0},    {193, 0},    {383, 0},    {384, 16},   {512, 16},
@@ -432,12 +439,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
       continue;
     }
     CHECK(c.route.block_m == route_block);
+    const bool narrow = route_block == 16 || route_block == 32;
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
       Tile expected = wg;
       expected.n = route_block;
-      if (route_block == 16) expected.occupancy = 3;
+      if (narrow) expected.occupancy = 3;
       CHECK(same_tile(tile_of(*p), expected));
-      CHECK(p->wgmma_n == (route_block == 16 ? 64 : 128));
+      CHECK(p->wgmma_n == (narrow ? 64 : 128));
       CHECK(p->block_n == c.route.block_m);  // wgmma_n / block_n route blocks per CTA, same route
     }
     CHECK(on_90a.fc1_params == c.fc1_wgmma);
@@ -457,7 +465,7 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
     // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes); with
     // N = 64, 8 KB of inputs (stages of 13312) and half the ids.
-    const long long smem = route_block == 16 ? 4 * 13312 + 512 + 1024 : 4 * 21504 + 1024 + 1024;
+    const long long smem = narrow ? 4 * 13312 + 512 + 1024 : 4 * 21504 + 1024 + 1024;
     CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == smem);
     // FC2's staging tile (wgmma_n tokens x 128 bf16 + 16 bytes) fits in its ring.
     CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == smem);
