@@ -120,8 +120,10 @@ constexpr int kRepackThreads = 256;
 // "16-row blocks: a narrower warpgroup tile"): two warpgroups of one m64 tile, 4 stages, over up
 // to wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of
 // wgmma_n that holds its real rows).
-// - T > 1024: N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms
-//   for the mma.sync tile.
+// - T > 1024 (64-row blocks): N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms
+//   against 3.58 ms for the mma.sync tile; N = 64 and three below 44 rows per expert
+//   (kimi-k3.1-tp8 T = 1536, 27 rows: 1185 against 1313 us; T = 2048: 1394 against 1536;
+//   deepseek-v4-flash-tp4 T = 1536, 36 rows: 551 against 580).
 // - T = 513..1024 (32-row blocks): faster than the mma.sync tile on every reference shape
 //   measured (T = 1024: gpt-oss 967 against 1432 us, qwen3-30b-a3b 281 against 500,
 //   deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222 against 1292); N = 64 and three
@@ -142,7 +144,8 @@ constexpr WgmmaTile kWgmmaTiles[] = {
     {512, 64, 16, 2, 1, 4, 3, 12, 0},
     {1024, 64, 32, 2, 1, 4, 3, 0, 44},
     {1024, 128, 32, 2, 1, 4, 2, 44, 0},
-    {INT_MAX, 128, 64, 2, 1, 4, 2, 0, 0},
+    {INT_MAX, 64, 64, 2, 1, 4, 3, 0, 44},
+    {INT_MAX, 128, 64, 2, 1, 4, 2, 44, 0},
 };
 
 static_assert(shares_route_blocks(kWgmmaTiles),

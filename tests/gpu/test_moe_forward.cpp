@@ -214,19 +214,35 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   }
 }
 
-// Above T = 1024 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh: paired 64-row
-// route blocks; a CTA runs at N = 32, 64, 96 or 128, the narrowest that holds its real rows)
-// where the device is sm_90a, the mma.sync tile elsewhere. With 24-48 experts every expert gets
-// tens of 64-row blocks and its last CTA a random remainder; the test counts which widths those
-// remainders pick and requires every one of them.
-TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference", "[gpu][moe]") {
+// From T = 513 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh) where the device is
+// sm_90a, the mma.sync tile elsewhere: N = 128 over 32- or 64-row route blocks where experts
+// average 44 rows or more, N = 64 (three CTAs per SM) below. A CTA runs at the narrowest quarter
+// of N that holds its real rows. The sweep shapes (24-48 experts) give every expert tens of
+// blocks at T = 1100 and 4096 (N = 128); two shapes with top-k 1 over 32 experts average 19, 34
+// and 44 rows at T = 600, 1100 and 1400 (N = 64, over 32- then 64-row blocks). The test counts
+// which quarter each expert's last CTA takes, per N, and requires every one of them.
+TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 reference", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  constexpr int kPrefillTokens[] = {1100, 4096};
-  std::vector<ModelShape> shapes;
+  struct Case {
+    ModelShape shape;
+    std::string name;       // the reference shape it is resized from
+    std::vector<int> tokens;
+    int wgmma_n;            // the warpgroup tile's N on sm_90a at these T
+  };
+  std::vector<Case> cases;
   for (const SweepShape& s : kSweep) {
-    shapes.push_back(resized(reference_shape(s.name), s.experts, 0, s.experts, 4096));
+    cases.push_back({resized(reference_shape(s.name), s.experts, 0, s.experts, 4096), s.name,
+                     {1100, 4096}, 128});
   }
+  for (const char* name : {"qwen3-30b-a3b", "gpt-oss-20b"}) {
+    ModelShape few = resized(reference_shape(name), 32, 0, 32, 1400);
+    few.top_k = 1;
+    few.name += "k1";
+    cases.push_back({few, name, {600, 1100, 1400}, 64});
+  }
+  std::vector<ModelShape> shapes;
+  for (const Case& c : cases) shapes.push_back(c.shape);
   prewarm_shapes(shapes);
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -234,9 +250,10 @@ TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference"
   std::mt19937_64 rng(seed);
   const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
   const bool wgmma = moejit::detail::wgmma_runs_on(arch);
-  int last_tiles[4] = {};  // experts whose last CTA runs at N = 32, 64, 96, 128
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const ModelShape& shape = shapes[n];
+  // Experts whose last CTA runs at quarter q of N, for N = 64 and 128.
+  int last_tiles[2][4] = {};
+  for (const Case& c : cases) {
+    const ModelShape& shape = c.shape;
     const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
     std::unique_ptr<DeviceModel> model;
     {
@@ -247,28 +264,29 @@ TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference"
     IdPlan plan;
     plan.lo = 0;
     plan.hi = shape.num_experts;
-    for (int tokens : kPrefillTokens) {
-      const std::string label = std::string(kSweep[n].name) + " T=" + std::to_string(tokens);
-      INFO(label << " " << describe(shape, reference_shape(kSweep[n].name).num_experts));
+    for (int tokens : c.tokens) {
+      const std::string label = shape.name + " T=" + std::to_string(tokens);
+      INFO(label << " " << describe(shape, reference_shape(c.name).num_experts));
       const moejit::detail::MoeForwardSpecs specs = moejit::detail::moe_forward_specs(
           moejit::detail::choose_moe_config(shape, tokens), arch);
-      CHECK(specs.fc1_params.wgmma_n == (wgmma ? 128 : 0));
-      CHECK(specs.fc2_params.wgmma_n == (wgmma ? 128 : 0));
+      CHECK(specs.fc1_params.wgmma_n == (wgmma ? c.wgmma_n : 0));
+      CHECK(specs.fc2_params.wgmma_n == (wgmma ? c.wgmma_n : 0));
       const Tokens tk = make_tokens(shape, tokens, plan, rng);
       std::vector<int> rows(static_cast<std::size_t>(shape.num_experts), 0);
       for (int64_t id : tk.ids) {
         if (id >= 0 && id < shape.num_experts) ++rows[static_cast<std::size_t>(id)];
       }
+      const int quarter = c.wgmma_n / 4;
       for (int r : rows) {
-        if (r > 0) ++last_tiles[((r - 1) % 128) / 32];
+        if (r > 0) ++last_tiles[c.wgmma_n == 64 ? 0 : 1][((r - 1) % c.wgmma_n) / quarter];
       }
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
       const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
       bool repeat = false;
       const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), kAuto, &repeat);
-      check_score(label + (wgmma ? " [wgmma]" : " [mma.sync]"), score(out, ref, which, shape.hidden),
-                  which.size(), tokens);
+      check_score(label + (wgmma ? " [wgmma" + std::to_string(c.wgmma_n) + "]" : " [mma.sync]"),
+                  score(out, ref, which, shape.hidden), which.size(), tokens);
       INFO("3 runs bitwise identical, every element finite");
       CHECK(count_nonfinite(out) == 0);
       CHECK(repeat);
@@ -276,12 +294,16 @@ TEST_CASE("moe_forward: the prefill tile (T = 1100, 4096) vs the fp64 reference"
       CHECK(same_bits(io.run(*model, stream.get(), kMarlin), out));
     }
   }
-  std::printf("moe_forward prefill: experts whose last tile is N = 32 / 64 / 96 / 128: %d / %d / "
-              "%d / %d\n",
-              last_tiles[0], last_tiles[1], last_tiles[2], last_tiles[3]);
-  for (int q = 0; q < 4; ++q) {
-    INFO("no expert's last tile ran at N = " << 32 * (q + 1));
-    CHECK(last_tiles[q] > 0);
+  for (int w = 0; w < 2; ++w) {
+    const int n = 64 * (w + 1);
+    std::printf("moe_forward prefill: experts whose last tile is N = %d / %d / %d / %d of %d: "
+                "%d / %d / %d / %d\n",
+                n / 4, n / 2, 3 * n / 4, n, n, last_tiles[w][0], last_tiles[w][1],
+                last_tiles[w][2], last_tiles[w][3]);
+    for (int q = 0; q < 4; ++q) {
+      INFO("no expert's last tile ran at N = " << n / 4 * (q + 1) << " of " << n);
+      CHECK(last_tiles[w][q] > 0);
+    }
   }
 }
 

@@ -104,9 +104,9 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
   return out;
 }
 
-WideBucketTiles wide_bucket_tiles(const ModelShape& shape) {
-  WideBucketTiles out;
-  for (int t = 513; t <= std::min(1024, shape.max_tokens); ++t) {
+WideTiles wide_tiles(const ModelShape& shape, int first, int last) {
+  WideTiles out;
+  for (int t = first; t <= std::min(last, shape.max_tokens); ++t) {
     (routed_rows(shape, t, 44) > 0 ? out.n64 : out.n128) = true;
   }
   return out;

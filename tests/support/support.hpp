@@ -60,13 +60,13 @@ struct MidBucketTiles {
   bool wgmma = false;
 };
 MidBucketTiles mid_bucket_tiles(const ModelShape& shape);
-// Which warpgroup tiles T = 513..1024 (32-row blocks, up to max_tokens) use on sm_90a: N = 64
-// below 44 rows per routed expert, N = 128 from 44.
-struct WideBucketTiles {
+// Which warpgroup tiles T = first..last (up to max_tokens) use on sm_90a from T = 513 (32-row
+// blocks to 1024, 64-row above): N = 64 below 44 rows per routed expert, N = 128 from 44.
+struct WideTiles {
   bool n64 = false;
   bool n128 = false;
 };
-WideBucketTiles wide_bucket_tiles(const ModelShape& shape);
+WideTiles wide_tiles(const ModelShape& shape, int first, int last);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);

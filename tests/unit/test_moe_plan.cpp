@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -243,17 +244,23 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
       CHECK(both_mid == (sm90a && shape.name.rfind("kimi", 0) != 0 &&
                          shape.name != "deepseek-v4.1-flash-tp4"));
-      // 32-row blocks (T = 513..1024) take N = 64 below 44 rows per expert, N = 128 from 44:
-      // qwen3-30b-a3b (32-64 rows) plans both.
-      const moejit::test::WideBucketTiles wide = moejit::test::wide_bucket_tiles(shape);
+      // 32-row blocks (T = 513..1024) and 64-row ones (above) take N = 64 below 44 rows per
+      // expert, N = 128 from 44: with 32-row blocks qwen3-30b-a3b (32-64 rows) plans both, with
+      // 64-row ones every shape whose T = 1025 has fewer than 44 (all but qwen3-30b-a3b,
+      // gpt-oss-20b and qwen2-57b-a14b).
+      const moejit::test::WideTiles wide = moejit::test::wide_tiles(shape, 513, 1024);
       const bool both_wide = sm90a && wide.n64 && wide.n128;
       CHECK(both_wide == (sm90a && shape.name == "qwen3-30b-a3b"));
+      const moejit::test::WideTiles prefill = moejit::test::wide_tiles(shape, 1025, INT_MAX);
+      const bool both_prefill = sm90a && prefill.n64 && prefill.n128;
+      CHECK(both_prefill == (sm90a && shape.name != "qwen3-30b-a3b" &&
+                             shape.name != "gpt-oss-20b" && shape.name != "qwen2-57b-a14b"));
       // FC1 with 8-row blocks takes 128 rows where its CTAs fill two waves (fc1_tall_expected):
       // a shape whose T of 8-row blocks use both tiles plans one FC1 kernel more.
       const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
       const int fc1_extra = fc1_small.base && fc1_small.tall ? 1 : 0;
       CHECK(count[Family::kMarlinMoe] ==
-            (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + fc1_extra);
+            (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + fc1_extra);
       std::set<std::pair<int, int>> tiles{{32, 8}, {64, 16}, {64, 32}, {128, 64}};
       if (fc1_small.base) tiles.insert({64, 8});
       if (fc1_small.tall) tiles.insert({128, 8});
@@ -419,12 +426,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   // Above T = 512, and with 16-row blocks where experts average 12 rows or more (gpt-oss:
   // T * 4 >= 12 * 128, T >= 384), the tile has an sm_90a warpgroup variant on the same route
   // blocks; the specs take it on sm_90a only. N = 64 and three CTAs per SM over 16-row blocks
-  // and over 32-row blocks below 44 rows per expert (gpt-oss: T <= 1024 has at most 32), else
-  // N = 128 and two.
+  // and elsewhere below 44 rows per expert (gpt-oss: T * 4 < 44 * 128, T <= 1407), else N = 128
+  // and two.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
       {1, 0},     {96, 0},     {192, 0},    {193, 0},    {383, 0},    {384, 16},   {512, 16},
-      {513, 32},  {1000, 32},  {1024, 32},  {1025, 64},  {2048, 64},  {4096, 64},  {16384, 64}};
+      {513, 32},  {1000, 32},  {1024, 32},  {1025, 64},  {1407, 64},  {1408, 64},  {2048, 64},
+      {4096, 64}, {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
@@ -439,7 +447,7 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
       continue;
     }
     CHECK(c.route.block_m == route_block);
-    const bool narrow = route_block == 16 || route_block == 32;
+    const bool narrow = tokens <= 1407;
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
       Tile expected = wg;
       expected.n = route_block;
