@@ -141,11 +141,11 @@ constexpr int kRepackThreads = 256;
 // ptxas fits the N = 64 tile in 80 registers at three CTAs per SM with 68 bytes of spill and
 // notes its wgmmas serialized; it is faster all the same.
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {512, 64, 16, 2, 1, 4, 3, 12, 0},
-    {1024, 64, 32, 2, 1, 4, 3, 0, 44},
-    {1024, 128, 32, 2, 1, 4, 2, 44, 0},
-    {INT_MAX, 64, 64, 2, 1, 4, 3, 0, 44},
-    {INT_MAX, 128, 64, 2, 1, 4, 2, 44, 0},
+    {512, 64, 16, 2, 1, 4, 3, 12, 0},       // 16-row blocks, from 12 rows per expert
+    {1024, 64, 32, 2, 1, 4, 3, 0, 44},      // 32-row blocks, below 44 rows
+    {1024, 128, 32, 2, 1, 4, 2, 44, 0},     // 32-row blocks, from 44
+    {INT_MAX, 64, 64, 2, 1, 4, 3, 0, 44},   // 64-row blocks, below 44
+    {INT_MAX, 128, 64, 2, 1, 4, 2, 44, 0},  // 64-row blocks, from 44
 };
 
 static_assert(shares_route_blocks(kWgmmaTiles),

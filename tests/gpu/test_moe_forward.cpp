@@ -226,14 +226,16 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
   TestStream stream;
   struct Case {
     ModelShape shape;
-    std::string name;       // the reference shape it is resized from
+    std::string name;  // the reference shape it is resized from
     std::vector<int> tokens;
-    int wgmma_n;            // the warpgroup tile's N on sm_90a at these T
+    int wgmma_n;  // the warpgroup tile's N on sm_90a at these T
   };
   std::vector<Case> cases;
   for (const SweepShape& s : kSweep) {
-    cases.push_back({resized(reference_shape(s.name), s.experts, 0, s.experts, 4096), s.name,
-                     {1100, 4096}, 128});
+    cases.push_back({resized(reference_shape(s.name), s.experts, 0, s.experts, 4096),
+                     s.name,
+                     {1100, 4096},
+                     128});
   }
   for (const char* name : {"qwen3-30b-a3b", "gpt-oss-20b"}) {
     ModelShape few = resized(reference_shape(name), 32, 0, 32, 1400);
@@ -296,10 +298,11 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
   }
   for (int w = 0; w < 2; ++w) {
     const int n = 64 * (w + 1);
-    std::printf("moe_forward prefill: experts whose last tile is N = %d / %d / %d / %d of %d: "
-                "%d / %d / %d / %d\n",
-                n / 4, n / 2, 3 * n / 4, n, n, last_tiles[w][0], last_tiles[w][1],
-                last_tiles[w][2], last_tiles[w][3]);
+    std::printf(
+        "moe_forward prefill: experts whose last tile is N = %d / %d / %d / %d of %d: "
+        "%d / %d / %d / %d\n",
+        n / 4, n / 2, 3 * n / 4, n, n, last_tiles[w][0], last_tiles[w][1], last_tiles[w][2],
+        last_tiles[w][3]);
     for (int q = 0; q < 4; ++q) {
       INFO("no expert's last tile ran at N = " << n / 4 * (q + 1) << " of " << n);
       CHECK(last_tiles[w][q] > 0);

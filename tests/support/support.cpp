@@ -72,7 +72,7 @@ double expected_touched(int experts, int top_k, int tokens) {
 namespace {
 long long routed_rows(const ModelShape& shape, int tokens, int rows_per_expert) {
   return static_cast<long long>(rows_per_expert) *
-         std::max(shape.num_experts, shape.global_experts) -
+             std::max(shape.num_experts, shape.global_experts) -
          static_cast<long long>(tokens) * shape.top_k;
 }
 }  // namespace

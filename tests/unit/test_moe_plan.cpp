@@ -242,8 +242,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool sm90a = std::string(arch) == "sm_90a";
       const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
-      CHECK(both_mid == (sm90a && shape.name.rfind("kimi", 0) != 0 &&
-                         shape.name != "deepseek-v4.1-flash-tp4"));
+      CHECK(both_mid ==
+            (sm90a && shape.name.rfind("kimi", 0) != 0 && shape.name != "deepseek-v4.1-flash-tp4"));
       // 32-row blocks (T = 513..1024) and 64-row ones (above) take N = 64 below 44 rows per
       // expert, N = 128 from 44: with 32-row blocks qwen3-30b-a3b (32-64 rows) plans both, with
       // 64-row ones every shape whose T = 1025 has fewer than 44 (all but qwen3-30b-a3b,
@@ -399,10 +399,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   const Tile t1000{64, 32, 128, 4, 4, 1, 1, 3};
   const Tile t4096{128, 64, 128, 4, 8, 1, 1, 2};
   const std::vector<std::pair<int, Tile>> expected = {
-      {1, t1},       {2, t1},       {3, t96},      {7, t96},      {96, t96},
-      {160, t96},    {192, t96},    {193, t256},   {256, t256},   {512, t256},
-      {513, t1000},  {1024, t1000}, {1025, t4096}, {2048, t4096}, {4096, t4096},
-      {16384, t4096}};
+      {1, t1},       {2, t1},       {3, t96},      {7, t96},      {96, t96},    {160, t96},
+      {192, t96},    {193, t256},   {256, t256},   {512, t256},   {513, t1000}, {1024, t1000},
+      {1025, t4096}, {2048, t4096}, {4096, t4096}, {16384, t4096}};
   // 8-row route blocks while experts average at most 6 rows: T * 4 <= 6 * 128, T <= 192.
   CHECK(moejit::test::small_blocks_expected(gpt, 192));
   CHECK_FALSE(moejit::test::small_blocks_expected(gpt, 193));
@@ -430,9 +429,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   // and two.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
-      {1, 0},     {96, 0},     {192, 0},    {193, 0},    {383, 0},    {384, 16},   {512, 16},
-      {513, 32},  {1000, 32},  {1024, 32},  {1025, 64},  {1407, 64},  {1408, 64},  {2048, 64},
-      {4096, 64}, {16384, 64}};
+      {1, 0},     {96, 0},    {192, 0},   {193, 0},   {383, 0},   {384, 16},
+      {512, 16},  {513, 32},  {1000, 32}, {1024, 32}, {1025, 64}, {1407, 64},
+      {1408, 64}, {2048, 64}, {4096, 64}, {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
