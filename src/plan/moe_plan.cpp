@@ -117,7 +117,7 @@ constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
 
 // Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma", "wgmma tile widths" and
-// "16-row blocks: a narrower warpgroup tile"): two warpgroups of one m64 tile, 4 stages, over up
+// "route blocks by rows per expert, and a narrower warpgroup tile"): two warpgroups of one m64 tile, 4 stages, over up
 // to wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of
 // wgmma_n that holds its real rows).
 // - T > 1024 (64-row blocks): N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms
@@ -161,7 +161,7 @@ constexpr const GemmTile& kSmallBlockTile = kGemmTiles[1];  // route blocks of 8
 
 // Route blocks of 8 rows (kSmallBlockTile's bucket) wherever uniform top-k routing gives each
 // routed expert at most this many rows on average, whatever T. Measured on the H200
-// (tools/PERF_LOG.md "marlin_moe: route blocks by rows per expert"), layer time with 8-row
+// (tools/PERF_LOG.md "marlin_moe: route blocks by rows per expert, ..."), layer time with 8-row
 // against 16-row blocks: faster up to 6 rows (kimi-k3.1-tp8 T = 256, 4.6 rows: 691 against 765
 // us; deepseek-v4-flash-tp4 T = 256, 6 rows: 318 against 335), slower from 8 (gpt-oss-120b
 // T = 256: 783 against 701; qwen3-30b-a3b T = 128: 146 against 137; gpt-oss-20b T = 64: 198

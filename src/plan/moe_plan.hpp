@@ -45,8 +45,8 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
 // MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair for
 // T <= kDecodePairMaxTokens where its rules pass, else the persistent tile), marlin_moe above.
-// Why 24: on the H200 (tools/PERF_LOG.md "decode_moe against marlin_moe with 8-row blocks by
-// rows per expert"), over the four served reference shapes decode_moe takes 0.90-1.03x
+// Why 24: on the H200 (tools/PERF_LOG.md "marlin_moe: route blocks by rows per expert, and a
+// narrower warpgroup tile"), over the four served reference shapes decode_moe takes 0.90-1.03x
 // marlin_moe's time at T = 3, 0.90-1.12x at T = 4..24 (0.98-1.06x at 24), and 1.01-1.18x from
 // T = 32 (1.04-1.18x at 96, 1.06-1.18x at 192).
 inline constexpr int kDecodeAutoMaxTokens = 24;
