@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
+#include <utility>
 
 #include "driver/driver.hpp"
 
@@ -110,6 +112,20 @@ WideTiles wide_tiles(const ModelShape& shape, int first, int last) {
     (routed_rows(shape, t, 44) > 0 ? out.n64 : out.n128) = true;
   }
   return out;
+}
+
+int planned_marlin_kernels(const ModelShape& shape, bool sm90a) {
+  int kernels = 10;
+  if (sm90a) {
+    const MidBucketTiles mid = mid_bucket_tiles(shape);
+    if (mid.mma && mid.wgmma) kernels += 2;
+    for (const auto& [first, last] : {std::pair{513, 1024}, std::pair{1025, INT_MAX}}) {
+      const WideTiles wide = wide_tiles(shape, first, last);
+      if (wide.n64 && wide.n128) kernels += 2;
+    }
+  }
+  const Fc1BucketTiles fc1 = fc1_bucket_tiles(shape);
+  return kernels + (fc1.base && fc1.tall ? 1 : 0);
 }
 
 int run_command(const std::string& command, std::string* output) {

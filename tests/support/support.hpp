@@ -67,6 +67,11 @@ struct WideTiles {
   bool n128 = false;
 };
 WideTiles wide_tiles(const ModelShape& shape, int first, int last);
+// The marlin_moe kernels prewarm plans for the shape, from the rules above: five tiles (T = 1,
+// 8-row blocks, 16-row blocks, 32-row, 64-row), FC1 and FC2 each; two more for each block size
+// whose T take two tiles on sm_90a (mma.sync and warpgroup, or warpgroup N = 64 and 128); one
+// more FC1 where 8-row blocks take both FC1 tiles.
+int planned_marlin_kernels(const ModelShape& shape, bool sm90a);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);

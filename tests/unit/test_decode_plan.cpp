@@ -5,7 +5,6 @@
 // that need no GPU.
 #include <algorithm>
 #include <catch2/catch.hpp>
-#include <climits>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -727,20 +726,10 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
         }
       }
       CHECK(planned_decode == expected);
-      // marlin stays planned for every T (a call can force it): the five tiles, FC1 and FC2,
-      // and on sm_90a both tiles of the 16-row blocks where its warpgroup variant starts among
-      // their T (test_moe_plan.cpp's reference-shape test says where).
-      const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
-      const bool both = target == sm90 && mid.mma && mid.wgmma;
-      std::size_t wide_extra = 0;
-      for (const auto& [first, last] : {std::pair{513, 1024}, std::pair{1025, INT_MAX}}) {
-        const moejit::test::WideTiles wide = moejit::test::wide_tiles(shape, first, last);
-        wide_extra += target == sm90 && wide.n64 && wide.n128 ? 2u : 0u;
-      }
-      // FC1 with 8-row blocks: one kernel more where its 64-row and 128-row tiles both serve.
-      const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
-      const std::size_t extra = fc1_small.base && fc1_small.tall ? 1u : 0u;
-      CHECK(marlin.size() == (both ? 12u : 10u) + wide_extra + extra);
+      // marlin stays planned for every T (a call can force it): its tiles for every T
+      // (test_moe_plan.cpp's reference-shape test says which, per shape).
+      CHECK(static_cast<int>(marlin.size()) ==
+            moejit::test::planned_marlin_kernels(shape, target == sm90));
     }
   }
 

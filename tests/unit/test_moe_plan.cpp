@@ -261,6 +261,7 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const int fc1_extra = fc1_small.base && fc1_small.tall ? 1 : 0;
       CHECK(count[Family::kMarlinMoe] ==
             (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + fc1_extra);
+      CHECK(count[Family::kMarlinMoe] == moejit::test::planned_marlin_kernels(shape, sm90a));
       std::set<std::pair<int, int>> tiles{{32, 8}, {64, 16}, {64, 32}, {128, 64}};
       if (fc1_small.base) tiles.insert({64, 8});
       if (fc1_small.tall) tiles.insert({128, 8});
