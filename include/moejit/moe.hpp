@@ -128,7 +128,7 @@ struct MoeForwardArgs {
 enum class MoePath {
   kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T <= 24 where it
             // serves (for T <= 2 its two-kernel tile where that serves the shape), marlin_moe
-            // otherwise (from T = 32 1-18% faster; up to 24 the two are within about 10%)
+            // otherwise (from T = 32 up to 18% faster; up to 24 the two are within about 10%)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };

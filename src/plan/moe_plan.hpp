@@ -47,8 +47,9 @@ inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe 
 // T <= kDecodePairMaxTokens where its rules pass, else the persistent tile), marlin_moe above.
 // Why 24: on the H200 (tools/PERF_LOG.md "marlin_moe: route blocks by rows per expert, and a
 // narrower warpgroup tile"), over the four served reference shapes decode_moe takes 0.90-1.03x
-// marlin_moe's time at T = 3, 0.90-1.12x at T = 4..24 (0.98-1.06x at 24), and 1.01-1.18x from
-// T = 32 (1.04-1.18x at 96, 1.06-1.18x at 192).
+// marlin_moe's time at T = 3, 0.90-1.12x at T = 4..24 (0.98-1.06x at 24), and 1.00-1.18x from
+// T = 32 (1.03-1.11x at 96, 1.06-1.18x at 192; qwen3-30b-a3b at T = 256 0.99x, 1.12x once
+// marlin_moe took its N = 64 warpgroup tile).
 inline constexpr int kDecodeAutoMaxTokens = 24;
 // Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
 // 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
