@@ -915,7 +915,11 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   const int k = std::max(shape.top_k, 1);
   std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
                                        kRouteLargeRows / k};
-  for (const GemmTile& tile : kGemmTiles) thresholds.push_back(tile.max_tokens);
+  // The T buckets' ends; the 8-row blocks end by rows per expert (small_last below), not at
+  // their bucket's nominal 160.
+  for (const GemmTile& tile : kGemmTiles) {
+    if (&tile != &kSmallBlockTile) thresholds.push_back(tile.max_tokens);
+  }
   // The last T below each warpgroup tile's rows-per-expert bounds.
   for (const WgmmaTile& wg : kWgmmaTiles) {
     for (const int bound : {wg.min_rows_per_expert, wg.below_rows_per_expert}) {
