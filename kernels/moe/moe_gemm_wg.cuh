@@ -22,6 +22,9 @@
 //   done), passes the CTA barrier (tile kt + 1 landed, tile kt - 1's stage free for the next
 //   copy), then dequantizes tile kt + 1 (one 16-byte load and one scale word per lane and m64
 //   tile, mxfp4::dequant_step) into the other register set while the tensor core works.
+//   At three CTAs per SM (80 registers) there is one register set: the warpgroup waits for
+//   tile kt's wgmmas before the barrier and dequantizes tile kt + 1 into the same registers,
+//   while the other CTAs' warps keep the SM busy (kABuffers).
 // - Route blocks: the route runs with blocks of kRouteBlock rows (kBlockN / kRouteBlock = 1,
 //   2, 4, 8 or 16 of them per tile) and a CTA takes up to that many consecutive blocks of one
 //   expert, starting at the expert's first block or a multiple of that many after it. Its
@@ -65,6 +68,13 @@ struct MoeGemmWgTraits {
   static constexpr int kBlockM = 64 * kWarpGroups * kWgTilesM;  // weight rows per CTA
   static constexpr int kBlockK = layout::kAtomK;                // K per stage: one atom column
   static constexpr int kThreads = 128 * kWarpGroups;
+  // A-fragment register sets: two (tile kt + 1 dequantized while tile kt's wgmmas run) where
+  // registers allow, one at three CTAs per SM. Why: with two sets and 64 fp32 accumulators the
+  // N = 64 tile needs more than the 80 registers of three CTAs per SM, and ptxas then spills
+  // and serializes every wgmma of the kernel (a wait after each one, its note C7512); one set
+  // fits in 74 with neither, and measured 4-9% faster per layer (tools/PERF_LOG.md "one
+  // register set for the three-CTA warpgroup tile").
+  static constexpr int kABuffers = kMinBlocksPerSm >= 3 ? 1 : 2;
   static constexpr int kAtomsM = kBlockM / layout::kAtomRows;
   static constexpr int kInputRowBytes = kBlockK * 2;  // one 128-byte swizzle row per token
   static constexpr int kStageInputBytes = kBlockN * kInputRowBytes;
@@ -265,11 +275,11 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     s_lane[i] = static_cast<u32>(T::kStageInputBytes + T::kStageWeightBytes +
                                  strip * layout::kAtomScaleBytes + g * 4);
   }
-  // The A fragments of a whole K tile (4 k16 steps), double-buffered: tile kt + 1 is
-  // dequantized while the tensor core runs tile kt.
-  u32 a[2][T::kWgTilesM][4][4];
-  auto dequant_tile = [&](u32 stage, auto buf) {
-    constexpr int kBuf = decltype(buf)::kValue;
+  // The A fragments of a whole K tile (4 k16 steps), in kABuffers register sets: tile kt uses
+  // set kt % kABuffers (with two, tile kt + 1 is dequantized while the tensor core runs tile kt).
+  u32 a[T::kABuffers][T::kWgTilesM][4][4];
+  auto dequant_tile = [&](u32 stage, auto parity) {
+    constexpr int kBuf = decltype(parity)::kValue % T::kABuffers;
 #pragma unroll
     for (i32 i = 0; i < T::kWgTilesM; ++i) {
       u32 w[4];
@@ -285,9 +295,11 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   auto stage_addr = [&](i32 kt) {
     return smem_base + static_cast<u32>((kt % T::kStages) * T::kStageBytes);
   };
-  // Tile kt (fragments in a[kBuf]): issue its wgmmas, then prepare tile kt + 1 while they run.
-  auto step = [&](i32 kt, auto buf) {
-    constexpr int kBuf = decltype(buf)::kValue;
+  // Tile kt (parity kt % 2, fragments in a[kBuf]): issue its wgmmas, then prepare tile kt + 1
+  // while they run.
+  auto step = [&](i32 kt, auto parity) {
+    constexpr int kParity = decltype(parity)::kValue;
+    constexpr int kBuf = kParity % T::kABuffers;
     const u64 desc = wgmma::desc_sw128(stage_addr(kt));
     wgmma::fence();
 #pragma unroll
@@ -299,9 +311,11 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
       }
     }
     wgmma::commit();
-    // Tile kt - 1's wgmmas are done (its stage and a[kBuf ^ 1] are free) once at most this
-    // tile's group runs; the barrier makes that true for every warpgroup and lands tile kt + 1.
-    wgmma::wait<1>();
+    // With two register sets, tile kt - 1's wgmmas are done (its stage and its set are free)
+    // once at most this tile's group runs; with one, this tile's must be done too, as tile
+    // kt + 1 overwrites its registers. The barrier makes that true for every warpgroup and
+    // lands tile kt + 1.
+    wgmma::wait<T::kABuffers - 1>();
     ptx::cp_async_wait<T::kStages - 3>();
     __syncthreads();
     const i32 next = kt + T::kStages - 1;
@@ -313,7 +327,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     // Why: the copies above diverge where a stage's chunk count is not a multiple of the
     // thread count, and every wgmma instruction needs its whole warp converged.
     __syncwarp();
-    if (kt + 1 < k_tiles) dequant_tile(stage_addr(kt + 1), Int<kBuf ^ 1>{});
+    if (kt + 1 < k_tiles) dequant_tile(stage_addr(kt + 1), Int<kParity ^ 1>{});
   };
 
   ptx::cp_async_wait<T::kStages - 2>();

@@ -21,8 +21,9 @@
 //     2. route_scan_kernel: one CTA turns chunk_base[:, e] into exclusive prefixes over chunks,
 //        scans ceil(count / B) over experts; writes expert_counts, expert_block_offset,
 //        total_blocks.
-//     3. route_scatter_kernel: chunk c writes sorted_rows and the final slot_row of its entries;
-//        the CTAs share out the padding rows, block_expert and its -1 tail.
+//     3. route_scatter_kernel, grid route_scatter_ctas(N, C, E, threads) (the chunks, or one
+//        warp per expert if more): chunk c writes sorted_rows and the final slot_row of its
+//        entries; all CTAs share out the padding rows, block_expert and its -1 tail.
 // Why three launches and not a look-back single pass: the chunk ranks need the counts of every
 // earlier chunk on all E experts (E up to 896), which a decoupled look-back would have to pass
 // chunk to chunk as E-wide vectors; the kernels stay simple and free of inter-CTA waiting.
@@ -492,24 +493,26 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
   // Why three passes over registers: each row needs two loads that depend on the packed entry;
   // issued item by item (a store to slot_row between them may alias the next load) they would
   // cost kItems chains of round trips, batched they cost one.
-  int packed[Traits::kItems];
+  if (n > 0) {  // CTAs past the chunks only fill (route_scatter_ctas)
+    int packed[Traits::kItems];
 #pragma unroll
-  for (int it = 0; it < Traits::kItems; ++it) {
-    const int r = it * Traits::kThreads + tid;
-    packed[it] = r < n ? p.slot_row[begin + r] : -1;
-  }
-  int row[Traits::kItems];
+    for (int it = 0; it < Traits::kItems; ++it) {
+      const int r = it * Traits::kThreads + tid;
+      packed[it] = r < n ? p.slot_row[begin + r] : -1;
+    }
+    int row[Traits::kItems];
 #pragma unroll
-  for (int it = 0; it < Traits::kItems; ++it) {
-    const int e = packed[it] >= 0 ? packed[it] >> 16 : 0;
-    row[it] = p.expert_block_offset[e] * B + base[e] + (packed[it] & 0xffff);
-  }
+    for (int it = 0; it < Traits::kItems; ++it) {
+      const int e = packed[it] >= 0 ? packed[it] >> 16 : 0;
+      row[it] = p.expert_block_offset[e] * B + base[e] + (packed[it] & 0xffff);
+    }
 #pragma unroll
-  for (int it = 0; it < Traits::kItems; ++it) {
-    const int r = it * Traits::kThreads + tid;
-    if (packed[it] >= 0) {
-      p.sorted_rows[row[it]] = begin + r;
-      p.slot_row[begin + r] = row[it];
+    for (int it = 0; it < Traits::kItems; ++it) {
+      const int r = it * Traits::kThreads + tid;
+      if (packed[it] >= 0) {
+        p.sorted_rows[row[it]] = begin + r;
+        p.slot_row[begin + r] = row[it];
+      }
     }
   }
 

@@ -94,6 +94,18 @@ MOEJIT_HD constexpr long long route_num_chunks(long long rows, long long chunk_r
   return (rows + chunk_rows - 1) / chunk_rows;
 }
 
+// CTAs of route_scatter_kernel: one per chunk, and at least one warp per local expert for the
+// padding fill. Why: the fill walks experts one warp each, three dependent global reads per
+// expert, so two chunks' 32 warps over kimi-k3.1-tp8's 896 experts took 10 us (T = 96); the
+// CTAs past the chunks only fill.
+MOEJIT_HD constexpr long long route_scatter_ctas(long long rows, long long chunk_rows,
+                                                 long long experts, long long block_threads) {
+  const long long chunks = route_num_chunks(rows, chunk_rows);
+  const long long warps = block_threads / 32 > 0 ? block_threads / 32 : 1;
+  const long long fill = (experts + warps - 1) / warps;
+  return chunks > fill ? chunks : fill;
+}
+
 // Whether N entries take the one-launch path (route_single_kernel): N <= C.
 MOEJIT_HD constexpr bool route_is_single_cta(long long rows, long long chunk_rows) {
   return rows <= chunk_rows;

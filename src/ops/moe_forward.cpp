@@ -320,12 +320,16 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     void* route_args[] = {&route};
     const unsigned chunks =
         static_cast<unsigned>(kern::moe::route_num_chunks(rows, config.route.chunk_rows));
+    const unsigned scatter_ctas = static_cast<unsigned>(kern::moe::route_scatter_ctas(
+        rows, config.route.chunk_rows, shape.num_experts, config.route.block_threads));
     for (int i = 0; i < specs.route_count; ++i) {
       detail::LaunchShape geometry;
       geometry.block = static_cast<unsigned>(config.route.block_threads);
-      // single and scan: one CTA; rank and scatter: one per chunk.
+      // single and scan: one CTA; rank: one per chunk; scatter: route_scatter_ctas.
       const RouteKernel kind = std::get<MoeRouteParams>(specs.route[i].params).kernel;
-      geometry.grid_x = (kind == RouteKernel::kRank || kind == RouteKernel::kScatter) ? chunks : 1u;
+      geometry.grid_x = kind == RouteKernel::kRank      ? chunks
+                        : kind == RouteKernel::kScatter ? scatter_ctas
+                                                        : 1u;
       detail::launch_moe_kernel(kOp, specs.route[i], route_kernels[i], geometry, true, stream,
                                 route_args);
     }

@@ -117,20 +117,23 @@ constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
 
 // Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma", "wgmma tile widths" and
-// "route blocks by rows per expert, and a narrower warpgroup tile"): two warpgroups of one m64
+// "route blocks by rows per expert, and a narrower warpgroup tile", "one register set for the
+// three-CTA warpgroup tile"): two warpgroups of one m64
 // tile, 4 stages, over up to wgmma_n / block_n route blocks of one expert (a CTA runs at the
 // narrowest quarter of wgmma_n that holds its real rows).
 // - T > 1024 (64-row blocks): N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms
-//   against 3.58 ms for the mma.sync tile; N = 64 and three below 44 rows per expert
+//   against 3.58 ms for the mma.sync tile; N = 64 and three below 56 rows per expert
 //   (kimi-k3.1-tp8 T = 1536, 27 rows: 1185 against 1313 us; T = 2048: 1394 against 1536;
 //   deepseek-v4-flash-tp4 T = 1536, 36 rows: 551 against 580).
 // - T = 513..1024 (32-row blocks): faster than the mma.sync tile on every reference shape
 //   measured (T = 1024: gpt-oss 967 against 1432 us, qwen3-30b-a3b 281 against 500,
 //   deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222 against 1292); N = 64 and three
-//   CTAs per SM below 44 rows per expert (kimi-k3.1-tp8 T = 640, 11 rows: 936 against 1159 us;
+//   CTAs per SM below 56 rows per expert (kimi-k3.1-tp8 T = 640, 11 rows: 936 against 1159 us;
 //   deepseek-v4-flash-tp4 T = 768, 18 rows: 419 against 466; qwen3-30b-a3b T = 640, 40 rows: 218
-//   against 231), N = 128 and two from 44 (qwen3-30b-a3b T = 768, 48 rows: 240 against 249;
-//   T = 1024: 278 against 323).
+//   against 231), N = 128 and two from 56. With one A register set (kABuffers) the N = 64 tile
+//   won at 48 rows (qwen3-30b-a3b T = 768: 227 against 242 us; deepseek-v4-flash-tp4 T = 2048:
+//   586 against 639) and lost at 64 (qwen3-30b-a3b T = 1024: 297 against 280; gpt-oss-120b
+//   T = 2048: 1466 against 1323); 56 lies between.
 // - 16-row blocks (T <= 512): N = 64, three CTAs per SM, where experts average 12 rows or more
 //   (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us for the N = 128 tile; gpt-oss-120b
 //   T = 384, 12 rows: 721 against 791-807 for the mma.sync tile; gpt-oss-20b T = 96: 186
@@ -138,14 +141,14 @@ constexpr int kRepackThreads = 256;
 //   367 against 389; kimi-k3.1-tp8 T = 512, 9.1 rows: 877-888 against 929).
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 6 rows (tile_for).
-// ptxas fits the N = 64 tile in 80 registers at three CTAs per SM with 68 bytes of spill and
-// notes its wgmmas serialized; it is faster all the same.
+// The N = 64 tile keeps one A register set (moe_gemm_wg.cuh kABuffers): ptxas fits it in 74
+// registers at three CTAs per SM, without spills or serialized wgmmas.
 constexpr WgmmaTile kWgmmaTiles[] = {
     {512, 64, 16, 2, 1, 4, 3, 12, 0},       // 16-row blocks, from 12 rows per expert
-    {1024, 64, 32, 2, 1, 4, 3, 0, 44},      // 32-row blocks, below 44 rows
-    {1024, 128, 32, 2, 1, 4, 2, 44, 0},     // 32-row blocks, from 44
-    {INT_MAX, 64, 64, 2, 1, 4, 3, 0, 44},   // 64-row blocks, below 44
-    {INT_MAX, 128, 64, 2, 1, 4, 2, 44, 0},  // 64-row blocks, from 44
+    {1024, 64, 32, 2, 1, 4, 3, 0, 56},      // 32-row blocks, below 56 rows
+    {1024, 128, 32, 2, 1, 4, 2, 56, 0},     // 32-row blocks, from 56
+    {INT_MAX, 64, 64, 2, 1, 4, 3, 0, 56},   // 64-row blocks, below 56
+    {INT_MAX, 128, 64, 2, 1, 4, 2, 56, 0},  // 64-row blocks, from 56
 };
 
 static_assert(shares_route_blocks(kWgmmaTiles),

@@ -109,7 +109,7 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
 WideTiles wide_tiles(const ModelShape& shape, int first, int last) {
   WideTiles out;
   for (int t = first; t <= std::min(last, shape.max_tokens); ++t) {
-    (routed_rows(shape, t, 44) > 0 ? out.n64 : out.n128) = true;
+    (routed_rows(shape, t, 56) > 0 ? out.n64 : out.n128) = true;
   }
   return out;
 }

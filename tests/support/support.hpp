@@ -61,7 +61,7 @@ struct MidBucketTiles {
 };
 MidBucketTiles mid_bucket_tiles(const ModelShape& shape);
 // Which warpgroup tiles T = first..last (up to max_tokens) use on sm_90a from T = 513 (32-row
-// blocks to 1024, 64-row above): N = 64 below 44 rows per routed expert, N = 128 from 44.
+// blocks to 1024, 64-row above): N = 64 below 56 rows per routed expert, N = 128 from 56.
 struct WideTiles {
   bool n64 = false;
   bool n128 = false;

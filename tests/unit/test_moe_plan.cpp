@@ -244,9 +244,9 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
       CHECK(both_mid ==
             (sm90a && shape.name.rfind("kimi", 0) != 0 && shape.name != "deepseek-v4.1-flash-tp4"));
-      // 32-row blocks (T = 513..1024) and 64-row ones (above) take N = 64 below 44 rows per
-      // expert, N = 128 from 44: with 32-row blocks qwen3-30b-a3b (32-64 rows) plans both, with
-      // 64-row ones every shape whose T = 1025 has fewer than 44 (all but qwen3-30b-a3b,
+      // 32-row blocks (T = 513..1024) and 64-row ones (above) take N = 64 below 56 rows per
+      // expert, N = 128 from 56: with 32-row blocks qwen3-30b-a3b (32-64 rows) plans both, with
+      // 64-row ones every shape whose T = 1025 has fewer than 56 (all but qwen3-30b-a3b,
       // gpt-oss-20b and qwen2-57b-a14b).
       const moejit::test::WideTiles wide = moejit::test::wide_tiles(shape, 513, 1024);
       const bool both_wide = sm90a && wide.n64 && wide.n128;
@@ -426,13 +426,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   // Above T = 512, and with 16-row blocks where experts average 12 rows or more (gpt-oss:
   // T * 4 >= 12 * 128, T >= 384), the tile has an sm_90a warpgroup variant on the same route
   // blocks; the specs take it on sm_90a only. N = 64 and three CTAs per SM over 16-row blocks
-  // and elsewhere below 44 rows per expert (gpt-oss: T * 4 < 44 * 128, T <= 1407), else N = 128
+  // and elsewhere below 56 rows per expert (gpt-oss: T * 4 < 56 * 128, T <= 1791), else N = 128
   // and two.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
       {1, 0},     {96, 0},    {192, 0},   {193, 0},   {383, 0},   {384, 16},
-      {512, 16},  {513, 32},  {1000, 32}, {1024, 32}, {1025, 64}, {1407, 64},
-      {1408, 64}, {2048, 64}, {4096, 64}, {16384, 64}};
+      {512, 16},  {513, 32},  {1000, 32}, {1024, 32}, {1025, 64}, {1791, 64},
+      {1792, 64}, {2048, 64}, {4096, 64}, {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
@@ -447,7 +447,7 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
       continue;
     }
     CHECK(c.route.block_m == route_block);
-    const bool narrow = tokens <= 1407;
+    const bool narrow = tokens <= 1791;
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
       Tile expected = wg;
       expected.n = route_block;

@@ -311,6 +311,15 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
   CHECK(moejit::kern::moe::route_is_single_cta(4096, 4096));
   CHECK_FALSE(moejit::kern::moe::route_is_single_cta(4097, 4096));
   CHECK(moejit::kern::moe::route_num_chunks(4097, 4096) == 2);
+  // The scatter takes the chunks, or a warp per expert where that is more CTAs: kimi-k3.1-tp8
+  // (896 experts, 512 threads) at T = 96 has 2 chunks and 56 CTAs of 16 warps; gpt-oss-120b
+  // (128, 1024) at T = 257 2 chunks and 4 CTAs of 32 warps; N = 40000 over 4096-entry chunks
+  // 10 chunks, so 10 CTAs with 128 experts.
+  using moejit::kern::moe::route_scatter_ctas;
+  CHECK(route_scatter_ctas(96 * 16, 1024, 896, 512) == 56);
+  CHECK(route_scatter_ctas(257 * 4, 1024, 128, 1024) == 4);
+  CHECK(route_scatter_ctas(40000, 4096, 128, 1024) == 10);
+  CHECK(route_scatter_ctas(40000, 4096, 896, 512) == 56);
 }
 
 // ---- bf16, MXFP4, activations --------------------------------------------------------------
