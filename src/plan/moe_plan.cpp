@@ -16,11 +16,17 @@ namespace moejit::detail {
 
 namespace {
 
+// The T ranges marlin_moe plans a tile for: T <= 2, then route blocks of 8, 16, 32 and 64 rows.
+// A tile's variants (short-K FC2, tall FC1, warpgroup) name the bucket they serve and share its
+// route block, so they share its route and workspace.
+enum class Bucket { kFirst, kRows8, kRows16, kRows32, kRows64 };
+
 // One grouped-GEMM tile, used for T up to `max_tokens` (measured on the H200 with the standalone
 // harness, tools/PERF_LOG.md "marlin_moe": best config at T = 1, 7..96, 256, 1000, 4096 on
 // gpt-oss-120b and deepseek-v4-flash-tp4; the switch points sit between the measured T, near
-// their geometric means).
+// their geometric means). max_tokens 0: the bucket ends by rows per expert, not by T.
 struct GemmTile {
+  Bucket bucket;
   int max_tokens;
   int block_m, block_n, block_k, stages, warps_m, warps_n, warps_k, min_blocks_per_sm;
 };
@@ -28,7 +34,7 @@ struct GemmTile {
 // The sm_90a warpgroup tile (moe_gemm_wg.cuh) that replaces a GemmTile on devices with wgmma.
 // Its route block must be the GemmTile's block_n, so both share one route and one workspace.
 struct WgmmaTile {
-  int max_tokens;  // the GemmTile bucket it replaces
+  Bucket bucket;  // the GemmTile bucket it replaces
   int wgmma_n, block_n, warpgroups, tiles_m, stages, min_blocks_per_sm;
   // Taken where min_rows_per_expert * R <= T * K < below_rows_per_expert * R, R the routed
   // experts of all ranks: uniform routing gives each expert T * K / R rows on average (0: no
@@ -43,31 +49,30 @@ struct WgmmaTile {
 
 constexpr GemmTile kGemmTiles[] = {
     // T = 1: few experts touched; 32-row CTAs with K split over two warps put more CTAs on them.
-    {2, 32, 8, 256, 4, 2, 1, 2, 4},
+    {Bucket::kFirst, 2, 32, 8, 256, 4, 2, 1, 2, 4},
     // T = 3..: one n8 token tile, 64 weight rows per CTA, four CTAs per SM. Taken by the rows
-    // experts see, not by T (tile_for): 160 only names the bucket for its variants below.
-    {160, 64, 8, 256, 4, 4, 1, 1, 4},
+    // experts see, not by T (tile_for).
+    {Bucket::kRows8, 0, 64, 8, 256, 4, 4, 1, 1, 4},
     // T <= 512 past that: 16-token blocks halve the dequant work per weight byte of two 8-row
     // blocks.
-    {512, 64, 16, 256, 3, 4, 1, 1, 4},
+    {Bucket::kRows16, 512, 64, 16, 256, 3, 4, 1, 1, 4},
     // T ~ 1000: 32-token blocks, shorter K stages.
-    {1024, 64, 32, 128, 4, 4, 1, 1, 3},
+    {Bucket::kRows32, 1024, 64, 32, 128, 4, 4, 1, 1, 3},
     // T >= 4096: 128 x 64 tiles, eight warps along M. Why from T = 1025 (not near the geometric
     // mean of 1000 and 4096): the sm_90a wgmma tile of this bucket is 1.7x faster at T = 2048
     // (gpt-oss-120b FC1 + FC2 1.34 ms against 2.47 ms for the 32-token tile), while at T = 1000
     // the 32-token tile still wins on deepseek-v4-flash-tp4 (0.52 against 0.57 ms).
-    {INT_MAX, 128, 64, 128, 4, 8, 1, 1, 2},
+    {Bucket::kRows64, INT_MAX, 128, 64, 128, 4, 8, 1, 1, 2},
 };
 
 // Whether every tile of `variants` (short-K FC2, warpgroup, tall FC1) serves a GemmTile bucket
-// (the same max_tokens) with that bucket's route block: the variants share its route and
-// workspace.
+// with that bucket's route block: the variants share its route and workspace.
 template <class Tile, std::size_t N>
 constexpr bool shares_route_blocks(const Tile (&variants)[N]) {
   for (const Tile& variant : variants) {
     bool found = false;
     for (const GemmTile& tile : kGemmTiles) {
-      if (tile.max_tokens == variant.max_tokens) found = tile.block_n == variant.block_n;
+      if (tile.bucket == variant.bucket) found = tile.block_n == variant.block_n;
     }
     if (!found) return false;
   }
@@ -88,8 +93,8 @@ constexpr int kFc2ShortK = 768;
 constexpr GemmTile kFc2ShortKTiles[] = {
     // 256 rows, two atoms a warp: kimi-k3.1-tp8 T = 24 221 against 233 us with 128 rows,
     // deepseek-v4-flash-tp4 T = 96 242 against 250, qwen3-30b-a3b T = 24 84 against 87.
-    {160, 256, 8, 128, 3, 8, 1, 1, 3},
-    {512, 128, 16, 128, 4, 8, 1, 1, 3},
+    {Bucket::kRows8, 0, 256, 8, 128, 3, 8, 1, 1, 3},
+    {Bucket::kRows16, 512, 128, 16, 128, 4, 8, 1, 1, 3},
 };
 
 static_assert(shares_route_blocks(kFc2ShortKTiles),
@@ -144,11 +149,11 @@ constexpr int kRepackThreads = 256;
 // The N = 64 tile keeps one A register set (moe_gemm_wg.cuh kABuffers): ptxas fits it in 74
 // registers at three CTAs per SM, without spills or serialized wgmmas.
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {512, 64, 16, 2, 1, 4, 3, 12, 0},       // 16-row blocks, from 12 rows per expert
-    {1024, 64, 32, 2, 1, 4, 3, 0, 56},      // 32-row blocks, below 56 rows
-    {1024, 128, 32, 2, 1, 4, 2, 56, 0},     // 32-row blocks, from 56
-    {INT_MAX, 64, 64, 2, 1, 4, 3, 0, 56},   // 64-row blocks, below 56
-    {INT_MAX, 128, 64, 2, 1, 4, 2, 56, 0},  // 64-row blocks, from 56
+    {Bucket::kRows16, 64, 16, 2, 1, 4, 3, 12, 0},   // from 12 rows per expert
+    {Bucket::kRows32, 64, 32, 2, 1, 4, 3, 0, 56},   // below 56 rows
+    {Bucket::kRows32, 128, 32, 2, 1, 4, 2, 56, 0},  // from 56
+    {Bucket::kRows64, 64, 64, 2, 1, 4, 3, 0, 56},   // below 56
+    {Bucket::kRows64, 128, 64, 2, 1, 4, 2, 56, 0},  // from 56
 };
 
 static_assert(shares_route_blocks(kWgmmaTiles),
@@ -181,7 +186,7 @@ const GemmTile& tile_for(const ModelShape& shape, int tokens) {
   if (tokens <= kFirstTile.max_tokens) return kFirstTile;
   if (tokens <= small_block_last_tokens(shape)) return kSmallBlockTile;
   for (const GemmTile& tile : kGemmTiles) {
-    if (&tile != &kSmallBlockTile && tokens <= tile.max_tokens) return tile;
+    if (tokens <= tile.max_tokens) return tile;  // the 8-row bucket (0) ends by rows instead
   }
   return kGemmTiles[sizeof(kGemmTiles) / sizeof(kGemmTiles[0]) - 1];
 }
@@ -190,7 +195,7 @@ const GemmTile& tile_for(const ModelShape& shape, int tokens) {
 const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape) {
   if (shape.intermediate > kFc2ShortK) return tile;
   for (const GemmTile& fc2 : kFc2ShortKTiles) {
-    if (fc2.max_tokens == tile.max_tokens) return fc2;
+    if (fc2.bucket == tile.bucket) return fc2;
   }
   return tile;
 }
@@ -239,7 +244,7 @@ MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const Mode
 const WgmmaTile* wgmma_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
   for (const WgmmaTile& wg : kWgmmaTiles) {
-    if (wg.max_tokens == tile.max_tokens && wg.takes(rows, routed_experts(shape))) return &wg;
+    if (wg.bucket == tile.bucket && wg.takes(rows, routed_experts(shape))) return &wg;
   }
   return nullptr;
 }
@@ -797,14 +802,14 @@ namespace {
 // taller CTAs"): faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515 against
 // 527 us, qwen3-30b-a3b 120 against 125), slower at T = 6 where few CTAs remain
 // (deepseek-v4-flash-tp4: 288 of them, 54.2 against 52.3 us).
-constexpr GemmTile kFc1TallTiles[] = {{160, 128, 8, 256, 3, 8, 1, 1, 3}};
+constexpr GemmTile kFc1TallTiles[] = {{Bucket::kRows8, 0, 128, 8, 256, 3, 8, 1, 1, 3}};
 constexpr const GemmTile& kFc1TallTile = kFc1TallTiles[0];
 constexpr double kFc1TallMinWaves = 2.0;
 static_assert(shares_route_blocks(kFc1TallTiles),
               "the tall FC1 tile serves a GemmTile bucket with its route block");
 
 const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
-  if (tile.max_tokens != kFc1TallTile.max_tokens) return tile;
+  if (tile.bucket != kFc1TallTile.bucket) return tile;
   const int rows = 2 * shape.intermediate;  // gate and up
   const double ctas =
       expected_experts_touched(shape, tokens) * kern::moe::ceil_div(rows, kFc1TallTile.block_m);
@@ -918,10 +923,9 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   const int k = std::max(shape.top_k, 1);
   std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
                                        kRouteLargeRows / k};
-  // The T buckets' ends; the 8-row blocks end by rows per expert (small_last below), not at
-  // their bucket's nominal 160.
+  // The T buckets' ends; the 8-row blocks end by rows per expert (small_last below).
   for (const GemmTile& tile : kGemmTiles) {
-    if (&tile != &kSmallBlockTile) thresholds.push_back(tile.max_tokens);
+    if (tile.max_tokens > 0) thresholds.push_back(tile.max_tokens);
   }
   // The last T below each warpgroup tile's rows-per-expert bounds.
   for (const WgmmaTile& wg : kWgmmaTiles) {
