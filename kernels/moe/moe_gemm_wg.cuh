@@ -72,7 +72,7 @@ struct MoeGemmWgTraits {
   // registers allow, one at three CTAs per SM. Why: with two sets and 64 fp32 accumulators the
   // N = 64 tile needs more than the 80 registers of three CTAs per SM, and ptxas then spills
   // and serializes every wgmma of the kernel (a wait after each one, its note C7512); one set
-  // fits in 74 with neither, and measured 4-9% faster per layer (tools/PERF_LOG.md "one
+  // fits in 74 with neither, and measured 3-5% faster per layer (tools/PERF_LOG.md "one
   // register set for the three-CTA warpgroup tile").
   static constexpr int kABuffers = kMinBlocksPerSm >= 3 ? 1 : 2;
   static constexpr int kAtomsM = kBlockM / layout::kAtomRows;

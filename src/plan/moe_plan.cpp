@@ -121,11 +121,11 @@ constexpr int kCombineThreads = 256;
 constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
 
-// Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma", "wgmma tile widths" and
-// "route blocks by rows per expert, and a narrower warpgroup tile", "one register set for the
-// three-CTA warpgroup tile"): two warpgroups of one m64
-// tile, 4 stages, over up to wgmma_n / block_n route blocks of one expert (a CTA runs at the
-// narrowest quarter of wgmma_n that holds its real rows).
+// Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma", "wgmma tile widths",
+// "route blocks by rows per expert, and a narrower warpgroup tile" and "one register set for the
+// three-CTA warpgroup tile"): two warpgroups of one m64 tile, 4 stages, over up to
+// wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of wgmma_n
+// that holds its real rows).
 // - T > 1024 (64-row blocks): N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms
 //   against 3.58 ms for the mma.sync tile; N = 64 and three below 56 rows per expert
 //   (kimi-k3.1-tp8 T = 1536, 27 rows: 1185 against 1313 us; T = 2048: 1394 against 1536;

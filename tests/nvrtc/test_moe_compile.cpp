@@ -285,7 +285,7 @@ TEST_CASE("every planned MoE kernel of every reference shape compiles for sm_90a
   const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
   check_outcomes(specs, outcomes);
   // Why: a warpgroup tile that runs out of registers spills and gets every wgmma serialized
-  // (ptxas waits after each one, note C7512), which measured 4-9% slower per layer.
+  // (ptxas waits after each one, note C7512), which measured 3-5% slower per layer.
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const auto* p = std::get_if<MarlinMoeParams>(&specs[i].params);
     if (p == nullptr || p->wgmma_n == 0 || !outcomes[i].error.empty()) continue;
