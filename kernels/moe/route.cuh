@@ -315,6 +315,43 @@ __device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0, c
   }
 }
 
+// Padding rows of one expert (one thread): rows [B * start + count, B * end) get -1. Fewer than
+// B: only an expert's last block is partial.
+template <int kBlockM>
+__device__ __forceinline__ void route_pad_expert(const RouteParams& p, int count, int start,
+                                                 int end) {
+  for (int r = start * kBlockM + count; r < end * kBlockM; ++r) p.sorted_rows[r] = -1;
+}
+
+// block_expert[b] for b = first, first + stride, ... below max_blocks: the expert whose blocks
+// [starts[e], starts[e + 1]) hold b, or -1 from starts[E] (the blocks used) on. starts is in
+// shared memory: a binary search costs log2(E) dependent shared loads, with no serial walk over
+// the experts.
+template <int kExperts>
+__device__ __forceinline__ void route_block_experts(const RouteParams& p, const int* starts,
+                                                    int first, int stride, int max_blocks) {
+  const int total = starts[kExperts];
+  for (int b = first; b < max_blocks; b += stride) {
+    int e = -1;
+    if (b < total) {
+      // Invariant: starts[lo] <= b < starts[hi]; it ends on the largest e with starts[e] <= b,
+      // whose range is not empty.
+      int lo = 0;
+      int hi = kExperts;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (starts[mid] <= b) {
+          lo = mid;
+        } else {
+          hi = mid;
+        }
+      }
+      e = lo;
+    }
+    p.block_expert[b] = e;
+  }
+}
+
 }  // namespace detail
 
 // One launch for N = T * K <= C: grid 1, block Traits::kThreads.
@@ -336,11 +373,20 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
   detail::route_scan_warps<Traits>(s, n);
   detail::route_scan_experts<Traits>(s.x);
 
+  // Why a thread per expert and per block for the padding rows and the block map (not a warp
+  // walking the nonempty experts of a group, as the scatter kernel does): at decode nearly every
+  // touched expert has one block, and the walk cost a dependent chain of ~60 instructions per
+  // touched expert (kimi-k3.1-tp8 T = 24: 315 experts, ~19 K of the kernel's 25.5 K
+  // warp-instructions, 9.5 us). Here each thread writes fewer than B padding rows per expert it
+  // owns and searches the block map for each block it owns.
   const int total = s.x.block_start[E];
   for (int e = tid; e < E; e += Traits::kThreads) {
     p.expert_counts[e] = s.x.expert_count[e];
     p.expert_block_offset[e] = s.x.block_start[e];
+    detail::route_pad_expert<B>(p, s.x.expert_count[e], s.x.block_start[e], s.x.block_start[e + 1]);
   }
+  detail::route_block_experts<E>(p, s.x.block_start, tid, Traits::kThreads,
+                                 static_cast<int>(route_max_blocks(n, E, B)));
   if (tid == 0) {
     p.expert_block_offset[E] = total;
     *p.total_blocks = total;
@@ -360,18 +406,6 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
       }
     }
   }
-  if constexpr ((E + 31) / 32 >= Traits::kWarps) {
-    for (int e0 = warp * 32; e0 < E; e0 += Traits::kThreads) {
-      detail::route_fill_group<E, B>(p, e0, s.x.expert_count, s.x.block_start, lane);
-    }
-  } else {
-    for (int e = warp; e < E; e += Traits::kWarps) {
-      detail::route_fill_expert<B>(p, e, s.x.expert_count[e], s.x.block_start[e],
-                                   s.x.block_start[e + 1], lane);
-    }
-  }
-  const int max_blocks = static_cast<int>(route_max_blocks(n, E, B));
-  for (int b = total + tid; b < max_blocks; b += Traits::kThreads) p.block_expert[b] = -1;
 }
 
 // Multi-CTA step 1 of 3: grid route_num_chunks(N, C). Chunk c writes its per-expert counts to
@@ -488,12 +522,13 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
   const int chunk = static_cast<int>(blockIdx.x);
   const int begin = chunk * Traits::kChunkRows;
   const int n = rows - begin < Traits::kChunkRows ? rows - begin : Traits::kChunkRows;
-  const int* const base = p.chunk_base + static_cast<long long>(chunk) * E;
 
   // Why three passes over registers: each row needs two loads that depend on the packed entry;
   // issued item by item (a store to slot_row between them may alias the next load) they would
   // cost kItems chains of round trips, batched they cost one.
   if (n > 0) {  // CTAs past the chunks only fill (route_scatter_ctas)
+    // Why inside: for the CTAs past the chunks this pointer would lie past chunk_base.
+    const int* const base = p.chunk_base + static_cast<long long>(chunk) * E;
     int packed[Traits::kItems];
 #pragma unroll
     for (int it = 0; it < Traits::kItems; ++it) {

@@ -54,8 +54,13 @@ constexpr GemmTile kGemmTiles[] = {
     // experts see, not by T (tile_for).
     {Bucket::kRows8, 0, 64, 8, 256, 4, 4, 1, 1, 4},
     // T <= 512 past that: 16-token blocks halve the dequant work per weight byte of two 8-row
-    // blocks.
-    {Bucket::kRows16, 512, 64, 16, 256, 3, 4, 1, 1, 4},
+    // blocks. 128 rows over four warps, two 16-row atoms a warp: a warp's B fragments (ldmatrix)
+    // and the CTA's gathered input rows serve twice the weights of one atom a warp. Measured on
+    // the H200 (tools/PERF_LOG.md "two atoms a warp for 16-row blocks") against 64 rows, one atom
+    // a warp (64, 16, 256, 3, 4, 1, 1, 4): gpt-oss-120b T = 256 668, 670 -> 590, 583 us;
+    // deepseek-v4-flash-tp4 T = 384 343, 342 -> 315, 318; qwen3-30b-a3b T = 128 131, 133 -> 123,
+    // 123; kimi-k3.1-tp8 T = 384 760, 766 -> 711, 721.
+    {Bucket::kRows16, 512, 128, 16, 128, 4, 4, 1, 1, 4},
     // T ~ 1000: 32-token blocks, shorter K stages.
     {Bucket::kRows32, 1024, 64, 32, 128, 4, 4, 1, 1, 3},
     // T >= 4096: 128 x 64 tiles, eight warps along M. Why from T = 1025 (not near the geometric
@@ -82,19 +87,21 @@ constexpr bool shares_route_blocks(const Tile (&variants)[N]) {
 // FC2 over a short K: where the intermediate size (FC2's K) is at most kFc2ShortK, the 64-row CTA
 // of the buckets below runs only 1-3 of its 256-wide K tiles (deepseek-v4-flash-tp4, I = 512: 2;
 // kimi-k3.1-tp8, I = 384: 1.5, the half tile computed on zero-filled atoms), so its fixed costs
-// (route rows, pipeline fill, epilogue) weigh on ~12 KB of weights. FC2 then takes taller CTAs of
-// eight warps over 128-wide K tiles, three per SM: 256 rows with 8-row route blocks, 128 with 16.
-// Measured on the H200 (tools/PERF_LOG.md "marlin_moe FC2 over a short K"), layer time with the
-// 128-row tile against the bucket's tile for FC2:
-// kimi-k3.1-tp8 T = 24 233 against 270 us, T = 96 537 against 616, T = 256 726 against 848;
-// deepseek-v4-flash-tp4 T = 24 119 against 125, T = 256 319 against 338; qwen3-30b-a3b T = 24 87
-// against 91. gpt-oss-120b (I = 2880, 12 K tiles) lost with it (T = 6: 113 against 105 us).
+// (route rows, pipeline fill, epilogue) weigh on ~12 KB of weights. With 8-row route blocks FC2
+// then takes a taller CTA: 256 rows over eight warps and 128-wide K tiles, three per SM. Measured
+// on the H200 (tools/PERF_LOG.md "marlin_moe FC2 over a short K"), layer time with the 128-row tile
+// against the bucket's tile for FC2: kimi-k3.1-tp8 T = 24 233 against 270 us, T = 96 537 against
+// 616, T = 256 726 against 848; deepseek-v4-flash-tp4 T = 24 119 against 125, T = 256 319 against
+// 338; qwen3-30b-a3b T = 24 87 against 91. gpt-oss-120b (I = 2880, 12 K tiles) lost with it (T = 6:
+// 113 against 105 us).
 constexpr int kFc2ShortK = 768;
 constexpr GemmTile kFc2ShortKTiles[] = {
     // 256 rows, two atoms a warp: kimi-k3.1-tp8 T = 24 221 against 233 us with 128 rows,
     // deepseek-v4-flash-tp4 T = 96 242 against 250, qwen3-30b-a3b T = 24 84 against 87.
     {Bucket::kRows8, 0, 256, 8, 128, 3, 8, 1, 1, 3},
-    {Bucket::kRows16, 512, 128, 16, 128, 4, 8, 1, 1, 3},
+    // (16-row blocks: the bucket's tile, already 128 rows over 128-wide K tiles, two atoms a
+    // warp; eight warps of one atom measured the same or slower: kimi-k3.1-tp8 T = 512 758
+    // against 763-781 us, qwen3-30b-a3b T = 128 120 against 123.)
 };
 
 static_assert(shares_route_blocks(kFc2ShortKTiles),
@@ -232,9 +239,12 @@ MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const Mode
     // stream its weights while FC1 drains (programmatic dependent launch).
     p.early_weights = true;
     p.activation = Activation{};
-    // Why fp32: each (token, slot) row is summed by combine; fp32 keeps the sum to one bf16
-    // rounding at the end.
-    p.out_dtype = DType::kF32;
+    // Why bf16 rows: they are T * k * H values that FC2 writes and combine reads back; bf16
+    // halves that traffic for one more rounding (2^-9 relative) of each weighted row before the
+    // fp32 top-k sum. Measured on the H200 against fp32 rows (tools/PERF_LOG.md "bf16 FC2
+    // rows"): kimi-k3.1-tp8 T = 1 25.1 -> 23.5 us, T = 256 662 -> 651; gpt-oss-120b T = 256 683
+    // -> 674.
+    p.out_dtype = DType::kBF16;
   }
   return p;
 }
@@ -262,14 +272,11 @@ MarlinMoeParams wgmma_params(const WgmmaTile& wg, MoeGemmStage stage, const Mode
   p.min_blocks_per_sm = wg.min_blocks_per_sm;
   p.wgmma_n = wg.wgmma_n;
   p.has_bias = shape.has_bias;
-  // The same stage roles as the mma.sync tile (early weights, activation), except FC2's rows.
+  // The same stage roles as the mma.sync tile (early weights, activation, bf16 FC2 rows).
   const MarlinMoeParams roles = gemm_params(GemmTile{}, stage, shape);
   p.early_weights = roles.early_weights;
   p.activation = roles.activation;
-  // Why bf16 FC2 rows: at these T the rows are T * k * H values written by FC2 and read back by
-  // combine (gpt-oss-120b T = 4096: 231 MB in fp32); bf16 halves that traffic for one more
-  // rounding (2^-9 relative) of each weighted row before the top-k sum.
-  p.out_dtype = DType::kBF16;
+  p.out_dtype = roles.out_dtype;
   return p;
 }
 

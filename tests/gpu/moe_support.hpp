@@ -826,9 +826,10 @@ struct Score {
 //   independent ~1.6e-3, so ~2.3e-3 in all. (The fp64 reference with its bf16 intermediate
 //   switch on and the output rounded to bf16 - the kernel's arithmetic minus fp32 rounding -
 //   measures 2.33e-3 against the exact one, worst token 2.9e-3, on these input statistics.)
-//   The sm_90a prefill tile (T > 1024) stores FC2's rows in bf16 (MarlinMoeParams::out_dtype):
-//   a third independent term makes it ~2.8e-3 there. decode_moe rounds at the same two points (its FC1 output is bf16 in the
-//   workspace; its weighted FC2 rows stay fp32 until the bf16 sum), so the same ~2.3e-3 holds.
+//   marlin_moe stores FC2's weighted rows in bf16 before the fp32 top-k sum
+//   (MarlinMoeParams::out_dtype): a third independent term, ~2.8e-3 in all. decode_moe rounds
+//   at the first two points only (its FC1 output is bf16 in the workspace; its weighted FC2
+//   rows stay fp32 until the bf16 sum): ~2.3e-3.
 // - so 1e-2 is ~4x the expected error, while any structural fault costs far more: one lost or
 //   misrouted slot of k = 16 is ~0.25 of a token's norm, a wrong scale group or nibble order
 //   gives O(1) errors on its rows. The per-token bound (2e-2, ~7x the worst token above) keeps
