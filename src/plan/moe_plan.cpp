@@ -803,15 +803,19 @@ KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch) {
 
 namespace {
 
-// FC1 with 8-row route blocks: 128 rows over eight warps, three CTAs per SM, where those CTAs
-// still fill kFc1TallMinWaves waves of the GPU's CTA slots (expected touched experts x 128-row
-// tiles), else the bucket's 64-row tile. Measured on the H200 (tools/PERF_LOG.md "marlin_moe
-// taller CTAs"): faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515 against
-// 527 us, qwen3-30b-a3b 120 against 125), slower at T = 6 where few CTAs remain
-// (deepseek-v4-flash-tp4: 288 of them, 54.2 against 52.3 us).
-constexpr GemmTile kFc1TallTiles[] = {{Bucket::kRows8, 0, 128, 8, 256, 3, 8, 1, 1, 3}};
+// FC1 with 8-row route blocks: 128 rows, where those CTAs still fill kFc1TallMinWaves waves of
+// the GPU's CTA slots (expected touched experts x 128-row tiles), else the bucket's 64-row tile.
+// Measured on the H200 (tools/PERF_LOG.md "marlin_moe taller CTAs"), as eight warps of one atom
+// at three CTAs per SM: faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515
+// against 527 us, qwen3-30b-a3b 120 against 125), slower at T = 6 where few CTAs remain
+// (deepseek-v4-flash-tp4: 288 of them, 54.2 against 52.3 us); that rule took it from 2 x 3 x 132
+// = 792 CTAs. Four warps of two atoms over 128-wide K tiles, four CTAs per SM, were faster again
+// (tools/PERF_LOG.md "two atoms a warp"): gpt-oss-120b T = 96 527, 526 -> 505, 506 us;
+// kimi-k3.1-tp8 T = 24 221, 221 -> 215, 217; qwen3-30b-a3b T = 96 125, 126 -> 122, 125. The
+// threshold stays at 792 CTAs: 1.5 waves of the four-CTA slots.
+constexpr GemmTile kFc1TallTiles[] = {{Bucket::kRows8, 0, 128, 8, 128, 4, 4, 1, 1, 4}};
 constexpr const GemmTile& kFc1TallTile = kFc1TallTiles[0];
-constexpr double kFc1TallMinWaves = 2.0;
+constexpr double kFc1TallMinWaves = 1.5;
 static_assert(shares_route_blocks(kFc1TallTiles),
               "the tall FC1 tile serves a GemmTile bucket with its route block");
 

@@ -45,12 +45,12 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
 // MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair for
 // T <= kDecodePairMaxTokens where its rules pass, else the persistent tile), marlin_moe above.
-// Why 24: on the H200 (tools/PERF_LOG.md "marlin_moe: route blocks by rows per expert, and a
-// narrower warpgroup tile"), over the four served reference shapes decode_moe takes 0.90-1.03x
-// marlin_moe's time at T = 3, 0.90-1.12x at T = 4..24 (0.98-1.06x at 24), and 1.00-1.18x from
-// T = 32 (1.03-1.11x at 96, 1.06-1.18x at 192; qwen3-30b-a3b at T = 256 0.99x, 1.12x once
-// marlin_moe took its N = 64 warpgroup tile).
-inline constexpr int kDecodeAutoMaxTokens = 24;
+// Why 2: on the H200 (tools/PERF_LOG.md "two atoms a warp"), over the four served reference
+// shapes decode_moe takes 0.67-0.93x marlin_moe's time at T = 1 and 0.91-1.00x at T = 2 (the
+// pair), but 0.96-1.18x at T = 3..5, 0.92-1.18x at T = 8..16 and 1.02-1.12x at T = 24: the
+// persistent tile wins on a few (shape, T) only (qwen3-30b-a3b T = 3 and 8, deepseek-v4-flash-tp4
+// T = 3), by at most 8%, and loses up to 18% on kimi-k3.1-tp8.
+inline constexpr int kDecodeAutoMaxTokens = 2;
 // Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
 // 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
 // the persistent tile's 23.9 / 29.3 / 26.7, and 23.8 / 37.6 / 23.4 at T = 2 against 28.8 / 41.7 /
@@ -125,8 +125,8 @@ struct MoeForwardConfig {
   MarlinMoeParams fc1;  // the mma.sync main loop (any arch)
   MarlinMoeParams fc2;
   // The tile has an sm_90a warpgroup variant (same route block, so the same route and
-  // workspace; its bf16 FC2 rows fit the fp32 rows' region): on such devices FC1, FC2 and
-  // combine run fc1_wgmma, fc2_wgmma and combine_wgmma instead.
+  // workspace; bf16 FC2 rows like the mma.sync tile's): on such devices FC1, FC2 and combine run
+  // fc1_wgmma, fc2_wgmma and combine_wgmma instead.
   bool wgmma = false;
   MarlinMoeParams fc1_wgmma;
   MarlinMoeParams fc2_wgmma;

@@ -86,7 +86,8 @@ bool small_blocks_expected(const ModelShape& shape, int tokens) {
 bool fc1_tall_expected(const ModelShape& shape, int tokens) {
   if (!small_blocks_expected(shape, tokens)) return false;
   const int tiles = (2 * shape.intermediate + 127) / 128;
-  return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 2.0 * 3 * 132;
+  // 1.5 waves of four 128-row CTAs per SM on 132 SMs (the 792 CTAs of the first measurement).
+  return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 1.5 * 4 * 132;
 }
 
 Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape) {

@@ -42,9 +42,9 @@ double expected_touched(int experts, int top_k, int tokens);
 // Route blocks of 8 rows from T = 3 while T * K <= 6 x the routed experts of all ranks (experts
 // average at most 6 rows), whatever T.
 bool small_blocks_expected(const ModelShape& shape, int tokens);
-// FC1 with 8-row blocks takes 128-row CTAs (three per SM) where uniform top-k routing's expected
-// touched experts, E (1 - (1 - k/E)^T), times the 128-row tiles of FC1's 2I rows fill two waves
-// of 3 x 132 CTA slots.
+// FC1 with 8-row blocks takes 128-row CTAs (four per SM) where uniform top-k routing's expected
+// touched experts, E (1 - (1 - k/E)^T), times the 128-row tiles of FC1's 2I rows reach 1.5 waves
+// of 4 x 132 CTA slots (792 CTAs).
 bool fc1_tall_expected(const ModelShape& shape, int tokens);
 // Which FC1 tiles the T of 8-row blocks (up to max_tokens) use: the bucket's 64-row one, the tall
 // one.

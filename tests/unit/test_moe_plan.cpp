@@ -254,7 +254,7 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool both_prefill = sm90a && prefill.n64 && prefill.n128;
       CHECK(both_prefill == (sm90a && shape.name != "qwen3-30b-a3b" &&
                              shape.name != "gpt-oss-20b" && shape.name != "qwen2-57b-a14b"));
-      // FC1 with 8-row blocks takes 128 rows where its CTAs fill two waves (fc1_tall_expected):
+      // FC1 with 8-row blocks takes 128 rows from 792 CTAs (fc1_tall_expected):
       // a shape whose T of 8-row blocks use both tiles plans one FC1 kernel more.
       const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
       const int fc1_extra = fc1_small.base && fc1_small.tall ? 1 : 0;
@@ -360,9 +360,9 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
   CHECK(long_shapes >= 2);
 }
 
-TEST_CASE("moe plan: FC1 with 8-row blocks takes 128-row CTAs where they fill two waves",
+TEST_CASE("moe plan: FC1 with 8-row blocks takes 128-row CTAs where they fill 792 slots",
           "[plan]") {
-  const Tile tall{128, 8, 256, 3, 8, 1, 1, 3};
+  const Tile tall{128, 8, 128, 4, 4, 1, 1, 4};
   int shapes_with_both = 0;
   for (const ModelShape& shape : reference_shapes()) {
     INFO(shape.name);
@@ -404,9 +404,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   // 8-row route blocks while experts average at most 6 rows: T * 4 <= 6 * 128, T <= 192.
   CHECK(moejit::test::small_blocks_expected(gpt, 192));
   CHECK_FALSE(moejit::test::small_blocks_expected(gpt, 193));
-  // FC1 with 8-row blocks on gpt-oss-120b: 45 128-row tiles per touched expert fill two waves
-  // of 3 x 132 CTAs from T = 5 (expected 18.3 experts touched: 824 CTAs; T = 4: 675).
-  const Tile t96_tall{128, 8, 256, 3, 8, 1, 1, 3};
+  // FC1 with 8-row blocks on gpt-oss-120b: 45 128-row tiles per touched expert reach 792 CTAs
+  // (1.5 waves of 4 x 132) from T = 5 (expected 18.3 experts touched: 824 CTAs; T = 4: 675).
+  const Tile t96_tall{128, 8, 128, 4, 4, 1, 1, 4};
   CHECK_FALSE(moejit::test::fc1_tall_expected(gpt, 4));
   CHECK(moejit::test::fc1_tall_expected(gpt, 5));
   for (const auto& [tokens, tile] : expected) {
