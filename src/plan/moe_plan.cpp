@@ -146,17 +146,19 @@ constexpr int kRepackThreads = 256;
 //   won at 48 rows (qwen3-30b-a3b T = 768: 227 against 242 us; deepseek-v4-flash-tp4 T = 2048:
 //   586 against 639) and lost at 64 (qwen3-30b-a3b T = 1024: 297 against 280; gpt-oss-120b
 //   T = 2048: 1466 against 1323); 56 lies between.
-// - 16-row blocks (T <= 512): N = 64, three CTAs per SM, where experts average 12 rows or more
-//   (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us for the N = 128 tile; gpt-oss-120b
-//   T = 384, 12 rows: 721 against 791-807 for the mma.sync tile; gpt-oss-20b T = 96: 186
-//   against 199); with fewer rows the mma.sync tile wins (deepseek-v4-flash-tp4 T = 384, 9 rows:
-//   367 against 389; kimi-k3.1-tp8 T = 512, 9.1 rows: 877-888 against 929).
+// - 16-row blocks (T <= 512): N = 64, three CTAs per SM, where experts average 14 rows or more
+//   (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us for the N = 128 tile). Against the
+//   mma.sync tile of two atoms a warp (tools/PERF_LOG.md "two atoms a warp"): it wins at 16 rows
+//   (qwen3-30b-a3b T = 256 157.3, 156.6 against 170.5, 172.9 us; gpt-oss-120b T = 512 712, 724
+//   against 851) and loses at 12 (qwen3-30b-a3b T = 192 149.3, 149.1 against 139.8, 139.8;
+//   deepseek-v4-flash-tp4 T = 512 376 against 359-361; gpt-oss-120b T = 384 682 against 678-680);
+//   14 lies between.
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 6 rows (tile_for).
 // The N = 64 tile keeps one A register set (moe_gemm_wg.cuh kABuffers): ptxas fits it in 74
 // registers at three CTAs per SM, without spills or serialized wgmmas.
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {Bucket::kRows16, 64, 16, 2, 1, 4, 3, 12, 0},   // from 12 rows per expert
+    {Bucket::kRows16, 64, 16, 2, 1, 4, 3, 14, 0},   // from 14 rows per expert
     {Bucket::kRows32, 64, 32, 2, 1, 4, 3, 0, 56},   // below 56 rows
     {Bucket::kRows32, 128, 32, 2, 1, 4, 2, 56, 0},  // from 56
     {Bucket::kRows64, 64, 64, 2, 1, 4, 3, 0, 56},   // below 56
