@@ -127,7 +127,7 @@ struct MoeForwardArgs {
 // Which kernels compute the layer.
 enum class MoePath {
   kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T <= 2 where it
-            // serves (its two-kernel tile where that serves the shape: 0.67-1.00x marlin_moe's
+            // serves (its two-kernel tile where that serves the shape: 0.75-1.00x marlin_moe's
             // time), marlin_moe otherwise (from T = 3 mostly faster, by up to 18%)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)

@@ -46,7 +46,7 @@ inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe 
 // MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair for
 // T <= kDecodePairMaxTokens where its rules pass, else the persistent tile), marlin_moe above.
 // Why 2: on the H200 (tools/PERF_LOG.md "two atoms a warp"), over the four served reference
-// shapes decode_moe takes 0.67-0.93x marlin_moe's time at T = 1 and 0.91-1.00x at T = 2 (the
+// shapes decode_moe takes 0.75-0.92x marlin_moe's time at T = 1 and 0.91-1.00x at T = 2 (the
 // pair), but 0.96-1.18x at T = 3..5, 0.92-1.18x at T = 8..16 and 1.02-1.12x at T = 24: the
 // persistent tile wins on a few (shape, T) only (qwen3-30b-a3b T = 3 and 8, deepseek-v4-flash-tp4
 // T = 3), by at most 8%, and loses up to 18% on kimi-k3.1-tp8.
