@@ -288,14 +288,15 @@ __device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, i
 
 // Padding rows and block_expert entries of the 32 experts [e0, e0 + 32) (one warp): for each
 // expert e, rows [B * start + count, B * end) get -1 and blocks [start, end) get e, where
-// count = counts[e], start = starts[e], end = starts[e + 1]. Why a group per warp: lane j reads
-// expert e0 + j's sizes (one shared or global round trip for 32 experts) and a ballot skips the
-// experts without blocks, so at decode, where most experts are empty, the cost is a few
-// instructions per 32 experts; the nonempty ones are written by the whole warp, coalesced. It
-// pays only when there are at least as many groups of 32 experts as warps sharing the fill:
-// with fewer, most warps would idle while a few walk 32 nonempty experts each (measured on the
-// H200: gpt-oss, E = 128 over 32 warps, T = 96 took 10.2 us with groups against 4.3 us with a
-// warp per expert), so the callers pick a warp per expert then.
+// count = counts[e], start = starts[e], end = starts[e + 1]. Used by the scatter kernel (the
+// three-launch path); the one-launch kernel fills per thread instead (route_pad_expert,
+// route_block_experts). Why a group per warp: lane j reads expert e0 + j's sizes (one global
+// round trip for 32 experts) and a ballot skips the experts without blocks; the nonempty ones
+// are written by the whole warp, coalesced. It pays only when there are at least as many groups
+// of 32 experts as warps sharing the fill: with fewer, most warps would idle while a few walk 32
+// nonempty experts each (measured on the H200: gpt-oss, E = 128 over 32 warps, T = 96 took
+// 10.2 us with groups against 4.3 us with a warp per expert), so the scatter kernel takes a warp
+// per expert then.
 template <int kExperts, int kBlockM>
 __device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0, const int* counts,
                                                  const int* starts, int lane) {
