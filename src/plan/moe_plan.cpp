@@ -154,7 +154,7 @@ constexpr int kRepackThreads = 256;
 //   deepseek-v4-flash-tp4 T = 512 376 against 359-361; gpt-oss-120b T = 384 682 against 678-680);
 //   14 lies between.
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
-//   wherever experts average at most 6 rows (tile_for).
+//   wherever experts average at most 5 rows (tile_for).
 // The N = 64 tile keeps one A register set (moe_gemm_wg.cuh kABuffers): ptxas fits it in 74
 // registers at three CTAs per SM, without spills or serialized wgmmas.
 constexpr WgmmaTile kWgmmaTiles[] = {
@@ -182,8 +182,13 @@ constexpr const GemmTile& kSmallBlockTile = kGemmTiles[1];  // route blocks of 8
 // against 16-row blocks: faster up to 6 rows (kimi-k3.1-tp8 T = 256, 4.6 rows: 691 against 765
 // us; deepseek-v4-flash-tp4 T = 256, 6 rows: 318 against 335), slower from 8 (gpt-oss-120b
 // T = 256: 783 against 701; qwen3-30b-a3b T = 128: 146 against 137; gpt-oss-20b T = 64: 198
-// against 176), even at 6.9 (kimi T = 384: 826 both).
-constexpr long long kSmallBlockMaxRowsPerExpert = 6;
+// against 176), even at 6.9 (kimi T = 384: 826 both). With the two-atom 16-row tile the bound
+// moved below 6 (tools/PERF_LOG.md "route blocks of 8 rows up to 5 rows per expert"): 16-row
+// blocks win at 6 rows (gpt-oss-120b T = 192: 629, 637 against 580, 592 us; kimi-k3.1-tp8 T = 336
+// 707, 711 against 692-704) or tie (deepseek-v4-flash-tp4 T = 256, qwen3-30b-a3b T = 96) and lose
+// at 4.5 (deepseek T = 192: 273, 272 against 287, 288; kimi T = 256, 4.6 rows: 641, 646 against
+// 657-675).
+constexpr long long kSmallBlockMaxRowsPerExpert = 5;
 
 // The last T whose experts average at most kSmallBlockMaxRowsPerExpert rows.
 long long small_block_last_tokens(const ModelShape& shape) {

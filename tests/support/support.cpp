@@ -80,7 +80,7 @@ long long routed_rows(const ModelShape& shape, int tokens, int rows_per_expert) 
 }  // namespace
 
 bool small_blocks_expected(const ModelShape& shape, int tokens) {
-  return tokens >= 3 && routed_rows(shape, tokens, 6) >= 0;
+  return tokens >= 3 && routed_rows(shape, tokens, 5) >= 0;
 }
 
 bool fc1_tall_expected(const ModelShape& shape, int tokens) {

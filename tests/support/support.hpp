@@ -39,8 +39,8 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
 double expected_touched(int experts, int top_k, int tokens);
 
 // marlin_moe's planner rules, restated for the tests.
-// Route blocks of 8 rows from T = 3 while T * K <= 6 x the routed experts of all ranks (experts
-// average at most 6 rows), whatever T.
+// Route blocks of 8 rows from T = 3 while T * K <= 5 x the routed experts of all ranks (experts
+// average at most 5 rows), whatever T.
 bool small_blocks_expected(const ModelShape& shape, int tokens);
 // FC1 with 8-row blocks takes 128-row CTAs (four per SM) where uniform top-k routing's expected
 // touched experts, E (1 - (1 - k/E)^T), times the 128-row tiles of FC1's 2I rows reach 1.5 waves
