@@ -205,13 +205,13 @@ const GemmTile& tile_for(const ModelShape& shape, int tokens) {
   return kGemmTiles[sizeof(kGemmTiles) / sizeof(kGemmTiles[0]) - 1];
 }
 
-// FC2's tile in `tile`'s bucket: the short-K one where the shape's K calls for it.
-const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape) {
-  if (shape.intermediate > kFc2ShortK) return tile;
+// The short-K FC2 tile of `tile`'s bucket where the shape's K calls for it, else null.
+const GemmTile* fc2_short_k_tile(const GemmTile& tile, const ModelShape& shape) {
+  if (shape.intermediate > kFc2ShortK) return nullptr;
   for (const GemmTile& fc2 : kFc2ShortKTiles) {
-    if (fc2.bucket == tile.bucket) return fc2;
+    if (fc2.bucket == tile.bucket) return &fc2;
   }
-  return tile;
+  return nullptr;
 }
 
 // Why the most threads that fit: the rank phase keeps a 16-bit counter per (warp, expert) in
@@ -810,29 +810,60 @@ KernelSpec decode_moe_spec(const MoeDecodeParams& p, const Arch& arch) {
 
 namespace {
 
-// FC1 with 8-row route blocks: 128 rows, where those CTAs still fill kFc1TallMinWaves waves of
-// the GPU's CTA slots (expected touched experts x 128-row tiles), else the bucket's 64-row tile.
-// Measured on the H200 (tools/PERF_LOG.md "marlin_moe taller CTAs"), as eight warps of one atom
-// at three CTAs per SM: faster at T = 24 and 96 on the reference shapes (gpt-oss-120b T = 96 515
-// against 527 us, qwen3-30b-a3b 120 against 125), slower at T = 6 where few CTAs remain
-// (deepseek-v4-flash-tp4: 288 of them, 54.2 against 52.3 us); that rule took it from 2 x 3 x 132
-// = 792 CTAs. Four warps of two atoms over 128-wide K tiles, four CTAs per SM, were faster again
-// (tools/PERF_LOG.md "two atoms a warp"): gpt-oss-120b T = 96 527, 526 -> 505, 506 us;
-// kimi-k3.1-tp8 T = 24 221, 221 -> 215, 217; qwen3-30b-a3b T = 96 125, 126 -> 122, 125. The
-// threshold stays at 792 CTAs: 1.5 waves of the four-CTA slots.
-constexpr GemmTile kFc1TallTiles[] = {{Bucket::kRows8, 0, 128, 8, 128, 4, 4, 1, 1, 4}};
-constexpr const GemmTile& kFc1TallTile = kFc1TallTiles[0];
-constexpr double kFc1TallMinWaves = 1.5;
-static_assert(shares_route_blocks(kFc1TallTiles),
-              "the tall FC1 tile serves a GemmTile bucket with its route block");
+// The 8-row bucket's tiles by how many CTAs a GEMM of it has (expected touched experts x its
+// tiles of the GEMM's weight rows, against the CTA slots of the H200 the rules were measured on):
+// - Tall: 128 rows, four warps of two atoms, four CTAs per SM, from kTallMinWaves waves. FC1
+//   (tools/PERF_LOG.md "marlin_moe taller CTAs"), as eight warps of one atom at three CTAs per
+//   SM: faster at T = 24 and 96 (gpt-oss-120b T = 96 515 against 527 us, qwen3-30b-a3b 120 against
+//   125), slower at T = 6 where few CTAs remain (deepseek-v4-flash-tp4: 288 of them, 54.2 against
+//   52.3 us); that rule took it from 2 x 3 x 132 = 792 CTAs. Four warps of two atoms over
+//   128-wide K tiles were faster again ("two atoms a warp"): gpt-oss-120b T = 96 527, 526 -> 505,
+//   506 us; kimi-k3.1-tp8 T = 24 221, 221 -> 215, 217; the threshold stays at 792 CTAs, 1.5 waves
+//   of the four-CTA slots. FC2 where its K is long (the short-K tile otherwise) takes it by the
+//   same rule ("the 8-row bucket's tiles by waves"): gpt-oss-120b T = 24 278.7, 278.7 -> 273.0,
+//   270.9 us; T = 96 488.9, 494.0 -> 478.5, 481.0.
+// - Wave: the bucket's 64 rows at three stages and five CTAs per SM, from one wave of its
+//   four-CTA slots ("the 8-row bucket's tiles by waves"), layer time against the four-stage
+//   tile: faster from a wave (kimi-k3.1-tp8 T = 3, 564 FC1 CTAs: FC1 28.3 -> 25.6 us;
+//   deepseek-v4-flash-tp4 T = 6, 576: 31.1 -> 28.9; qwen3-30b-a3b T = 6: 26.2 -> 24.6; kimi T = 6:
+//   45.6 -> 42.9), slower below one, where depth per CTA is what keeps bytes in flight (qwen3
+//   T = 3, 480 FC1 CTAs: 14.8 -> 16.3; gpt-oss-120b T = 3, 495 FC2 CTAs: 17.2 -> 20.8).
+// - Else the bucket's four-stage tile.
+constexpr GemmTile kTallTiles[] = {{Bucket::kRows8, 0, 128, 8, 128, 4, 4, 1, 1, 4}};
+constexpr const GemmTile& kTallTile = kTallTiles[0];
+constexpr double kTallMinWaves = 1.5;
+static_assert(shares_route_blocks(kTallTiles),
+              "the tall tile serves a GemmTile bucket with its route block");
+constexpr GemmTile kWaveTiles[] = {{Bucket::kRows8, 0, 64, 8, 256, 3, 4, 1, 1, 5}};
+constexpr const GemmTile& kWaveTile = kWaveTiles[0];
+static_assert(shares_route_blocks(kWaveTiles),
+              "the wave tile serves a GemmTile bucket with its route block");
+
+// Expected waves of a GEMM over `rows` weight rows on `tile`: its CTAs (expected touched experts
+// x tiles of block_m rows) over the planned GPU's slots of min_blocks_per_sm CTAs per SM.
+double expected_waves(const ModelShape& shape, int tokens, int rows, const GemmTile& tile) {
+  const double ctas =
+      expected_experts_touched(shape, tokens) * kern::moe::ceil_div(rows, tile.block_m);
+  return ctas / (static_cast<double>(kDecodePlannedSms) * tile.min_blocks_per_sm);
+}
+
+// `tile`, or for the 8-row bucket its tall or wave variant for a GEMM over `rows` weight rows.
+const GemmTile& small_block_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens,
+                                     int rows) {
+  if (tile.bucket != kSmallBlockTile.bucket) return tile;
+  if (expected_waves(shape, tokens, rows, kTallTile) >= kTallMinWaves) return kTallTile;
+  if (expected_waves(shape, tokens, rows, tile) >= 1.0) return kWaveTile;
+  return tile;
+}
 
 const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
-  if (tile.bucket != kFc1TallTile.bucket) return tile;
-  const int rows = 2 * shape.intermediate;  // gate and up
-  const double ctas =
-      expected_experts_touched(shape, tokens) * kern::moe::ceil_div(rows, kFc1TallTile.block_m);
-  const double slots = static_cast<double>(kDecodePlannedSms) * kFc1TallTile.min_blocks_per_sm;
-  return ctas >= kFc1TallMinWaves * slots ? kFc1TallTile : tile;
+  return small_block_tile_for(tile, shape, tokens, 2 * shape.intermediate);  // gate and up
+}
+
+// FC2's tile in `tile`'s bucket: the short-K one where the shape's K calls for it.
+const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
+  if (const GemmTile* short_k = fc2_short_k_tile(tile, shape)) return *short_k;
+  return small_block_tile_for(tile, shape, tokens, shape.hidden);
 }
 
 }  // namespace
@@ -858,7 +889,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
 
   const GemmTile& tile = tile_for(shape, tokens);
   c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
-  c.fc2 = gemm_params(fc2_tile_for(tile, shape), MoeGemmStage::kFc2, shape);
+  c.fc2 = gemm_params(fc2_tile_for(tile, shape, tokens), MoeGemmStage::kFc2, shape);
   const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
   if (wg != nullptr) {
     c.wgmma = true;
@@ -952,16 +983,22 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
       if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
     }
   }
-  // marlin_moe: the last T of 8-row route blocks, and where FC1 turns tall inside them
-  // (fc1_tile_for; its CTA count only grows with T, so it turns once).
+  // marlin_moe: the last T of 8-row route blocks, and where FC1 and FC2 change tiles inside
+  // them (fc1_tile_for, fc2_tile_for: their CTA counts only grow with T).
   const long long small_last = small_block_last_tokens(shape);
   thresholds.push_back(small_last);
+  const GemmTile* fc1_previous = nullptr;
+  const GemmTile* fc2_previous = nullptr;
   for (long long t = kFirstTile.max_tokens + 1; t <= std::min<long long>(max_tokens, small_last);
        ++t) {
-    if (&fc1_tile_for(kSmallBlockTile, shape, static_cast<int>(t)) == &kFc1TallTile) {
+    const GemmTile* fc1 = &fc1_tile_for(kSmallBlockTile, shape, static_cast<int>(t));
+    const GemmTile* fc2 = &fc2_tile_for(kSmallBlockTile, shape, static_cast<int>(t));
+    if ((fc1_previous != nullptr && fc1 != fc1_previous) ||
+        (fc2_previous != nullptr && fc2 != fc2_previous)) {
       thresholds.push_back(t - 1);
-      break;
     }
+    fc1_previous = fc1;
+    fc2_previous = fc2;
   }
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.
   if (decode_shape_ok(shape)) {

@@ -90,10 +90,41 @@ bool fc1_tall_expected(const ModelShape& shape, int tokens) {
   return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 1.5 * 4 * 132;
 }
 
-Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape) {
-  Fc1BucketTiles out;
+bool small_block_wave_expected(const ModelShape& shape, int tokens, int rows) {
+  if (!small_blocks_expected(shape, tokens)) return false;
+  const int tiles = (rows + 63) / 64;
+  return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 4 * 132;
+}
+
+bool fc2_short_k_expected(const ModelShape& shape) { return shape.intermediate <= 768; }
+
+bool fc2_tall_expected(const ModelShape& shape, int tokens) {
+  if (!small_blocks_expected(shape, tokens) || fc2_short_k_expected(shape)) return false;
+  const int tiles = (shape.hidden + 127) / 128;
+  return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 1.5 * 4 * 132;
+}
+
+BucketTiles fc1_bucket_tiles(const ModelShape& shape) {
+  BucketTiles out;
   for (int t = 3; t <= shape.max_tokens && small_blocks_expected(shape, t); ++t) {
-    (fc1_tall_expected(shape, t) ? out.tall : out.base) = true;
+    if (fc1_tall_expected(shape, t)) {
+      out.tall = true;
+    } else {
+      (small_block_wave_expected(shape, t, 2 * shape.intermediate) ? out.wave : out.base) = true;
+    }
+  }
+  return out;
+}
+
+BucketTiles fc2_bucket_tiles(const ModelShape& shape) {
+  BucketTiles out;
+  if (fc2_short_k_expected(shape)) return out;
+  for (int t = 3; t <= shape.max_tokens && small_blocks_expected(shape, t); ++t) {
+    if (fc2_tall_expected(shape, t)) {
+      out.tall = true;
+    } else {
+      (small_block_wave_expected(shape, t, shape.hidden) ? out.wave : out.base) = true;
+    }
   }
   return out;
 }
@@ -125,8 +156,10 @@ int planned_marlin_kernels(const ModelShape& shape, bool sm90a) {
       if (wide.n64 && wide.n128) kernels += 2;
     }
   }
-  const Fc1BucketTiles fc1 = fc1_bucket_tiles(shape);
-  return kernels + (fc1.base && fc1.tall ? 1 : 0);
+  // (The five tiles count one FC1 and one FC2 kernel for 8-row blocks.)
+  const int fc1 = fc1_bucket_tiles(shape).count();
+  const int fc2 = fc2_bucket_tiles(shape).count();
+  return kernels + std::max(fc1 - 1, 0) + std::max(fc2 - 1, 0);
 }
 
 int run_command(const std::string& command, std::string* output) {

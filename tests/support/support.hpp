@@ -46,13 +46,24 @@ bool small_blocks_expected(const ModelShape& shape, int tokens);
 // touched experts, E (1 - (1 - k/E)^T), times the 128-row tiles of FC1's 2I rows reach 1.5 waves
 // of 4 x 132 CTA slots (792 CTAs).
 bool fc1_tall_expected(const ModelShape& shape, int tokens);
-// Which FC1 tiles the T of 8-row blocks (up to max_tokens) use: the bucket's 64-row one, the tall
-// one.
-struct Fc1BucketTiles {
+// FC2 with 8-row blocks takes the same 128-row CTAs by the same rule over H rows, where its K is
+// long (I > 768; the short-K tile otherwise).
+bool fc2_short_k_expected(const ModelShape& shape);
+bool fc2_tall_expected(const ModelShape& shape, int tokens);
+// Below that, the 8-row bucket's 64-row tile takes its wave variant (three stages, five CTAs per
+// SM) where the expected touched experts times its tiles of `rows` weight rows fill one wave of
+// 4 x 132 CTAs.
+bool small_block_wave_expected(const ModelShape& shape, int tokens, int rows);
+// Which tiles the T of 8-row blocks (up to max_tokens) use: the bucket's 64-row one, its wave
+// variant, the tall one (FC1 only), for FC1 (2I rows) or FC2 (H rows, short-K shapes aside).
+struct BucketTiles {
   bool base = false;
+  bool wave = false;
   bool tall = false;
+  int count() const { return (base ? 1 : 0) + (wave ? 1 : 0) + (tall ? 1 : 0); }
 };
-Fc1BucketTiles fc1_bucket_tiles(const ModelShape& shape);
+BucketTiles fc1_bucket_tiles(const ModelShape& shape);
+BucketTiles fc2_bucket_tiles(const ModelShape& shape);
 // Which tiles the T of 16-row blocks (past the 8-row ones, up to 512 and max_tokens) use on
 // sm_90a: the mma.sync one below 14 rows per routed expert, the warpgroup one from 14.
 struct MidBucketTiles {
@@ -70,7 +81,8 @@ WideTiles wide_tiles(const ModelShape& shape, int first, int last);
 // The marlin_moe kernels prewarm plans for the shape, from the rules above: five tiles (T = 1,
 // 8-row blocks, 16-row blocks, 32-row, 64-row), FC1 and FC2 each; two more for each block size
 // whose T take two tiles on sm_90a (mma.sync and warpgroup, or warpgroup N = 64 and 128); one
-// more FC1 where 8-row blocks take both FC1 tiles.
+// more FC1 or FC2 for each further tile the T of 8-row blocks take (fc1_bucket_tiles,
+// fc2_bucket_tiles).
 int planned_marlin_kernels(const ModelShape& shape, bool sm90a);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).

@@ -254,16 +254,19 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const bool both_prefill = sm90a && prefill.n64 && prefill.n128;
       CHECK(both_prefill == (sm90a && shape.name != "qwen3-30b-a3b" &&
                              shape.name != "gpt-oss-20b" && shape.name != "qwen2-57b-a14b"));
-      // FC1 with 8-row blocks takes 128 rows from 792 CTAs (fc1_tall_expected):
-      // a shape whose T of 8-row blocks use both tiles plans one FC1 kernel more.
-      const moejit::test::Fc1BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
-      const int fc1_extra = fc1_small.base && fc1_small.tall ? 1 : 0;
+      // With 8-row blocks FC1 takes 128 rows from 792 CTAs (fc1_tall_expected), and FC1 and FC2
+      // the 64-row tile's wave variant from one wave (small_block_wave_expected): each further
+      // tile the T of 8-row blocks use plans one kernel more.
+      const moejit::test::BucketTiles fc1_small = moejit::test::fc1_bucket_tiles(shape);
+      const moejit::test::BucketTiles fc2_small = moejit::test::fc2_bucket_tiles(shape);
+      const int small_extra =
+          std::max(fc1_small.count() - 1, 0) + std::max(fc2_small.count() - 1, 0);
       CHECK(count[Family::kMarlinMoe] ==
-            (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + fc1_extra);
+            (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + small_extra);
       CHECK(count[Family::kMarlinMoe] == moejit::test::planned_marlin_kernels(shape, sm90a));
       // (16-row blocks: block_m 128 on both the mma.sync tile and the warpgroup one.)
       std::set<std::pair<int, int>> tiles{{32, 8}, {128, 16}, {64, 32}, {128, 64}};
-      if (fc1_small.base) tiles.insert({64, 8});
+      if (fc1_small.base || fc1_small.wave) tiles.insert({64, 8});
       if (fc1_small.tall) tiles.insert({128, 8});
       if (sm90a) {
         tiles.erase({64, 32});
@@ -344,8 +347,14 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
       const bool small = moejit::test::small_blocks_expected(shape, tokens);
       if (short_k && tokens >= 3 && (small || tokens <= 512)) {
         CHECK(same_tile(tile_of(c.fc2), small ? n8 : n16));
-      } else if (moejit::test::fc1_tall_expected(shape, tokens)) {
-        CHECK(same_tile(tile_of(c.fc2), Tile{64, 8, 256, 4, 4, 1, 1, 4}));  // the bucket's
+      } else if (small) {  // the tall tile, the wave tile or the bucket's over H rows
+        Tile expected{64, 8, 256, 4, 4, 1, 1, 4};
+        if (moejit::test::fc2_tall_expected(shape, tokens)) {
+          expected = Tile{128, 8, 128, 4, 4, 1, 1, 4};
+        } else if (moejit::test::small_block_wave_expected(shape, tokens, shape.hidden)) {
+          expected = Tile{64, 8, 256, 3, 4, 1, 1, 5};
+        }
+        CHECK(same_tile(tile_of(c.fc2), expected));
       } else {
         CHECK(same_tile(tile_of(c.fc2), tile_of(c.fc1)));
       }
@@ -372,8 +381,8 @@ TEST_CASE("moe plan: FC1 with 8-row blocks takes 128-row CTAs where they fill 79
       CHECK(same_tile(tile_of(c.fc1), tall) == moejit::test::fc1_tall_expected(shape, tokens));
       CHECK(c.fc1.block_n == c.route.block_m);
     }
-    const moejit::test::Fc1BucketTiles used = moejit::test::fc1_bucket_tiles(shape);
-    shapes_with_both += used.base && used.tall ? 1 : 0;
+    const moejit::test::BucketTiles used = moejit::test::fc1_bucket_tiles(shape);
+    shapes_with_both += (used.base || used.wave) && used.tall ? 1 : 0;
     // The segment ends (what prewarm walks) split the bucket where the tile changes.
     const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
     for (int t = 3; t < std::min(512, shape.max_tokens); ++t) {
@@ -387,6 +396,56 @@ TEST_CASE("moe plan: FC1 with 8-row blocks takes 128-row CTAs where they fill 79
     }
   }
   CHECK(shapes_with_both >= 3);  // the rule flips inside the bucket on the reference shapes
+}
+
+TEST_CASE("moe plan: the 8-row bucket's tiles by the waves their CTAs fill", "[plan]") {
+  // Per GEMM (FC1 over 2I rows; FC2 over H rows where its K is long): 128 rows from 1.5 waves of
+  // four CTAs per SM, else the 64-row tile at three stages and five CTAs per SM from one wave,
+  // else at four stages and four.
+  const Tile tall{128, 8, 128, 4, 4, 1, 1, 4};
+  const Tile wave{64, 8, 256, 3, 4, 1, 1, 5};
+  const Tile base{64, 8, 256, 4, 4, 1, 1, 4};
+  int fc1_changes = 0;
+  int fc2_changes = 0;
+  std::set<std::string> fc2_tall_shapes;
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
+    auto fc1_expected = [&](int t) {
+      if (moejit::test::fc1_tall_expected(shape, t)) return tall;
+      return moejit::test::small_block_wave_expected(shape, t, 2 * shape.intermediate) ? wave
+                                                                                       : base;
+    };
+    auto fc2_expected = [&](int t) {
+      if (moejit::test::fc2_tall_expected(shape, t)) return tall;
+      return moejit::test::small_block_wave_expected(shape, t, shape.hidden) ? wave : base;
+    };
+    for (int tokens = 3; tokens <= shape.max_tokens; ++tokens) {
+      INFO("T = " << tokens);
+      if (!moejit::test::small_blocks_expected(shape, tokens)) break;
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
+      CHECK(same_tile(tile_of(c.fc1), fc1_expected(tokens)));
+      const bool long_k = !moejit::test::fc2_short_k_expected(shape);
+      if (long_k) CHECK(same_tile(tile_of(c.fc2), fc2_expected(tokens)));
+      if (moejit::test::fc2_tall_expected(shape, tokens)) fc2_tall_shapes.insert(shape.name);
+      // Each change (the CTAs only grow with T) ends a segment that prewarm walks.
+      if (tokens > 3) {
+        const bool fc1_change = !same_tile(fc1_expected(tokens), fc1_expected(tokens - 1));
+        const bool fc2_change =
+            long_k && !same_tile(fc2_expected(tokens), fc2_expected(tokens - 1));
+        fc1_changes += fc1_change ? 1 : 0;
+        fc2_changes += fc2_change ? 1 : 0;
+        if (fc1_change || fc2_change) {
+          CHECK(std::find(ends.begin(), ends.end(), tokens - 1) != ends.end());
+        }
+      }
+    }
+  }
+  // The rules change tiles inside the bucket on the reference shapes, for FC1 and for FC2, and
+  // FC2 turns tall on the long-K shapes that reach 1.5 waves.
+  CHECK(fc1_changes >= 3);
+  CHECK(fc2_changes >= 2);
+  CHECK(fc2_tall_shapes.count("gpt-oss-120b") == 1);
 }
 
 TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan]") {
@@ -409,11 +468,22 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   const Tile t96_tall{128, 8, 128, 4, 4, 1, 1, 4};
   CHECK_FALSE(moejit::test::fc1_tall_expected(gpt, 4));
   CHECK(moejit::test::fc1_tall_expected(gpt, 5));
+  // Below that, FC1's 90 64-row tiles per expert fill a wave of 4 x 132 from T = 3 (1047 CTAs);
+  // FC2's 45 from T = 4 (T = 3: 11.6 experts, 523 CTAs; T = 4: 685).
+  // And FC2's 23 128-row tiles reach 792 CTAs from T = 10 (T = 9: 31.8 experts, 732 CTAs).
+  const Tile t96_wave{64, 8, 256, 3, 4, 1, 1, 5};
+  CHECK(moejit::test::small_block_wave_expected(gpt, 3, 2 * gpt.intermediate));
+  CHECK_FALSE(moejit::test::small_block_wave_expected(gpt, 3, gpt.hidden));
+  CHECK(moejit::test::small_block_wave_expected(gpt, 4, gpt.hidden));
+  CHECK_FALSE(moejit::test::fc2_tall_expected(gpt, 9));
+  CHECK(moejit::test::fc2_tall_expected(gpt, 10));
   for (const auto& [tokens, tile] : expected) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
-    CHECK(same_tile(tile_of(c.fc1), tokens >= 5 && tokens <= 160 ? t96_tall : tile));
-    CHECK(same_tile(tile_of(c.fc2), tile));
+    const bool small = tokens >= 3 && tokens <= 160;
+    CHECK(same_tile(tile_of(c.fc1), small ? (tokens >= 5 ? t96_tall : t96_wave) : tile));
+    const Tile fc2_small = tokens >= 10 ? t96_tall : tokens >= 4 ? t96_wave : t96;
+    CHECK(same_tile(tile_of(c.fc2), small ? fc2_small : tile));
     CHECK(c.route.block_m == c.fc1.block_n);  // route pads to the GEMM's token tile
     CHECK(c.combine.in_dtype == c.fc2.out_dtype);
     CHECK(c.tokens == tokens);
