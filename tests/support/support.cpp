@@ -83,11 +83,36 @@ bool small_blocks_expected(const ModelShape& shape, int tokens) {
   return tokens >= 3 && routed_rows(shape, tokens, 5) >= 0;
 }
 
-bool fc1_tall_expected(const ModelShape& shape, int tokens) {
+namespace {
+// 128-row CTAs (four per SM) for a GEMM of 8-row blocks over `rows` weight rows: 1.5 waves.
+bool tall_expected(const ModelShape& shape, int tokens, int rows) {
   if (!small_blocks_expected(shape, tokens)) return false;
-  const int tiles = (2 * shape.intermediate + 127) / 128;
+  const int tiles = (rows + 127) / 128;
   // 1.5 waves of four 128-row CTAs per SM on 132 SMs (the 792 CTAs of the first measurement).
   return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 1.5 * 4 * 132;
+}
+
+BucketTiles bucket_tiles(const ModelShape& shape, int rows) {
+  BucketTiles out;
+  for (int t = 3; t <= shape.max_tokens && small_blocks_expected(shape, t); ++t) {
+    if (tall_expected(shape, t, rows)) {
+      out.tall = true;
+    } else {
+      (small_block_wave_expected(shape, t, rows) ? out.wave : out.base) = true;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+bool fc1_tall_expected(const ModelShape& shape, int tokens) {
+  return tall_expected(shape, tokens, 2 * shape.intermediate);
+}
+
+bool fc2_short_k_expected(const ModelShape& shape) { return shape.intermediate <= 768; }
+
+bool fc2_tall_expected(const ModelShape& shape, int tokens) {
+  return !fc2_short_k_expected(shape) && tall_expected(shape, tokens, shape.hidden);
 }
 
 bool small_block_wave_expected(const ModelShape& shape, int tokens, int rows) {
@@ -96,37 +121,12 @@ bool small_block_wave_expected(const ModelShape& shape, int tokens, int rows) {
   return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 4 * 132;
 }
 
-bool fc2_short_k_expected(const ModelShape& shape) { return shape.intermediate <= 768; }
-
-bool fc2_tall_expected(const ModelShape& shape, int tokens) {
-  if (!small_blocks_expected(shape, tokens) || fc2_short_k_expected(shape)) return false;
-  const int tiles = (shape.hidden + 127) / 128;
-  return expected_touched(shape.num_experts, shape.top_k, tokens) * tiles >= 1.5 * 4 * 132;
-}
-
 BucketTiles fc1_bucket_tiles(const ModelShape& shape) {
-  BucketTiles out;
-  for (int t = 3; t <= shape.max_tokens && small_blocks_expected(shape, t); ++t) {
-    if (fc1_tall_expected(shape, t)) {
-      out.tall = true;
-    } else {
-      (small_block_wave_expected(shape, t, 2 * shape.intermediate) ? out.wave : out.base) = true;
-    }
-  }
-  return out;
+  return bucket_tiles(shape, 2 * shape.intermediate);
 }
 
 BucketTiles fc2_bucket_tiles(const ModelShape& shape) {
-  BucketTiles out;
-  if (fc2_short_k_expected(shape)) return out;
-  for (int t = 3; t <= shape.max_tokens && small_blocks_expected(shape, t); ++t) {
-    if (fc2_tall_expected(shape, t)) {
-      out.tall = true;
-    } else {
-      (small_block_wave_expected(shape, t, shape.hidden) ? out.wave : out.base) = true;
-    }
-  }
-  return out;
+  return fc2_short_k_expected(shape) ? BucketTiles{} : bucket_tiles(shape, shape.hidden);
 }
 
 MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {

@@ -55,7 +55,7 @@ bool fc2_tall_expected(const ModelShape& shape, int tokens);
 // 4 x 132 CTAs.
 bool small_block_wave_expected(const ModelShape& shape, int tokens, int rows);
 // Which tiles the T of 8-row blocks (up to max_tokens) use: the bucket's 64-row one, its wave
-// variant, the tall one (FC1 only), for FC1 (2I rows) or FC2 (H rows, short-K shapes aside).
+// variant, the tall one; for FC1 (2I rows) or FC2 (H rows; none for short-K shapes).
 struct BucketTiles {
   bool base = false;
   bool wave = false;
