@@ -63,8 +63,6 @@ __global__ void __launch_bounds__(Traits::kThreads) combine_kernel(const Combine
   constexpr int K = Traits::kTopK;
   constexpr int kWords = Traits::kInBf16 ? 1 : 2;  // 16-byte loads per slot
   using Vec = detail::CombineVec;
-  ::moejit::kern::ptx::grid_dependency_wait();
-  ::moejit::kern::ptx::launch_dependents();
   const unsigned long long total =
       static_cast<unsigned long long>(p.num_tokens < 0 ? 0 : p.num_tokens) *
       static_cast<unsigned long long>(Traits::kVecsPerRow);
@@ -92,6 +90,12 @@ __global__ void __launch_bounds__(Traits::kThreads) combine_kernel(const Combine
 #pragma unroll
     for (int s = 0; s < K; ++s) rows[s] = p.slot_row[t * K + s];
   }
+  // Why the rows are read before the wait: slot_row is the route's, and the route finished before
+  // this grid launched (FC1 waits for the route before it lets FC2 launch, and FC2 reads the
+  // route's block map before it lets this grid launch), so the round trip overlaps FC2's tail
+  // instead of following it. fc2_out, FC2's, is read only after the wait.
+  ::moejit::kern::ptx::grid_dependency_wait();
+  ::moejit::kern::ptx::launch_dependents();
 
   float acc[Traits::kVec];
 #pragma unroll

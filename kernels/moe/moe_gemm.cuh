@@ -211,10 +211,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   const i32 expert = p.block_expert[block];
   if (expert < 0) return;
-  for (i32 n = tid; n < T::kBlockN; n += T::kThreads) {
-    const i32 id = p.sorted_rows[block * T::kBlockN + n];
-    s_ids[n] = id;
-    s_rows[n] = id < 0 ? -1 : (Epi::kGatherTokens ? id / p.top_k : block * T::kBlockN + n);
+  // The block's rows go to shared memory after the weight prologue: a store waits for its load,
+  // and the weight copies, which need only the expert, should not wait a round trip for them.
+  constexpr i32 kRowLoads = ceil_div(T::kBlockN, T::kThreads);
+  i32 row_ids[kRowLoads];
+#pragma unroll
+  for (i32 j = 0; j < kRowLoads; ++j) {
+    const i32 n = tid + j * T::kThreads;
+    row_ids[j] = n < T::kBlockN ? p.sorted_rows[block * T::kBlockN + n] : -1;
   }
 
   const i32 k_tiles = ceil_div(p.k_atoms, T::kAtomsK);
@@ -333,6 +337,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s, s, Flag<true>{});
+  }
+#pragma unroll
+  for (i32 j = 0; j < kRowLoads; ++j) {
+    const i32 n = tid + j * T::kThreads;
+    if (n < T::kBlockN) {
+      const i32 id = row_ids[j];
+      s_ids[n] = id;
+      s_rows[n] = id < 0 ? -1 : (Epi::kGatherTokens ? id / p.top_k : block * T::kBlockN + n);
+    }
   }
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();

@@ -6,9 +6,10 @@
 // marlin section (MoePath::kMarlin forced: route -> FC1 -> FC2 -> combine), per row (model, T):
 //   - the whole layer: one CUDA graph of N back-to-back moe_forward calls, replayed; median
 //     replay time / N (so launch gaps are not counted as kernel time at small T);
-//   - each kernel: the same graph cut after each kernel of the layer (graph prefixes in launch
-//     order); a kernel's time is what it adds to the prefix before it (with programmatic
-//     dependent launch, the part of it that does not overlap the previous kernel);
+//   - each kernel: the same graph with every layer cut after each of its kernels in launch order,
+//     the cut layers joined as the whole ones are (programmatic dependent launch kept), replayed
+//     in turn with the whole graph; a kernel's time is what it adds to the cut before it (the
+//     part of it that does not overlap the previous kernel), so the kernels add up to the layer;
 //   - experts touched and bytes of MXFP4 weights touched (kernel layout: nibbles + scales), and
 //     that traffic over the layer time as a fraction of the device-to-device copy bandwidth
 //     measured in the same run (bytes read + written / time);
@@ -67,6 +68,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -77,6 +79,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -130,8 +133,7 @@ struct GraphApi {
   PFN_cuGraphClone_v10000 clone = nullptr;
   PFN_cuGraphNodeFindInClone_v10000 node_find_in_clone = nullptr;
   PFN_cuGraphDestroyNode_v10000 destroy_node = nullptr;
-  PFN_cuGraphCreate_v10000 create = nullptr;
-  PFN_cuGraphAddChildGraphNode_v10000 add_child_graph_node = nullptr;
+  PFN_cuGraphAddDependencies_v12030 add_dependencies = nullptr;
 };
 
 template <typename Fn>
@@ -164,8 +166,7 @@ const GraphApi& graph_api() {
     load_entry(get, "cuGraphClone", 10000, &a.clone);
     load_entry(get, "cuGraphNodeFindInClone", 10000, &a.node_find_in_clone);
     load_entry(get, "cuGraphDestroyNode", 10000, &a.destroy_node);
-    load_entry(get, "cuGraphCreate", 10000, &a.create);
-    load_entry(get, "cuGraphAddChildGraphNode", 10000, &a.add_child_graph_node);
+    load_entry(get, "cuGraphAddDependencies", 12030, &a.add_dependencies);
     return a;
   }();
   return api;
@@ -439,43 +440,53 @@ std::vector<double> replay_alternating_us(const std::vector<const Graph*>& graph
   return out;
 }
 
-// The nodes of `graph` in a topological order (for a captured stream: launch order).
-std::vector<CUgraphNode> topological_nodes(CUgraph graph) {
+// A graph's nodes in a topological order (for a captured stream: launch order) and its edges,
+// with their dependency types (programmatic or full).
+struct GraphTopology {
+  std::vector<CUgraphNode> order;
+  std::vector<CUgraphNode> from, to;
+  std::vector<CUgraphEdgeData> data;
+};
+
+GraphTopology topology_of(CUgraph graph) {
   std::size_t count = 0;
   BENCH_CU(graph_api().get_nodes(graph, nullptr, &count));
   std::vector<CUgraphNode> nodes(count);
-  BENCH_CU(graph_api().get_nodes(graph, nodes.data(), &count));
+  if (count > 0) BENCH_CU(graph_api().get_nodes(graph, nodes.data(), &count));
+  GraphTopology t;
   std::size_t edges = 0;
   BENCH_CU(graph_api().get_edges(graph, nullptr, nullptr, nullptr, &edges));
-  std::vector<CUgraphNode> from(edges);
-  std::vector<CUgraphNode> to(edges);
-  std::vector<CUgraphEdgeData> data(edges);
+  t.from.resize(edges);
+  t.to.resize(edges);
+  t.data.resize(edges);
   if (edges > 0)
-    BENCH_CU(graph_api().get_edges(graph, from.data(), to.data(), data.data(), &edges));
+    BENCH_CU(graph_api().get_edges(graph, t.from.data(), t.to.data(), t.data.data(), &edges));
+  // Kahn's walk, taking ready nodes first in, first out.
+  std::unordered_map<CUgraphNode, std::size_t> index;
+  for (std::size_t i = 0; i < count; ++i) index.emplace(nodes[i], i);
+  std::vector<std::vector<std::size_t>> out_edges(count);
   std::vector<int> indegree(count, 0);
-  auto index = [&](CUgraphNode n) {
-    return static_cast<std::size_t>(std::find(nodes.begin(), nodes.end(), n) - nodes.begin());
-  };
-  for (std::size_t e = 0; e < edges; ++e) ++indegree[index(to[e])];
-  std::vector<CUgraphNode> order;
-  std::vector<bool> done(count, false);
-  while (order.size() < count) {
-    std::size_t pick = count;
-    for (std::size_t i = 0; i < count; ++i) {
-      if (!done[i] && indegree[i] == 0) {
-        pick = i;
-        break;
-      }
-    }
-    if (pick == count) throw std::runtime_error("captured graph has a cycle");
-    done[pick] = true;
-    order.push_back(nodes[pick]);
-    for (std::size_t e = 0; e < edges; ++e) {
-      if (from[e] == nodes[pick]) --indegree[index(to[e])];
+  for (std::size_t e = 0; e < edges; ++e) {
+    out_edges[index.at(t.from[e])].push_back(index.at(t.to[e]));
+    ++indegree[index.at(t.to[e])];
+  }
+  std::deque<std::size_t> ready;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (indegree[i] == 0) ready.push_back(i);
+  }
+  while (!ready.empty()) {
+    const std::size_t n = ready.front();
+    ready.pop_front();
+    t.order.push_back(nodes[n]);
+    for (std::size_t m : out_edges[n]) {
+      if (--indegree[m] == 0) ready.push_back(m);
     }
   }
-  return order;
+  if (t.order.size() != count) throw std::runtime_error("captured graph has a cycle");
+  return t;
 }
+
+std::vector<CUgraphNode> topological_nodes(CUgraph graph) { return topology_of(graph).order; }
 
 // A short name for a graph node: the kernel's function name (demangled, namespace and template
 // arguments dropped), with the grouped GEMM's stage; else the node type.
@@ -520,31 +531,40 @@ std::string node_label(CUgraphNode node) {
   return name;
 }
 
-// A copy of `graph` holding only the first `keep` nodes of `order` (a topological order of it).
-Graph prefix_of(CUgraph graph, const std::vector<CUgraphNode>& order, std::size_t keep) {
+// A copy of `layers` (a graph of back-to-back layers, `per_layer` nodes each, one after another
+// in `t.order`) with each layer cut after its first `keep` nodes. An edge that left a layer's cut
+// part for the next layer now leaves the layer's last kept node, with its dependency type, so the
+// cut layers follow one another as the whole ones did (programmatic dependent launch included).
+Graph layer_prefix(CUgraph layers, const GraphTopology& t, std::size_t per_layer,
+                   std::size_t keep) {
   CUgraph clone = nullptr;
-  BENCH_CU(graph_api().clone(&clone, graph));
+  BENCH_CU(graph_api().clone(&clone, layers));
   Graph out(clone);
-  for (std::size_t i = order.size(); i > keep; --i) {
-    CUgraphNode copy = nullptr;
-    BENCH_CU(graph_api().node_find_in_clone(&copy, order[i - 1], clone));
-    BENCH_CU(graph_api().destroy_node(copy));
+  std::unordered_map<CUgraphNode, std::size_t> index;
+  std::vector<CUgraphNode> copy(t.order.size());
+  for (std::size_t i = 0; i < t.order.size(); ++i) {
+    index.emplace(t.order[i], i);
+    BENCH_CU(graph_api().node_find_in_clone(&copy[i], t.order[i], clone));
   }
-  return out;
-}
-
-// One graph that runs parts[i % parts.size()] for i = 0 .. iterations - 1, one after another.
-Graph chain_of(const std::vector<Graph>& parts, int iterations) {
-  CUgraph graph = nullptr;
-  BENCH_CU(graph_api().create(&graph, 0));
-  Graph out(graph);
-  CUgraphNode previous = nullptr;
-  for (int i = 0; i < iterations; ++i) {
-    CUgraphNode node = nullptr;
-    BENCH_CU(graph_api().add_child_graph_node(
-        &node, graph, previous != nullptr ? &previous : nullptr, previous != nullptr ? 1 : 0,
-        parts[to_size(i) % parts.size()].graph));
-    previous = node;
+  std::vector<CUgraphNode> from, to;
+  std::vector<CUgraphEdgeData> data;
+  for (std::size_t e = 0; e < t.from.size(); ++e) {
+    const std::size_t u = index.at(t.from[e]);
+    const std::size_t v = index.at(t.to[e]);
+    if (u / per_layer == v / per_layer || u % per_layer < keep || v % per_layer >= keep) continue;
+    const CUgraphNode source = copy[u / per_layer * per_layer + keep - 1];
+    bool present = false;
+    for (std::size_t d = 0; d < from.size(); ++d) present |= from[d] == source && to[d] == copy[v];
+    if (present) continue;
+    from.push_back(source);
+    to.push_back(copy[v]);
+    data.push_back(t.data[e]);
+  }
+  for (std::size_t i = 0; i < copy.size(); ++i) {
+    if (i % per_layer >= keep) BENCH_CU(graph_api().destroy_node(copy[i]));
+  }
+  if (!from.empty()) {
+    BENCH_CU(graph_api().add_dependencies(clone, from.data(), to.data(), data.data(), from.size()));
   }
   return out;
 }
@@ -1205,42 +1225,58 @@ class ModelBench {
     row.iterations = std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 3, 400);
 
     // One captured layer per weight copy, and its kernels in launch order.
-    std::vector<Graph> layers;
-    for (int c = 0; c < row.rotation; ++c) layers.push_back(capture(stream_, [&] { forward(c); }));
-    const std::vector<CUgraphNode> order = topological_nodes(layers[0].graph);
+    // The layer's kernels in launch order.
+    const Graph layer = capture(stream_, [&] { forward(0); });
+    const std::vector<CUgraphNode> order = topological_nodes(layer.graph);
 
     // The whole layer: N calls captured back to back (iteration j reads copy j mod R); with the
     // dense baseline, their replays alternate so both see the same clocks and temperature.
-    {
-      Graph all = capture(stream_, [&] {
-        for (int j = 0; j < row.iterations; ++j) forward(j % row.rotation);
-      });
-      if (dense_copies > 0) {
-        const std::unique_ptr<DenseLayer> dense =
-            dense_layer(r, dense_expert_bytes, dense_copies, events, &row);
-        const std::vector<double> us = replay_alternating_us(
-            {&all, &dense->graph}, {row.iterations, row.dense_iterations}, stream_, o_.trials,
-            events);
-        row.layer_us = us[0];
-        row.dense_us = us[1];
-        row.dense_tflops = flops / (row.dense_us * 1e-6) / 1e12;
-        row.dense_single_tflops = dense_single_tflops(*dense, r, flops, events);
-      } else {
-        row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events);
-      }
+    const Graph all = capture(stream_, [&] {
+      for (int j = 0; j < row.iterations; ++j) forward(j % row.rotation);
+    });
+    if (dense_copies > 0) {
+      const std::unique_ptr<DenseLayer> dense =
+          dense_layer(r, dense_expert_bytes, dense_copies, events, &row);
+      const std::vector<double> us =
+          replay_alternating_us({&all, &dense->graph}, {row.iterations, row.dense_iterations},
+                                stream_, o_.trials, events);
+      row.layer_us = us[0];
+      row.dense_us = us[1];
+      row.dense_tflops = flops / (row.dense_us * 1e-6) / 1e12;
+      row.dense_single_tflops = dense_single_tflops(*dense, r, flops, events);
+    } else {
+      row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events);
     }
-    // Each kernel: prefixes of the layer, chained N times.
+    // Each kernel: the same N-layer graph with every layer cut after its first p kernels
+    // (layer_prefix), all cuts replayed in turn with the whole graph; a kernel's time is what its
+    // cut adds to the one before.
     try {
-      double before = 0;
-      for (std::size_t p = 1; p <= order.size(); ++p) {
-        std::vector<Graph> parts;
-        for (const Graph& layer : layers) {
-          parts.push_back(prefix_of(layer.graph, topological_nodes(layer.graph), p));
+      const GraphTopology t = topology_of(all.graph);
+      const std::size_t per_layer = order.size();
+      if (t.order.size() != per_layer * to_size(row.iterations)) {
+        throw std::runtime_error("the captured layers have " + std::to_string(t.order.size()) +
+                                 " nodes, not " + std::to_string(row.iterations) + " x " +
+                                 std::to_string(per_layer));
+      }
+      std::vector<std::string> labels;
+      for (CUgraphNode node : order) labels.push_back(node_label(node));
+      for (std::size_t n = 0; n < t.order.size(); ++n) {
+        if (node_label(t.order[n]) != labels[n % per_layer]) {
+          throw std::runtime_error("the captured layers do not repeat the layer's kernels");
         }
-        const Graph chained = chain_of(parts, row.iterations);
-        const double us = replay_us(chained, stream_, o_.trials, row.iterations, events);
-        row.kernels.push_back({node_label(order[p - 1]), us - before});
-        before = us;
+      }
+      std::vector<Graph> cuts;
+      for (std::size_t p = 1; p < per_layer; ++p) {
+        cuts.push_back(layer_prefix(all.graph, t, per_layer, p));
+      }
+      std::vector<const Graph*> graphs;
+      for (const Graph& g : cuts) graphs.push_back(&g);
+      graphs.push_back(&all);
+      const std::vector<double> us =
+          replay_alternating_us(graphs, std::vector<int>(graphs.size(), row.iterations), stream_,
+                                o_.trials, events);
+      for (std::size_t p = 0; p < per_layer; ++p) {
+        row.kernels.push_back({labels[p], us[p] - (p > 0 ? us[p - 1] : 0.0)});
       }
     } catch (const std::exception& e) {
       row.kernels.clear();
@@ -1758,7 +1794,7 @@ int run(const Options& o) {
            " (FC1 and FC2, same routing); speedup: dense us / layer us; 1-GEMM: the same FLOPs as "
            "one\n"
            "GEMM pair. output: NaN/inf count of one checked call. kernels:"
-           " what each kernel adds to the graph prefix before it (launch order).\n";
+           " what each kernel adds to the layers cut before it (launch order).\n";
   }
   if (decode_section && decode_skipped.empty()) {
     print_table(
