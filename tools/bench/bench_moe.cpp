@@ -1272,9 +1272,8 @@ class ModelBench {
       std::vector<const Graph*> graphs;
       for (const Graph& g : cuts) graphs.push_back(&g);
       graphs.push_back(&all);
-      const std::vector<double> us =
-          replay_alternating_us(graphs, std::vector<int>(graphs.size(), row.iterations), stream_,
-                                o_.trials, events);
+      const std::vector<double> us = replay_alternating_us(
+          graphs, std::vector<int>(graphs.size(), row.iterations), stream_, o_.trials, events);
       for (std::size_t p = 0; p < per_layer; ++p) {
         row.kernels.push_back({labels[p], us[p] - (p > 0 ? us[p - 1] : 0.0)});
       }
