@@ -8,9 +8,10 @@
 // E8M0 scale 2^(s-127) together. A single factor 2^(s-1) would overflow bf16 for s >= 129
 // (scales above 2^1), so the factor is 2^(s - kScaleBias) (bf16 bits (s + 63) << 7, finite for
 // s <= 191) and the fp32 accumulator is multiplied by 2^(kScaleBias - 1) = 2^63 in the epilogue,
-// which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 5 shifts (on the FMA pipe) + 4 bf16x2
-// multiplies; per two scale bytes a permute and a shift-add (each multiply takes its factor from
-// one half of a register, which the multiply's operand selects for free).
+// which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 5 shifts (4 on the FMA pipe, 1 on
+// the ALU: see shift) + 4 bf16x2 multiplies; per two scale bytes a permute and a shift-add (each
+// multiply takes its factor from one half of a register, which the multiply's operand selects for
+// free).
 #pragma once
 
 #include <moejit/kern/moe/layout.cuh>
@@ -35,14 +36,18 @@ __device__ __forceinline__ u32 group_factors(u32 scale_word) {
   return ptx::prmt(scale_word, 0u, kSelect) * 128u + (kBiasBits | (kBiasBits << 16));
 }
 
-// Why multiplies: the integer ALU pipe (LOP3, SHF, PRMT) is the decode kernel's tightest
-// resource, while left shifts compile to IMAD.SHL on the FMA pipe; a right shift by s is the
-// high word of w * 2^(32 - s), an IMAD.HI on the FMA pipe too.
+// Which pipe: ptxas compiles the left shifts to IMAD.SHL on the FMA pipe, leaving the integer ALU
+// (LOP3, PRMT) to the masks, and the one right shift of a word (register 3's magnitude) to SHF on
+// the ALU. Why not that one on the FMA pipe too, as the high word of w * 2^(32 - s) (IMAD.HI):
+// measured on the H200 (tools/PERF_LOG.md "the right shift on the ALU"), the SHF form is 3-6%
+// faster in every MXFP4 tile (marlin_moe gpt-oss-120b T = 96 479 -> 458 us, deepseek-v4-flash-tp4
+// T = 6 46.9 -> 44.0; decode_moe kimi-k3.1-tp8 T = 24 239 -> 233) and the tall FC1 tile needs 80
+// registers instead of 91; moving the left shifts by 3 and 5 to SHF as well lost half of that.
 template <int kShift>
 __device__ __forceinline__ u32 shift(u32 w) {
   static_assert(kShift > -32 && kShift < 32, "shift out of range");
   if constexpr (kShift > 0) {
-    return ptx::mul_hi(w, 1u << (32 - kShift));
+    return w >> kShift;
   } else if constexpr (kShift < 0) {
     return w << -kShift;
   } else {

@@ -67,13 +67,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// High 32 bits of the 64-bit product (IMAD.HI: runs on the FMA pipe, not the integer ALU).
-__device__ __forceinline__ u32 mul_hi(u32 a, u32 b) {
-  u32 d;
-  asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
 // Byte permute: result byte i = byte sel[i] of the 8-byte value {b, a} (a = bytes 0..3).
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
