@@ -148,6 +148,22 @@ __device__ __forceinline__ void land_strip(u32 dst, u32 bar, const u8* weights, 
   pipe::arrive(bar);
 }
 
+// Waits until unit `u` (the u-th fill of a ring of kS slots, counted from 0) has landed, for a
+// reader that takes only some of the units (fc1's groups every second one, fc2's warps every
+// eighth). Why not the full barrier's parity alone: the slot's previous fill (unit u - kS) may be
+// another reader's and still landing, since the bulk copies of different slots complete in any
+// order, and then the parity of unit u is also that of the phase in progress: the wait would
+// pass on the previous unit's bytes. Once unit u - kS is released (its phase of the empty
+// barrier, which unit u cannot reach before this reader releases it), the full barrier has
+// completed that unit's phase, and the parity names unit u alone.
+template <i32 kS>
+__device__ __forceinline__ void wait_landed(const u64* full, const u64* empty, i32 u) {
+  const i32 slot = u % kS;
+  const u32 phase = static_cast<u32>(u / kS);
+  if (phase > 0) pipe::wait(ptx::smem_u32(empty + slot), (phase - 1u) & 1u);
+  pipe::wait(ptx::smem_u32(full + slot), phase & 1u);
+}
+
 // Named barrier 1 + `group` over one group of eight consumer warps.
 __device__ __forceinline__ void consumers_sync(i32 group = 0) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "n"(kPairConsumerThreads) : "memory");
@@ -263,8 +279,8 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
   }
 
   // ============================== consumers ==============================
-  // Group `group` takes units begin + group, + 2, ... (with at least one slot per group, the
-  // slot of its next unit is never two phases ahead).
+  // Group `group` takes units begin + group, + 2, ... (wait_landed: the slot's previous unit may
+  // be the other group's).
   const i32 group = warp / kPairConsumerWarps;
   const i32 gw = warp % kPairConsumerWarps;
   const u32 hid_base = ptx::smem_u32(hid);
@@ -287,7 +303,7 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
     const u32 s_base = w_base + static_cast<u32>(kAtoms * layout::kAtomBytes);
 
     float acc[2][4] = {};
-    pipe::wait(ptx::smem_u32(full + slot), static_cast<u32>((i / kS) & 1));
+    pair::wait_landed<kS>(full, empty, i);
     pair::mma_strip<kWarpAtoms>(w_base, s_base, b_lane, gw * kWarpAtoms, acc);
 #pragma unroll
     for (i32 q = 0; q < 4; ++q) acc[0][q] += acc[1][q];
@@ -329,7 +345,7 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
 // ---- fc2: 16-row strips of H for every virtual expert, and the top-k sum ---------------------
 // The grid splits H's strips (PairGeometry::fc2_grid); a unit is (strip, virtual expert), all of
 // K = I. The producer lands every unit it can before the CTA waits for fc1; consumer warp w takes
-// units w, w + 8, ... (stages >= 8, so a warp never waits on a slot two phases ahead).
+// units w, w + 8, ... (wait_landed: the slot's previous unit may be another warp's).
 template <class T>
 __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePairParams p) {
   constexpr PairGeometry G = T::kGeo;
@@ -339,7 +355,6 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   constexpr i32 kHStrips = G.fc2_strips();
   constexpr i32 kRow = G.inter_row_bytes();
   constexpr i32 kP = G.positions();
-  static_assert(kS >= kPairConsumerWarps, "a slot is never two phases ahead of its reader");
   extern __shared__ __align__(128) u8 smem[];
   u8* const ring = smem;
   u8* const rows = smem + G.fc2_ring_bytes();
@@ -423,7 +438,7 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
     const u32 s_base = w_base + static_cast<u32>(kAtoms * layout::kAtomBytes);
 
     float acc[2][4] = {};
-    pipe::wait(ptx::smem_u32(full + slot), static_cast<u32>((u / kS) & 1));
+    pair::wait_landed<kS>(full, empty, u);
     pair::mma_strip<kAtoms>(w_base, s_base, b_lane, 0, acc);
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
