@@ -9,7 +9,11 @@
 //   - each kernel: the same graph with every layer cut after each of its kernels in launch order,
 //     the cut layers joined as the whole ones are (programmatic dependent launch kept), replayed
 //     in turn with the whole graph; a kernel's time is what it adds to the cut before it (the
-//     part of it that does not overlap the previous kernel), so the kernels add up to the layer;
+//     part of it that does not overlap the previous kernel), so the kernels add up to the
+//     whole graph's time in that alternation ("sum us"). Where the dense baseline runs, the
+//     layer column alternates with it instead, and the two differ: on the H200 the layer read
+//     5-13% faster beside the dense GEMMs on the rows of 0.9-2 GB of weights (gpt-oss-120b
+//     T = 96: 400.9 against 459.7 us), the same on the small ones (tools/PERF_LOG.md);
 //   - experts touched and bytes of MXFP4 weights touched (kernel layout: nibbles + scales), and
 //     that traffic over the layer time as a fraction of the device-to-device copy bandwidth
 //     measured in the same run (bytes read + written / time);
@@ -811,6 +815,9 @@ struct Row {
   int touched = 0;
   double mxfp4_bytes = 0;
   double layer_us = 0;
+  // The whole layer again, replayed in turn with its cuts (MoE work only between its replays);
+  // the kernels add up to it. 0 where per-kernel times are unavailable.
+  double kernels_sum_us = 0;
   std::vector<KernelTime> kernels;
   std::string kernels_note;  // why per-kernel times are missing, if they are
   double copy_fraction = 0;
@@ -1055,6 +1062,7 @@ class ModelBench {
             o_.dense ? fixed(row.dense_us / row.layer_us, 2) + "x" : "-",
             o_.dense ? fixed(row.dense_single_tflops, 1) : "-",
             row.nonfinite == 0 ? "ok" : std::to_string(row.nonfinite) + " NaN",
+            row.kernels_sum_us > 0 ? fixed(row.kernels_sum_us, 1) : "-",
             kernels};
   }
 
@@ -1277,6 +1285,7 @@ class ModelBench {
       for (std::size_t p = 0; p < per_layer; ++p) {
         row.kernels.push_back({labels[p], us[p] - (p > 0 ? us[p - 1] : 0.0)});
       }
+      row.kernels_sum_us = us.back();
     } catch (const std::exception& e) {
       row.kernels.clear();
       row.kernels_note = std::string("per-kernel times unavailable: ") + e.what();
@@ -1375,6 +1384,7 @@ class ModelBench {
               {"mxfp4_bytes_touched", row.mxfp4_bytes},
               {"layer_us", row.layer_us},
               {"kernels", kernels},
+              {"kernels_sum_us", row.kernels_sum_us},
               {"copy_bandwidth_fraction", row.copy_fraction},
               {"tflops", row.tflops},
               {"weight_rotation", row.rotation},
@@ -1785,7 +1795,7 @@ int run(const Options& o) {
             fixed(copy_gbs, 0) + " GB/s" +
             (dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
         {"model", "T", "experts", "MB", "layer us", "% copy", "TFLOP/s", "dense us",
-         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "kernels (us)"},
+         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "sum us", "kernels (us)"},
         table);
     std::cout
         << "\nMB: MXFP4 weights of the experts touched (nibbles + scales, kernel layout). % copy:"
@@ -1793,7 +1803,10 @@ int run(const Options& o) {
            " (FC1 and FC2, same routing); speedup: dense us / layer us; 1-GEMM: the same FLOPs as "
            "one\n"
            "GEMM pair. output: NaN/inf count of one checked call. kernels:"
-           " what each kernel adds to the layers cut before it (launch order).\n";
+           " what each kernel adds to the layers cut before it (launch order).\nsum us: the"
+           " whole layer replayed in turn with those cuts, so with MoE work alone between its"
+           " replays (the kernels add up to it); layer us alternates with the dense baseline"
+           " where that runs.\n";
   }
   if (decode_section && decode_skipped.empty()) {
     print_table(
