@@ -11,9 +11,9 @@
 //     in turn with the whole graph; a kernel's time is what it adds to the cut before it (the
 //     part of it that does not overlap the previous kernel), so the kernels add up to the
 //     whole graph's time in that alternation ("sum us"). Where the dense baseline runs, the
-//     layer column alternates with it instead, and the two differ: on the H200 the layer read
-//     5-13% faster beside the dense GEMMs on the rows of 0.9-2 GB of weights (gpt-oss-120b
-//     T = 96: 400.9 against 459.7 us), the same on the small ones (tools/PERF_LOG.md);
+//     layer column alternates with it instead, and the two differ: on the H200 the layer took
+//     5-14% less time beside the dense GEMMs on the rows of 0.9-2 GB of weights (gpt-oss-120b
+//     T = 96: 400.9 against 459.7 us), within 1% on the small ones (tools/PERF_LOG.md);
 //   - experts touched and bytes of MXFP4 weights touched (kernel layout: nibbles + scales), and
 //     that traffic over the layer time as a fraction of the device-to-device copy bandwidth
 //     measured in the same run (bytes read + written / time);
@@ -1232,7 +1232,6 @@ class ModelBench {
     const double estimate = std::max(1.0, median(eager));
     row.iterations = std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 3, 400);
 
-    // One captured layer per weight copy, and its kernels in launch order.
     // The layer's kernels in launch order.
     const Graph layer = capture(stream_, [&] { forward(0); });
     const std::vector<CUgraphNode> order = topological_nodes(layer.graph);
