@@ -13,7 +13,7 @@
 // for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem), or for
 // T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is also a multiple of 512; and
 // marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
-// the faster one (decode_moe for T <= 2 where it serves; see MoePath),
+// the faster one (decode_moe for T = 1 where it serves; see MoePath),
 // MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
@@ -126,9 +126,9 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T <= 2 where it
-            // serves (its two-kernel tile where that serves the shape: 0.75-1.00x marlin_moe's
-            // time), marlin_moe otherwise (from T = 3 mostly faster, by up to 18%)
+  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T = 1 where it
+            // serves (its two-kernel tile where that serves the shape: 0.76-0.96x marlin_moe's
+            // time), marlin_moe otherwise (from T = 2 mostly faster, by up to 18%)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };

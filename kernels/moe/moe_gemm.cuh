@@ -187,6 +187,38 @@ struct Flag {
   static constexpr bool kValue = kB;
 };
 
+// A CTA's kN route rows (row0 .. row0 + kN - 1, those from row0 + limit on treated as padding),
+// loaded into registers first and stored to shared memory after the weight prologue: a store
+// waits for its load, and the weight copies, which need only the expert, should not wait a round
+// trip for them. s_ids[n] is the sorted id (token * top_k + slot, or -1), s_rows[n] the input row
+// (the token when kGatherTokens, else the padded row itself; -1 for padding).
+template <i32 kN, i32 kThreads>
+struct BlockRows {
+  static constexpr i32 kLoads = ceil_div(kN, kThreads);
+  i32 ids[kLoads];
+
+  __device__ __forceinline__ void load(const MoeGemmParams& p, i32 tid, i32 row0, i32 limit) {
+#pragma unroll
+    for (i32 j = 0; j < kLoads; ++j) {
+      const i32 n = tid + j * kThreads;
+      ids[j] = n < kN && n < limit ? p.sorted_rows[row0 + n] : -1;
+    }
+  }
+  template <bool kGatherTokens>
+  __device__ __forceinline__ void store(const MoeGemmParams& p, i32 tid, i32 row0, i32* s_ids,
+                                        i32* s_rows) const {
+#pragma unroll
+    for (i32 j = 0; j < kLoads; ++j) {
+      const i32 n = tid + j * kThreads;
+      if (n < kN) {
+        const i32 id = ids[j];
+        s_ids[n] = id;
+        s_rows[n] = id < 0 ? -1 : (kGatherTokens ? id / p.top_k : row0 + n);
+      }
+    }
+  }
+};
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     moe_gemm(const MoeGemmParams p) {
@@ -211,15 +243,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   const i32 expert = p.block_expert[block];
   if (expert < 0) return;
-  // The block's rows go to shared memory after the weight prologue: a store waits for its load,
-  // and the weight copies, which need only the expert, should not wait a round trip for them.
-  constexpr i32 kRowLoads = ceil_div(T::kBlockN, T::kThreads);
-  i32 row_ids[kRowLoads];
-#pragma unroll
-  for (i32 j = 0; j < kRowLoads; ++j) {
-    const i32 n = tid + j * T::kThreads;
-    row_ids[j] = n < T::kBlockN ? p.sorted_rows[block * T::kBlockN + n] : -1;
-  }
+  const i32 row0 = block * T::kBlockN;
+  BlockRows<T::kBlockN, T::kThreads> rows;
+  rows.load(p, tid, row0, T::kBlockN);
 
   const i32 k_tiles = ceil_div(p.k_atoms, T::kAtomsK);
   const layout::Dims dims{p.m_atoms, p.k_atoms};
@@ -338,15 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s, s, Flag<true>{});
   }
-#pragma unroll
-  for (i32 j = 0; j < kRowLoads; ++j) {
-    const i32 n = tid + j * T::kThreads;
-    if (n < T::kBlockN) {
-      const i32 id = row_ids[j];
-      s_ids[n] = id;
-      s_rows[n] = id < 0 ? -1 : (Epi::kGatherTokens ? id / p.top_k : block * T::kBlockN + n);
-    }
-  }
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();

@@ -136,15 +136,8 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   const i32 wq = warp & 3;   // warp inside the warpgroup: its 16-row strip of each m64 tile
   const i32 g = lane >> 2;
 
-  // The tile's rows go to shared memory after the weight prologue: a store waits for its load,
-  // and the weight copies, which need only the expert, should not wait a round trip for them.
-  constexpr i32 kRowLoads = ceil_div(kN, T::kThreads);
-  i32 row_ids[kRowLoads];
-#pragma unroll
-  for (i32 j = 0; j < kRowLoads; ++j) {
-    const i32 n = tid + j * T::kThreads;
-    row_ids[j] = n < kN && n < limit ? p.sorted_rows[row0 + n] : -1;
-  }
+  BlockRows<kN, T::kThreads> rows;  // to shared memory after the weight prologue
+  rows.load(p, tid, row0, limit);
 
   const i32 k_tiles = p.k_atoms;
   const layout::Dims dims{p.m_atoms, p.k_atoms};
@@ -249,15 +242,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s);
   }
-#pragma unroll
-  for (i32 j = 0; j < kRowLoads; ++j) {
-    const i32 n = tid + j * T::kThreads;
-    if (n < kN) {
-      const i32 id = row_ids[j];
-      s_ids[n] = id;
-      s_rows[n] = id < 0 ? -1 : (Epi::kGatherTokens ? id / p.top_k : row0 + n);
-    }
-  }
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();

@@ -43,14 +43,14 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
-// MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair for
-// T <= kDecodePairMaxTokens where its rules pass, else the persistent tile), marlin_moe above.
-// Why 2: on the H200 (tools/PERF_LOG.md "two atoms a warp"), over the four served reference
-// shapes decode_moe takes 0.75-0.92x marlin_moe's time at T = 1 and 0.91-1.00x at T = 2 (the
-// pair), but 0.96-1.18x at T = 3..5, 0.92-1.18x at T = 8..16 and 1.02-1.12x at T = 24: the
-// persistent tile wins on a few (shape, T) only (qwen3-30b-a3b T = 3 and 8, deepseek-v4-flash-tp4
-// T = 3), by at most 8%, and loses up to 18% on kimi-k3.1-tp8.
-inline constexpr int kDecodeAutoMaxTokens = 2;
+// MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair where its
+// rules pass, else the persistent tile), marlin_moe above. Why 1: on the H200 (tools/PERF_LOG.md
+// "the right shift on the ALU" and "kAuto at T = 2"), over the four served reference shapes
+// decode_moe takes 0.76-0.96x marlin_moe's time at T = 1, but 0.97-1.18x at T = 2 (the pair,
+// once marlin_moe's dequant got faster), 0.96-1.18x at T = 3..5, 0.92-1.18x at T = 8..16 and
+// 1.03-1.13x at T = 24: past T = 1 the persistent tile or the pair wins on a few (shape, T) only,
+// by at most 8%, and loses up to 18%.
+inline constexpr int kDecodeAutoMaxTokens = 1;
 // Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
 // 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
 // the persistent tile's 23.9 / 29.3 / 26.7, and 23.8 / 37.6 / 23.4 at T = 2 against 28.8 / 41.7 /

@@ -3,7 +3,7 @@
 // (and T = 1100, 4096 for the prefill tile, on 128 sampled tokens),
 // on the automatic path, forced marlin_moe and forced decode_moe where it serves (T <= 256 on the
 // shapes it accepts; refused elsewhere), the automatic path bit for bit the one the library picks
-// (decode_moe for T <= 2 on the shapes it serves, as detail::decode_by_default says, else
+// (decode_moe for T = 1 on the shapes it serves, as detail::decode_by_default says, else
 // marlin_moe), bitwise repeatability, expert parallelism (two halves sum to the whole), ids of -1
 // and of other ranks (int32 and int64), CUDA-graph capture and replay, the workspace size
 // contract, the repack round trip for both checkpoint layouts (unpacked on the CPU with

@@ -216,7 +216,7 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
         CHECK(config.decode_first.max_tokens == (t == 1 ? 1 : 2));
         CHECK(config.decode_second == detail::decode_pair_fc2_params(pair));
         CHECK(config.decode_second.kernel == DecodeKernel::kPairFc2);
-        CHECK(detail::decode_by_default(config));
+        CHECK(detail::decode_by_default(config) == (t <= detail::kDecodeAutoMaxTokens));
         continue;
       }
       CHECK(config.decode_second.kernel == DecodeKernel::kMain);
