@@ -383,8 +383,15 @@ Graph capture(CUstream stream, const std::function<void()>& body) {
   return Graph(graph);
 }
 
-// Median over `trials` replays of `graph` (after two warm-up replays) divided by `per_replay`.
-double replay_us(const Graph& graph, CUstream stream, int trials, int per_replay, Events& events) {
+// The host's pause before each timed replay (--gap-ms): the GPU idles that long between replays.
+void idle_gap(double gap_ms) {
+  if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(gap_ms));
+}
+
+// Median over `trials` replays of `graph` (after two warm-up replays) divided by `per_replay`,
+// each replay after an idle gap of `gap_ms`.
+double replay_us(const Graph& graph, CUstream stream, int trials, int per_replay, Events& events,
+                 double gap_ms = 0) {
   CUgraphExec exec = nullptr;
   BENCH_CU(cu().cuGraphInstantiate(&exec, graph.graph, 0));
   std::vector<double> us;
@@ -392,6 +399,7 @@ double replay_us(const Graph& graph, CUstream stream, int trials, int per_replay
     for (int w = 0; w < 2; ++w) BENCH_CU(cu().cuGraphLaunch(exec, stream));
     BENCH_CU(cu().cuStreamSynchronize(stream));
     for (int t = 0; t < trials; ++t) {
+      idle_gap(gap_ms);
       us.push_back(events.time_us(stream, [&] { BENCH_CU(cu().cuGraphLaunch(exec, stream)); }) /
                    per_replay);
     }
@@ -420,11 +428,12 @@ class GraphExec {
 };
 
 // Medians over `trials` rounds, each round replaying every graph once in turn (after two warm-up
-// rounds), each divided by that graph's `per_replay`. Why alternate: paths compared in one row
+// rounds), each divided by that graph's `per_replay`, each replay after an idle gap of `gap_ms`.
+// Why alternate: paths compared in one row
 // then see the same clocks and temperature, not one the first half of the row and one the other.
 std::vector<double> replay_alternating_us(const std::vector<const Graph*>& graphs,
                                           const std::vector<int>& per_replay, CUstream stream,
-                                          int trials, Events& events) {
+                                          int trials, Events& events, double gap_ms = 0) {
   std::vector<std::unique_ptr<GraphExec>> execs;
   for (const Graph* g : graphs) execs.push_back(std::make_unique<GraphExec>(*g));
   for (int w = 0; w < 2; ++w) {
@@ -435,6 +444,7 @@ std::vector<double> replay_alternating_us(const std::vector<const Graph*>& graph
   for (int t = 0; t < trials; ++t) {
     for (std::size_t g = 0; g < execs.size(); ++g) {
       const CUgraphExec exec = execs[g]->get();
+      idle_gap(gap_ms);
       us[g].push_back(events.time_us(stream, [&] { BENCH_CU(cu().cuGraphLaunch(exec, stream)); }) /
                       per_replay[g]);
     }
@@ -731,6 +741,7 @@ struct Options {
   std::string json_path;
   int trials = 15;
   double target_ms = 10;  // graph replay length the iteration count aims at
+  double gap_ms = 0;      // host pause (GPU idle) before each timed replay
   double budget_gb = 48;  // device memory for rotated weight copies, per model
   int max_rotation = 16;
   bool dense = true;
@@ -1246,13 +1257,13 @@ class ModelBench {
           dense_layer(r, dense_expert_bytes, dense_copies, events, &row);
       const std::vector<double> us =
           replay_alternating_us({&all, &dense->graph}, {row.iterations, row.dense_iterations},
-                                stream_, o_.trials, events);
+                                stream_, o_.trials, events, o_.gap_ms);
       row.layer_us = us[0];
       row.dense_us = us[1];
       row.dense_tflops = flops / (row.dense_us * 1e-6) / 1e12;
       row.dense_single_tflops = dense_single_tflops(*dense, r, flops, events);
     } else {
-      row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events);
+      row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events, o_.gap_ms);
     }
     // Each kernel: the same N-layer graph with every layer cut after its first p kernels
     // (layer_prefix), all cuts replayed in turn with the whole graph; a kernel's time is what its
@@ -1280,7 +1291,8 @@ class ModelBench {
       for (const Graph& g : cuts) graphs.push_back(&g);
       graphs.push_back(&all);
       const std::vector<double> us = replay_alternating_us(
-          graphs, std::vector<int>(graphs.size(), row.iterations), stream_, o_.trials, events);
+          graphs, std::vector<int>(graphs.size(), row.iterations), stream_, o_.trials, events,
+          o_.gap_ms);
       for (std::size_t p = 0; p < per_layer; ++p) {
         row.kernels.push_back({labels[p], us[p] - (p > 0 ? us[p - 1] : 0.0)});
       }
@@ -1519,7 +1531,7 @@ class ModelBench {
       });
       const std::vector<double> us = replay_alternating_us(
           {&decode_graph, &marlin_graph}, {row.decode_iterations, row.marlin_iterations}, stream_,
-          o_.trials, events);
+          o_.trials, events, o_.gap_ms);
       row.decode_us = us[0];
       row.marlin_us = us[1];
     } catch (const moejit::Error& e) {
@@ -1872,6 +1884,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--target-ms", o.target_ms, "Length of one timed graph replay")
       ->check(CLI::PositiveNumber);
+  app.add_option("--gap-ms", o.gap_ms,
+                 "Idle the GPU this long before each timed replay (default 0: back to back)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--budget-gb", o.budget_gb, "Device memory for rotated weight copies per model")
       ->check(CLI::PositiveNumber);
   app.add_option("--max-rotation", o.max_rotation, "Most weight copies to rotate through")
