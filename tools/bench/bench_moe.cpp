@@ -11,9 +11,11 @@
 //     in turn with the whole graph; a kernel's time is what it adds to the cut before it (the
 //     part of it that does not overlap the previous kernel), so the kernels add up to the
 //     whole graph's time in that alternation ("sum us"). Where the dense baseline runs, the
-//     layer column alternates with it instead, and the two differ: on the H200 the layer took
-//     5-14% less time beside the dense GEMMs on the rows of 0.9-2 GB of weights (gpt-oss-120b
-//     T = 96: 400.9 against 459.7 us), within 1% on the small ones (tools/PERF_LOG.md);
+//     layer column alternates with it instead, and the two differ where the layer draws the
+//     most power: on the H200 a layer of 1-2 GB replayed back to back reaches the 700 W cap and
+//     the SM clock falls to ~1770-1830 MHz (5-14% more time: gpt-oss-120b T = 96 447 against
+//     400 us), while beside the dense GEMMs, or after an idle gap (--gap-ms), it runs at 1980
+//     MHz; each figure's median SM clock is printed ("MHz", NVML) so the regime is visible;
 //   - experts touched and bytes of MXFP4 weights touched (kernel layout: nibbles + scales), and
 //     that traffic over the layer time as a fraction of the device-to-device copy bandwidth
 //     measured in the same run (bytes read + written / time);
@@ -78,6 +80,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -321,6 +324,158 @@ const DLDataType kBf16{kDLBfloat, 16, 1};
 const DLDataType kI32{kDLInt, 32, 1};
 const DLDataType kF32{kDLFloat, 32, 1};
 
+// ---- SM clock and power (NVML) ------------------------------------------------------------------
+
+// Why: a sustained MXFP4 layer of 1-2 GB streams HBM near its peak while every SM dequantizes,
+// and on the H200 that reaches the 700 W power cap; the driver then lowers the SM clock (1980 ->
+// 1755-1830 MHz seen) and the layer takes 5-14% longer than the same graph after an idle gap
+// (tools/PERF_LOG.md "the two layer measures"). Every figure reports the SM clock and power its
+// replays ran at. NVML (libnvidia-ml.so.1, beside the driver) is loaded at run time; without it
+// the figures print "-".
+class Telemetry {
+ public:
+  // What the samples taken during one figure's replays say.
+  struct Stats {
+    int samples = 0;
+    double sm_mhz = 0;  // median SM clock
+    double watts = 0;   // mean board power
+    double capped = 0;  // fraction of samples with the software power cap lowering clocks
+  };
+
+  static Telemetry& get() {
+    static Telemetry t;
+    return t;
+  }
+  bool available() const { return device_ != nullptr; }
+  std::string why_unavailable() const { return why_; }
+
+  // Binds the sampler to `device` and starts it (every kPeriod); no-op without NVML.
+  void start(CUdevice device) {
+    if (lib_ == nullptr || thread_.joinable()) return;
+    char bus_id[64] = {};
+    PFN_cuDeviceGetPCIBusId_v4010 bus_id_of = nullptr;
+    void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    auto get =
+        cuda == nullptr
+            ? nullptr
+            : reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(cuda, "cuGetProcAddress_v2"));
+    if (get == nullptr) {
+      why_ = "no cuGetProcAddress_v2 in libcuda.so.1";
+      return;
+    }
+    load_entry(get, "cuDeviceGetPCIBusId", 4010, &bus_id_of);
+    BENCH_CU(bus_id_of(bus_id, sizeof(bus_id), device));
+    if (by_bus_id_(bus_id, &device_) != 0) {
+      why_ = std::string("NVML has no device at PCI ") + bus_id;
+      device_ = nullptr;
+      return;
+    }
+    thread_ = std::thread([this] { run(); });
+  }
+
+  // Samples from now until end() count for figure `tag` (0, 1, ...).
+  void begin(int tag) { tag_.store(tag, std::memory_order_release); }
+  void end() { tag_.store(-1, std::memory_order_release); }
+
+  // The samples of each tag since the last reset, then forgets them.
+  std::vector<Stats> take(int tags) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<Stats> out(to_size(tags));
+    for (int t = 0; t < tags && t < static_cast<int>(bins_.size()); ++t) {
+      const std::vector<Sample>& b = bins_[to_size(t)];
+      if (b.empty()) continue;
+      std::vector<double> mhz;
+      double watts = 0;
+      int capped = 0;
+      for (const Sample& x : b) {
+        mhz.push_back(x.sm_mhz);
+        watts += x.watts;
+        capped += x.capped ? 1 : 0;
+      }
+      Stats& st = out[to_size(t)];
+      st.samples = static_cast<int>(b.size());
+      st.sm_mhz = median(mhz);
+      st.watts = watts / static_cast<double>(b.size());
+      st.capped = static_cast<double>(capped) / static_cast<double>(b.size());
+    }
+    bins_.clear();
+    return out;
+  }
+
+  ~Telemetry() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  Telemetry(const Telemetry&) = delete;
+  Telemetry& operator=(const Telemetry&) = delete;
+
+ private:
+  using Device = void*;  // nvmlDevice_t
+  struct Sample {
+    double sm_mhz;
+    double watts;
+    bool capped;
+  };
+  static constexpr auto kPeriod = std::chrono::milliseconds(2);
+  static constexpr unsigned kClockSm = 1;                 // NVML_CLOCK_SM
+  static constexpr unsigned long long kSwPowerCap = 0x4;  // nvmlClocksEventReasonSwPowerCap
+
+  Telemetry() {
+    lib_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib_ == nullptr) {
+      why_ = std::string("dlopen libnvidia-ml.so.1: ") + dlerror();
+      return;
+    }
+    auto sym = [&](const char* name) { return dlsym(lib_, name); };
+    auto init = reinterpret_cast<int (*)()>(sym("nvmlInit_v2"));
+    by_bus_id_ =
+        reinterpret_cast<int (*)(const char*, Device*)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
+    clock_ = reinterpret_cast<int (*)(Device, unsigned, unsigned*)>(sym("nvmlDeviceGetClockInfo"));
+    power_ = reinterpret_cast<int (*)(Device, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
+    reasons_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(
+        sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
+    if (init == nullptr || by_bus_id_ == nullptr || clock_ == nullptr || power_ == nullptr ||
+        reasons_ == nullptr || init() != 0) {
+      why_ = "libnvidia-ml.so.1 lacks a call this program uses, or nvmlInit_v2 failed";
+      lib_ = nullptr;
+    }
+  }
+
+  void run() {
+    while (!stop_.load()) {
+      const int tag = tag_.load(std::memory_order_acquire);
+      if (tag >= 0) {
+        unsigned mhz = 0;
+        unsigned mw = 0;
+        unsigned long long r = 0;
+        if (clock_(device_, kClockSm, &mhz) == 0 && power_(device_, &mw) == 0 &&
+            reasons_(device_, &r) == 0) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (bins_.size() <= to_size(tag)) bins_.resize(to_size(tag) + 1);
+          bins_[to_size(tag)].push_back(
+              {static_cast<double>(mhz), mw / 1000.0, (r & kSwPowerCap) != 0});
+        }
+      }
+      std::this_thread::sleep_for(kPeriod);
+    }
+  }
+
+  void* lib_ = nullptr;
+  Device device_ = nullptr;
+  std::string why_;
+  int (*by_bus_id_)(const char*, Device*) = nullptr;
+  int (*clock_)(Device, unsigned, unsigned*) = nullptr;
+  int (*power_)(Device, unsigned*) = nullptr;
+  int (*reasons_)(Device, unsigned long long*) = nullptr;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> tag_{-1};
+  std::mutex mutex_;
+  std::vector<std::vector<Sample>> bins_;
+};
+
+Telemetry& telemetry() { return Telemetry::get(); }
+
 // ---- timing -------------------------------------------------------------------------------------
 
 class Events {
@@ -390,24 +545,31 @@ void idle_gap(double gap_ms) {
 
 // Median over `trials` replays of `graph` (after two warm-up replays) divided by `per_replay`,
 // each replay after an idle gap of `gap_ms`.
+// `clocks`, if given, receives the SM clock and power during the timed replays.
 double replay_us(const Graph& graph, CUstream stream, int trials, int per_replay, Events& events,
-                 double gap_ms = 0) {
+                 double gap_ms = 0, Telemetry::Stats* clocks = nullptr) {
   CUgraphExec exec = nullptr;
   BENCH_CU(cu().cuGraphInstantiate(&exec, graph.graph, 0));
   std::vector<double> us;
   try {
     for (int w = 0; w < 2; ++w) BENCH_CU(cu().cuGraphLaunch(exec, stream));
     BENCH_CU(cu().cuStreamSynchronize(stream));
+    telemetry().take(0);
     for (int t = 0; t < trials; ++t) {
       idle_gap(gap_ms);
+      telemetry().begin(0);
       us.push_back(events.time_us(stream, [&] { BENCH_CU(cu().cuGraphLaunch(exec, stream)); }) /
                    per_replay);
+      telemetry().end();
     }
   } catch (...) {
+    telemetry().end();
     cu().cuGraphExecDestroy(exec);
     throw;
   }
   cu().cuGraphExecDestroy(exec);
+  const std::vector<Telemetry::Stats> stats = telemetry().take(1);
+  if (clocks != nullptr) *clocks = stats[0];
   return median(us);
 }
 
@@ -431,24 +593,37 @@ class GraphExec {
 // rounds), each divided by that graph's `per_replay`, each replay after an idle gap of `gap_ms`.
 // Why alternate: paths compared in one row
 // then see the same clocks and temperature, not one the first half of the row and one the other.
+// `clocks`, if given, receives each graph's SM clock and power during its timed replays.
 std::vector<double> replay_alternating_us(const std::vector<const Graph*>& graphs,
                                           const std::vector<int>& per_replay, CUstream stream,
-                                          int trials, Events& events, double gap_ms = 0) {
+                                          int trials, Events& events, double gap_ms = 0,
+                                          std::vector<Telemetry::Stats>* clocks = nullptr) {
   std::vector<std::unique_ptr<GraphExec>> execs;
   for (const Graph* g : graphs) execs.push_back(std::make_unique<GraphExec>(*g));
   for (int w = 0; w < 2; ++w) {
     for (const auto& e : execs) BENCH_CU(cu().cuGraphLaunch(e->get(), stream));
   }
   BENCH_CU(cu().cuStreamSynchronize(stream));
+  telemetry().take(0);
   std::vector<std::vector<double>> us(graphs.size());
   for (int t = 0; t < trials; ++t) {
     for (std::size_t g = 0; g < execs.size(); ++g) {
       const CUgraphExec exec = execs[g]->get();
       idle_gap(gap_ms);
-      us[g].push_back(events.time_us(stream, [&] { BENCH_CU(cu().cuGraphLaunch(exec, stream)); }) /
-                      per_replay[g]);
+      telemetry().begin(static_cast<int>(g));
+      try {
+        us[g].push_back(events.time_us(stream, [&] {
+          BENCH_CU(cu().cuGraphLaunch(exec, stream));
+        }) / per_replay[g]);
+      } catch (...) {
+        telemetry().end();
+        throw;
+      }
+      telemetry().end();
     }
   }
+  const std::vector<Telemetry::Stats> stats = telemetry().take(static_cast<int>(graphs.size()));
+  if (clocks != nullptr) *clocks = stats;
   std::vector<double> out;
   for (const auto& v : us) out.push_back(median(v));
   return out;
@@ -829,6 +1004,9 @@ struct Row {
   // The whole layer again, replayed in turn with its cuts (MoE work only between its replays);
   // the kernels add up to it. 0 where per-kernel times are unavailable.
   double kernels_sum_us = 0;
+  Telemetry::Stats layer_clocks;  // SM clock and power during the layer's timed replays
+  Telemetry::Stats sum_clocks;    // ... during those of kernels_sum_us
+  Telemetry::Stats dense_clocks;  // ... during the dense baseline's
   std::vector<KernelTime> kernels;
   std::string kernels_note;  // why per-kernel times are missing, if they are
   double copy_fraction = 0;
@@ -852,6 +1030,8 @@ struct DecodeRow {
   int ctas_per_sm = 0;
   double decode_us = 0;
   double marlin_us = 0;
+  Telemetry::Stats decode_clocks;  // SM clock and power during each path's timed replays
+  Telemetry::Stats marlin_clocks;
   double decode_copy_fraction = 0;
   double marlin_copy_fraction = 0;
   int rotation = 1;
@@ -1004,7 +1184,7 @@ class ModelBench {
     json rows = json::array();
     if (!decode_problem_.empty()) {
       std::cout << "   decode section: skipped, " << decode_problem_ << std::endl;
-      table->push_back({s_.name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+      table->push_back({s_.name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                         "skipped: decode_moe can't serve this shape (see JSON)"});
       out["rows"] = rows;
       return out;
@@ -1038,7 +1218,7 @@ class ModelBench {
                                       std::to_string(row.touched), fixed(row.mxfp4_bytes / 1e6, 1),
                                       tile_text(row)};
     if (!row.error.empty()) {
-      cells.insert(cells.end(), {"-", "-", "-", "-", "-", "-", row.error});
+      cells.insert(cells.end(), {"-", "-", "-", "-", "-", "-", "-", row.error});
       return cells;
     }
     std::string check = "ok";
@@ -1051,8 +1231,15 @@ class ModelBench {
     cells.insert(cells.end(),
                  {fixed(row.decode_us, 1), fixed(100 * row.decode_copy_fraction, 1) + "%",
                   fixed(row.marlin_us, 1), fixed(100 * row.marlin_copy_fraction, 1) + "%",
-                  fixed(row.decode_us / row.marlin_us, 2) + "x", rel, check});
+                  fixed(row.decode_us / row.marlin_us, 2) + "x",
+                  mhz_text(row.decode_clocks) + " / " + mhz_text(row.marlin_clocks), rel, check});
     return cells;
+  }
+
+  // A figure's median SM clock, "*" where the software power cap held it down in most samples.
+  static std::string mhz_text(const Telemetry::Stats& c) {
+    if (c.samples == 0) return "-";
+    return fixed(c.sm_mhz, 0) + (c.capped > 0.5 ? "*" : "");
   }
 
   std::vector<std::string> row_cells(const Row& row) const {
@@ -1067,6 +1254,7 @@ class ModelBench {
             fixed(row.mxfp4_bytes / 1e6, 1),
             fixed(row.layer_us, 1),
             fixed(100 * row.copy_fraction, 1) + "%",
+            mhz_text(row.layer_clocks),
             fixed(row.tflops, 1),
             o_.dense ? fixed(row.dense_us, 1) : "-",
             o_.dense ? fixed(row.dense_tflops, 1) : "-",
@@ -1074,6 +1262,7 @@ class ModelBench {
             o_.dense ? fixed(row.dense_single_tflops, 1) : "-",
             row.nonfinite == 0 ? "ok" : std::to_string(row.nonfinite) + " NaN",
             row.kernels_sum_us > 0 ? fixed(row.kernels_sum_us, 1) : "-",
+            row.kernels_sum_us > 0 ? mhz_text(row.sum_clocks) : "-",
             kernels};
   }
 
@@ -1255,15 +1444,19 @@ class ModelBench {
     if (dense_copies > 0) {
       const std::unique_ptr<DenseLayer> dense =
           dense_layer(r, dense_expert_bytes, dense_copies, events, &row);
+      std::vector<Telemetry::Stats> clocks;
       const std::vector<double> us =
           replay_alternating_us({&all, &dense->graph}, {row.iterations, row.dense_iterations},
-                                stream_, o_.trials, events, o_.gap_ms);
+                                stream_, o_.trials, events, o_.gap_ms, &clocks);
       row.layer_us = us[0];
       row.dense_us = us[1];
+      row.layer_clocks = clocks[0];
+      row.dense_clocks = clocks[1];
       row.dense_tflops = flops / (row.dense_us * 1e-6) / 1e12;
       row.dense_single_tflops = dense_single_tflops(*dense, r, flops, events);
     } else {
-      row.layer_us = replay_us(all, stream_, o_.trials, row.iterations, events, o_.gap_ms);
+      row.layer_us =
+          replay_us(all, stream_, o_.trials, row.iterations, events, o_.gap_ms, &row.layer_clocks);
     }
     // Each kernel: the same N-layer graph with every layer cut after its first p kernels
     // (layer_prefix), all cuts replayed in turn with the whole graph; a kernel's time is what its
@@ -1290,9 +1483,11 @@ class ModelBench {
       std::vector<const Graph*> graphs;
       for (const Graph& g : cuts) graphs.push_back(&g);
       graphs.push_back(&all);
-      const std::vector<double> us = replay_alternating_us(
-          graphs, std::vector<int>(graphs.size(), row.iterations), stream_, o_.trials, events,
-          o_.gap_ms);
+      std::vector<Telemetry::Stats> clocks;
+      const std::vector<double> us =
+          replay_alternating_us(graphs, std::vector<int>(graphs.size(), row.iterations), stream_,
+                                o_.trials, events, o_.gap_ms, &clocks);
+      row.sum_clocks = clocks.back();
       for (std::size_t p = 0; p < per_layer; ++p) {
         row.kernels.push_back({labels[p], us[p] - (p > 0 ? us[p - 1] : 0.0)});
       }
@@ -1387,6 +1582,14 @@ class ModelBench {
     return flops / (us * 1e-6) / 1e12;
   }
 
+  static json clocks_json(const Telemetry::Stats& c) {
+    if (c.samples == 0) return nullptr;
+    return {{"sm_mhz_median", c.sm_mhz},
+            {"watts_mean", c.watts},
+            {"power_capped_fraction", c.capped},
+            {"samples", c.samples}};
+  }
+
   json row_json(const Row& row) const {
     json kernels = json::array();
     for (const KernelTime& k : row.kernels) kernels.push_back({{"name", k.name}, {"us", k.us}});
@@ -1402,6 +1605,9 @@ class ModelBench {
               {"graph_iterations", row.iterations},
               {"nonfinite_outputs", row.nonfinite}};
     if (!row.kernels_note.empty()) j["kernels_note"] = row.kernels_note;
+    j["layer_clocks"] = clocks_json(row.layer_clocks);
+    j["kernels_sum_clocks"] = clocks_json(row.sum_clocks);
+    if (o_.dense) j["dense_clocks"] = clocks_json(row.dense_clocks);
     if (o_.dense) {
       j["dense_grouped_us"] = row.dense_us;
       j["dense_grouped_tflops"] = row.dense_tflops;
@@ -1529,10 +1735,13 @@ class ModelBench {
       const Graph marlin_graph = capture(stream_, [&] {
         for (int j = 0; j < row.marlin_iterations; ++j) forward(j % row.rotation, kMarlinPath);
       });
+      std::vector<Telemetry::Stats> clocks;
       const std::vector<double> us = replay_alternating_us(
           {&decode_graph, &marlin_graph}, {row.decode_iterations, row.marlin_iterations}, stream_,
-          o_.trials, events, o_.gap_ms);
+          o_.trials, events, o_.gap_ms, &clocks);
       row.decode_us = us[0];
+      row.decode_clocks = clocks[0];
+      row.marlin_clocks = clocks[1];
       row.marlin_us = us[1];
     } catch (const moejit::Error& e) {
       // Why these two end the run: after a driver error the context may be unusable, and an
@@ -1569,6 +1778,8 @@ class ModelBench {
     j["marlin_us"] = row.marlin_us;
     j["marlin_copy_bandwidth_fraction"] = row.marlin_copy_fraction;
     j["decode_over_marlin"] = row.decode_us / row.marlin_us;
+    j["decode_clocks"] = clocks_json(row.decode_clocks);
+    j["marlin_clocks"] = clocks_json(row.marlin_clocks);
     j["decode_graph_iterations"] = row.decode_iterations;
     j["marlin_graph_iterations"] = row.marlin_iterations;
     j["decode_nonfinite_outputs"] = row.decode_nonfinite;
@@ -1718,6 +1929,12 @@ int run(const Options& o) {
             << device.l2_bytes / (1 << 20) << " MiB, "
             << device.total_bytes / (std::size_t{1} << 30) << " GiB; shapes from " << shapes_file
             << std::endl;
+  telemetry().start(device.device);
+  std::cout << "SM clock and power: "
+            << (telemetry().available()
+                    ? std::string("NVML, sampled every 2 ms during timed replays")
+                    : "not reported (" + telemetry().why_unavailable() + ")")
+            << std::endl;
   std::string decode_skipped;
   if (decode_section) {
     if (decode_tokens.empty()) {
@@ -1805,8 +2022,9 @@ int run(const Options& o) {
         "layer); copy bandwidth " +
             fixed(copy_gbs, 0) + " GB/s" +
             (dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
-        {"model", "T", "experts", "MB", "layer us", "% copy", "TFLOP/s", "dense us",
-         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "sum us", "kernels (us)"},
+        {"model", "T", "experts", "MB", "layer us", "% copy", "MHz", "TFLOP/s", "dense us",
+         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "sum us", "sum MHz",
+         "kernels (us)"},
         table);
     std::cout
         << "\nMB: MXFP4 weights of the experts touched (nibbles + scales, kernel layout). % copy:"
@@ -1817,7 +2035,8 @@ int run(const Options& o) {
            " what each kernel adds to the layers cut before it (launch order).\nsum us: the"
            " whole layer replayed in turn with those cuts, so with MoE work alone between its"
            " replays (the kernels add up to it); layer us alternates with the dense baseline"
-           " where that runs.\n";
+           " where that runs.\nMHz: median SM clock during the figure's replays (NVML); *: the"
+           " software power cap held it down in most samples.\n";
   }
   if (decode_section && decode_skipped.empty()) {
     print_table(
@@ -1825,12 +2044,14 @@ int run(const Options& o) {
         "CUDA graph replay (median per layer), alternating; copy bandwidth " +
             fixed(copy_gbs, 0) + " GB/s",
         {"model", "T", "experts", "MB", "tile", "decode us", "% copy", "marlin us", "% copy",
-         "decode/marlin", "rel L2", "output"},
+         "decode/marlin", "MHz d / m", "rel L2", "output"},
         decode_table);
     std::cout << "\ntile: decode_moe's n block_n, s FC1/FC2 strips per item, d pipeline stages, x"
                  " CTAs per SM"
               << (o.decode_block_n != 0 ? " (block_n forced)" : "")
-              << ". decode/marlin: time ratio (below 1: decode faster).\nrel L2: ||decode -"
+              << ". decode/marlin: time ratio (below 1: decode faster). MHz: median SM clock"
+                 " during each path's replays (NVML; *: power-capped in most samples).\nrel L2: "
+                 "||decode -"
                  " marlin|| / ||marlin|| over one call's output. output: NaN/inf counts (decode /"
                  " marlin) of one checked call.\n";
   } else if (decode_section) {
