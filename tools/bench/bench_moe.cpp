@@ -339,7 +339,7 @@ class Telemetry {
     int samples = 0;
     double sm_mhz = 0;  // median SM clock
     double watts = 0;   // mean board power
-    double capped = 0;  // fraction of samples with the software power cap lowering clocks
+    double capped = 0;  // fraction of samples below max_sm_mhz with the software power cap on
   };
 
   static Telemetry& get() {
@@ -348,6 +348,7 @@ class Telemetry {
   }
   bool available() const { return device_ != nullptr; }
   std::string why_unavailable() const { return why_; }
+  unsigned max_sm_mhz() const { return max_mhz_; }
 
   // Binds the sampler to `device` and starts it (every kPeriod); no-op without NVML.
   void start(CUdevice device) {
@@ -370,6 +371,7 @@ class Telemetry {
       device_ = nullptr;
       return;
     }
+    if (max_clock_(device_, kClockSm, &max_mhz_) != 0) max_mhz_ = 0;
     thread_ = std::thread([this] { run(); });
   }
 
@@ -414,7 +416,7 @@ class Telemetry {
   struct Sample {
     double sm_mhz;
     double watts;
-    bool capped;
+    bool capped;  // the software power cap on and the SM clock below its maximum
   };
   static constexpr auto kPeriod = std::chrono::milliseconds(2);
   static constexpr unsigned kClockSm = 1;                 // NVML_CLOCK_SM
@@ -431,11 +433,13 @@ class Telemetry {
     by_bus_id_ =
         reinterpret_cast<int (*)(const char*, Device*)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
     clock_ = reinterpret_cast<int (*)(Device, unsigned, unsigned*)>(sym("nvmlDeviceGetClockInfo"));
+    max_clock_ =
+        reinterpret_cast<int (*)(Device, unsigned, unsigned*)>(sym("nvmlDeviceGetMaxClockInfo"));
     power_ = reinterpret_cast<int (*)(Device, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
     reasons_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(
         sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
-    if (init == nullptr || by_bus_id_ == nullptr || clock_ == nullptr || power_ == nullptr ||
-        reasons_ == nullptr || init() != 0) {
+    if (init == nullptr || by_bus_id_ == nullptr || clock_ == nullptr || max_clock_ == nullptr ||
+        power_ == nullptr || reasons_ == nullptr || init() != 0) {
       why_ = "libnvidia-ml.so.1 lacks a call this program uses, or nvmlInit_v2 failed";
       lib_ = nullptr;
     }
@@ -453,7 +457,7 @@ class Telemetry {
           std::lock_guard<std::mutex> lock(mutex_);
           if (bins_.size() <= to_size(tag)) bins_.resize(to_size(tag) + 1);
           bins_[to_size(tag)].push_back(
-              {static_cast<double>(mhz), mw / 1000.0, (r & kSwPowerCap) != 0});
+              {static_cast<double>(mhz), mw / 1000.0, (r & kSwPowerCap) != 0 && mhz < max_mhz_});
         }
       }
       std::this_thread::sleep_for(kPeriod);
@@ -462,9 +466,11 @@ class Telemetry {
 
   void* lib_ = nullptr;
   Device device_ = nullptr;
+  unsigned max_mhz_ = 0;  // the SM clock's maximum (0: unknown; then no sample counts as capped)
   std::string why_;
   int (*by_bus_id_)(const char*, Device*) = nullptr;
   int (*clock_)(Device, unsigned, unsigned*) = nullptr;
+  int (*max_clock_)(Device, unsigned, unsigned*) = nullptr;
   int (*power_)(Device, unsigned*) = nullptr;
   int (*reasons_)(Device, unsigned long long*) = nullptr;
   std::thread thread_;
@@ -1236,7 +1242,8 @@ class ModelBench {
     return cells;
   }
 
-  // A figure's median SM clock, "*" where the software power cap held it down in most samples.
+  // A figure's median SM clock, "*" where the software power cap held it below its maximum in
+  // most samples.
   static std::string mhz_text(const Telemetry::Stats& c) {
     if (c.samples == 0) return "-";
     return fixed(c.sm_mhz, 0) + (c.capped > 0.5 ? "*" : "");
@@ -1932,7 +1939,8 @@ int run(const Options& o) {
   telemetry().start(device.device);
   std::cout << "SM clock and power: "
             << (telemetry().available()
-                    ? std::string("NVML, sampled every 2 ms during timed replays")
+                    ? "NVML, sampled every 2 ms during timed replays (SM clock max " +
+                          std::to_string(telemetry().max_sm_mhz()) + " MHz)"
                     : "not reported (" + telemetry().why_unavailable() + ")")
             << std::endl;
   std::string decode_skipped;
@@ -2036,7 +2044,7 @@ int run(const Options& o) {
            " whole layer replayed in turn with those cuts, so with MoE work alone between its"
            " replays (the kernels add up to it); layer us alternates with the dense baseline"
            " where that runs.\nMHz: median SM clock during the figure's replays (NVML); *: the"
-           " software power cap held it down in most samples.\n";
+           " software power cap held it below its maximum in most samples.\n";
   }
   if (decode_section && decode_skipped.empty()) {
     print_table(
@@ -2046,14 +2054,16 @@ int run(const Options& o) {
         {"model", "T", "experts", "MB", "tile", "decode us", "% copy", "marlin us", "% copy",
          "decode/marlin", "MHz d / m", "rel L2", "output"},
         decode_table);
-    std::cout << "\ntile: decode_moe's n block_n, s FC1/FC2 strips per item, d pipeline stages, x"
-                 " CTAs per SM"
-              << (o.decode_block_n != 0 ? " (block_n forced)" : "")
-              << ". decode/marlin: time ratio (below 1: decode faster). MHz: median SM clock"
-                 " during each path's replays (NVML; *: power-capped in most samples).\nrel L2: "
-                 "||decode -"
-                 " marlin|| / ||marlin|| over one call's output. output: NaN/inf counts (decode /"
-                 " marlin) of one checked call.\n";
+    std::cout
+        << "\ntile: decode_moe's n block_n, s FC1/FC2 strips per item, d pipeline stages, x"
+           " CTAs per SM"
+        << (o.decode_block_n != 0 ? " (block_n forced)" : "")
+        << ". decode/marlin: time ratio (below 1: decode faster). MHz: median SM clock"
+           " during each path's replays (NVML; *: held below its maximum by the power cap in most"
+           " samples).\nrel L2: "
+           "||decode -"
+           " marlin|| / ||marlin|| over one call's output. output: NaN/inf counts (decode /"
+           " marlin) of one checked call.\n";
   } else if (decode_section) {
     std::cout << "\ndecode section skipped: " << decode_skipped << "\n";
   }
