@@ -364,8 +364,16 @@ class Telemetry {
       why_ = "no cuGetProcAddress_v2 in libcuda.so.1";
       return;
     }
-    load_entry(get, "cuDeviceGetPCIBusId", 4010, &bus_id_of);
-    BENCH_CU(bus_id_of(bus_id, sizeof(bus_id), device));
+    try {
+      load_entry(get, "cuDeviceGetPCIBusId", 4010, &bus_id_of);
+    } catch (const std::exception& e) {
+      why_ = e.what();
+      return;
+    }
+    if (bus_id_of(bus_id, sizeof(bus_id), device) != CUDA_SUCCESS) {
+      why_ = "cuDeviceGetPCIBusId failed";
+      return;
+    }
     if (by_bus_id_(bus_id, &device_) != 0) {
       why_ = std::string("NVML has no device at PCI ") + bus_id;
       device_ = nullptr;
