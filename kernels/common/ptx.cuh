@@ -21,4 +21,19 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// threadIdx.x read again: the asm is volatile, so the compiler cannot reuse an earlier read or
+// anything derived from it. For values needed only after a register-heavy loop: the compiler
+// then recomputes them there instead of keeping them live through it (or spilling them).
+__device__ __forceinline__ int thread_index_reread() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
+// blockIdx.x read again, for the same reason.
+__device__ __forceinline__ int block_index_reread() {
+  int block;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+  return block;
+}
+
 }  // namespace moejit::kern::ptx

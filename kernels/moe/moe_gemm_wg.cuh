@@ -22,9 +22,9 @@
 //   done), passes the CTA barrier (tile kt + 1 landed, tile kt - 1's stage free for the next
 //   copy), then dequantizes tile kt + 1 (one 16-byte load and one scale word per lane and m64
 //   tile, mxfp4::dequant_step) into the other register set while the tensor core works.
-//   At three CTAs per SM (80 registers) there is one register set: the warpgroup waits for
-//   tile kt's wgmmas before the barrier and dequantizes tile kt + 1 into the same registers,
-//   while the other CTAs' warps keep the SM busy (kABuffers).
+//   At three CTAs per SM or more there is one register set: the warpgroup waits for tile kt's
+//   wgmmas before the barrier and dequantizes tile kt + 1 into the same registers, while the
+//   other CTAs' warps keep the SM busy (kABuffers).
 // - Route blocks: the route runs with blocks of kRouteBlock rows (kBlockN / kRouteBlock = 1,
 //   2, 4, 8 or 16 of them per tile) and a CTA takes up to that many consecutive blocks of one
 //   expert, starting at the expert's first block or a multiple of that many after it. Its
@@ -69,11 +69,14 @@ struct MoeGemmWgTraits {
   static constexpr int kBlockK = layout::kAtomK;                // K per stage: one atom column
   static constexpr int kThreads = 128 * kWarpGroups;
   // A-fragment register sets: two (tile kt + 1 dequantized while tile kt's wgmmas run) where
-  // registers allow, one at three CTAs per SM. Why: with two sets and 64 fp32 accumulators the
-  // N = 64 tile needs more than the 80 registers of three CTAs per SM, and ptxas then spills
-  // and serializes every wgmma of the kernel (a wait after each one, its note C7512); one set
-  // fits in 74 with neither, and measured 3-5% faster per layer (tools/PERF_LOG.md "one
-  // register set for the three-CTA warpgroup tile").
+  // registers allow, one at three CTAs per SM or more. Why: with two sets and 64 fp32
+  // accumulators the two-warpgroup N = 64 tile needed more than the 80 registers of three CTAs
+  // per SM, and ptxas then spilled and serialized every wgmma of the kernel (a wait after each
+  // one, its note C7512); one set fit in 74 with neither, and measured 3-5% faster per layer
+  // (tools/PERF_LOG.md "one register set for the three-CTA warpgroup tile"). The planner's
+  // N = 64 tile now is one warpgroup of two m64 tiles at four CTAs per SM (128 registers, one
+  // set); the same tile with two sets at three CTAs per SM (164 registers) measured 5-8% slower
+  // (tools/PERF_LOG.md "one warpgroup of two m64 tiles").
   static constexpr int kABuffers = kMinBlocksPerSm >= 3 ? 1 : 2;
   static constexpr int kAtomsM = kBlockM / layout::kAtomRows;
   static constexpr int kInputRowBytes = kBlockK * 2;  // one 128-byte swizzle row per token
@@ -351,16 +354,26 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     }
   }
   __syncthreads();
-  const i32 t = lane & 3;
+  // Why re-read: with two m64 tiles a warpgroup (64 fp32 accumulators and 32 A registers a
+  // thread) ptxas kept the strip index and the expert live through the main loop and spilled
+  // them; read again here (the CTA's expert is block_expert[blockIdx.x]) they are not.
+  const i32 e_tid = ::moejit::kern::ptx::thread_index_reread();
+  const i32 e_expert = p.block_expert[::moejit::kern::ptx::block_index_reread()];
+  const i32 e_wg = e_tid >> 7;
+  const i32 e_wq = (e_tid >> 5) & 3;
+  const i32 e_g = (e_tid & 31) >> 2;
+  const i32 t = e_tid & 3;
 #pragma unroll
   for (i32 i = 0; i < T::kWgTilesM; ++i) {
-    const i32 strip = (wg * T::kWgTilesM + i) * 4 + wq;  // inside the CTA
+    const i32 strip = (e_wg * T::kWgTilesM + i) * 4 + e_wq;  // inside the CTA
     const i32 m_atom = m_atom0 + strip;
     if constexpr (Epi::kGatherTokens) {
       // FC1: this lane's output j (gate row g, up row g + 8 of the strip) for 2 tokens per slice.
-      const i32 f = strip * layout::kGateUpRows + g;
-      const i32 j = m_atom * layout::kGateUpRows + g;
-      const u32 bias = j < p.out_features ? Epi::bias(p, expert, j) : 0u;
+      const i32 f = strip * layout::kGateUpRows + e_g;
+      const i32 j = m_atom * layout::kGateUpRows + e_g;
+      // Why clamped, not a conditional load: outputs past out_features are never stored, and
+      // ptxas kept the conditional load's 0 in local memory across the main loop.
+      const u32 bias = Epi::bias(p, e_expert, j < p.out_features ? j : p.out_features - 1);
 #pragma unroll
       for (i32 s8 = 0; s8 < kN / 8; ++s8) {
 #pragma unroll
@@ -375,8 +388,8 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
       float bias[2];
 #pragma unroll
       for (i32 r = 0; r < 2; ++r) {
-        const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
-        bias[r] = col < p.out_features ? Epi::bias(p, expert, col) : 0.0f;
+        const i32 col = m_atom * layout::kAtomRows + e_g + 8 * r;
+        bias[r] = col < p.out_features ? Epi::bias(p, e_expert, col) : 0.0f;
       }
 #pragma unroll
       for (i32 s8 = 0; s8 < kN / 8; ++s8) {
@@ -387,7 +400,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
           Out* row = reinterpret_cast<Out*>(smem + n * T::kStagingRowBytes);
 #pragma unroll
           for (i32 r = 0; r < 2; ++r) {
-            row[strip * layout::kAtomRows + g + 8 * r] =
+            row[strip * layout::kAtomRows + e_g + 8 * r] =
                 Epi::value(acc[i][4 * s8 + 2 * r + h], bias[r], weight);
           }
         }

@@ -129,39 +129,45 @@ constexpr int kNarrowIdsThreads = 256;
 constexpr int kRepackThreads = 256;
 
 // Measured on the H200 (tools/PERF_LOG.md "marlin_moe prefill on wgmma", "wgmma tile widths",
-// "route blocks by rows per expert, and a narrower warpgroup tile" and "one register set for the
-// three-CTA warpgroup tile"): two warpgroups of one m64 tile, 4 stages, over up to
-// wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of wgmma_n
-// that holds its real rows).
-// - T > 1024 (64-row blocks): N = 128, two CTAs per SM: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms
-//   against 3.58 ms for the mma.sync tile; N = 64 and three below 56 rows per expert
-//   (kimi-k3.1-tp8 T = 1536, 27 rows: 1185 against 1313 us; T = 2048: 1394 against 1536;
+// "route blocks by rows per expert, and a narrower warpgroup tile", "one register set for the
+// three-CTA warpgroup tile" and "one warpgroup of two m64 tiles"): 128 weight rows, 4 stages,
+// over up to wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of
+// wgmma_n that holds its real rows).
+// - N = 128: two warpgroups of one m64 tile, two CTAs per SM. N = 64: one warpgroup of two m64
+//   tiles, four CTAs per SM, one A register set (moe_gemm_wg.cuh kABuffers; 128 registers, no
+//   spills). Why one warpgroup of two tiles for N = 64: the tile is issue-bound (SASS: 127
+//   instructions per warp and 544-byte atom with two warpgroups of one tile, 0.233 per weight
+//   byte against the 0.249 the H200 can issue per byte at the copy bandwidth), and a warp that
+//   owns two strips pays the K stage's barrier, wgmma wait and loop once for both. Against two
+//   warpgroups of one tile at three CTAs per SM (`--gap-ms 5`, us): qwen3-30b-a3b T = 256 152.3
+//   -> 140.0, T = 512 183.7 -> 176.3; gpt-oss-120b T = 512 677 -> 605, T = 1024 794 -> 734;
+//   deepseek-v4-flash-tp4 T = 1024 409 -> 375, T = 2048 517 -> 505; kimi-k3.1-tp8 T = 1024 982
+//   -> 887, T = 2048 1221 -> 1136.
+// - T > 1024 (64-row blocks): N = 128: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms
+//   for the mma.sync tile; N = 64 below 56 rows per expert (with the earlier two-warpgroup N = 64
+//   tile: kimi-k3.1-tp8 T = 1536, 27 rows: 1185 against 1313 us; T = 2048: 1394 against 1536;
 //   deepseek-v4-flash-tp4 T = 1536, 36 rows: 551 against 580).
 // - T = 513..1024 (32-row blocks): faster than the mma.sync tile on every reference shape
 //   measured (T = 1024: gpt-oss 967 against 1432 us, qwen3-30b-a3b 281 against 500,
-//   deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222 against 1292); N = 64 and three
-//   CTAs per SM below 56 rows per expert (kimi-k3.1-tp8 T = 640, 11 rows: 936 against 1159 us;
-//   deepseek-v4-flash-tp4 T = 768, 18 rows: 419 against 466; qwen3-30b-a3b T = 640, 40 rows: 218
-//   against 231), N = 128 and two from 56. With one A register set (kABuffers) the N = 64 tile
-//   won at 48 rows (qwen3-30b-a3b T = 768: 227 against 242 us; deepseek-v4-flash-tp4 T = 2048:
-//   586 against 639) and lost at 64 (qwen3-30b-a3b T = 1024: 297 against 280; gpt-oss-120b
-//   T = 2048: 1466 against 1323); 56 lies between.
-// - 16-row blocks (T <= 512): N = 64, three CTAs per SM, where experts average 14 rows or more
-//   (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us for the N = 128 tile). Against the
-//   mma.sync tile of two atoms a warp (tools/PERF_LOG.md "two atoms a warp"): it wins at 16 rows
-//   (qwen3-30b-a3b T = 256 157.3, 156.6 against 170.5, 172.9 us; gpt-oss-120b T = 512 712, 724
-//   against 851) and loses at 12 (qwen3-30b-a3b T = 192 149.3, 149.1 against 139.8, 139.8;
-//   deepseek-v4-flash-tp4 T = 512 376 against 359-361; gpt-oss-120b T = 384 682 against 678-680);
-//   14 lies between.
+//   deepseek-v4-flash-tp4 490 against 581, kimi-k3.1-tp8 1222 against 1292); N = 64 below 56
+//   rows per expert, N = 128 from 56. The one-warpgroup N = 64 tile still loses at 64 rows
+//   (qwen3-30b-a3b T = 1024 276 against 268 us for N = 128; gpt-oss-120b T = 2048 1213 against
+//   1166) and 72 (qwen3 T = 1152 312 against 283; gpt-oss T = 2304 1396 against 1248); the
+//   earlier one won at 48 rows (qwen3-30b-a3b T = 768: 227 against 242 us); 56 lies between.
+// - 16-row blocks (T <= 512): N = 64 where experts average 12 rows or more. Against the mma.sync
+//   tile of two atoms a warp (`--gap-ms 5`, us): ties at 12 rows (gpt-oss-120b T = 384 567.7
+//   against 579.0; deepseek-v4-flash-tp4 T = 512 323.0 against 328.2; qwen3-30b-a3b T = 192
+//   131.4 against 129.4), loses at 10 (qwen3 T = 160 129.0 against 119.8; gpt-oss T = 320 556.8
+//   against 544.3; deepseek T = 427 315.3 against 299.8) and 8 (gpt-oss T = 256 547 against 506;
+//   kimi-k3.1-tp8 T = 448 758 against 674). The earlier tile won from 14 (qwen3-30b-a3b T = 256,
+//   16 rows: 164 against 183 us for the N = 128 tile).
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 5 rows (tile_for).
-// The N = 64 tile keeps one A register set (moe_gemm_wg.cuh kABuffers): ptxas fits it in 74
-// registers at three CTAs per SM, without spills or serialized wgmmas.
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {Bucket::kRows16, 64, 16, 2, 1, 4, 3, 14, 0},   // from 14 rows per expert
-    {Bucket::kRows32, 64, 32, 2, 1, 4, 3, 0, 56},   // below 56 rows
+    {Bucket::kRows16, 64, 16, 1, 2, 4, 4, 12, 0},   // from 12 rows per expert
+    {Bucket::kRows32, 64, 32, 1, 2, 4, 4, 0, 56},   // below 56 rows
     {Bucket::kRows32, 128, 32, 2, 1, 4, 2, 56, 0},  // from 56
-    {Bucket::kRows64, 64, 64, 2, 1, 4, 3, 0, 56},   // below 56
+    {Bucket::kRows64, 64, 64, 1, 2, 4, 4, 0, 56},   // below 56
     {Bucket::kRows64, 128, 64, 2, 1, 4, 2, 56, 0},  // from 56
 };
 

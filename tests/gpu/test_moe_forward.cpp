@@ -216,11 +216,11 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
 
 // From T = 513 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh) where the device is
 // sm_90a, the mma.sync tile elsewhere: N = 128 over 32- or 64-row route blocks where experts
-// average 56 rows or more, N = 64 (three CTAs per SM) below. A CTA runs at the narrowest quarter
-// of N that holds its real rows. The sweep shapes (24-48 experts) give every expert tens of
-// blocks at T = 1100 and 4096 (N = 128); two shapes with top-k 1 over 32 experts average 19, 34
-// and 44 rows at T = 600, 1100 and 1400 (N = 64, over 32- then 64-row blocks). The test counts
-// which quarter each expert's last CTA takes, per N, and requires every one of them.
+// average 56 rows or more, N = 64 (one warpgroup of two m64 tiles) below. A CTA runs at the
+// narrowest quarter of N that holds its real rows. The sweep shapes (24-48 experts) give every
+// expert tens of blocks at T = 1100 and 4096 (N = 128); two shapes with top-k 1 over 32 experts
+// average 19, 34 and 44 rows at T = 600, 1100 and 1400 (N = 64, over 32- then 64-row blocks). The
+// test counts which quarter each expert's last CTA takes, per N, and requires every one of them.
 TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 reference", "[gpu][moe]") {
   gpu();
   TestStream stream;

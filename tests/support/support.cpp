@@ -133,7 +133,7 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
   MidBucketTiles out;
   for (int t = 3; t <= std::min(512, shape.max_tokens); ++t) {
     if (small_blocks_expected(shape, t)) continue;
-    (routed_rows(shape, t, 14) <= 0 ? out.wgmma : out.mma) = true;
+    (routed_rows(shape, t, 12) <= 0 ? out.wgmma : out.mma) = true;
   }
   return out;
 }

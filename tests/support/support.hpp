@@ -65,7 +65,7 @@ struct BucketTiles {
 BucketTiles fc1_bucket_tiles(const ModelShape& shape);
 BucketTiles fc2_bucket_tiles(const ModelShape& shape);
 // Which tiles the T of 16-row blocks (past the 8-row ones, up to 512 and max_tokens) use on
-// sm_90a: the mma.sync one below 14 rows per routed expert, the warpgroup one from 14.
+// sm_90a: the mma.sync one below 12 rows per routed expert, the warpgroup one from 12.
 struct MidBucketTiles {
   bool mma = false;
   bool wgmma = false;

@@ -234,15 +234,15 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       CHECK(distinct.size() == specs.size());
       // Five measured tiles (T = 1, 8-row blocks, 16-row blocks up to T = 512, T <= 1024,
       // above), FC1 and FC2 each. On sm_90a the warpgroup tile (block_m 128) replaces the last
-      // two, and the 16-row one from T * K >= 14 * routed experts: for part of those T on
-      // gpt-oss-120b (T >= 448), qwen3-30b-a3b (T >= 224), gpt-oss-20b and qwen2-57b-a14b
-      // (T >= 112; 16-row blocks from T = 49), which so plan both, never on the kimi shapes
-      // (T >= 784) or the deepseek ones (T >= 598, 896).
+      // two, and the 16-row one from T * K >= 12 * routed experts: for part of those T on
+      // gpt-oss-120b (T >= 384), qwen3-30b-a3b (T >= 192), gpt-oss-20b and qwen2-57b-a14b
+      // (T >= 96; 16-row blocks from T = 49) and deepseek-v4-flash-tp4 (T = 512), which so plan
+      // both, never on the kimi shapes (T >= 672) or deepseek-v4.1-flash-tp4 (T >= 768).
       const bool sm90a = std::string(arch) == "sm_90a";
       const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
-      CHECK(both_mid == (sm90a && shape.name.rfind("kimi", 0) != 0 &&
-                         shape.name.rfind("deepseek", 0) != 0));
+      CHECK(both_mid ==
+            (sm90a && shape.name.rfind("kimi", 0) != 0 && shape.name != "deepseek-v4.1-flash-tp4"));
       // 32-row blocks (T = 513..1024) and 64-row ones (above) take N = 64 below 56 rows per
       // expert, N = 128 from 56: with 32-row blocks qwen3-30b-a3b (32-64 rows) plans both, with
       // 64-row ones every shape whose T = 1025 has fewer than 56 (all but qwen3-30b-a3b,
@@ -491,14 +491,14 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(c.fc2.wgmma_n == 0);
   }
 
-  // Above T = 512, and with 16-row blocks where experts average 14 rows or more (gpt-oss:
-  // T * 4 >= 14 * 128, T >= 448), the tile has an sm_90a warpgroup variant on the same route
-  // blocks; the specs take it on sm_90a only. N = 64 and three CTAs per SM over 16-row blocks
-  // and elsewhere below 56 rows per expert (gpt-oss: T * 4 < 56 * 128, T <= 1791), else N = 128
-  // and two.
+  // Above T = 512, and with 16-row blocks where experts average 12 rows or more (gpt-oss:
+  // T * 4 >= 12 * 128, T >= 384), the tile has an sm_90a warpgroup variant on the same route
+  // blocks; the specs take it on sm_90a only. N = 64 over 16-row blocks and elsewhere below 56
+  // rows per expert (gpt-oss: T * 4 < 56 * 128, T <= 1791): one warpgroup of two m64 tiles,
+  // four CTAs per SM; else N = 128: two warpgroups of one m64 tile, two CTAs per SM.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
-      {1, 0},     {96, 0},    {192, 0},   {193, 0},   {447, 0},   {448, 16},
+      {1, 0},     {96, 0},    {192, 0},   {193, 0},   {383, 0},   {384, 16},
       {512, 16},  {513, 32},  {1000, 32}, {1024, 32}, {1025, 64}, {1791, 64},
       {1792, 64}, {2048, 64}, {4096, 64}, {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
@@ -519,7 +519,10 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
       Tile expected = wg;
       expected.n = route_block;
-      if (narrow) expected.occupancy = 3;
+      if (narrow) {
+        expected.wm = 4;
+        expected.occupancy = 4;
+      }
       CHECK(same_tile(tile_of(*p), expected));
       CHECK(p->wgmma_n == (narrow ? 64 : 128));
       CHECK(p->block_n == c.route.block_m);  // wgmma_n / block_n route blocks per CTA, same route
@@ -537,10 +540,11 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(std::get<MoeCombineParams>(on_90.combine.params) == c.combine);
     CHECK(moejit::supports(on_90a.fc1).empty());
     CHECK(moejit::supports(on_90a.fc2).empty());
-    CHECK(detail::marlin_moe_threads(c.fc1_wgmma) == 256);
+    CHECK(detail::marlin_moe_threads(c.fc1_wgmma) == (narrow ? 128 : 256));
     // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
     // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes); with
-    // N = 64, 8 KB of inputs (stages of 13312) and half the ids.
+    // N = 64 (MoeGemmWgTraits<64, 1, 2, 4, ...>, the same 128 rows), 8 KB of inputs (stages of
+    // 13312) and half the ids.
     const long long smem = narrow ? 4 * 13312 + 512 + 1024 : 4 * 21504 + 1024 + 1024;
     CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == smem);
     // FC2's staging tile (wgmma_n tokens x 128 bf16 + 16 bytes) fits in its ring.
