@@ -253,37 +253,38 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const u32 smem_base = ptx::smem_u32(smem);
 
   // Why precomputed: each thread copies the same chunk positions every k-tile, so their global
-  // addresses are a base plus kt * stride, and whether a chunk is padding (rows past m_atoms,
-  // padding token rows) is fixed: only the last, partial K tile needs per-copy bound checks.
+  // addresses are a base plus kt * stride, and whether a chunk is padding (padding token rows)
+  // is fixed: only the last, partial K tile needs per-copy bound checks.
   constexpr i32 kNW = ceil_div(T::kChunksWeights, T::kThreads);
   constexpr i32 kNS = ceil_div(T::kChunksScales, T::kThreads);
   constexpr i32 kNI = ceil_div(T::kChunksInput, T::kThreads);
   constexpr i32 kInputChunksPerRow = T::kBlockK / 8;
+  // A strip past m_atoms (the last M tile of a GEMM whose rows are not a multiple of kBlockM)
+  // copies the CTA's first strip instead: it only feeds accumulator rows the epilogue never
+  // stores, the lines it reads are the ones this CTA fetches for the same stage (no DRAM
+  // traffic), and the copies need no per-chunk size register (at 256 rows over four warps,
+  // eight copies a thread, those registers made ptxas spill).
   const u8* w_src[kNW];
-  u32 w_bytes[kNW];  // 16, or 0 for rows past m_atoms
-  i32 w_ka[kNW];     // k atom of the chunk inside a tile
+  i32 w_ka[kNW];  // k atom of the chunk inside a tile
   const u8* s_src[kNS];
-  u32 s_bytes[kNS];
   i32 s_ka[kNS];
 #pragma unroll
   for (i32 i = 0; i < kNW; ++i) {
     const i32 c = tid + i * T::kThreads;
     const i32 ma = m_atom0 + c / (T::kAtomsK * 32);
     w_ka[i] = (c / 32) % T::kAtomsK;
-    w_bytes[i] = ma < p.m_atoms ? 16u : 0u;
-    w_src[i] =
-        p.weights +
-        layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, w_ka[i]) * layout::kAtomBytes +
-        (c % 32) * 16;
+    w_src[i] = p.weights +
+               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : m_atom0, w_ka[i]) *
+                   layout::kAtomBytes +
+               (c % 32) * 16;
   }
 #pragma unroll
   for (i32 i = 0; i < kNS; ++i) {
     const i32 c = tid + i * T::kThreads;
     const i32 ma = m_atom0 + c / (T::kAtomsK * 2);
     s_ka[i] = (c / 2) % T::kAtomsK;
-    s_bytes[i] = ma < p.m_atoms ? 16u : 0u;
     s_src[i] = p.scales +
-               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, s_ka[i]) *
+               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : m_atom0, s_ka[i]) *
                    layout::kAtomScaleBytes +
                (c % 2) * 16;
   }
@@ -300,10 +301,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if (T::kChunksWeights % T::kThreads == 0 || c < T::kChunksWeights) {
         if constexpr (kChecked) {
           const bool ok = w_ka[i] + ka0 < p.k_atoms;
-          ptx::cp_async_16_stream(dst + c * 16, ok ? w_src[i] + w_step : p.weights,
-                                  ok ? w_bytes[i] : 0u, policy);
+          ptx::cp_async_16_stream(dst + c * 16, ok ? w_src[i] + w_step : p.weights, ok ? 16u : 0u,
+                                  policy);
         } else {
-          ptx::cp_async_16_stream(dst + c * 16, w_src[i] + w_step, w_bytes[i], policy);
+          ptx::cp_async_16_stream(dst + c * 16, w_src[i] + w_step, 16u, policy);
         }
       }
     }
@@ -314,10 +315,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         const u32 dst_s = dst + T::kStageWeightBytes + c * 16;
         if constexpr (kChecked) {
           const bool ok = s_ka[i] + ka0 < p.k_atoms;
-          ptx::cp_async_16_stream(dst_s, ok ? s_src[i] + s_step : p.scales, ok ? s_bytes[i] : 0u,
-                                  policy);
+          ptx::cp_async_16_stream(dst_s, ok ? s_src[i] + s_step : p.scales, ok ? 16u : 0u, policy);
         } else {
-          ptx::cp_async_16_stream(dst_s, s_src[i] + s_step, s_bytes[i], policy);
+          ptx::cp_async_16_stream(dst_s, s_src[i] + s_step, 16u, policy);
         }
       }
     }

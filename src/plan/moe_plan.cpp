@@ -99,10 +99,20 @@ constexpr GemmTile kFc2ShortKTiles[] = {
     // 256 rows, two atoms a warp: kimi-k3.1-tp8 T = 24 221 against 233 us with 128 rows,
     // deepseek-v4-flash-tp4 T = 96 242 against 250, qwen3-30b-a3b T = 24 84 against 87.
     {Bucket::kRows8, 0, 256, 8, 128, 3, 8, 1, 1, 3},
-    // (16-row blocks: the bucket's tile, already 128 rows over 128-wide K tiles, two atoms a
-    // warp; eight warps of one atom measured the same or slower: kimi-k3.1-tp8 T = 512 758
-    // against 763-781 us, qwen3-30b-a3b T = 128 120 against 123.)
+    // 16-row blocks: 256 rows over four warps of four atoms, three CTAs per SM, where the
+    // bucket's first T gives FC2 kFc2ShortKMinWaves waves of them (fc2_tile_for), else the
+    // bucket's tile (128 rows over 128-wide K tiles, two atoms a warp). Measured on the H200
+    // (tools/PERF_LOG.md "one warpgroup of two m64 tiles", `--gap-ms 5`), layer us against the
+    // bucket's tile: kimi-k3.1-tp8 T = 384 628.3 against 653.4, T = 512 676.2 against 702.2;
+    // deepseek-v4-flash-tp4 T = 256 263.6 against 268.6, T = 384 283.1 against 288.9 (10 and
+    // more waves); qwen3-30b-a3b (2.6 waves) T = 96 108.0 against 107.7, T = 128 114.4 against
+    // 113.3. Eight warps of two atoms at two CTAs per SM, or four of four at two, were slower
+    // than the bucket's tile (kimi T = 384 665, 693 us); eight warps of one atom at three
+    // measured the same or slower (kimi-k3.1-tp8 T = 512 758 against 763-781 us, qwen3-30b-a3b
+    // T = 128 120 against 123).
+    {Bucket::kRows16, 0, 256, 16, 128, 3, 4, 1, 1, 3},
 };
+constexpr double kFc2ShortKMinWaves = 4.0;
 
 static_assert(shares_route_blocks(kFc2ShortKTiles),
               "every short-K FC2 tile must serve a GemmTile bucket with the same block_n");
@@ -866,9 +876,21 @@ const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int 
   return small_block_tile_for(tile, shape, tokens, 2 * shape.intermediate);  // gate and up
 }
 
+// Whether the 16-row bucket's FC2 takes its short-K tile: where the bucket's first T already
+// gives that tile kFc2ShortKMinWaves waves of CTAs (the count only grows with T, so one tile
+// serves the whole bucket).
+bool mid_fc2_short_k(const GemmTile& short_k, const ModelShape& shape) {
+  const long long first = small_block_last_tokens(shape) + 1;
+  if (first > INT_MAX) return false;
+  return expected_waves(shape, static_cast<int>(first), shape.hidden, short_k) >=
+         kFc2ShortKMinWaves;
+}
+
 // FC2's tile in `tile`'s bucket: the short-K one where the shape's K calls for it.
 const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
-  if (const GemmTile* short_k = fc2_short_k_tile(tile, shape)) return *short_k;
+  if (const GemmTile* short_k = fc2_short_k_tile(tile, shape)) {
+    if (short_k->bucket != Bucket::kRows16 || mid_fc2_short_k(*short_k, shape)) return *short_k;
+  }
   return small_block_tile_for(tile, shape, tokens, shape.hidden);
 }
 

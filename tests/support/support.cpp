@@ -111,6 +111,16 @@ bool fc1_tall_expected(const ModelShape& shape, int tokens) {
 
 bool fc2_short_k_expected(const ModelShape& shape) { return shape.intermediate <= 768; }
 
+bool fc2_mid_short_k_expected(const ModelShape& shape) {
+  if (!fc2_short_k_expected(shape)) return false;
+  // The first T of 16-row blocks: experts average more than 5 rows.
+  const long long routed = std::max(shape.num_experts, shape.global_experts);
+  const int first = static_cast<int>(5 * routed / shape.top_k + 1);
+  const int tiles = (shape.hidden + 255) / 256;
+  // Four waves of three 256-row CTAs per SM on 132 SMs.
+  return expected_touched(shape.num_experts, shape.top_k, first) * tiles >= 4 * 3 * 132;
+}
+
 bool fc2_tall_expected(const ModelShape& shape, int tokens) {
   return !fc2_short_k_expected(shape) && tall_expected(shape, tokens, shape.hidden);
 }

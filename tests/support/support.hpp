@@ -50,6 +50,9 @@ bool fc1_tall_expected(const ModelShape& shape, int tokens);
 // long (I > 768; the short-K tile otherwise).
 bool fc2_short_k_expected(const ModelShape& shape);
 bool fc2_tall_expected(const ModelShape& shape, int tokens);
+// Whether FC2 with 16-row blocks takes the short-K tile (256 rows, four warps of four atoms):
+// I <= 768 and its CTAs at the bucket's first T fill four waves of 3 x 132.
+bool fc2_mid_short_k_expected(const ModelShape& shape);
 // Below that, the 8-row bucket's 64-row tile takes its wave variant (three stages, five CTAs per
 // SM) where the expected touched experts times its tiles of `rows` weight rows fill one wave of
 // 4 x 132 CTAs.

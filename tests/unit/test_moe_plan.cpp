@@ -332,21 +332,28 @@ TEST_CASE("moe plan: the config for every T in 1..16384 is one plan_kernels list
 TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 512", "[plan]") {
   // Where I <= 768 the 8-row bucket's 64-row CTA would run 1-3 K tiles of 256; FC2 (only FC2:
   // FC1's K is H) takes eight warps on 256 rows over 128-wide K tiles, with the bucket's route
-  // block. The 16-row bucket's own tile is already 128 rows over 128-wide K tiles.
+  // block. With 16-row blocks, 256 rows over four warps of four atoms where those CTAs fill four
+  // waves from the bucket's first T (deepseek and kimi), else the bucket's own tile, 128 rows
+  // over 128-wide K tiles (qwen3-30b-a3b).
   const Tile n8{256, 8, 128, 3, 8, 1, 1, 3};
   const Tile n16{128, 16, 128, 4, 4, 1, 1, 4};
+  const Tile n16_tall{256, 16, 128, 3, 4, 1, 1, 3};
   int short_shapes = 0;
+  int mid_short_shapes = 0;
   int long_shapes = 0;
   for (const ModelShape& shape : reference_shapes()) {
     INFO(shape.name);
     const bool short_k = shape.intermediate <= 768;
     ++(short_k ? short_shapes : long_shapes);
+    const bool mid_short = moejit::test::fc2_mid_short_k_expected(shape);
+    if (mid_short) ++mid_short_shapes;
+    CHECK(mid_short == (shape.name.rfind("kimi", 0) == 0 || shape.name.rfind("deepseek", 0) == 0));
     for (int tokens : {1, 2, 3, 24, 48, 49, 160, 161, 256, 257, 336, 337, 512, 513, 1024, 4096}) {
       INFO("T = " << tokens);
       const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
       const bool small = moejit::test::small_blocks_expected(shape, tokens);
       if (short_k && tokens >= 3 && (small || tokens <= 512)) {
-        CHECK(same_tile(tile_of(c.fc2), small ? n8 : n16));
+        CHECK(same_tile(tile_of(c.fc2), small ? n8 : (mid_short ? n16_tall : n16)));
       } else if (small) {  // the tall tile, the wave tile or the bucket's over H rows
         Tile expected{64, 8, 256, 4, 4, 1, 1, 4};
         if (moejit::test::fc2_tall_expected(shape, tokens)) {
@@ -366,6 +373,8 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
   }
   // Both sides of the rule among the reference shapes (deepseek, kimi, qwen3; gpt-oss, qwen2).
   CHECK(short_shapes >= 3);
+  CHECK(mid_short_shapes >= 2);
+  CHECK(short_shapes > mid_short_shapes);
   CHECK(long_shapes >= 2);
 }
 
