@@ -310,6 +310,64 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
   }
 }
 
+// With 16-row route blocks and I <= 768, FC2 takes a 256-row tile (four warps of four atoms)
+// where its CTAs fill four waves from the bucket's first T (moe_plan.cpp fc2_tile_for): the
+// full kimi and deepseek shapes only. Resized to 128 experts they still take it (first T of
+// 16-row blocks: 41 and 107, 4.5 and 5.1 waves), at T whose experts average 10 and 9.4 rows
+// (below the warpgroup tile's 12), so the CPU reference stays affordable.
+TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp64 reference",
+          "[gpu][moe]") {
+  gpu();
+  TestStream stream;
+  struct Case {
+    const char* name;
+    int tokens;
+  };
+  const Case cases[] = {{"kimi-k3.1-tp8", 80}, {"deepseek-v4-flash-tp4", 200}};
+  std::vector<ModelShape> shapes;
+  for (const Case& c : cases) shapes.push_back(resized(reference_shape(c.name), 128, 0, 128, 256));
+  prewarm_shapes(shapes);
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::printf("moe_forward short-K FC2: seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const ModelShape& shape = shapes[n];
+    const int tokens = cases[n].tokens;
+    const std::string label = shape.name + " T=" + std::to_string(tokens);
+    INFO(label);
+    const moejit::detail::MoeForwardSpecs specs =
+        moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch);
+    // The tile this case is for, on every arch (the warpgroup tile starts at 12 rows).
+    CHECK(specs.fc2_params.block_m == 256);
+    CHECK(specs.fc2_params.block_n == 16);
+    CHECK(specs.fc2_params.warps_m == 4);
+    CHECK(specs.fc2_params.wgmma_n == 0);
+    const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
+    std::unique_ptr<DeviceModel> model;
+    {
+      const DeviceCheckpoint dck(ck);
+      model = repacked_model(shape, dck, 0, stream.get());
+    }
+    const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
+    IdPlan plan;
+    plan.lo = 0;
+    plan.hi = shape.num_experts;
+    const Tokens tk = make_tokens(shape, tokens, plan, rng);
+    ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
+    const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
+    const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
+    bool repeat = false;
+    const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), kMarlin, &repeat);
+    check_score(label + " [short-K FC2, 256 rows]", score(out, ref, which, shape.hidden),
+                which.size(), tokens);
+    INFO("3 runs bitwise identical, every element finite");
+    CHECK(count_nonfinite(out) == 0);
+    CHECK(repeat);
+  }
+}
+
 TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][moe]") {
   gpu();
   TestStream stream;

@@ -375,6 +375,21 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
   CHECK(short_shapes >= 3);
   CHECK(mid_short_shapes >= 2);
   CHECK(short_shapes > mid_short_shapes);
+  // The GPU test of this tile runs kimi-k3.1-tp8 and deepseek-v4-flash-tp4 resized to 128
+  // experts at T = 80 and 200 (10 and 9.4 rows per expert): they must still take it.
+  for (const auto& [name, tokens] :
+       {std::pair{"kimi-k3.1-tp8", 80}, std::pair{"deepseek-v4-flash-tp4", 200}}) {
+    INFO(name);
+    ModelShape shape = find_shape(reference_shapes(), name);
+    shape.num_experts = 128;
+    shape.global_experts = 128;
+    shape.max_tokens = 256;
+    CHECK(moejit::test::fc2_mid_short_k_expected(shape));
+    const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
+    CHECK_FALSE(moejit::test::small_blocks_expected(shape, tokens));
+    CHECK_FALSE(c.wgmma);
+    CHECK(same_tile(tile_of(c.fc2), n16_tall));
+  }
   CHECK(long_shapes >= 2);
 }
 
