@@ -535,6 +535,24 @@ inline std::unique_ptr<DeviceModel> repacked_model(const ModelShape& shape,
   return model;
 }
 
+// A shape's random checkpoint (drawn from `seed`) repacked on the device, and its local experts
+// dequantized to fp64 for the reference.
+struct TestWeights {
+  std::unique_ptr<DeviceModel> model;
+  MoeWeightsF64 f64;
+};
+
+inline TestWeights test_weights(const ModelShape& shape, uint64_t seed, CUstream stream) {
+  const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), seed);
+  TestWeights w;
+  {
+    const DeviceCheckpoint dck(ck);
+    w.model = repacked_model(shape, dck, 0, stream);
+  }
+  w.f64 = dequantize(ck, 0, shape.num_experts);
+  return w;
+}
+
 // ---- tokens -------------------------------------------------------------------------------------
 
 struct Tokens {

@@ -139,13 +139,9 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
     const ModelShape& shape = shapes[n];
     const int real_experts = reference_shape(kSweep[n].name).num_experts;
     const bool decode_accepts = moejit::moe_decode_problem(shape).empty();
-    const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
-    std::unique_ptr<DeviceModel> model;
-    {
-      const DeviceCheckpoint dck(ck);
-      model = repacked_model(shape, dck, 0, stream.get());
-    }
-    const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
+    const TestWeights weights = test_weights(shape, rng(), stream.get());
+    const DeviceModel& model = *weights.model;
+    const MoeWeightsF64& f64 = weights.f64;
     std::printf("moe_forward shape %s %s, %s checkpoint layout, decode_moe %s\n", kSweep[n].name,
                 describe(shape, real_experts).c_str(),
                 uses_gpt_oss_layout(shape) ? "gpt-oss" : "separate w1/w3/w2",
@@ -185,11 +181,11 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
       for (const MoeForwardOptions& options : {kAuto, kMarlin, kDecode}) {
         if (options.path == MoePath::kDecode && !decode) {
           // Forced decode_moe where it can't serve: refused before anything runs.
-          expect_refused(io, io.args(*model), stream.get(), kDecode, ErrorCode::kUnsupported);
+          expect_refused(io, io.args(model), stream.get(), kDecode, ErrorCode::kUnsupported);
           continue;
         }
         bool repeat = false;
-        const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), options, &repeat);
+        const std::vector<uint16_t> out = three_runs(io, model, stream.get(), options, &repeat);
         check_score(std::string(kSweep[n].name) + path_suffix(options) + " T=" +
                         std::to_string(tokens) +
                         (options.path == MoePath::kMarlin && wgmma_tile ? " [wgmma]" : ""),
@@ -256,13 +252,9 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
   int last_tiles[2][4] = {};
   for (const Case& c : cases) {
     const ModelShape& shape = c.shape;
-    const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
-    std::unique_ptr<DeviceModel> model;
-    {
-      const DeviceCheckpoint dck(ck);
-      model = repacked_model(shape, dck, 0, stream.get());
-    }
-    const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
+    const TestWeights weights = test_weights(shape, rng(), stream.get());
+    const DeviceModel& model = *weights.model;
+    const MoeWeightsF64& f64 = weights.f64;
     IdPlan plan;
     plan.lo = 0;
     plan.hi = shape.num_experts;
@@ -286,14 +278,14 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
       const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
       bool repeat = false;
-      const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), kAuto, &repeat);
+      const std::vector<uint16_t> out = three_runs(io, model, stream.get(), kAuto, &repeat);
       check_score(label + (wgmma ? " [wgmma" + std::to_string(c.wgmma_n) + "]" : " [mma.sync]"),
                   score(out, ref, which, shape.hidden), which.size(), tokens);
       INFO("3 runs bitwise identical, every element finite");
       CHECK(count_nonfinite(out) == 0);
       CHECK(repeat);
       // The forced marlin path is the same call at these T.
-      CHECK(same_bits(io.run(*model, stream.get(), kMarlin), out));
+      CHECK(same_bits(io.run(model, stream.get(), kMarlin), out));
     }
   }
   for (int w = 0; w < 2; ++w) {
@@ -344,13 +336,9 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
     CHECK(specs.fc2_params.block_n == 16);
     CHECK(specs.fc2_params.warps_m == 4);
     CHECK(specs.fc2_params.wgmma_n == 0);
-    const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
-    std::unique_ptr<DeviceModel> model;
-    {
-      const DeviceCheckpoint dck(ck);
-      model = repacked_model(shape, dck, 0, stream.get());
-    }
-    const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
+    const TestWeights weights = test_weights(shape, rng(), stream.get());
+    const DeviceModel& model = *weights.model;
+    const MoeWeightsF64& f64 = weights.f64;
     IdPlan plan;
     plan.lo = 0;
     plan.hi = shape.num_experts;
@@ -359,7 +347,7 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
     const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
     const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
     bool repeat = false;
-    const std::vector<uint16_t> out = three_runs(io, *model, stream.get(), kMarlin, &repeat);
+    const std::vector<uint16_t> out = three_runs(io, model, stream.get(), kMarlin, &repeat);
     check_score(label + " [short-K FC2, 256 rows]", score(out, ref, which, shape.hidden),
                 which.size(), tokens);
     INFO("3 runs bitwise identical, every element finite");
@@ -452,13 +440,9 @@ TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[
     shape.id_dtype = c.id_dtype;
     shape.name += c.id_dtype == DType::kI64 ? "-i64" : "";
     prewarm_shapes({shape});
-    const Checkpoint ck = make_checkpoint(shape, uses_gpt_oss_layout(shape), rng());
-    std::unique_ptr<DeviceModel> model;
-    {
-      const DeviceCheckpoint dck(ck);
-      model = repacked_model(shape, dck, 0, stream.get());
-    }
-    const MoeWeightsF64 f64 = dequantize(ck, 0, c.experts);
+    const TestWeights weights = test_weights(shape, rng(), stream.get());
+    const DeviceModel& model = *weights.model;
+    const MoeWeightsF64& f64 = weights.f64;
     IdPlan plan;
     plan.lo = 0;
     plan.hi = c.global;
@@ -484,7 +468,7 @@ TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[
       // Both paths: marlin_moe (int64 ids narrowed by a launch of their own first) and decode_moe
       // (it reads int64 ids directly).
       for (const MoeForwardOptions& options : forced_paths(shape, tokens)) {
-        const std::vector<uint16_t> got = io.run(*model, stream.get(), options);
+        const std::vector<uint16_t> got = io.run(model, stream.get(), options);
         const Score s = score(got, ref, which, shape.hidden);
         check_score(shape.name + path_suffix(options) + " (ids -1 / other rank" +
                         (c.id_dtype == DType::kI64 ? " / int64" : "") +
