@@ -30,10 +30,12 @@
 // Every kernel waits on the previous grid (programmatic dependent launch) before reading.
 //
 // Choosing C (measured on the H200, graph replay, tools/PERF_LOG.md): one CTA is best while
-// N is small (kimi-k3.1-tp8 T = 1: 4.0 us, T = 6: 5.7 us); from about N = 1024 its single SM
-// is the limit (__match_any_sync throughput in the rank loop, scattered stores), and the
-// three-launch path with C = 1024 wins (kimi T = 256, N = 4096: 16.4 us against 26.7 us for
-// one CTA). For very large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us).
+// each of its threads ranks at most two entries (1024 threads: N <= 2048; qwen3-30b-a3b T = 160,
+// N = 1280: 5.3 us against 7.2 for three launches); past that its single SM is the limit
+// (__match_any_sync throughput in the rank loop, scattered stores), and the three-launch path
+// with C = 1024 wins (kimi T = 256, N = 4096: 16.4 us against 26.7 us for one CTA). For very
+// large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us). The planner picks C
+// (src/plan/moe_plan.cpp, route_single_rows).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>

@@ -117,12 +117,20 @@ constexpr double kFc2ShortKMinWaves = 4.0;
 static_assert(shares_route_blocks(kFc2ShortKTiles),
               "every short-K FC2 tile must serve a GemmTile bucket with the same block_n");
 
-// Route: N = T * K <= kRouteSingleRows ranks in one CTA (one launch); above it the three-launch
-// path with chunks of kRouteChunkRows, and kRouteLargeChunkRows once N > kRouteLargeRows.
-// Why (kernels/moe/route.cuh, measured on the H200): one CTA is best while N is small (kimi T = 6:
-// 5.7 us); from about N = 1024 its single SM is the limit and C = 1024 chunks win (kimi N = 4096:
-// 16.4 us against 26.7 us); for very large N, C = 4096 keeps the scan's columns short.
-constexpr int kRouteSingleRows = 1024;
+// Route: N = T * K ranks in one CTA (one launch) while N <= route_single_rows(threads); above it
+// the three-launch path with chunks of kRouteChunkRows, and kRouteLargeChunkRows once
+// N > kRouteLargeRows. Why (kernels/moe/route.cuh, measured on the H200): one CTA is best while
+// each of its threads ranks at most kRouteSingleItems entries; past that its single SM is the
+// limit and C = 1024 chunks win (kimi N = 4096: 16.4 us against 26.7 us). Layer us, one CTA up
+// to N = 2048 (1024 threads) against three launches (tools/PERF_LOG.md "route in one CTA up to
+// two entries a thread"): qwen3-30b-a3b T = 160 (N = 1280) 118.4 against 120.8;
+// deepseek-v4-flash-tp4 T = 192 (1152) 236.1 against 239.3, T = 256 (1536) 262.4 against 264.0;
+// qwen3 T = 256 (2048) 140.1 against 141.0; gpt-oss-120b T = 512 (2048) 602.7 against 605.6.
+// Past two entries a thread one CTA loses: kimi-k3.1-tp8 (512 threads) T = 128 (N = 2048) 481.3
+// against 479.5, and N = 4096 on 1024 threads (qwen3 T = 512: route 11.4 against 7.7 us). For
+// very large N, C = 4096 keeps the scan's columns short.
+constexpr int kRouteSingleRows = 1024;  // one CTA at least up to here (32 threads x 32 items)
+constexpr int kRouteSingleItems = 2;
 constexpr int kRouteChunkRows = 1024;
 constexpr int kRouteLargeRows = 32768;
 constexpr int kRouteLargeChunkRows = 4096;
@@ -237,6 +245,12 @@ int route_threads(int num_experts) {
     if (route_rank_shared_bytes(num_experts, threads) <= kRouteStaticSharedLimit) return threads;
   }
   return 32;
+}
+
+// The largest N = T * K the one-CTA route takes with `threads` threads: kRouteSingleItems entries
+// a thread, and never below kRouteSingleRows.
+int route_single_rows(int threads) {
+  return std::max(kRouteSingleRows, kRouteSingleItems * threads);
 }
 
 MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const ModelShape& shape) {
@@ -931,14 +945,17 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.route.top_k = shape.top_k;
   c.route.block_m = tile.block_n;  // route block == the GEMM's token tile
   c.route.block_threads = threads;
-  c.route_single = rows <= kRouteSingleRows;
+  c.route_single = rows <= route_single_rows(threads);
   c.route.kernel = c.route_single ? RouteKernel::kSingle : RouteKernel::kRank;
-  if (rows <= kRouteLargeRows) {
+  // Why the single CTA's C is its bound at every T: the one-launch path needs N <= C, and one
+  // kernel then serves all of its T (C / threads <= kRouteSingleItems, or 32 at 32 threads).
+  if (c.route_single) {
+    c.route.chunk_rows = route_single_rows(threads);
+  } else if (rows <= kRouteLargeRows) {
     c.route.chunk_rows = std::min(kRouteChunkRows, kRouteMaxItems * threads);
   } else {
     c.route.chunk_rows = std::min(kRouteLargeChunkRows, kRouteMaxItems * threads);
   }
-  // Why: the single-CTA path needs N <= C; C never drops below kRouteSingleRows (32 threads x 32).
 
   c.combine.hidden = shape.hidden;
   c.combine.top_k = shape.top_k;
@@ -998,7 +1015,8 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   std::vector<int> ends;
   if (max_tokens < 1) return ends;
   const int k = std::max(shape.top_k, 1);
-  std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
+  std::vector<long long> thresholds = {kCombineSmallTokens,
+                                       route_single_rows(route_threads(shape.num_experts)) / k,
                                        kRouteLargeRows / k};
   // The T buckets' ends; the 8-row blocks end by rows per expert (small_last below).
   for (const GemmTile& tile : kGemmTiles) {

@@ -575,12 +575,16 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == smem);
   }
 
-  // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 1024.
-  CHECK(detail::choose_moe_config(gpt, 256).route_single);
-  CHECK(detail::choose_moe_config(gpt, 256).route.block_threads == 1024);
-  CHECK_FALSE(detail::choose_moe_config(gpt, 257).route_single);
-  CHECK(detail::choose_moe_config(gpt, 257).route.kernel == RouteKernel::kRank);
-  CHECK(detail::choose_moe_config(gpt, 257).route.chunk_rows == 1024);
+  // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 2048 (two entries a
+  // thread), whose one kernel has C = 2048 at every T.
+  CHECK(detail::choose_moe_config(gpt, 1).route_single);
+  CHECK(detail::choose_moe_config(gpt, 1).route.chunk_rows == 2048);
+  CHECK(detail::choose_moe_config(gpt, 512).route_single);
+  CHECK(detail::choose_moe_config(gpt, 512).route.block_threads == 1024);
+  CHECK(detail::choose_moe_config(gpt, 512).route.chunk_rows == 2048);
+  CHECK_FALSE(detail::choose_moe_config(gpt, 513).route_single);
+  CHECK(detail::choose_moe_config(gpt, 513).route.kernel == RouteKernel::kRank);
+  CHECK(detail::choose_moe_config(gpt, 513).route.chunk_rows == 1024);
   CHECK(detail::choose_moe_config(gpt, 8192).route.chunk_rows == 1024);  // N = 32768
   CHECK(detail::choose_moe_config(gpt, 8193).route.chunk_rows == 4096);  // N > 32768
 
@@ -590,7 +594,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   CHECK(k1.route.block_threads == 512);
   CHECK(detail::route_rank_shared_bytes(896, 1024) > detail::kRouteStaticSharedLimit);
   CHECK(detail::route_rank_shared_bytes(896, 512) <= detail::kRouteStaticSharedLimit);
+  // Two entries a thread would be 1024: one launch while T * K <= 1024 all the same.
   CHECK(detail::choose_moe_config(kimi, 64).route_single);
+  CHECK(detail::choose_moe_config(kimi, 64).route.chunk_rows == 1024);
   CHECK_FALSE(detail::choose_moe_config(kimi, 65).route_single);
 
   // Activations and epilogues follow the shape.
