@@ -146,7 +146,9 @@ TEST_CASE("append_shared: every size, gate and dtype against the fp64 reference"
 TEST_CASE("append_shared: the same input gives the same bits, eager and graph replay", "[gpu]") {
   gpu();
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   AppendCase c;
   c.tokens = 1000;
   c.top_k = 8;
@@ -198,7 +200,9 @@ TEST_CASE("append_shared: the same input gives the same bits, eager and graph re
 TEST_CASE("append_shared: a cold kernel during capture is refused with kCaptureMiss", "[gpu]") {
   gpu();
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   // K = 5, S = 3: built by no other test, and the binary's cache is private and fresh.
   AppendCase c;
   c.tokens = 64;
@@ -297,7 +301,9 @@ TEST_CASE("append_shared: prewarm with a current context, then capture without a
   }
 
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   AppendCase c;
   c.tokens = 16;
   c.top_k = 4;
@@ -330,7 +336,9 @@ TEST_CASE("append_shared: prewarm with a current context, then capture without a
 TEST_CASE("append_shared: T = 0 launches nothing and needs no data", "[gpu]") {
   gpu();
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   AppendCase c;
   c.tokens = 0;
   c.top_k = 6;
@@ -347,7 +355,9 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
   const moejit::test::GpuEnv& env = gpu();
   (void)env;
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   AppendCase c;
   c.tokens = 4;
   c.top_k = 6;

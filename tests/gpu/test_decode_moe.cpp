@@ -252,7 +252,9 @@ bool decode_runs_here(CUstream stream) {
   ModelShape shape = reference_shape("qwen3-30b-a3b");
   shape.max_tokens = 256;
   const auto model = allocate_model(shape);
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   const Tokens tk = decode_tokens(shape, 7, rng);
   ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, 7));
   const std::string message =
@@ -706,7 +708,9 @@ TEST_CASE("decode_moe: T = 0 looks up no kernel; one not built during capture is
   shape.name = "decode-capture-miss";
   REQUIRE(moejit::moe_decode_problem(shape).empty());
   auto model = allocate_model(shape);  // never read: nothing launches
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   // One call under stream capture: the code of the error it threw (kInternal stands for none),
   // and its message.
   const auto captured = [&](ForwardIo& io, const MoeForwardOptions& options, std::string* message) {

@@ -522,7 +522,9 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
 TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   // E = 5, k = 3: a route kernel no other test builds, in this binary's private, fresh cache
   // (H = 256: decode_moe refuses the shape, so the automatic path is marlin_moe).
   ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 5, 0, 5, 64);
@@ -559,7 +561,9 @@ TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][mo
 TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   const ModelShape shape = resized(reference_shape("deepseek-v4-flash-tp4"), 32, 0, 32, 1000);
   prewarm_shapes({shape});
   const Checkpoint ck = make_checkpoint(shape, false, rng());
@@ -799,7 +803,9 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
 TEST_CASE("moe repack: scale bytes the kernels can't dequantize are counted", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  std::mt19937_64 rng(fresh_seed());
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
   ModelShape shape = reference_shape("qwen3-30b-a3b");
   shape.name = "repack bad scales";
   shape.num_experts = 2;
