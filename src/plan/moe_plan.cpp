@@ -129,12 +129,15 @@ static_assert(shares_route_blocks(kFc2ShortKTiles),
 // Past two entries a thread one CTA loses: kimi-k3.1-tp8 (512 threads) T = 128 (N = 2048) 481.3
 // against 479.5, and N = 4096 on 1024 threads (qwen3 T = 512: route 11.4 against 7.7 us). For
 // very large N, C = 4096 keeps the scan's columns short.
-constexpr int kRouteSingleRows = 1024;  // one CTA at least up to here (32 threads x 32 items)
+constexpr int kRouteSingleRows = 1024;  // one CTA at least up to here, whatever its threads
 constexpr int kRouteSingleItems = 2;
 constexpr int kRouteChunkRows = 1024;
 constexpr int kRouteLargeRows = 32768;
 constexpr int kRouteLargeChunkRows = 4096;
 constexpr int kRouteMaxItems = 32;   // RouteTraits: ChunkRows / BlockThreads <= 32
+static_assert(kRouteSingleRows <= kRouteMaxItems * 32 && kRouteSingleItems <= kRouteMaxItems,
+              "the one-CTA route's C must stay within RouteTraits' 32 entries a thread at 32 "
+              "threads (route_threads' fewest)");
 constexpr int kRouteRankBlockM = 8;  // the block size every rank kernel is built with
 
 // Combine: T <= kCombineSmallTokens uses small CTAs so one token's H / 8 threads spread over
@@ -947,8 +950,8 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.route.block_threads = threads;
   c.route_single = rows <= route_single_rows(threads);
   c.route.kernel = c.route_single ? RouteKernel::kSingle : RouteKernel::kRank;
-  // Why the single CTA's C is its bound at every T: the one-launch path needs N <= C, and one
-  // kernel then serves all of its T (C / threads <= kRouteSingleItems, or 32 at 32 threads).
+  // Why the one-CTA kernel's C is its bound at every T: the one-launch path needs N <= C, and
+  // one kernel then serves all of the shape's one-launch T.
   if (c.route_single) {
     c.route.chunk_rows = route_single_rows(threads);
   } else if (rows <= kRouteLargeRows) {
