@@ -219,6 +219,28 @@ struct BlockRows {
   }
 };
 
+// FC1's first weights asked of L2 while the route runs. Why: under PDL FC1's CTAs are resident
+// before the route finishes, but which expert a CTA serves comes from the route, so HBM idles
+// for the route's few us. Where nearly every expert is touched, CTA (b, m) for b < E asks for
+// expert b's M tile m (its first K atoms): the first wave's CTAs then find their prologue in L2
+// whichever block they serve, since together they cover every expert's first M tiles. Thread j
+// asks for strip j (one bulk prefetch of its weights, one of its scales). A hint only: it reads
+// weights, which no earlier kernel of the layer writes, and changes no result.
+template <i32 kAtomsM>
+__device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p, i32 tid) {
+  const i32 expert = static_cast<i32>(blockIdx.x);
+  const i32 m_atom = static_cast<i32>(blockIdx.y) * kAtomsM + tid;
+  if (expert >= p.prefetch_experts || static_cast<i32>(blockIdx.y) >= p.prefetch_m_tiles ||
+      tid >= kAtomsM || m_atom >= p.m_atoms) {
+    return;
+  }
+  const i64 atom = layout::atom_index(layout::Dims{p.m_atoms, p.k_atoms}, expert, m_atom, 0);
+  ptx::prefetch_l2(p.weights + atom * layout::kAtomBytes,
+                   static_cast<u32>(p.prefetch_k_atoms) * layout::kAtomBytes);
+  ptx::prefetch_l2(p.scales + atom * layout::kAtomScaleBytes,
+                   static_cast<u32>(p.prefetch_k_atoms) * layout::kAtomScaleBytes);
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     moe_gemm(const MoeGemmParams p) {
@@ -238,6 +260,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
 
   if constexpr (!T::kEarlyWeights) {
+    prefetch_first_weights<T::kAtomsM>(p, tid);
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }

@@ -58,6 +58,13 @@ struct MoeGemmParams {
   i32 m_atoms;                // kernel layout dims of this matrix
   i32 k_atoms;
   i32 top_k;  // slots per token (sorted id -> token)
+  // L2 prefetch before the grid wait (FC1 under PDL; all 0 = none): CTA (b, m) with
+  // b < prefetch_experts and m < prefetch_m_tiles asks L2 for the first prefetch_k_atoms K atoms
+  // of every strip of expert b's M tile m, and their scales (moe_gemm.cuh's
+  // prefetch_first_weights). prefetch_k_atoms <= k_atoms, prefetch_experts <= local experts.
+  i32 prefetch_experts;
+  i32 prefetch_m_tiles;
+  i32 prefetch_k_atoms;
 };
 
 }  // namespace moejit::kern::moe

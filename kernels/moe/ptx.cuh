@@ -30,6 +30,16 @@ __device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32
       "l"(src), "r"(src_bytes), "l"(pol)
       : "memory");
 }
+// Asks L2 for [src, src + bytes) (src 16-byte aligned, bytes a multiple of 16): one instruction,
+// nothing to wait for, no effect on results. sm_90's bulk prefetch; a no-op before sm_90.
+__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#else
+  (void)src;
+  (void)bytes;
+#endif
+}
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");

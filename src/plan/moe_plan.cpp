@@ -1076,6 +1076,30 @@ MoeRepackParams moe_repack_params(bool gate_up) {
   return p;
 }
 
+GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& config,
+                          const MarlinMoeParams& fc1, long long max_blocks, int sms,
+                          const Arch& arch) {
+  if (arch.sm < 90 || sms <= 0 || max_blocks <= 0 || config.tokens <= 0) return {};
+  // A local expert is untouched when none of the T tokens picks it among the routed experts of
+  // all ranks (uniform routing).
+  const int routed = shape.global_experts > 0 ? shape.global_experts : shape.num_experts;
+  const double miss = 1.0 - std::min(1.0, static_cast<double>(shape.top_k) / routed);
+  if (std::pow(miss, config.tokens) > kFc1PrefetchMaxUntouched) return {};
+  const MoeWeightSizes sizes = moe_weight_sizes(shape);
+  const int atoms_per_tile = fc1.block_m / kern::moe::layout::kAtomRows;
+  const long long m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
+  const long long wave = static_cast<long long>(sms) * fc1.min_blocks_per_sm;
+  GemmPrefetch out;
+  out.experts = static_cast<int>(std::min<long long>(shape.num_experts, max_blocks));
+  out.m_tiles = static_cast<int>(std::min(m_tiles, (wave + max_blocks - 1) / max_blocks));
+  const long long atom_bytes =
+      kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes;
+  const long long strips = static_cast<long long>(out.experts) * out.m_tiles * atoms_per_tile;
+  out.k_atoms = static_cast<int>(
+      std::clamp<long long>(kFc1PrefetchBytes / (strips * atom_bytes), 1, sizes.fc1_k_atoms));
+  return out;
+}
+
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config) {
   const long long rows = static_cast<long long>(config.tokens) * shape.top_k;
   const kern::moe::RouteWorkspaceLayout route = kern::moe::route_workspace_layout(

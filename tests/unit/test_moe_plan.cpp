@@ -8,6 +8,7 @@
 #include <climits>
 #include <cmath>
 #include <filesystem>
+#include <moejit/kern/moe/layout.cuh>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -633,6 +634,67 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   CHECK(std::get<MoeRouteParams>(multi[1].params).kernel == RouteKernel::kRank);
   CHECK(std::get<MoeRouteParams>(multi[2].params).kernel == RouteKernel::kScan);
   CHECK(std::get<MoeRouteParams>(multi[3].params).kernel == RouteKernel::kScatter);
+}
+
+TEST_CASE("moe plan: FC1's L2 prefetch covers the first wave within its byte budget", "[plan]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  constexpr int kSms = 132;
+  constexpr long long kAtomBytes =
+      moejit::kern::moe::layout::kAtomBytes + moejit::kern::moe::layout::kAtomScaleBytes;
+  for (const ModelShape& shape : reference_shapes()) {
+    const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
+    const int routed = shape.global_experts > 0 ? shape.global_experts : shape.num_experts;
+    for (int t : {1, 6, 24, 96, 256, 1024, 4096, 16384}) {
+      INFO(shape.name << " T = " << t);
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+      const detail::MoeForwardSpecs specs = detail::moe_forward_specs(c, hopper);
+      const long long max_blocks = detail::moe_workspace_layout(shape, c).max_blocks;
+      const detail::GemmPrefetch p =
+          detail::fc1_prefetch(shape, c, specs.fc1_params, max_blocks, kSms, hopper);
+      // Never before sm_90 (no bulk prefetch there), whatever T.
+      const detail::GemmPrefetch old_arch =
+          detail::fc1_prefetch(shape, c, specs.fc1_params, max_blocks, kSms, Arch::parse("sm_80"));
+      CHECK(old_arch.experts == 0);
+      CHECK(old_arch.k_atoms == 0);
+      const double untouched = std::pow(1.0 - static_cast<double>(shape.top_k) / routed, t);
+      if (untouched > detail::kFc1PrefetchMaxUntouched) {
+        CHECK(p.experts == 0);
+        CHECK(p.m_tiles == 0);
+        CHECK(p.k_atoms == 0);
+        continue;
+      }
+      const int atoms_per_tile = specs.fc1_params.block_m / 16;
+      const int m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
+      // One expert per CTA column, every column that exists.
+      CHECK(p.experts == std::min<long long>(shape.num_experts, max_blocks));
+      // The M tiles of the first wave (x fastest), never past the GEMM's.
+      CHECK(p.m_tiles >= 1);
+      CHECK(p.m_tiles <= m_tiles);
+      const long long wave = static_cast<long long>(kSms) * specs.fc1_params.min_blocks_per_sm;
+      CHECK((p.m_tiles == m_tiles || p.m_tiles * max_blocks >= wave));
+      CHECK((p.m_tiles - 1) * max_blocks < wave);
+      // Whole atoms inside each strip's K, within the budget unless one atom already exceeds it.
+      CHECK(p.k_atoms >= 1);
+      CHECK(p.k_atoms <= sizes.fc1_k_atoms);
+      const long long bytes =
+          static_cast<long long>(p.experts) * p.m_tiles * atoms_per_tile * p.k_atoms * kAtomBytes;
+      CHECK((bytes <= detail::kFc1PrefetchBytes || p.k_atoms == 1));
+      CHECK((p.k_atoms == sizes.fc1_k_atoms ||
+             bytes + static_cast<long long>(p.experts) * p.m_tiles * atoms_per_tile * kAtomBytes >
+                 detail::kFc1PrefetchBytes));
+    }
+  }
+  // qwen3-30b-a3b: on from T = 6 (68% of 128 experts expected untouched), off at T = 1.
+  const ModelShape qwen = find_shape(reference_shapes(), "qwen3-30b-a3b");
+  const auto prefetch_at = [&](int t) {
+    const detail::MoeForwardConfig c = detail::choose_moe_config(qwen, t);
+    return detail::fc1_prefetch(qwen, c, detail::moe_forward_specs(c, hopper).fc1_params,
+                                detail::moe_workspace_layout(qwen, c).max_blocks, kSms, hopper);
+  };
+  CHECK(prefetch_at(1).k_atoms == 0);
+  CHECK(prefetch_at(5).k_atoms == 0);
+  CHECK(prefetch_at(6).k_atoms > 0);
+  CHECK(prefetch_at(96).experts == 128);
 }
 
 TEST_CASE("moe plan: segment ends cover [1, max_tokens]", "[plan]") {
