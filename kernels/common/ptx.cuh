@@ -35,5 +35,11 @@ __device__ __forceinline__ int block_index_reread() {
   asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
   return block;
 }
+// blockIdx.y read again, for the same reason.
+__device__ __forceinline__ int block_index_y_reread() {
+  int block;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(block));
+  return block;
+}
 
 }  // namespace moejit::kern::ptx

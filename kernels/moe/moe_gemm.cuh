@@ -227,11 +227,15 @@ struct BlockRows {
 // asks for strip j (one bulk prefetch of its weights, one of its scales). A hint only: it reads
 // weights, which no earlier kernel of the layer writes, and changes no result.
 template <i32 kAtomsM>
-__device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p, i32 tid) {
-  const i32 expert = static_cast<i32>(blockIdx.x);
-  const i32 m_atom = static_cast<i32>(blockIdx.y) * kAtomsM + tid;
-  if (expert >= p.prefetch_experts || static_cast<i32>(blockIdx.y) >= p.prefetch_m_tiles ||
-      tid >= kAtomsM || m_atom >= p.m_atoms) {
+__device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
+  // Why the indices read again: values derived here must not be kept for the main loop (they
+  // made the 128-register warpgroup tiles spill).
+  const i32 tid = ::moejit::kern::ptx::thread_index_reread();
+  const i32 expert = ::moejit::kern::ptx::block_index_reread();
+  const i32 m_tile = ::moejit::kern::ptx::block_index_y_reread();
+  const i32 m_atom = m_tile * kAtomsM + tid;
+  if (expert >= p.prefetch_experts || m_tile >= p.prefetch_m_tiles || tid >= kAtomsM ||
+      m_atom >= p.m_atoms) {
     return;
   }
   const i64 atom = layout::atom_index(layout::Dims{p.m_atoms, p.k_atoms}, expert, m_atom, 0);
@@ -260,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
 
   if constexpr (!T::kEarlyWeights) {
-    prefetch_first_weights<T::kAtomsM>(p, tid);
+    prefetch_first_weights<T::kAtomsM>(p);
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }

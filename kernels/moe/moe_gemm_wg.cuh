@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   i32* s_rows = s_ids + T::kBlockN;
 
   if constexpr (!T::kEarlyWeights) {
-    prefetch_first_weights<T::kAtomsM>(p, static_cast<i32>(threadIdx.x));
+    prefetch_first_weights<T::kAtomsM>(p);
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }
