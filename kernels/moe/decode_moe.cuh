@@ -23,7 +23,7 @@
 //   fence); FC2 writes fp32 rows per position, and the CTA that completes the last FC2 item of an
 //   H slice sums that slice of every token in slot order (deterministic, no atomics on data);
 // - routing is recomputed by every CTA in shared memory (no inter-CTA step): ranks by
-//   (token, slot) order with __match_any_sync per warp, then scans; the rank is the same in every
+//   (token, slot) order with warp::peers (ballots) per warp, then scans; the rank is the same in every
 //   CTA and every run.
 // Consumer warp w owns strip w / WK of the item and every WK-th K atom of each chunk (WK = 8 /
 // strips per item); the WK partial sums of a strip are added in a fixed order at the item's end.
@@ -37,6 +37,7 @@
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
+#include <moejit/kern/common/warp.cuh>
 #include <moejit/kern/moe/activation.cuh>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
@@ -153,6 +154,15 @@ __device__ __forceinline__ u32 local_expert(const DecodeMoeParams& p, i32 pos) {
   }
 }
 
+// The lanes holding the same local expert e (or all holding kNoExpert): warp::peers over e, with
+// kNoExpert mapped to E so that every value fits bit_width(E) bits.
+template <class T>
+__device__ __forceinline__ u32 expert_peers(u32 e) {
+  constexpr i32 E = T::kGeo.experts;
+  namespace w = ::moejit::kern::warp;
+  return w::peers<w::bit_width(E)>(e == kNoExpert ? static_cast<u32>(E) : e);
+}
+
 // Fills sorted[] (positions by (expert, token, slot)) and vinfo[] (pack_virtual per virtual
 // expert); returns the number of virtual experts. `scratch` is the (still unused) ring.
 template <class T>
@@ -184,7 +194,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     for (i32 base = begin; base < end; base += 32) {
       const i32 pos = base + lane;
       const u32 e = pos < end ? local_expert<T>(p, pos) : kNoExpert;
-      const u32 peers = __match_any_sync(0xffffffffu, e);
+      const u32 peers = expert_peers<T>(e);
       if (e != kNoExpert && lane == __ffs(peers) - 1) {
         mine[e] = static_cast<u16>(mine[e] + __popc(peers));
       }
@@ -212,7 +222,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     for (i32 base = begin; base < end; base += 32) {
       const i32 pos = base + lane;
       const u32 e = pos < end ? local_expert<T>(p, pos) : kNoExpert;
-      const u32 peers = __match_any_sync(0xffffffffu, e);
+      const u32 peers = expert_peers<T>(e);
       u32 before = 0;
       if (e != kNoExpert) {
         before = mine[e];

@@ -6,7 +6,7 @@
 // How an entry's rank is found without atomics. The N = T * K entries are cut into chunks of C
 // entries; a chunk is ranked by one CTA. Warp w of the CTA owns a contiguous run of the chunk
 // and walks it 32 entries at a time, in order: the lanes holding the same local expert find each
-// other with __match_any_sync, each takes as rank the warp's running count of that expert plus
+// other (warp::peers, one ballot per bit of the expert), each takes as rank the warp's running count of that expert plus
 // the number of group lanes below it (popc), and the group's lowest lane adds the group size to
 // the count (a plain store: one writer per (warp, expert) row). An exclusive scan over the warps
 // of each expert's counts then turns a rank within the warp into a rank within the chunk, and an
@@ -32,13 +32,14 @@
 // Choosing C (measured on the H200, graph replay, tools/PERF_LOG.md): one CTA is best while
 // each of its threads ranks at most two entries (1024 threads: N <= 2048; qwen3-30b-a3b T = 160,
 // N = 1280: 5.3 us against 7.2 for three launches); past that its single SM is the limit
-// (__match_any_sync throughput in the rank loop, scattered stores), and the three-launch path
+// (the rank loop's ballots, scattered stores), and the three-launch path
 // with C = 1024 wins (kimi T = 256, N = 4096: 16.4 us against 26.7 us for one CTA). For very
 // large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us). The planner picks C
 // (src/plan/moe_plan.cpp, route_single_rows).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
+#include <moejit/kern/common/warp.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 
 namespace moejit::kern::moe {
@@ -200,7 +201,9 @@ __device__ __forceinline__ void route_rank_warps(const int* __restrict__ topk_id
   for (int it = 0; it < Traits::kItems; ++it) {
     if (it * 32 >= per_warp || first + it * 32 >= n) break;  // uniform across the warp
     const int e = expert[it];
-    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    // e + 1 in [0, E]: -1 (no local expert) stays apart from every expert.
+    const unsigned peers = ::moejit::kern::warp::peers<::moejit::kern::warp::bit_width(
+        Traits::kExperts)>(static_cast<unsigned>(e + 1));
     const int below = __popc(peers & lanes_below);
     int base = 0;
     if (e >= 0) base = counts[e];
