@@ -23,8 +23,8 @@
 //   fence); FC2 writes fp32 rows per position, and the CTA that completes the last FC2 item of an
 //   H slice sums that slice of every token in slot order (deterministic, no atomics on data);
 // - routing is recomputed by every CTA in shared memory (no inter-CTA step): ranks by
-//   (token, slot) order with warp::peers (ballots) per warp, then scans; the rank is the same in every
-//   CTA and every run.
+//   (token, slot) order with warp::peers (ballots) per warp, then scans; the rank is the same in
+//   every CTA and every run.
 // Consumer warp w owns strip w / WK of the item and every WK-th K atom of each chunk (WK = 8 /
 // strips per item); the WK partial sums of a strip are added in a fixed order at the item's end.
 //

@@ -6,11 +6,11 @@
 // How an entry's rank is found without atomics. The N = T * K entries are cut into chunks of C
 // entries; a chunk is ranked by one CTA. Warp w of the CTA owns a contiguous run of the chunk
 // and walks it 32 entries at a time, in order: the lanes holding the same local expert find each
-// other (warp::peers, one ballot per bit of the expert), each takes as rank the warp's running count of that expert plus
-// the number of group lanes below it (popc), and the group's lowest lane adds the group size to
-// the count (a plain store: one writer per (warp, expert) row). An exclusive scan over the warps
-// of each expert's counts then turns a rank within the warp into a rank within the chunk, and an
-// exclusive scan over chunks (multi-CTA path) into a rank within the expert.
+// other (warp::peers, one ballot per bit of the expert), each takes as rank the warp's running
+// count of that expert plus the number of group lanes below it (popc), and the group's lowest lane
+// adds the group size to the count (a plain store: one writer per (warp, expert) row). An exclusive
+// scan over the warps of each expert's counts then turns a rank within the warp into a rank within
+// the chunk, and an exclusive scan over chunks (multi-CTA path) into a rank within the expert.
 //
 // Launches (block = Traits::kThreads for all):
 //   N <= C (decode; route_is_single_cta):  route_single_kernel, grid 1. Ranks, scans the
@@ -202,8 +202,9 @@ __device__ __forceinline__ void route_rank_warps(const int* __restrict__ topk_id
     if (it * 32 >= per_warp || first + it * 32 >= n) break;  // uniform across the warp
     const int e = expert[it];
     // e + 1 in [0, E]: -1 (no local expert) stays apart from every expert.
-    const unsigned peers = ::moejit::kern::warp::peers<::moejit::kern::warp::bit_width(
-        Traits::kExperts)>(static_cast<unsigned>(e + 1));
+    const unsigned peers =
+        ::moejit::kern::warp::peers<::moejit::kern::warp::bit_width(Traits::kExperts)>(
+            static_cast<unsigned>(e + 1));
     const int below = __popc(peers & lanes_below);
     int base = 0;
     if (e >= 0) base = counts[e];

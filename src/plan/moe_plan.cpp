@@ -1092,8 +1092,7 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
   GemmPrefetch out;
   out.experts = static_cast<int>(std::min<long long>(shape.num_experts, max_blocks));
   out.m_tiles = static_cast<int>(std::min(m_tiles, (wave + max_blocks - 1) / max_blocks));
-  const long long atom_bytes =
-      kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes;
+  const long long atom_bytes = kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes;
   const long long strips = static_cast<long long>(out.experts) * out.m_tiles * atoms_per_tile;
   out.k_atoms = static_cast<int>(
       std::clamp<long long>(kFc1PrefetchBytes / (strips * atom_bytes), 1, sizes.fc1_k_atoms));

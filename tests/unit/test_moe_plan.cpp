@@ -8,9 +8,9 @@
 #include <climits>
 #include <cmath>
 #include <filesystem>
-#include <moejit/kern/moe/layout.cuh>
 #include <functional>
 #include <map>
+#include <moejit/kern/moe/layout.cuh>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
