@@ -31,11 +31,12 @@
 //
 // Choosing C (measured on the H200, graph replay, tools/PERF_LOG.md): one CTA is best while
 // each of its threads ranks at most two entries (1024 threads: N <= 2048; qwen3-30b-a3b T = 160,
-// N = 1280: 5.3 us against 7.2 for three launches); past that its single SM is the limit
-// (the rank loop's ballots, scattered stores), and the three-launch path
-// with C = 1024 wins (kimi T = 256, N = 4096: 16.4 us against 26.7 us for one CTA). For very
-// large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us). The planner picks C
-// (src/plan/moe_plan.cpp, route_single_rows).
+// N = 1280: 5.3 us against 7.2 for three launches); past that its single SM is the limit (the
+// rank loop, scattered stores), and the three-launch path with C = 1024 wins (kimi T = 256, N =
+// 4096: 16.4 us against 26.7 us for one CTA). Those figures predate warp::peers, which replaced
+// MATCH.ANY in the rank loop and made both paths 0.2-1.1 us faster; the bound was not re-measured
+// since. For very large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us). The
+// planner picks C (src/plan/moe_plan.cpp, route_single_rows).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
