@@ -127,8 +127,11 @@ static_assert(shares_route_blocks(kFc2ShortKTiles),
 // deepseek-v4-flash-tp4 T = 192 (1152) 236.1 against 239.3, T = 256 (1536) 262.4 against 264.0;
 // qwen3 T = 256 (2048) 140.1 against 141.0; gpt-oss-120b T = 512 (2048) 602.7 against 605.6.
 // Past two entries a thread one CTA loses: kimi-k3.1-tp8 (512 threads) T = 128 (N = 2048) 481.3
-// against 479.5, and N = 4096 on 1024 threads (qwen3 T = 512: route 11.4 against 7.7 us). For
-// very large N, C = 4096 keeps the scan's columns short.
+// against 479.5, and N = 4096 on 1024 threads (qwen3 T = 512: route 11.4 against 7.7 us). Again
+// after warp::peers made the rank loop cheaper ("refuted after the ballots"): at three and four
+// entries a thread one CTA took 7.7-11.4 us of route against about 7 for three launches, the
+// layers tied or lost (gpt-oss-120b T = 768: 659.5, 664.5 against 660.6, 659.9). For very large
+// N, C = 4096 keeps the scan's columns short.
 constexpr int kRouteSingleRows = 1024;  // one CTA at least up to here, whatever its threads
 constexpr int kRouteSingleItems = 2;
 constexpr int kRouteChunkRows = 1024;
