@@ -5,6 +5,9 @@ namespace moejit::kern::warp {
 
 // Bits needed to write v >= 0: 0 for 0, 1 for 1, 2 for 2..3, ...
 __host__ __device__ constexpr int bit_width(int v) { return v <= 0 ? 0 : 1 + bit_width(v >> 1); }
+static_assert(bit_width(0) == 0 && bit_width(1) == 1 && bit_width(127) == 7 &&
+                  bit_width(128) == 8 && bit_width(896) == 10 && bit_width(32767) == 15,
+              "warp::bit_width(v) must be the bits that the values 0..v need");
 
 // The lanes of the (fully active) warp whose value agrees with this lane's on bits
 // [0, kBits): one ballot per bit, each lane keeping the lanes that agree with it. Callers map
