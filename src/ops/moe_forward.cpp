@@ -358,7 +358,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.k_atoms = sizes.fc1_k_atoms;
   fc1.top_k = shape.top_k;
   const detail::GemmPrefetch prefetch =
-      detail::fc1_prefetch(shape, config, specs.fc1_params, layout.max_blocks,
+      detail::fc1_prefetch(shape, config, specs.fc1_params, sizes, layout.max_blocks,
                            detail::multiprocessor_count(device.ordinal), device.arch);
   fc1.prefetch_experts = prefetch.experts;
   fc1.prefetch_m_tiles = prefetch.m_tiles;

@@ -1080,15 +1080,14 @@ MoeRepackParams moe_repack_params(bool gate_up) {
 }
 
 GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& config,
-                          const MarlinMoeParams& fc1, long long max_blocks, int sms,
-                          const Arch& arch) {
+                          const MarlinMoeParams& fc1, const MoeWeightSizes& sizes,
+                          long long max_blocks, int sms, const Arch& arch) {
   if (arch.sm < 90 || sms <= 0 || max_blocks <= 0 || config.tokens <= 0) return {};
   // A local expert is untouched when none of the T tokens picks it among the routed experts of
   // all ranks (uniform routing).
   const int routed = shape.global_experts > 0 ? shape.global_experts : shape.num_experts;
   const double miss = 1.0 - std::min(1.0, static_cast<double>(shape.top_k) / routed);
   if (std::pow(miss, config.tokens) > kFc1PrefetchMaxUntouched) return {};
-  const MoeWeightSizes sizes = moe_weight_sizes(shape);
   const int atoms_per_tile = fc1.block_m / kern::moe::layout::kAtomRows;
   const long long m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
   const long long wave = static_cast<long long>(sms) * fc1.min_blocks_per_sm;

@@ -177,27 +177,6 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
 // The two repack kernels (FC1 gate/up fused, FC2 plain), shared by every shape and layout.
 MoeRepackParams moe_repack_params(bool gate_up);
 
-// FC1's L2 prefetch before its grid wait (MoeGemmParams::prefetch_*; moe_gemm.cuh's
-// prefetch_first_weights) for `fc1` (config.fc1, or config.fc1_wgmma where that runs) at T =
-// config.tokens, FC1's grid.x = max_blocks, on a device of `sms` SMs and arch `arch`; all 0 =
-// none. On sm_90 or newer where uniform routing is expected to leave at most
-// kFc1PrefetchMaxUntouched of the local experts untouched: experts min(E, max_blocks) (one per
-// CTA column), the M tiles of the first wave (ceil(sms x min_blocks_per_sm / max_blocks) rows of
-// the grid, x fastest), and as many whole K atoms per strip as make kFc1PrefetchBytes in all.
-// Measured on the H200 (tools/PERF_LOG.md, "FC1's first weights asked of L2 during the route"):
-// -0.3 to -1.8% a layer at T = 24-1024; 8 or 32 MB did no better than 16, and 0.25 untouched
-// left out rows that 0.7 gains on.
-struct GemmPrefetch {
-  int experts = 0;
-  int m_tiles = 0;
-  int k_atoms = 0;
-};
-inline constexpr double kFc1PrefetchMaxUntouched = 0.7;
-inline constexpr long long kFc1PrefetchBytes = 16ll << 20;
-GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& config,
-                          const MarlinMoeParams& fc1, long long max_blocks, int sms,
-                          const Arch& arch);
-
 // ---- sizes --------------------------------------------------------------------------------------
 
 // Byte offsets inside the workspace for one config (every region 256-byte aligned).
@@ -232,6 +211,27 @@ struct MoeWeightSizes {
   int fc1_m_atoms = 0, fc1_k_atoms = 0, fc2_m_atoms = 0, fc2_k_atoms = 0;
 };
 MoeWeightSizes moe_weight_sizes(const ModelShape& shape);
+
+// FC1's L2 prefetch before its grid wait (MoeGemmParams::prefetch_*; moe_gemm.cuh's
+// prefetch_first_weights) for `fc1` (config.fc1, or config.fc1_wgmma where that runs) over the
+// repacked `sizes` (moe_weight_sizes(shape), which the op already holds) at T = config.tokens,
+// FC1's grid.x = max_blocks, on a device of `sms` SMs and arch `arch`; all 0 = none. On sm_90 or
+// newer where uniform routing is expected to leave at most kFc1PrefetchMaxUntouched of the local
+// experts untouched: experts min(E, max_blocks) (one per CTA column), the M tiles of the first wave
+// (ceil(sms x min_blocks_per_sm / max_blocks) rows of the grid, x fastest), and as many whole K
+// atoms per strip as make kFc1PrefetchBytes in all. Measured on the H200 (tools/PERF_LOG.md, "FC1's
+// first weights asked of L2 during the route"): -0.3 to -1.8% a layer at T = 24-1024; 8 or 32 MB
+// did no better than 16, and 0.25 untouched left out rows that 0.7 gains on.
+struct GemmPrefetch {
+  int experts = 0;
+  int m_tiles = 0;
+  int k_atoms = 0;
+};
+inline constexpr double kFc1PrefetchMaxUntouched = 0.7;
+inline constexpr long long kFc1PrefetchBytes = 16ll << 20;
+GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& config,
+                          const MarlinMoeParams& fc1, const MoeWeightSizes& sizes,
+                          long long max_blocks, int sms, const Arch& arch);
 
 // The first reason the op can't serve `shape` (sizes the kernels' arguments can't hold), or "".
 // Kernel-level reasons come from supports() on the planned specs.

@@ -650,10 +650,10 @@ TEST_CASE("moe plan: FC1's L2 prefetch covers the first wave within its byte bud
       const detail::MoeForwardSpecs specs = detail::moe_forward_specs(c, hopper);
       const long long max_blocks = detail::moe_workspace_layout(shape, c).max_blocks;
       const detail::GemmPrefetch p =
-          detail::fc1_prefetch(shape, c, specs.fc1_params, max_blocks, kSms, hopper);
+          detail::fc1_prefetch(shape, c, specs.fc1_params, sizes, max_blocks, kSms, hopper);
       // Never before sm_90 (no bulk prefetch there), whatever T.
-      const detail::GemmPrefetch old_arch =
-          detail::fc1_prefetch(shape, c, specs.fc1_params, max_blocks, kSms, Arch::parse("sm_80"));
+      const detail::GemmPrefetch old_arch = detail::fc1_prefetch(
+          shape, c, specs.fc1_params, sizes, max_blocks, kSms, Arch::parse("sm_80"));
       CHECK(old_arch.experts == 0);
       CHECK(old_arch.k_atoms == 0);
       const double untouched = std::pow(1.0 - static_cast<double>(shape.top_k) / routed, t);
@@ -689,6 +689,7 @@ TEST_CASE("moe plan: FC1's L2 prefetch covers the first wave within its byte bud
   const auto prefetch_at = [&](int t) {
     const detail::MoeForwardConfig c = detail::choose_moe_config(qwen, t);
     return detail::fc1_prefetch(qwen, c, detail::moe_forward_specs(c, hopper).fc1_params,
+                                detail::moe_weight_sizes(qwen),
                                 detail::moe_workspace_layout(qwen, c).max_blocks, kSms, hopper);
   };
   CHECK(prefetch_at(1).k_atoms == 0);
