@@ -906,11 +906,18 @@ bool mid_fc2_short_k(const GemmTile& short_k, const ModelShape& shape) {
          kFc2ShortKMinWaves;
 }
 
+// FC2's short-K tile in `tile`'s bucket where the shape's K calls for it (and for 16-row blocks
+// its CTAs fill kFc2ShortKMinWaves waves), else null.
+const GemmTile* fc2_short_k_for(const GemmTile& tile, const ModelShape& shape) {
+  const GemmTile* short_k = fc2_short_k_tile(tile, shape);
+  if (short_k == nullptr) return nullptr;
+  if (short_k->bucket != Bucket::kRows16 || mid_fc2_short_k(*short_k, shape)) return short_k;
+  return nullptr;
+}
+
 // FC2's tile in `tile`'s bucket: the short-K one where the shape's K calls for it.
 const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
-  if (const GemmTile* short_k = fc2_short_k_tile(tile, shape)) {
-    if (short_k->bucket != Bucket::kRows16 || mid_fc2_short_k(*short_k, shape)) return *short_k;
-  }
+  if (const GemmTile* short_k = fc2_short_k_for(tile, shape)) return *short_k;
   return small_block_tile_for(tile, shape, tokens, shape.hidden);
 }
 
@@ -938,6 +945,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   const GemmTile& tile = tile_for(shape, tokens);
   c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
   c.fc2 = gemm_params(fc2_tile_for(tile, shape, tokens), MoeGemmStage::kFc2, shape);
+  c.fc2_short_k = fc2_short_k_for(tile, shape) != nullptr;
   const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
   if (wg != nullptr) {
     c.wgmma = true;
@@ -994,11 +1002,12 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
     s.route[i] = make_spec(Family::kRoute, arch, part);
   }
   const bool wgmma = config.wgmma && wgmma_runs_on(arch);
+  const bool fc2_wgmma = wgmma && !config.fc2_short_k;
   s.fc1_params = wgmma ? config.fc1_wgmma : config.fc1;
-  s.fc2_params = wgmma ? config.fc2_wgmma : config.fc2;
+  s.fc2_params = fc2_wgmma ? config.fc2_wgmma : config.fc2;
   s.fc1 = make_spec(Family::kMarlinMoe, arch, s.fc1_params);
   s.fc2 = make_spec(Family::kMarlinMoe, arch, s.fc2_params);
-  s.combine = make_spec(Family::kCombine, arch, wgmma ? config.combine_wgmma : config.combine);
+  s.combine = make_spec(Family::kCombine, arch, fc2_wgmma ? config.combine_wgmma : config.combine);
   return s;
 }
 

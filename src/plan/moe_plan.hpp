@@ -125,9 +125,14 @@ struct MoeForwardConfig {
   MarlinMoeParams fc1;  // the mma.sync main loop (any arch)
   MarlinMoeParams fc2;
   // The tile has an sm_90a warpgroup variant (same route block, so the same route and
-  // workspace; bf16 FC2 rows like the mma.sync tile's): on such devices FC1, FC2 and combine run
-  // fc1_wgmma, fc2_wgmma and combine_wgmma instead.
+  // workspace; bf16 FC2 rows like the mma.sync tile's): on such devices FC1 runs fc1_wgmma
+  // instead, and FC2 and combine run fc2_wgmma and combine_wgmma unless fc2_short_k.
   bool wgmma = false;
+  // FC2 takes its short-K tile (I <= 768, moe_plan.cpp's kFc2ShortKTiles), and keeps it where FC1
+  // runs the warpgroup tile: on the H200 (tools/PERF_LOG.md "FC2's short-K tile against the
+  // warpgroup tile") deepseek-v4-flash-tp4 T = 512 (12 rows per expert), FC2 109.7 against
+  // 115.9 us, layer 314.4 against 323.5.
+  bool fc2_short_k = false;
   MarlinMoeParams fc1_wgmma;
   MarlinMoeParams fc2_wgmma;
   MoeCombineParams combine;

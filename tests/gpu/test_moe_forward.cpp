@@ -306,7 +306,8 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
 // where its CTAs fill four waves from the bucket's first T (moe_plan.cpp fc2_tile_for): the
 // full kimi and deepseek shapes only. Resized to 128 experts they still take it (first T of
 // 16-row blocks: 41 and 107, 4.5 and 5.1 waves), at T whose experts average 10 and 9.4 rows
-// (below the warpgroup tile's 12), so the CPU reference stays affordable.
+// (below the warpgroup tile's 12), so the CPU reference stays affordable; and deepseek at T =
+// 300 (14 rows), where on sm_90a FC1 runs the warpgroup tile and FC2 keeps this one.
 TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp64 reference",
           "[gpu][moe]") {
   gpu();
@@ -315,9 +316,10 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
     const char* name;
     int tokens;
   };
-  const Case cases[] = {{"kimi-k3.1-tp8", 80}, {"deepseek-v4-flash-tp4", 200}};
+  const Case cases[] = {
+      {"kimi-k3.1-tp8", 80}, {"deepseek-v4-flash-tp4", 200}, {"deepseek-v4-flash-tp4", 300}};
   std::vector<ModelShape> shapes;
-  for (const Case& c : cases) shapes.push_back(resized(reference_shape(c.name), 128, 0, 128, 256));
+  for (const Case& c : cases) shapes.push_back(resized(reference_shape(c.name), 128, 0, 128, 512));
   prewarm_shapes(shapes);
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -331,11 +333,14 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
     INFO(label);
     const moejit::detail::MoeForwardSpecs specs =
         moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch);
-    // The tile this case is for, on every arch (the warpgroup tile starts at 12 rows).
+    // The tile this case is for, on every arch (the warpgroup tile starts at 12 rows, and
+    // takes FC1 only).
     CHECK(specs.fc2_params.block_m == 256);
     CHECK(specs.fc2_params.block_n == 16);
     CHECK(specs.fc2_params.warps_m == 4);
     CHECK(specs.fc2_params.wgmma_n == 0);
+    const bool rows12 = static_cast<long long>(tokens) * shape.top_k >= 12LL * shape.num_experts;
+    CHECK((specs.fc1_params.wgmma_n != 0) == (rows12 && moejit::detail::wgmma_runs_on(arch)));
     const TestWeights weights = test_weights(shape, rng(), stream.get());
     const DeviceModel& model = *weights.model;
     const MoeWeightsF64& f64 = weights.f64;

@@ -160,7 +160,8 @@ int planned_marlin_kernels(const ModelShape& shape, bool sm90a) {
   int kernels = 10;
   if (sm90a) {
     const MidBucketTiles mid = mid_bucket_tiles(shape);
-    if (mid.mma && mid.wgmma) kernels += 2;
+    // FC1 and FC2 each plan both tiles, but FC2 keeps its short-K tile beside the warpgroup FC1.
+    if (mid.mma && mid.wgmma) kernels += fc2_mid_short_k_expected(shape) ? 1 : 2;
     for (const auto& [first, last] : {std::pair{513, 1024}, std::pair{1025, INT_MAX}}) {
       const WideTiles wide = wide_tiles(shape, first, last);
       if (wide.n64 && wide.n128) kernels += 2;

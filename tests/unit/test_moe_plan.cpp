@@ -238,7 +238,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // two, and the 16-row one from T * K >= 12 * routed experts: for part of those T on
       // gpt-oss-120b (T >= 384), qwen3-30b-a3b (T >= 192), gpt-oss-20b and qwen2-57b-a14b
       // (T >= 96; 16-row blocks from T = 49) and deepseek-v4-flash-tp4 (T = 512), which so plan
-      // both, never on the kimi shapes (T >= 672) or deepseek-v4.1-flash-tp4 (T >= 768).
+      // both, never on the kimi shapes (T >= 672) or deepseek-v4.1-flash-tp4 (T >= 768). FC2
+      // keeps its short-K tile there (deepseek-v4-flash-tp4: only FC1 plans both).
       const bool sm90a = std::string(arch) == "sm_90a";
       const moejit::test::MidBucketTiles mid = moejit::test::mid_bucket_tiles(shape);
       const bool both_mid = sm90a && mid.mma && mid.wgmma;
@@ -262,8 +263,9 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const moejit::test::BucketTiles fc2_small = moejit::test::fc2_bucket_tiles(shape);
       const int small_extra =
           std::max(fc1_small.count() - 1, 0) + std::max(fc2_small.count() - 1, 0);
+      const int mid_extra = both_mid ? (moejit::test::fc2_mid_short_k_expected(shape) ? 1 : 2) : 0;
       CHECK(count[Family::kMarlinMoe] ==
-            (both_mid ? 12 : 10) + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + small_extra);
+            10 + mid_extra + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + small_extra);
       CHECK(count[Family::kMarlinMoe] == moejit::test::planned_marlin_kernels(shape, sm90a));
       // (16-row blocks: block_m 128 on both the mma.sync tile and the warpgroup one.)
       std::set<std::pair<int, int>> tiles{{32, 8}, {128, 16}, {64, 32}, {128, 64}};
@@ -342,6 +344,7 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
   int short_shapes = 0;
   int mid_short_shapes = 0;
   int long_shapes = 0;
+  int short_beside_wgmma = 0;
   for (const ModelShape& shape : reference_shapes()) {
     INFO(shape.name);
     const bool short_k = shape.intermediate <= 768;
@@ -370,8 +373,21 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
       for (const char* arch : {"sm_90a", "sm_80"}) {
         CHECK(moejit::supports(spec_of(Family::kMarlinMoe, c.fc2, arch)).empty());
       }
+      // The short-K tile stays FC2's on sm_90a too, where FC1 runs the warpgroup tile
+      // (deepseek-v4-flash-tp4 T = 512: 12 rows per expert).
+      const bool short_tile =
+          short_k && tokens >= 3 && (small || tokens <= 512) && (small || mid_short);
+      CHECK(c.fc2_short_k == short_tile);
+      const detail::MoeForwardSpecs on_90a = detail::moe_forward_specs(c, Arch::parse("sm_90a"));
+      if (short_tile) {
+        CHECK(on_90a.fc2_params == c.fc2);
+        CHECK(on_90a.fc1_params == (c.wgmma ? c.fc1_wgmma : c.fc1));
+        CHECK(std::get<MoeCombineParams>(on_90a.combine.params) == c.combine);
+        if (c.wgmma) ++short_beside_wgmma;
+      }
     }
   }
+  CHECK(short_beside_wgmma >= 1);
   // Both sides of the rule among the reference shapes (deepseek, kimi, qwen3; gpt-oss, qwen2).
   CHECK(short_shapes >= 3);
   CHECK(mid_short_shapes >= 2);
@@ -390,6 +406,21 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
     CHECK_FALSE(moejit::test::small_blocks_expected(shape, tokens));
     CHECK_FALSE(c.wgmma);
     CHECK(same_tile(tile_of(c.fc2), n16_tall));
+  }
+  // And deepseek-v4-flash-tp4 so resized at T = 300 (14 rows per expert): FC1 on the warpgroup
+  // tile on sm_90a, FC2 on this one.
+  {
+    ModelShape shape = find_shape(reference_shapes(), "deepseek-v4-flash-tp4");
+    shape.num_experts = 128;
+    shape.global_experts = 128;
+    shape.max_tokens = 512;
+    const detail::MoeForwardConfig c = detail::choose_moe_config(shape, 300);
+    CHECK(c.wgmma);
+    CHECK(c.fc2_short_k);
+    CHECK(same_tile(tile_of(c.fc2), n16_tall));
+    const detail::MoeForwardSpecs on_90a = detail::moe_forward_specs(c, Arch::parse("sm_90a"));
+    CHECK(on_90a.fc1_params == c.fc1_wgmma);
+    CHECK(on_90a.fc2_params == c.fc2);
   }
   CHECK(long_shapes >= 2);
 }
