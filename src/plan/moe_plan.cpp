@@ -915,10 +915,13 @@ const GemmTile* fc2_short_k_for(const GemmTile& tile, const ModelShape& shape) {
   return nullptr;
 }
 
-// FC2's tile in `tile`'s bucket: the short-K one where the shape's K calls for it.
+// FC2's tile in `tile`'s bucket: `short_k` (fc2_short_k_for) where the shape's K calls for it.
+const GemmTile& fc2_tile_for(const GemmTile& tile, const GemmTile* short_k, const ModelShape& shape,
+                             int tokens) {
+  return short_k != nullptr ? *short_k : small_block_tile_for(tile, shape, tokens, shape.hidden);
+}
 const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
-  if (const GemmTile* short_k = fc2_short_k_for(tile, shape)) return *short_k;
-  return small_block_tile_for(tile, shape, tokens, shape.hidden);
+  return fc2_tile_for(tile, fc2_short_k_for(tile, shape), shape, tokens);
 }
 
 }  // namespace
@@ -944,8 +947,9 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
 
   const GemmTile& tile = tile_for(shape, tokens);
   c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
-  c.fc2 = gemm_params(fc2_tile_for(tile, shape, tokens), MoeGemmStage::kFc2, shape);
-  c.fc2_short_k = fc2_short_k_for(tile, shape) != nullptr;
+  const GemmTile* fc2_short_k = fc2_short_k_for(tile, shape);
+  c.fc2 = gemm_params(fc2_tile_for(tile, fc2_short_k, shape, tokens), MoeGemmStage::kFc2, shape);
+  c.fc2_short_k = fc2_short_k != nullptr;
   const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
   if (wg != nullptr) {
     c.wgmma = true;
