@@ -23,12 +23,21 @@ __device__ __forceinline__ u64 policy_evict_first() {
 // 16-byte global -> shared copy that bypasses L1; reads src_bytes (16, or 0: no memory is read)
 // and zero-fills the rest. src must be a valid address either way.
 // Why .L2::256B: weight runs are >= 512 contiguous bytes, so the prefetch is never wasted.
+// MOEJIT_NO_L2_CACHE_HINT (set by the library's compile only where ptxas encoded the hinted copy
+// in the form that faults on sm_90: src/compile/cubin_check.hpp) drops the policy operand.
 __device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32 src_bytes,
                                                    u64 pol) {
+#ifdef MOEJIT_NO_L2_CACHE_HINT
+  (void)pol;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
   asm volatile(
       "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;" ::"r"(dst),
       "l"(src), "r"(src_bytes), "l"(pol)
       : "memory");
+#endif
 }
 // Asks L2 for [src, src + bytes) (src 16-byte aligned, bytes a multiple of 16): one instruction,
 // nothing to wait for, no effect on results. sm_90's bulk prefetch; a no-op before sm_90.

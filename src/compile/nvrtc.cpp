@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "codegen/embedded.hpp"
+#include "compile/cubin_check.hpp"
 #include "common/hash.hpp"
 #include "common/check.hpp"
 #include "common/env.hpp"
@@ -589,21 +590,12 @@ std::vector<std::string> compile_options(const Arch& arch) {
   return {arch.nvrtc_option(), "-std=c++17", "-default-device", "-lineinfo", "-Xptxas=-v"};
 }
 
-CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const ToolkitHeaders& toolkit,
-                       const std::string& failure_dir) {
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<std::string> options = compile_options(arch);
-  for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
+namespace {
 
-  const std::vector<int>& archs = supported_archs();
-  if (std::find(archs.begin(), archs.end(), arch.sm) == archs.end()) {
-    std::ostringstream os;
-    os << arch.name() << " is not a target of this NVRTC; it supports:";
-    for (int sm : archs) os << " sm_" << sm;
-    os << ". Choose one of those, or use a toolkit that targets " << arch.name();
-    throw_compile_error(src, os.str(), options, "", failure_dir);
-  }
-
+// One NVRTC run of `src` with `options` (include directories included).
+CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
+                         const std::vector<std::string>& options,
+                         const std::string& failure_dir) {
   // Why: std::string copies, so each header is NUL-terminated whatever the embedded table holds.
   std::vector<std::string> contents;
   std::vector<std::string> names;
@@ -644,6 +636,47 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const Toolk
                                               << "; a cubin needs a real sm_ arch");
   out.cubin.resize(cubin_size);
   MOEJIT_NVRTC_CHECK(nvrtcGetCUBIN(program.get(), out.cubin.data()));
+  return out;
+}
+
+}  // namespace
+
+CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const ToolkitHeaders& toolkit,
+                       const std::string& failure_dir) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> options = compile_options(arch);
+  for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
+
+  const std::vector<int>& archs = supported_archs();
+  if (std::find(archs.begin(), archs.end(), arch.sm) == archs.end()) {
+    std::ostringstream os;
+    os << arch.name() << " is not a target of this NVRTC; it supports:";
+    for (int sm : archs) os << " sm_" << sm;
+    os << ". Choose one of those, or use a toolkit that targets " << arch.name();
+    throw_compile_error(src, os.str(), options, "", failure_dir);
+  }
+
+  CompiledKernel out = run_nvrtc(src, arch, options, failure_dir);
+  out.options = compile_options(arch);
+  // Why: a cubin whose copies fault must never reach the cache (cubin_check.hpp). Without the
+  // hint ptxas has no cache-policy operand to encode, so the rebuilt kernel takes the plain form.
+  const int faulting = arch.sm == 90 ? count_faulting_sm90_copies(out.cubin) : 0;
+  if (faulting > 0) {
+    log().warn("{} for {}: ptxas encoded {} cache-hinted cp.async as the LDGSTS form that faults "
+               "on sm_90; compiling it again with {}",
+               kernel_label(src), arch.name(), faulting, kNoL2CacheHintOption);
+    options.emplace_back(kNoL2CacheHintOption);
+    out = run_nvrtc(src, arch, options, failure_dir);
+    out.options = compile_options(arch);
+    out.options.emplace_back(kNoL2CacheHintOption);
+    const int left = count_faulting_sm90_copies(out.cubin);
+    if (left > 0) {
+      std::ostringstream os;
+      os << "ptxas encoded " << left << " cp.async as the LDGSTS form that faults on sm_90 even "
+         << "with " << kNoL2CacheHintOption << "; this NVRTC cannot build the kernel safely";
+      throw_compile_error(src, os.str(), options, out.log, failure_dir);
+    }
+  }
 
   out.compile_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

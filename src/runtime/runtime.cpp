@@ -277,7 +277,7 @@ BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const En
     manifest.kernel = name;
     manifest.spec_json = spec.to_json();
     manifest.lowered_name = compiled.lowered_name;
-    manifest.options = compile_options(spec.arch);
+    manifest.options = compiled.options;
     manifest.nvrtc_version = nvrtc_version();
     manifest.library_version = kVersionString;
     manifest.compile_ms = compiled.compile_ms;

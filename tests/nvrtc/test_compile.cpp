@@ -2,6 +2,7 @@
 // under NVRTC, and the toolkit header search and digest. Needs the CUDA toolkit, no GPU.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "codegen/codegen.hpp"
+#include "compile/cubin_check.hpp"
 #include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
@@ -208,6 +210,83 @@ TEST_CASE("a broken source throws a CompileError that names the kernel and saves
   CHECK((info.st_mode & 0777) == 0700);
   REQUIRE(::stat((dir.path() + "/failed").c_str(), &info) == 0);
   CHECK((info.st_mode & 0777) == 0700);
+}
+
+namespace {
+
+// A cp.async ring whose shared destination is a uniform slot offset plus a per-thread offset:
+// ptxas 13.0 encodes its cache-hinted copies for sm_90a in the [R+UR] form that faults
+// (compile/cubin_check.hpp). `copy` is the statement that issues one 16-byte copy.
+moejit::detail::GeneratedSource copy_ring(const std::string& file, const std::string& copy) {
+  moejit::detail::GeneratedSource src;
+  src.file_name = file;
+  src.name_expression = "&moejit_test::copy_ring";
+  src.source = "#include <moejit/kern/moe/ptx.cuh>\n"
+               "namespace moejit_test {\n"
+               "namespace kp = moejit::kern::moe::ptx;\n"
+               "__global__ void copy_ring(const unsigned char* src, int steps) {\n"
+               "  extern __shared__ __align__(128) unsigned char smem[];\n"
+               "  const unsigned base = kp::smem_u32(smem);\n"
+               "  const unsigned long long pol = kp::policy_evict_first();\n"
+               "  for (int s = 0; s < steps; ++s) {\n"
+               "    const unsigned dst = base + (s % 4) * 4096 + threadIdx.x * 16;\n"
+               "    const unsigned char* from = src + s * 4096 + threadIdx.x * 16;\n"
+               "    " + copy + "\n"
+               "    kp::cp_async_commit();\n"
+               "  }\n"
+               "  kp::cp_async_wait<0>();\n"
+               "}\n"
+               "}  // namespace moejit_test\n";
+  return src;
+}
+
+bool hint_dropped(const moejit::detail::CompiledKernel& kernel) {
+  return std::find(kernel.options.begin(), kernel.options.end(),
+                   moejit::detail::kNoL2CacheHintOption) != kernel.options.end();
+}
+
+}  // namespace
+
+TEST_CASE("sm_90: a cubin with the faulting cp.async form is compiled again without the L2 hint",
+          "[nvrtc]") {
+  using moejit::detail::count_faulting_sm90_copies;
+  // The library's copy (ptx.cuh), which MOEJIT_NO_L2_CACHE_HINT turns into a plain one.
+  const auto library = copy_ring("copy_ring_library.cu",
+                                 "kp::cp_async_16_stream(dst, from, 16u, pol);");
+  const moejit::detail::CompiledKernel kernel =
+      moejit::detail::compile(library, Arch::parse("sm_90a"), toolkit(), "");
+  CHECK(count_faulting_sm90_copies(kernel.cubin) == 0);
+  REQUIRE(!kernel.options.empty());
+  CHECK(kernel.options.front() == "--gpu-architecture=sm_90a");
+
+  // The same ring with a copy that keeps its hint whatever the macro: the retry cannot help.
+  const auto always_hinted = copy_ring(
+      "copy_ring_hinted.cu",
+      "asm volatile(\"cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;\""
+      " :: \"r\"(dst), \"l\"(from), \"l\"(pol) : \"memory\");");
+  bool emits_form = false;
+  try {
+    const moejit::detail::CompiledKernel hinted =
+        moejit::detail::compile(always_hinted, Arch::parse("sm_90a"), toolkit(), "");
+    CHECK(count_faulting_sm90_copies(hinted.cubin) == 0);
+    CHECK_FALSE(hint_dropped(hinted));
+  } catch (const CompileError& error) {
+    emits_form = true;
+    const std::string message = error.what();
+    INFO(message);
+    CHECK(contains(message, "faults on sm_90"));
+    CHECK(contains(message, moejit::detail::kNoL2CacheHintOption));
+    CHECK(contains(message, "copy_ring_hinted"));
+  }
+  // Where ptxas emits the form, the library's copy was retried without its hint; where it does
+  // not, nothing was retried and the check above had nothing to catch.
+  CHECK(hint_dropped(kernel) == emits_form);
+  if (!emits_form) WARN("this NVRTC does not emit the faulting form: the retry is not exercised");
+
+  // Other archs are not scanned: the hint stays.
+  const moejit::detail::CompiledKernel blackwell =
+      moejit::detail::compile(library, Arch::parse("sm_100a"), toolkit(), "");
+  CHECK_FALSE(hint_dropped(blackwell));
 }
 
 TEST_CASE("without a failure directory the message says the source was not saved", "[nvrtc]") {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "codegen/codegen.hpp"
+#include "compile/cubin_check.hpp"
 #include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
@@ -187,6 +188,8 @@ struct Outcome {
   std::size_t cubin_size = 0;
   bool elf = false;
   double ms = 0;
+  int faulting_copies = -1;  // count_faulting_sm90_copies of the cubin compile() returned
+  bool hint_dropped = false;  // compiled again with kNoL2CacheHintOption
 };
 
 // Compiles every spec on a few threads (NVRTC programs are independent); returns in order.
@@ -211,6 +214,9 @@ std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* w
                                        "\x7f"
                                        "ELF") == 0;
         out.ms = kernel.compile_ms;
+        out.faulting_copies = detail::count_faulting_sm90_copies(kernel.cubin);
+        out.hint_dropped = std::find(kernel.options.begin(), kernel.options.end(),
+                                     detail::kNoL2CacheHintOption) != kernel.options.end();
       } catch (const std::exception& e) {
         out.error = e.what();
       }
@@ -267,6 +273,19 @@ void report(const char* arch, const std::vector<Outcome>& outcomes, double wall,
       "%s (%.2f s)\n",
       arch, outcomes.size(), total_ms / 1000.0, wall, threads, slowest.c_str(),
       slowest_ms / 1000.0);
+  for (const Outcome& out : outcomes) {
+    if (out.hint_dropped) std::printf("  without the L2 cache hint: %s\n", out.name.c_str());
+  }
+}
+
+// Why: on sm_90 a cubin with the [R+UR] cp.async form stops at its first copy
+// (compile/cubin_check.hpp); compile() must never return one.
+void check_no_faulting_copies(const std::vector<Outcome>& outcomes) {
+  for (const Outcome& out : outcomes) {
+    if (!out.error.empty()) continue;
+    INFO(out.name);
+    CHECK(out.faulting_copies == 0);
+  }
 }
 
 }  // namespace
@@ -284,6 +303,7 @@ TEST_CASE("every planned MoE kernel of every reference shape compiles for sm_90a
   unsigned threads = 0;
   const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
   check_outcomes(specs, outcomes);
+  check_no_faulting_copies(outcomes);
   // Why: a warpgroup tile that runs out of registers spills and gets every wgmma serialized
   // (ptxas waits after each one, note C7512), which measured 3-5% slower per layer.
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -492,6 +512,7 @@ TEST_CASE("every planned decode_moe kernel compiles for sm_90a with no spills", 
   unsigned threads = 0;
   const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
   check_decode_outcomes(specs, outcomes);
+  check_no_faulting_copies(outcomes);
   report("sm_90a decode_moe", outcomes, wall, threads);
 }
 
