@@ -214,32 +214,6 @@ TEST_CASE("a broken source throws a CompileError that names the kernel and saves
 
 namespace {
 
-// A cp.async ring whose shared destination is a uniform slot offset plus a per-thread offset:
-// ptxas 13.0 encodes its cache-hinted copies for sm_90a in the [R+UR] form that faults
-// (compile/cubin_check.hpp). `copy` is the statement that issues one 16-byte copy.
-moejit::detail::GeneratedSource copy_ring(const std::string& file, const std::string& copy) {
-  moejit::detail::GeneratedSource src;
-  src.file_name = file;
-  src.name_expression = "&moejit_test::copy_ring";
-  src.source = "#include <moejit/kern/moe/ptx.cuh>\n"
-               "namespace moejit_test {\n"
-               "namespace kp = moejit::kern::moe::ptx;\n"
-               "__global__ void copy_ring(const unsigned char* src, int steps) {\n"
-               "  extern __shared__ __align__(128) unsigned char smem[];\n"
-               "  const unsigned base = kp::smem_u32(smem);\n"
-               "  const unsigned long long pol = kp::policy_evict_first();\n"
-               "  for (int s = 0; s < steps; ++s) {\n"
-               "    const unsigned dst = base + (s % 4) * 4096 + threadIdx.x * 16;\n"
-               "    const unsigned char* from = src + s * 4096 + threadIdx.x * 16;\n"
-               "    " + copy + "\n"
-               "    kp::cp_async_commit();\n"
-               "  }\n"
-               "  kp::cp_async_wait<0>();\n"
-               "}\n"
-               "}  // namespace moejit_test\n";
-  return src;
-}
-
 bool hint_dropped(const moejit::detail::CompiledKernel& kernel) {
   return std::find(kernel.options.begin(), kernel.options.end(),
                    moejit::detail::kNoL2CacheHintOption) != kernel.options.end();
@@ -251,8 +225,8 @@ TEST_CASE("sm_90: a cubin with the faulting cp.async form is compiled again with
           "[nvrtc]") {
   using moejit::detail::count_faulting_sm90_copies;
   // The library's copy (ptx.cuh), which MOEJIT_NO_L2_CACHE_HINT turns into a plain one.
-  const auto library = copy_ring("copy_ring_library.cu",
-                                 "kp::cp_async_16_stream(dst, from, 16u, pol);");
+  const auto library = moejit::test::copy_ring_source("copy_ring_library.cu",
+                                                      moejit::test::kRingLibraryCopy);
   const moejit::detail::CompiledKernel kernel =
       moejit::detail::compile(library, Arch::parse("sm_90a"), toolkit(), "");
   CHECK(count_faulting_sm90_copies(kernel.cubin) == 0);
@@ -260,10 +234,8 @@ TEST_CASE("sm_90: a cubin with the faulting cp.async form is compiled again with
   CHECK(kernel.options.front() == "--gpu-architecture=sm_90a");
 
   // The same ring with a copy that keeps its hint whatever the macro: the retry cannot help.
-  const auto always_hinted = copy_ring(
-      "copy_ring_hinted.cu",
-      "asm volatile(\"cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;\""
-      " :: \"r\"(dst), \"l\"(from), \"l\"(pol) : \"memory\");");
+  const auto always_hinted =
+      moejit::test::copy_ring_source("copy_ring_hinted.cu", moejit::test::kRingHintedCopy);
   bool emits_form = false;
   try {
     const moejit::detail::CompiledKernel hinted =

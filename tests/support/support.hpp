@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "codegen/codegen.hpp"
 #include "moejit/shape.hpp"
 
 namespace moejit::test {
@@ -20,6 +21,21 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// A kernel `moejit_test::copy_ring(const unsigned char* src, unsigned* out, int slots)` for one
+// CTA of 256 threads and 16 KB of dynamic shared memory, slots <= 4: a loop of one 16-byte
+// cp.async a thread into 4 KB slot s (at s * 4096, a uniform offset known only at run time, plus
+// the thread's), `copy` being the statement that issues it (it sees dst, from and pol); then
+// out[i] = the ring's word i for i < 4096, so out = src[0, 4096 * slots) where slots = 4.
+// ptxas 13.0 encodes its cache-hinted copies for sm_90a in the [R+UR] LDGSTS form that faults
+// (src/compile/cubin_check.hpp).
+detail::GeneratedSource copy_ring_source(const std::string& file_name, const std::string& copy);
+// The copy statement of kernels/moe/ptx.cuh (hinted unless MOEJIT_NO_L2_CACHE_HINT).
+inline const char* const kRingLibraryCopy = "kp::cp_async_16_stream(dst, from, 16u, pol);";
+// A copy that keeps its L2 hint whatever the macro says.
+inline const char* const kRingHintedCopy =
+    "asm volatile(\"cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;\""
+    " :: \"r\"(dst), \"l\"(from), \"l\"(pol) : \"memory\");";
 
 // Whether a CUDA device can be used (driver loads, at least one device); else why not.
 bool gpu_available(std::string* why);
