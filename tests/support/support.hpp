@@ -24,8 +24,8 @@ class TempDir {
 
 // A kernel `moejit_test::copy_ring(const unsigned char* src, unsigned* out, int slots)` for one
 // CTA of 256 threads and 16 KB of dynamic shared memory, slots <= 4: a loop of one 16-byte
-// cp.async a thread into 4 KB slot s (at s * 4096, a uniform offset known only at run time, plus
-// the thread's), `copy` being the statement that issues it (it sees dst, from and pol); then
+// cp.async a thread into 4 KB slot s (at (s % 4) * 4096, a uniform offset known only at run time,
+// plus the thread's), `copy` being the statement that issues it (it sees dst, from and pol); then
 // out[i] = the ring's word i for i < 4096, so out = src[0, 4096 * slots) where slots = 4.
 // ptxas 13.0 encodes its cache-hinted copies for sm_90a in the [R+UR] LDGSTS form that faults
 // (src/compile/cubin_check.hpp).
