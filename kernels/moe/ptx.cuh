@@ -24,7 +24,7 @@ __device__ __forceinline__ u64 policy_evict_first() {
 // and zero-fills the rest. src must be a valid address either way.
 // Why .L2::256B: weight runs are >= 512 contiguous bytes, so the prefetch is never wasted.
 // MOEJIT_NO_L2_CACHE_HINT (set by the library's compile only where ptxas encoded the hinted copy
-// in the form that faults on sm_90: src/compile/cubin_check.hpp) drops the policy operand.
+// in the form that faults: src/compile/cubin_check.hpp) drops the policy operand.
 __device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32 src_bytes,
                                                    u64 pol) {
 #ifdef MOEJIT_NO_L2_CACHE_HINT

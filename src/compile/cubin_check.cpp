@@ -34,7 +34,7 @@ constexpr uint64_t kFaultingLdgsts = 0xdae;
 
 }  // namespace
 
-int count_faulting_sm90_copies(std::string_view cubin) {
+int count_faulting_hinted_copies(std::string_view cubin) {
   MOEJIT_CHECK(cubin.size() >= kHeaderBytes && std::memcmp(cubin.data(), "\x7f" "ELF", 4) == 0 &&
                    cubin[4] == 2 && cubin[5] == 1,
                ErrorCode::kInternal,

@@ -660,20 +660,20 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const Toolk
   out.options = compile_options(arch);
   // Why: a cubin whose copies fault must never reach the cache (cubin_check.hpp). Without the
   // hint ptxas has no cache-policy operand to encode, so the rebuilt kernel takes the plain form.
-  const int faulting = arch.sm == 90 ? count_faulting_sm90_copies(out.cubin) : 0;
+  const int faulting = count_faulting_hinted_copies(out.cubin);
   if (faulting > 0) {
     log().warn("{} for {}: ptxas encoded {} cache-hinted cp.async as the LDGSTS form that faults "
-               "on sm_90; compiling it again with {}",
+               "(its policy register is never written); compiling it again with {}",
                kernel_label(src), arch.name(), faulting, kNoL2CacheHintOption);
     options.emplace_back(kNoL2CacheHintOption);
     out = run_nvrtc(src, arch, options, failure_dir);
     out.options = compile_options(arch);
     out.options.emplace_back(kNoL2CacheHintOption);
-    const int left = count_faulting_sm90_copies(out.cubin);
+    const int left = count_faulting_hinted_copies(out.cubin);
     if (left > 0) {
       std::ostringstream os;
-      os << "ptxas encoded " << left << " cp.async as the LDGSTS form that faults on sm_90 even "
-         << "with " << kNoL2CacheHintOption << "; this NVRTC cannot build the kernel safely";
+      os << "ptxas encoded " << left << " cp.async as the LDGSTS form that faults even with "
+         << kNoL2CacheHintOption << "; this NVRTC cannot build the kernel safely";
       throw_compile_error(src, os.str(), options, out.log, failure_dir);
     }
   }

@@ -56,7 +56,7 @@ std::string nvrtc_version();
 // not go into the cache key; the toolkit header digest does).
 std::vector<std::string> compile_options(const Arch& arch);
 
-// Defined for the compile that replaces a cubin holding the faulting sm_90 cp.async form
+// Defined for the compile that replaces a cubin holding the faulting cp.async form
 // (cubin_check.hpp): kernels/moe/ptx.cuh then issues its weight copies without the L2 cache hint.
 inline constexpr const char* kNoL2CacheHintOption = "-DMOEJIT_NO_L2_CACHE_HINT";
 
@@ -65,14 +65,14 @@ struct CompiledKernel {
   std::string lowered_name;   // mangled name from nvrtcGetLoweredName
   std::string log;            // NVRTC program log (with -Xptxas=-v: registers, spills)
   // The options of the compile that made `cubin`, include directories excluded: compile_options,
-  // plus kNoL2CacheHintOption where the first cubin held the faulting sm_90 copy form.
+  // plus kNoL2CacheHintOption where the first cubin held the faulting copy form.
   std::vector<std::string> options;
   double compile_ms = 0;
 };
 
 // Compile `src`. On failure throws CompileError naming the kernel and options, with the first
-// lines of the log in the message and the source saved under `failure_dir` (if non-empty). For
-// sm_90 a cubin holding the faulting cp.async form (cubin_check.hpp) is compiled again with
+// lines of the log in the message and the source saved under `failure_dir` (if non-empty). A
+// cubin holding the faulting cp.async form (cubin_check.hpp) is compiled again with
 // kNoL2CacheHintOption; if that one still holds it, CompileError.
 CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
                        const ToolkitHeaders& toolkit, const std::string& failure_dir);

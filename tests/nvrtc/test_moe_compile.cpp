@@ -188,7 +188,7 @@ struct Outcome {
   std::size_t cubin_size = 0;
   bool elf = false;
   double ms = 0;
-  int faulting_copies = -1;  // count_faulting_sm90_copies of the cubin compile() returned
+  int faulting_copies = -1;  // count_faulting_hinted_copies of the cubin compile() returned
   bool hint_dropped = false;  // compiled again with kNoL2CacheHintOption
 };
 
@@ -214,7 +214,7 @@ std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* w
                                        "\x7f"
                                        "ELF") == 0;
         out.ms = kernel.compile_ms;
-        out.faulting_copies = detail::count_faulting_sm90_copies(kernel.cubin);
+        out.faulting_copies = detail::count_faulting_hinted_copies(kernel.cubin);
         out.hint_dropped = std::find(kernel.options.begin(), kernel.options.end(),
                                      detail::kNoL2CacheHintOption) != kernel.options.end();
       } catch (const std::exception& e) {
@@ -278,8 +278,8 @@ void report(const char* arch, const std::vector<Outcome>& outcomes, double wall,
   }
 }
 
-// Why: on sm_90 a cubin with the [R+UR] cp.async form stops at its first copy
-// (compile/cubin_check.hpp); compile() must never return one.
+// Why: a cubin with the [R+UR] cp.async form stops at its first copy (compile/cubin_check.hpp);
+// compile() must never return one.
 void check_no_faulting_copies(const std::vector<Outcome>& outcomes) {
   for (const Outcome& out : outcomes) {
     if (!out.error.empty()) continue;
@@ -343,6 +343,7 @@ TEST_CASE("MoE kernels compile for sm_100a: every GEMM, and route/combine of two
   unsigned threads = 0;
   const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
   check_outcomes(specs, outcomes);
+  check_no_faulting_copies(outcomes);
   report("sm_100a", outcomes, wall, threads);
 }
 
@@ -536,6 +537,7 @@ TEST_CASE("decode_moe compiles for sm_100a: one tile of every served shape", "[n
   unsigned threads = 0;
   const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
   check_decode_outcomes(specs, outcomes);
+  check_no_faulting_copies(outcomes);
   report("sm_100a decode_moe", outcomes, wall, threads);
 }
 

@@ -1,4 +1,4 @@
-// The scan compile() runs over every sm_90 cubin for the cp.async form that faults there
+// The scan compile() runs over every cubin for the cp.async form that faults
 // (src/compile/cubin_check.hpp), on hand-built ELF64 images.
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -13,7 +13,7 @@ namespace {
 
 using moejit::Error;
 using moejit::ErrorCode;
-using moejit::detail::count_faulting_sm90_copies;
+using moejit::detail::count_faulting_hinted_copies;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -77,17 +77,17 @@ TEST_CASE("cubin check: counts the [R+UR] LDGSTS form in executable sections onl
       // Data that holds the same bits: not code, not counted.
       {kProgbits, kAlloc, {kUniformOffsetCopy, kUniformOffsetCopy}},
   });
-  CHECK(count_faulting_sm90_copies(image) == 2);
-  CHECK(count_faulting_sm90_copies(elf_image({{kProgbits, kAlloc | kExec, {kPlainCopy, 0}}})) ==
+  CHECK(count_faulting_hinted_copies(image) == 2);
+  CHECK(count_faulting_hinted_copies(elf_image({{kProgbits, kAlloc | kExec, {kPlainCopy, 0}}})) ==
         0);
-  CHECK(count_faulting_sm90_copies(elf_image({})) == 0);
+  CHECK(count_faulting_hinted_copies(elf_image({})) == 0);
 }
 
 TEST_CASE("cubin check: an image that is not a whole ELF64 is an error naming the problem",
           "[unit]") {
   const auto message_of = [](const std::string& image) -> std::string {
     try {
-      count_faulting_sm90_copies(image);
+      count_faulting_hinted_copies(image);
     } catch (const Error& error) {
       CHECK(error.code() == ErrorCode::kInternal);
       return error.what();
