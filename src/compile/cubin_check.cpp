@@ -18,14 +18,17 @@ T read(std::string_view image, std::size_t at) {
 }
 
 // ELF64 offsets and constants (the System V gABI).
+constexpr char kElfMagic[4] = {'\x7f', 'E', 'L', 'F'};
+constexpr char kClass64 = 2;       // EI_CLASS: ELFCLASS64
+constexpr char kLittleEndian = 1;  // EI_DATA: ELFDATA2LSB
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kShoff = 0x28;      // e_shoff: section table offset
 constexpr std::size_t kShentsize = 0x3A;  // e_shentsize
 constexpr std::size_t kShnum = 0x3C;      // e_shnum
 constexpr std::size_t kSectionBytes = 64;
 constexpr std::size_t kShType = 4, kShFlags = 8, kShOffset = 24, kShSize = 32;
-constexpr uint32_t kProgbits = 1;        // SHT_PROGBITS
-constexpr uint64_t kExecInstr = 0x4;     // SHF_EXECINSTR
+constexpr uint32_t kProgbits = 1;     // SHT_PROGBITS
+constexpr uint64_t kExecInstr = 0x4;  // SHF_EXECINSTR
 constexpr std::size_t kInstructionBytes = 16;
 // The low 12 bits of an instruction's first 64-bit word are its opcode; 0xdae is LDGSTS with a
 // uniform-register shared-memory offset.
@@ -35,8 +38,8 @@ constexpr uint64_t kFaultingLdgsts = 0xdae;
 }  // namespace
 
 int count_faulting_hinted_copies(std::string_view cubin) {
-  MOEJIT_CHECK(cubin.size() >= kHeaderBytes && std::memcmp(cubin.data(), "\x7f" "ELF", 4) == 0 &&
-                   cubin[4] == 2 && cubin[5] == 1,
+  MOEJIT_CHECK(cubin.size() >= kHeaderBytes && std::memcmp(cubin.data(), kElfMagic, 4) == 0 &&
+                   cubin[4] == kClass64 && cubin[5] == kLittleEndian,
                ErrorCode::kInternal,
                "cubin check: not a little-endian ELF64 image (" << cubin.size() << " bytes)");
   const uint64_t table = read<uint64_t>(cubin, kShoff);
@@ -57,12 +60,12 @@ int count_faulting_hinted_copies(std::string_view cubin) {
     }
     const uint64_t offset = read<uint64_t>(cubin, header + kShOffset);
     const uint64_t size = read<uint64_t>(cubin, header + kShSize);
-    MOEJIT_CHECK(offset <= cubin.size() && size <= cubin.size() - offset &&
-                     size % kInstructionBytes == 0,
-                 ErrorCode::kInternal,
-                 "cubin check: executable section " << s << " (offset " << offset << ", " << size
-                                                    << " bytes) is not whole 16-byte "
-                                                       "instructions inside the image");
+    MOEJIT_CHECK(
+        offset <= cubin.size() && size <= cubin.size() - offset && size % kInstructionBytes == 0,
+        ErrorCode::kInternal,
+        "cubin check: executable section " << s << " (offset " << offset << ", " << size
+                                           << " bytes) is not whole 16-byte "
+                                              "instructions inside the image");
     for (uint64_t at = offset; at < offset + size; at += kInstructionBytes) {
       if ((read<uint64_t>(cubin, at) & kOpcodeMask) == kFaultingLdgsts) ++found;
     }

@@ -1,9 +1,11 @@
 // NVRTC: find the toolkit headers, fingerprint them, and compile one generated source to a cubin.
 #include "compile/nvrtc.hpp"
 
+#include <fcntl.h>
 #include <nvrtc.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -14,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -21,16 +24,12 @@
 #include <system_error>
 #include <utility>
 
-#include <fcntl.h>
-#include <nlohmann/json.hpp>
-#include <unistd.h>
-
 #include "codegen/embedded.hpp"
-#include "compile/cubin_check.hpp"
-#include "common/hash.hpp"
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/hash.hpp"
 #include "common/log.hpp"
+#include "compile/cubin_check.hpp"
 #include "moejit/error.hpp"
 
 // MOEJIT_NVRTC_CHECK(call): an NVRTC API call that must succeed (not a compile: compile() reads
@@ -594,8 +593,7 @@ namespace {
 
 // One NVRTC run of `src` with `options` (include directories included).
 CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
-                         const std::vector<std::string>& options,
-                         const std::string& failure_dir) {
+                         const std::vector<std::string>& options, const std::string& failure_dir) {
   // Why: std::string copies, so each header is NUL-terminated whatever the embedded table holds.
   std::vector<std::string> contents;
   std::vector<std::string> names;
@@ -662,9 +660,10 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const Toolk
   // hint ptxas has no cache-policy operand to encode, so the rebuilt kernel takes the plain form.
   const int faulting = count_faulting_hinted_copies(out.cubin);
   if (faulting > 0) {
-    log().warn("{} for {}: ptxas encoded {} cache-hinted cp.async as the LDGSTS form that faults "
-               "(its policy register is never written); compiling it again with {}",
-               kernel_label(src), arch.name(), faulting, kNoL2CacheHintOption);
+    log().warn(
+        "{} for {}: ptxas encoded {} cache-hinted cp.async as the LDGSTS form that faults "
+        "(its policy register is never written); compiling it again with {}",
+        kernel_label(src), arch.name(), faulting, kNoL2CacheHintOption);
     options.emplace_back(kNoL2CacheHintOption);
     out = run_nvrtc(src, arch, options, failure_dir);
     out.options = compile_options(arch);

@@ -8,11 +8,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "codegen/codegen.hpp"
 #include "compile/cubin_check.hpp"
@@ -225,8 +224,8 @@ TEST_CASE("a cubin with the faulting cp.async form is compiled again without the
           "[nvrtc]") {
   using moejit::detail::count_faulting_hinted_copies;
   // The library's copy (ptx.cuh), which MOEJIT_NO_L2_CACHE_HINT turns into a plain one.
-  const auto library = moejit::test::copy_ring_source("copy_ring_library.cu",
-                                                      moejit::test::kRingLibraryCopy);
+  const auto library =
+      moejit::test::copy_ring_source("copy_ring_library.cu", moejit::test::kRingLibraryCopy);
   const moejit::detail::CompiledKernel kernel =
       moejit::detail::compile(library, Arch::parse("sm_90a"), toolkit(), "");
   CHECK(count_faulting_hinted_copies(kernel.cubin) == 0);

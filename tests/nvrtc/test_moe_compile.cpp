@@ -188,7 +188,7 @@ struct Outcome {
   std::size_t cubin_size = 0;
   bool elf = false;
   double ms = 0;
-  int faulting_copies = -1;  // count_faulting_hinted_copies of the cubin compile() returned
+  int faulting_copies = -1;   // count_faulting_hinted_copies of the cubin compile() returned
   bool hint_dropped = false;  // compiled again with kNoL2CacheHintOption
 };
 

@@ -189,25 +189,28 @@ detail::GeneratedSource copy_ring_source(const std::string& file_name, const std
   detail::GeneratedSource src;
   src.file_name = file_name;
   src.name_expression = "&moejit_test::copy_ring";
-  src.source = "#include <moejit/kern/moe/ptx.cuh>\n"
-               "namespace moejit_test {\n"
-               "namespace kp = moejit::kern::moe::ptx;\n"
-               "__global__ void copy_ring(const unsigned char* src, unsigned* out, int slots) {\n"
-               "  extern __shared__ __align__(128) unsigned char smem[];\n"
-               "  const unsigned base = kp::smem_u32(smem);\n"
-               "  const unsigned long long pol = kp::policy_evict_first();\n"
-               "  for (int s = 0; s < slots; ++s) {\n"
-               "    const unsigned dst = base + (s % 4) * 4096 + threadIdx.x * 16;\n"
-               "    const unsigned char* from = src + s * 4096 + threadIdx.x * 16;\n"
-               "    " + copy + "\n"
-               "    kp::cp_async_commit();\n"
-               "  }\n"
-               "  kp::cp_async_wait<0>();\n"
-               "  __syncthreads();\n"
-               "  const unsigned* ring = reinterpret_cast<const unsigned*>(smem);\n"
-               "  for (int i = threadIdx.x; i < 4096; i += blockDim.x) out[i] = ring[i];\n"
-               "}\n"
-               "}  // namespace moejit_test\n";
+  src.source =
+      "#include <moejit/kern/moe/ptx.cuh>\n"
+      "namespace moejit_test {\n"
+      "namespace kp = moejit::kern::moe::ptx;\n"
+      "__global__ void copy_ring(const unsigned char* src, unsigned* out, int slots) {\n"
+      "  extern __shared__ __align__(128) unsigned char smem[];\n"
+      "  const unsigned base = kp::smem_u32(smem);\n"
+      "  const unsigned long long pol = kp::policy_evict_first();\n"
+      "  for (int s = 0; s < slots; ++s) {\n"
+      "    const unsigned dst = base + (s % 4) * 4096 + threadIdx.x * 16;\n"
+      "    const unsigned char* from = src + s * 4096 + threadIdx.x * 16;\n"
+      "    " +
+      copy +
+      "\n"
+      "    kp::cp_async_commit();\n"
+      "  }\n"
+      "  kp::cp_async_wait<0>();\n"
+      "  __syncthreads();\n"
+      "  const unsigned* ring = reinterpret_cast<const unsigned*>(smem);\n"
+      "  for (int i = threadIdx.x; i < 4096; i += blockDim.x) out[i] = ring[i];\n"
+      "}\n"
+      "}  // namespace moejit_test\n";
   return src;
 }
 

@@ -25,8 +25,8 @@ void put(std::string& image, std::size_t at, T value) {
 }
 
 struct Section {
-  uint32_t type;   // SHT_*
-  uint64_t flags;  // SHF_*
+  uint32_t type;                // SHT_*
+  uint64_t flags;               // SHF_*
   std::vector<uint64_t> words;  // 64-bit words of the section's contents
 };
 
@@ -34,10 +34,12 @@ struct Section {
 // (entry 0 the null section, as ELF has it).
 std::string elf_image(const std::vector<Section>& sections) {
   std::string image(64, '\0');
-  image.replace(0, 4, "\x7f" "ELF");
-  image[4] = 2;  // ELFCLASS64
-  image[5] = 1;  // ELFDATA2LSB
-  image[6] = 1;  // EV_CURRENT
+  image.replace(0, 4,
+                "\x7f"
+                "ELF");
+  image[4] = 2;                                       // ELFCLASS64
+  image[5] = 1;                                       // ELFDATA2LSB
+  image[6] = 1;                                       // EV_CURRENT
   std::vector<std::pair<uint64_t, uint64_t>> placed;  // offset, size
   for (const Section& s : sections) {
     placed.emplace_back(image.size(), s.words.size() * 8);
@@ -71,7 +73,8 @@ TEST_CASE("cubin check: counts the [R+UR] LDGSTS form in executable sections onl
   const std::string image = elf_image({
       // Code: two faulting copies (one predicated: the predicate bits lie above the opcode), a
       // plain copy, and a second word that happens to end in 0xdae (not an instruction start).
-      {kProgbits, kAlloc | kExec,
+      {kProgbits,
+       kAlloc | kExec,
        {kUniformOffsetCopy, 0, kPlainCopy, 0xdaeull, (kUniformOffsetCopy & ~0xf000ull) | 0x3000,
         0}},
       // Data that holds the same bits: not code, not counted.
