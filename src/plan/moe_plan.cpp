@@ -59,8 +59,13 @@ constexpr GemmTile kGemmTiles[] = {
     // the H200 (tools/PERF_LOG.md "two atoms a warp for 16-row blocks") against 64 rows, one atom
     // a warp (64, 16, 256, 3, 4, 1, 1, 4): gpt-oss-120b T = 256 668, 670 -> 590, 583 us;
     // deepseek-v4-flash-tp4 T = 384 343, 342 -> 315, 318; qwen3-30b-a3b T = 128 131, 133 -> 123,
-    // 123; kimi-k3.1-tp8 T = 384 760, 766 -> 711, 721.
-    {Bucket::kRows16, 512, 128, 16, 128, 4, 4, 1, 1, 4},
+    // 123; kimi-k3.1-tp8 T = 384 760, 766 -> 711, 721. Two stages, not four: this tile is bound
+    // by the dequant's issue rate, and four CTAs of one stage in flight each keep HBM as busy as
+    // three; measured (tools/PERF_LOG.md "two stages for the 16-row tile", layer us, 4 -> 2
+    // stages): qwen3-30b-a3b T = 96 108.3 -> 103.2, T = 128 113.9 -> 108.7; gpt-oss-120b T = 256
+    // 514.8 -> 503.0; deepseek-v4-flash-tp4 T = 384 282.6 -> 278.5; never slower (3 stages lay
+    // between; the 8-row tile's 4 -> 3 stages changed nothing).
+    {Bucket::kRows16, 512, 128, 16, 128, 2, 4, 1, 1, 4},
     // T ~ 1000: 32-token blocks, shorter K stages.
     {Bucket::kRows32, 1024, 64, 32, 128, 4, 4, 1, 1, 3},
     // T >= 4096: 128 x 64 tiles, eight warps along M. Why from T = 1025 (not near the geometric

@@ -339,7 +339,7 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
   // waves from the bucket's first T (deepseek and kimi), else the bucket's own tile, 128 rows
   // over 128-wide K tiles (qwen3-30b-a3b).
   const Tile n8{256, 8, 128, 3, 8, 1, 1, 3};
-  const Tile n16{128, 16, 128, 4, 4, 1, 1, 4};
+  const Tile n16{128, 16, 128, 2, 4, 1, 1, 4};
   const Tile n16_tall{256, 16, 128, 3, 4, 1, 1, 3};
   int short_shapes = 0;
   int mid_short_shapes = 0;
@@ -509,7 +509,7 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   const ModelShape& gpt = find_shape(shapes, "gpt-oss-120b");
   const Tile t1{32, 8, 256, 4, 2, 1, 2, 4};
   const Tile t96{64, 8, 256, 4, 4, 1, 1, 4};
-  const Tile t256{128, 16, 128, 4, 4, 1, 1, 4};  // two 16-row atoms a warp
+  const Tile t256{128, 16, 128, 2, 4, 1, 1, 4};  // two 16-row atoms a warp, two stages
   const Tile t1000{64, 32, 128, 4, 4, 1, 1, 3};
   const Tile t4096{128, 64, 128, 4, 8, 1, 1, 2};
   const std::vector<std::pair<int, Tile>> expected = {
