@@ -59,9 +59,9 @@ constexpr GemmTile kGemmTiles[] = {
     // the H200 (tools/PERF_LOG.md "two atoms a warp for 16-row blocks") against 64 rows, one atom
     // a warp (64, 16, 256, 3, 4, 1, 1, 4): gpt-oss-120b T = 256 668, 670 -> 590, 583 us;
     // deepseek-v4-flash-tp4 T = 384 343, 342 -> 315, 318; qwen3-30b-a3b T = 128 131, 133 -> 123,
-    // 123; kimi-k3.1-tp8 T = 384 760, 766 -> 711, 721. Two stages, not four: this tile is bound
-    // by the dequant's issue rate, and four CTAs of one stage in flight each keep HBM as busy as
-    // three; measured (tools/PERF_LOG.md "two stages for the 16-row tile", layer us, 4 -> 2
+    // 123; kimi-k3.1-tp8 T = 384 760, 766 -> 711, 721. Two stages, not four: each step down was
+    // faster (why is not measured; four CTAs with one stage ahead each still keep ~52 KB per SM
+    // in flight); measured (tools/PERF_LOG.md "two stages for the 16-row tile", layer us, 4 -> 2
     // stages): qwen3-30b-a3b T = 96 108.3 -> 103.2, T = 128 113.9 -> 108.7; gpt-oss-120b T = 256
     // 514.8 -> 503.0; deepseek-v4-flash-tp4 T = 384 282.6 -> 278.5; never slower (3 stages lay
     // between; the 8-row tile's 4 -> 3 stages changed nothing).
