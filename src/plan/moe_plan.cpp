@@ -897,7 +897,23 @@ const GemmTile& small_block_tile_for(const GemmTile& tile, const ModelShape& sha
   return tile;
 }
 
+// FC1 of 16-row blocks over 256-wide K tiles where H is a multiple of 256 (no atoms past K): the
+// bucket's tile with each stage twice as wide and the same two stages, four CTAs per SM (the most
+// that fit: 2 x ~25 KB each). Measured on the H200 (tools/PERF_LOG.md "FC1's 16-row tile over
+// 256-wide K stages", layer us, FC1 us): deepseek-v4-flash-tp4 T = 256 258.0 -> 253.6 (FC1 160.0
+// -> 153.3), T = 384 278.0 -> 273.2; qwen3-30b-a3b T = 96 102.8 -> 102.5 (63.5 -> 62.3). Why not
+// for FC2 (K = I <= 768 on those shapes: two or three such stages) and not where H is not a
+// multiple of 256: FC2 was 0.2-1.7 us slower, and gpt-oss-120b (H = 2880: 11.25 stages, the last
+// one mostly zero-filled atoms) 6 us slower per layer.
+constexpr GemmTile kFc1WideKTiles[] = {{Bucket::kRows16, 512, 128, 16, 256, 2, 4, 1, 1, 4}};
+constexpr const GemmTile& kFc1WideKTile = kFc1WideKTiles[0];
+static_assert(shares_route_blocks(kFc1WideKTiles),
+              "the wide-K FC1 tile serves a GemmTile bucket with its route block");
+
 const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
+  if (tile.bucket == kFc1WideKTile.bucket && shape.hidden % kFc1WideKTile.block_k == 0) {
+    return kFc1WideKTile;
+  }
   return small_block_tile_for(tile, shape, tokens, 2 * shape.intermediate);  // gate and up
 }
 

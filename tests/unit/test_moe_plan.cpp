@@ -366,6 +366,9 @@ TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 
           expected = Tile{64, 8, 256, 3, 4, 1, 1, 5};
         }
         CHECK(same_tile(tile_of(c.fc2), expected));
+      } else if (c.fc1.block_n == 16 && shape.hidden % 256 == 0) {
+        // FC1 alone takes 256-wide K stages there (the test case below); FC2 keeps the bucket's.
+        CHECK(same_tile(tile_of(c.fc2), n16));
       } else {
         CHECK(same_tile(tile_of(c.fc2), tile_of(c.fc1)));
       }
@@ -502,6 +505,37 @@ TEST_CASE("moe plan: the 8-row bucket's tiles by the waves their CTAs fill", "[p
   CHECK(fc1_changes >= 3);
   CHECK(fc2_changes >= 2);
   CHECK(fc2_tall_shapes.count("gpt-oss-120b") == 1);
+}
+
+TEST_CASE("moe plan: FC1 of 16-row blocks takes 256-wide K stages where H is a multiple of 256",
+          "[plan]") {
+  // The bucket's tile with each of its two stages twice as wide; where H is not a multiple of
+  // 256 (gpt-oss-120b, H = 2880) its last stage would be mostly zero-filled atoms, so FC1 keeps
+  // the bucket's 128-wide stages.
+  const Tile wide{128, 16, 256, 2, 4, 1, 1, 4};
+  const Tile bucket{128, 16, 128, 2, 4, 1, 1, 4};
+  std::set<std::string> wide_shapes;
+  std::set<std::string> bucket_shapes;
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    const bool multiple = shape.hidden % 256 == 0;
+    for (int tokens = 1; tokens <= std::min(shape.max_tokens, 1024); ++tokens) {
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
+      if (c.fc1.block_n != 16) continue;  // another bucket
+      INFO("T = " << tokens);
+      CHECK(same_tile(tile_of(c.fc1), multiple ? wide : bucket));
+      (multiple ? wide_shapes : bucket_shapes).insert(shape.name);
+      CHECK(c.fc2.block_k == 128);  // FC2 keeps the bucket's stages (or its short-K tile's)
+      for (const char* arch : {"sm_90a", "sm_100a", "sm_80"}) {
+        CHECK(moejit::supports(spec_of(Family::kMarlinMoe, c.fc1, arch)).empty());
+      }
+    }
+  }
+  // Both sides among the reference shapes.
+  CHECK(wide_shapes.count("qwen3-30b-a3b") == 1);
+  CHECK(wide_shapes.count("deepseek-v4-flash-tp4") == 1);
+  CHECK(wide_shapes.count("kimi-k3.1-tp8") == 1);
+  CHECK(bucket_shapes.count("gpt-oss-120b") == 1);
 }
 
 TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan]") {
