@@ -41,8 +41,8 @@ struct WgmmaTile {
   // bound).
   int min_rows_per_expert, below_rows_per_expert;
 
-  constexpr bool takes(long long rows, long long routed) const {
-    return rows >= min_rows_per_expert * routed &&
+  constexpr bool takes(long long rows, long long routed, int min_rows) const {
+    return rows >= min_rows * routed &&
            (below_rows_per_expert == 0 || rows < below_rows_per_expert * routed);
   }
 };
@@ -121,6 +121,22 @@ constexpr double kFc2ShortKMinWaves = 4.0;
 
 static_assert(shares_route_blocks(kFc2ShortKTiles),
               "every short-K FC2 tile must serve a GemmTile bucket with the same block_n");
+
+// FC1 of 16-row blocks over 256-wide K tiles where H is a multiple of 256 (no atoms past K): the
+// bucket's tile with each stage twice as wide and the same two stages, four CTAs per SM (the most
+// that fit: 2 x ~25 KB each). Measured on the H200 (tools/PERF_LOG.md "FC1's 16-row tile over
+// 256-wide K stages", layer us, FC1 us): deepseek-v4-flash-tp4 T = 256 258.0 -> 253.6 (FC1 160.0
+// -> 153.3), T = 384 278.0 -> 273.2; qwen3-30b-a3b T = 96 102.8 -> 102.5 (63.5 -> 62.3). Why not
+// for FC2 (K = I <= 768 on those shapes: two or three such stages) and not where H is not a
+// multiple of 256: FC2 was 0.2-1.7 us slower, and gpt-oss-120b (H = 2880: 11.25 stages, the last
+// one mostly zero-filled atoms) 6 us slower per layer.
+constexpr GemmTile kFc1WideKTiles[] = {{Bucket::kRows16, 512, 128, 16, 256, 2, 4, 1, 1, 4}};
+constexpr const GemmTile& kFc1WideKTile = kFc1WideKTiles[0];
+static_assert(shares_route_blocks(kFc1WideKTiles),
+              "the wide-K FC1 tile serves a GemmTile bucket with its route block");
+
+// Whether FC1 of the 16-row bucket takes kFc1WideKTile: H a multiple of its K stage.
+bool fc1_wide_k(const ModelShape& shape) { return shape.hidden % kFc1WideKTile.block_k == 0; }
 
 // Route: N = T * K ranks in one CTA (one launch) while N <= route_single_rows(threads); above it
 // the three-launch path with chunks of kRouteChunkRows, and kRouteLargeChunkRows once
@@ -297,12 +313,32 @@ MarlinMoeParams gemm_params(const GemmTile& tile, MoeGemmStage stage, const Mode
   return p;
 }
 
+// Where FC1 of the 16-row bucket runs kFc1WideKTile, the mma.sync tiles stay faster than the
+// warpgroup tile up to 14 rows per expert, not 12. Measured on the H200 (tools/PERF_LOG.md "FC1's
+// 16-row tile over 256-wide K stages", layer us, warpgroup from 12 against from 14):
+// qwen3-30b-a3b T = 192 (12 rows) 129.0 against 120.6; deepseek-v4-flash-tp4 T = 512 (12 rows)
+// 314.8 against 309.6; at 14 and 16 rows the warpgroup tile still wins (gpt-oss-120b T = 448
+// 581 against 628; qwen3-30b-a3b T = 256 139.2 against 150.6). gpt-oss-120b (128-wide FC1
+// stages) keeps 12: T = 384 567.6 against 575.5.
+constexpr int kWideKWgmmaMinRows = 14;
+
+// The least rows per routed expert at which `wg` replaces its bucket's tile on `shape`.
+int wgmma_min_rows(const WgmmaTile& wg, const ModelShape& shape) {
+  if (wg.bucket == kFc1WideKTile.bucket && fc1_wide_k(shape)) {
+    return std::max(wg.min_rows_per_expert, kWideKWgmmaMinRows);
+  }
+  return wg.min_rows_per_expert;
+}
+
 // The wgmma variant of `tile`'s bucket for T, or null where the bucket has none at T's rows per
 // expert.
 const WgmmaTile* wgmma_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
   for (const WgmmaTile& wg : kWgmmaTiles) {
-    if (wg.bucket == tile.bucket && wg.takes(rows, routed_experts(shape))) return &wg;
+    if (wg.bucket == tile.bucket &&
+        wg.takes(rows, routed_experts(shape), wgmma_min_rows(wg, shape))) {
+      return &wg;
+    }
   }
   return nullptr;
 }
@@ -897,23 +933,8 @@ const GemmTile& small_block_tile_for(const GemmTile& tile, const ModelShape& sha
   return tile;
 }
 
-// FC1 of 16-row blocks over 256-wide K tiles where H is a multiple of 256 (no atoms past K): the
-// bucket's tile with each stage twice as wide and the same two stages, four CTAs per SM (the most
-// that fit: 2 x ~25 KB each). Measured on the H200 (tools/PERF_LOG.md "FC1's 16-row tile over
-// 256-wide K stages", layer us, FC1 us): deepseek-v4-flash-tp4 T = 256 258.0 -> 253.6 (FC1 160.0
-// -> 153.3), T = 384 278.0 -> 273.2; qwen3-30b-a3b T = 96 102.8 -> 102.5 (63.5 -> 62.3). Why not
-// for FC2 (K = I <= 768 on those shapes: two or three such stages) and not where H is not a
-// multiple of 256: FC2 was 0.2-1.7 us slower, and gpt-oss-120b (H = 2880: 11.25 stages, the last
-// one mostly zero-filled atoms) 6 us slower per layer.
-constexpr GemmTile kFc1WideKTiles[] = {{Bucket::kRows16, 512, 128, 16, 256, 2, 4, 1, 1, 4}};
-constexpr const GemmTile& kFc1WideKTile = kFc1WideKTiles[0];
-static_assert(shares_route_blocks(kFc1WideKTiles),
-              "the wide-K FC1 tile serves a GemmTile bucket with its route block");
-
 const GemmTile& fc1_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
-  if (tile.bucket == kFc1WideKTile.bucket && shape.hidden % kFc1WideKTile.block_k == 0) {
-    return kFc1WideKTile;
-  }
+  if (tile.bucket == kFc1WideKTile.bucket && fc1_wide_k(shape)) return kFc1WideKTile;
   return small_block_tile_for(tile, shape, tokens, 2 * shape.intermediate);  // gate and up
 }
 
@@ -1064,7 +1085,7 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   }
   // The last T below each warpgroup tile's rows-per-expert bounds.
   for (const WgmmaTile& wg : kWgmmaTiles) {
-    for (const int bound : {wg.min_rows_per_expert, wg.below_rows_per_expert}) {
+    for (const int bound : {wgmma_min_rows(wg, shape), wg.below_rows_per_expert}) {
       const long long need = static_cast<long long>(bound) * routed_experts(shape);
       if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
     }

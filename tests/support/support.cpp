@@ -143,7 +143,8 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
   MidBucketTiles out;
   for (int t = 3; t <= std::min(512, shape.max_tokens); ++t) {
     if (small_blocks_expected(shape, t)) continue;
-    (routed_rows(shape, t, 12) <= 0 ? out.wgmma : out.mma) = true;
+    const int wgmma_rows = shape.hidden % 256 == 0 ? 14 : 12;  // FC1's wide-K tile: 14
+    (routed_rows(shape, t, wgmma_rows) <= 0 ? out.wgmma : out.mma) = true;
   }
   return out;
 }

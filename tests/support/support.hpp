@@ -84,7 +84,8 @@ struct BucketTiles {
 BucketTiles fc1_bucket_tiles(const ModelShape& shape);
 BucketTiles fc2_bucket_tiles(const ModelShape& shape);
 // Which tiles the T of 16-row blocks (past the 8-row ones, up to 512 and max_tokens) use on
-// sm_90a: the mma.sync one below 12 rows per routed expert, the warpgroup one from 12.
+// sm_90a: the mma.sync one below 12 rows per routed expert (14 where H is a multiple of 256),
+// the warpgroup one from there.
 struct MidBucketTiles {
   bool mma = false;
   bool wgmma = false;
