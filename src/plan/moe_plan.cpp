@@ -125,11 +125,12 @@ static_assert(shares_route_blocks(kFc2ShortKTiles),
 // FC1 of 16-row blocks over 256-wide K tiles where H is a multiple of 256 (no atoms past K): the
 // bucket's tile with each stage twice as wide and the same two stages, four CTAs per SM (the most
 // that fit: 2 x ~25 KB each). Measured on the H200 (tools/PERF_LOG.md "FC1's 16-row tile over
-// 256-wide K stages", layer us, FC1 us): deepseek-v4-flash-tp4 T = 256 258.0 -> 253.6 (FC1 160.0
-// -> 153.3), T = 384 278.0 -> 273.2; qwen3-30b-a3b T = 96 102.8 -> 102.5 (63.5 -> 62.3). Why not
-// for FC2 (K = I <= 768 on those shapes: two or three such stages) and not where H is not a
-// multiple of 256: FC2 was 0.2-1.7 us slower, and gpt-oss-120b (H = 2880: 11.25 stages, the last
-// one mostly zero-filled atoms) 6 us slower per layer.
+// 256-wide K stages", layer us, two runs each): deepseek-v4-flash-tp4 T = 256 256.3, 258.0 ->
+// 252.6, 251.0; T = 384 276.9, 277.7 -> 272.2, 270.4; qwen3-30b-a3b T = 96 102.7, 103.1 -> 102.0,
+// 101.5; kimi-k3.1-tp8 T = 384 619.9, 619.1 -> 604.8, 604.3. Why not for FC2 (K = I <= 768 on
+// those shapes: two or three such stages) and not where H is not a multiple of 256: with both
+// GEMMs on it FC2 was 0.2-1.7 us slower, and gpt-oss-120b (H = 2880: 11.25 stages, the last one
+// mostly zero-filled atoms) 6 us slower per layer.
 constexpr GemmTile kFc1WideKTiles[] = {{Bucket::kRows16, 512, 128, 16, 256, 2, 4, 1, 1, 4}};
 constexpr const GemmTile& kFc1WideKTile = kFc1WideKTiles[0];
 static_assert(shares_route_blocks(kFc1WideKTiles),
@@ -199,17 +200,18 @@ constexpr int kRepackThreads = 256;
 //   (qwen3-30b-a3b T = 1024 276 against 268 us for N = 128; gpt-oss-120b T = 2048 1213 against
 //   1166) and 72 (qwen3 T = 1152 312 against 283; gpt-oss T = 2304 1396 against 1248); the
 //   earlier one won at 48 rows (qwen3-30b-a3b T = 768: 227 against 242 us); 56 lies between.
-// - 16-row blocks (T <= 512): N = 64 where experts average 12 rows or more. Against the mma.sync
-//   tile of two atoms a warp (`--gap-ms 5`, us): ties at 12 rows (gpt-oss-120b T = 384 567.7
-//   against 579.0; deepseek-v4-flash-tp4 T = 512 323.0 against 328.2; qwen3-30b-a3b T = 192
-//   131.4 against 129.4), loses at 10 (qwen3 T = 160 129.0 against 119.8; gpt-oss T = 320 556.8
-//   against 544.3; deepseek T = 427 315.3 against 299.8) and 8 (gpt-oss T = 256 547 against 506;
-//   kimi-k3.1-tp8 T = 448 758 against 674). The earlier tile won from 14 (qwen3-30b-a3b T = 256,
-//   16 rows: 164 against 183 us for the N = 128 tile).
+// - 16-row blocks (T <= 512): N = 64 where experts average 12 rows or more (14 where FC1 takes
+//   the wide-K tile: wgmma_min_rows). Against the four-stage mma.sync tile of two atoms a warp
+//   (`--gap-ms 5`, us): ties at 12 rows (gpt-oss-120b T = 384 567.7 against 579.0;
+//   deepseek-v4-flash-tp4 T = 512 323.0 against 328.2; qwen3-30b-a3b T = 192 131.4 against 129.4),
+//   loses at 10 (qwen3 T = 160 129.0 against 119.8; gpt-oss T = 320 556.8 against 544.3; deepseek T
+//   = 427 315.3 against 299.8) and 8 (gpt-oss T = 256 547 against 506; kimi-k3.1-tp8 T = 448 758
+//   against 674). The earlier tile won from 14 (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us
+//   for the N = 128 tile).
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 5 rows (tile_for).
 constexpr WgmmaTile kWgmmaTiles[] = {
-    {Bucket::kRows16, 64, 16, 1, 2, 4, 4, 12, 0},   // from 12 rows per expert
+    {Bucket::kRows16, 64, 16, 1, 2, 4, 4, 12, 0},   // from 12 rows per expert (wgmma_min_rows)
     {Bucket::kRows32, 64, 32, 1, 2, 4, 4, 0, 56},   // below 56 rows
     {Bucket::kRows32, 128, 32, 2, 1, 4, 2, 56, 0},  // from 56
     {Bucket::kRows64, 64, 64, 1, 2, 4, 4, 0, 56},   // below 56

@@ -130,8 +130,8 @@ struct MoeForwardConfig {
   bool wgmma = false;
   // FC2 takes its short-K tile (I <= 768, moe_plan.cpp's kFc2ShortKTiles), and keeps it where FC1
   // runs the warpgroup tile: on the H200 (tools/PERF_LOG.md "FC2's short-K tile against the
-  // warpgroup tile") deepseek-v4-flash-tp4 T = 512 (12 rows per expert), FC2 109.7 against
-  // 115.9 us, layer 314.4 against 323.5.
+  // warpgroup tile") deepseek-v4-flash-tp4 T = 512 (12 rows per expert, when the warpgroup tile
+  // took it), FC2 109.7 against 115.9 us, layer 314.4 against 323.5.
   bool fc2_short_k = false;
   MarlinMoeParams fc1_wgmma;
   MarlinMoeParams fc2_wgmma;

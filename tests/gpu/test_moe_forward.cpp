@@ -306,8 +306,9 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
 // where its CTAs fill four waves from the bucket's first T (moe_plan.cpp fc2_tile_for): the
 // full kimi and deepseek shapes only. Resized to 128 experts they still take it (first T of
 // 16-row blocks: 41 and 107, 4.5 and 5.1 waves), at T whose experts average 10 and 9.4 rows
-// (below the warpgroup tile's 12), so the CPU reference stays affordable; and deepseek at T =
-// 300 (14 rows), where on sm_90a FC1 runs the warpgroup tile and FC2 keeps this one.
+// (below the warpgroup tile's 14 for shapes whose FC1 takes the wide-K tile), so the CPU
+// reference stays affordable; and deepseek at T = 300 (14.06 rows), where on sm_90a FC1 runs the
+// warpgroup tile and FC2 keeps this one.
 TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp64 reference",
           "[gpu][moe]") {
   gpu();
@@ -333,14 +334,15 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
     INFO(label);
     const moejit::detail::MoeForwardSpecs specs =
         moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch);
-    // The tile this case is for, on every arch (the warpgroup tile starts at 12 rows, and
-    // takes FC1 only).
+    // The tile this case is for, on every arch (the warpgroup tile starts at 14 rows here, H
+    // being a multiple of 256, and takes FC1 only).
     CHECK(specs.fc2_params.block_m == 256);
     CHECK(specs.fc2_params.block_n == 16);
     CHECK(specs.fc2_params.warps_m == 4);
     CHECK(specs.fc2_params.wgmma_n == 0);
-    const bool rows12 = static_cast<long long>(tokens) * shape.top_k >= 12LL * shape.num_experts;
-    CHECK((specs.fc1_params.wgmma_n != 0) == (rows12 && moejit::detail::wgmma_runs_on(arch)));
+    REQUIRE(shape.hidden % 256 == 0);
+    const bool rows14 = static_cast<long long>(tokens) * shape.top_k >= 14LL * shape.num_experts;
+    CHECK((specs.fc1_params.wgmma_n != 0) == (rows14 && moejit::detail::wgmma_runs_on(arch)));
     const TestWeights weights = test_weights(shape, rng(), stream.get());
     const DeviceModel& model = *weights.model;
     const MoeWeightsF64& f64 = weights.f64;
