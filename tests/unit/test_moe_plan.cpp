@@ -533,6 +533,18 @@ TEST_CASE("moe plan: FC1 of 16-row blocks takes 256-wide K stages where H is a m
       }
     }
   }
+  // Where FC1 takes the wide tile the warpgroup tile starts at 14 rows per routed expert, not
+  // 12: qwen3-30b-a3b (128 experts, top-8) from T = 224, gpt-oss-120b (top-4) from T = 384.
+  const std::vector<ModelShape> shapes = reference_shapes();
+  for (const auto& [name, first] :
+       {std::pair{"qwen3-30b-a3b", 224}, std::pair{"gpt-oss-120b", 384}}) {
+    INFO(name);
+    const ModelShape& shape = find_shape(shapes, name);
+    CHECK_FALSE(detail::choose_moe_config(shape, first - 1).wgmma);
+    CHECK(detail::choose_moe_config(shape, first).wgmma);
+    const std::vector<int> ends = detail::moe_config_segment_ends(shape, shape.max_tokens);
+    CHECK(std::find(ends.begin(), ends.end(), first - 1) != ends.end());
+  }
   // Both sides among the reference shapes.
   CHECK(wide_shapes.count("qwen3-30b-a3b") == 1);
   CHECK(wide_shapes.count("deepseek-v4-flash-tp4") == 1);
