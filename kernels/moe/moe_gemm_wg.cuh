@@ -78,6 +78,15 @@ struct MoeGemmWgTraits {
   // set); the same tile with two sets at three CTAs per SM (164 registers) measured 5-8% slower
   // (tools/PERF_LOG.md "one warpgroup of two m64 tiles").
   static constexpr int kABuffers = kMinBlocksPerSm >= 3 ? 1 : 2;
+  // Register sets at wgmma width n <= kBlockN: also two where the narrower accumulators leave
+  // room for the second set within the full width's one-set budget (n / 2 + 2 x 16 <= kBlockN / 2
+  // + 16 fp32 and A registers per m64 tile: n <= kBlockN - 32), so at 16-32 rows per tile the
+  // dequant of tile kt + 1 overlaps the wgmmas of tile kt in the same warp. On the H200
+  // (tools/PERF_LOG.md "two A register sets at narrow widths"): qwen3-30b-a3b T = 256 139.7 ->
+  // 136.9 us, gpt-oss-120b T = 384 564.7 -> 554.8, kimi-k3.1-tp8 T = 1024 896.7 -> 877.4.
+  MOEJIT_HD static constexpr int a_buffers(int n) {
+    return kABuffers == 2 || n <= kBlockN - 32 ? 2 : 1;
+  }
   static constexpr int kAtomsM = kBlockM / layout::kAtomRows;
   static constexpr int kInputRowBytes = kBlockK * 2;  // one 128-byte swizzle row per token
   static constexpr int kStageInputBytes = kBlockN * kInputRowBytes;
@@ -276,11 +285,12 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     s_lane[i] = static_cast<u32>(T::kStageInputBytes + T::kStageWeightBytes +
                                  strip * layout::kAtomScaleBytes + g * 4);
   }
-  // The A fragments of a whole K tile (4 k16 steps), in kABuffers register sets: tile kt uses
-  // set kt % kABuffers (with two, tile kt + 1 is dequantized while the tensor core runs tile kt).
-  u32 a[T::kABuffers][T::kWgTilesM][4][4];
+  // The A fragments of a whole K tile (4 k16 steps), in kSets register sets: tile kt uses set
+  // kt % kSets (with two, tile kt + 1 is dequantized while the tensor core runs tile kt).
+  constexpr int kSets = T::a_buffers(kN);
+  u32 a[kSets][T::kWgTilesM][4][4];
   auto dequant_tile = [&](u32 stage, auto parity) {
-    constexpr int kBuf = decltype(parity)::kValue % T::kABuffers;
+    constexpr int kBuf = decltype(parity)::kValue % kSets;
 #pragma unroll
     for (i32 i = 0; i < T::kWgTilesM; ++i) {
       u32 w[4];
@@ -300,7 +310,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   // while they run.
   auto step = [&](i32 kt, auto parity) {
     constexpr int kParity = decltype(parity)::kValue;
-    constexpr int kBuf = kParity % T::kABuffers;
+    constexpr int kBuf = kParity % kSets;
     const u64 desc = wgmma::desc_sw128(stage_addr(kt));
     wgmma::fence();
 #pragma unroll
@@ -316,7 +326,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     // once at most this tile's group runs; with one, this tile's must be done too, as tile
     // kt + 1 overwrites its registers. The barrier makes that true for every warpgroup and
     // lands tile kt + 1.
-    wgmma::wait<T::kABuffers - 1>();
+    wgmma::wait<kSets - 1>();
     ptx::cp_async_wait<T::kStages - 3>();
     __syncthreads();
     const i32 next = kt + T::kStages - 1;
