@@ -276,6 +276,21 @@ int route_threads(int num_experts) {
   return 32;
 }
 
+// The route's threads for N = T * K entries: at most kRouteSmallThreads while N <=
+// kRouteSingleRows, else the most that fit (route_threads). Why: the one-CTA route's scans and
+// barriers span all its warps, so up to 1024 entries (one launch either way) 512 threads finish
+// sooner; from 1025 entries one CTA of 1024 threads (two entries each) beats the three launches 512
+// would take. Layer us on the H200 (tools/PERF_LOG.md "the route with 512 threads up to 1024
+// entries", two runs each, 1024 -> 512 threads): qwen3-30b-a3b T = 1 14.8 -> 14.4, T = 48 92.9
+// -> 92.1, T = 96 102.3 -> 101.6; deepseek-v4-flash-tp4 T = 1 15.5 -> 15.1; gpt-oss-120b T = 1 31.4
+// -> 31.0; but qwen3 T = 256 (N = 2048, three launches at 512) 139.4 -> 140.5. 256 threads gained
+// less.
+constexpr int kRouteSmallThreads = 512;
+int route_threads_for(int num_experts, long long rows) {
+  const int most = route_threads(num_experts);
+  return rows <= kRouteSingleRows ? std::min(most, kRouteSmallThreads) : most;
+}
+
 // The largest N = T * K the one-CTA route takes with `threads` threads: kRouteSingleItems entries
 // a thread, and never below kRouteSingleRows.
 int route_single_rows(int threads) {
@@ -1002,7 +1017,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   }
 
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
-  const int threads = route_threads(shape.num_experts);
+  const int threads = route_threads_for(shape.num_experts, rows);
   c.route.num_experts = shape.num_experts;
   c.route.top_k = shape.top_k;
   c.route.block_m = tile.block_n;  // route block == the GEMM's token tile
@@ -1010,7 +1025,8 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.route_single = rows <= route_single_rows(threads);
   c.route.kernel = c.route_single ? RouteKernel::kSingle : RouteKernel::kRank;
   // Why the one-CTA kernel's C is its bound at every T: the one-launch path needs N <= C, and
-  // one kernel then serves all of the shape's one-launch T.
+  // one kernel per thread count then serves all of its one-launch T (512 threads up to 1024
+  // entries, 1024 threads above).
   if (c.route_single) {
     c.route.chunk_rows = route_single_rows(threads);
   } else if (rows <= kRouteLargeRows) {
@@ -1078,7 +1094,7 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   std::vector<int> ends;
   if (max_tokens < 1) return ends;
   const int k = std::max(shape.top_k, 1);
-  std::vector<long long> thresholds = {kCombineSmallTokens,
+  std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
                                        route_single_rows(route_threads(shape.num_experts)) / k,
                                        kRouteLargeRows / k};
   // The T buckets' ends; the 8-row blocks end by rows per expert (small_last below).

@@ -655,10 +655,16 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == smem);
   }
 
-  // gpt-oss: 1024 route threads (E = 128); one launch while T * K <= 2048 (two entries a
-  // thread), whose one kernel has C = 2048 at every T.
+  // gpt-oss (E = 128): one launch while T * K <= 2048 (two entries a thread of 1024), with 512
+  // threads and C = 1024 up to 1024 entries, 1024 threads and C = 2048 above.
   CHECK(detail::choose_moe_config(gpt, 1).route_single);
-  CHECK(detail::choose_moe_config(gpt, 1).route.chunk_rows == 2048);
+  CHECK(detail::choose_moe_config(gpt, 1).route.block_threads == 512);
+  CHECK(detail::choose_moe_config(gpt, 1).route.chunk_rows == 1024);
+  CHECK(detail::choose_moe_config(gpt, 256).route.block_threads == 512);
+  CHECK(detail::choose_moe_config(gpt, 256).route.chunk_rows == 1024);
+  CHECK(detail::choose_moe_config(gpt, 257).route_single);
+  CHECK(detail::choose_moe_config(gpt, 257).route.block_threads == 1024);
+  CHECK(detail::choose_moe_config(gpt, 257).route.chunk_rows == 2048);
   CHECK(detail::choose_moe_config(gpt, 512).route_single);
   CHECK(detail::choose_moe_config(gpt, 512).route.block_threads == 1024);
   CHECK(detail::choose_moe_config(gpt, 512).route.chunk_rows == 2048);
