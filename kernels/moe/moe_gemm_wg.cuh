@@ -82,7 +82,7 @@ struct MoeGemmWgTraits {
   // room for the second set within the full width's one-set budget (n / 2 + 2 x 16 <= kBlockN / 2
   // + 16 fp32 and A registers per m64 tile: n <= kBlockN - 32), so at 16-32 rows per tile the
   // dequant of tile kt + 1 overlaps the wgmmas of tile kt in the same warp. On the H200
-  // (tools/PERF_LOG.md "two A register sets at narrow widths"): qwen3-30b-a3b T = 256 139.7 ->
+  // (tools/PERF_LOG.md "Measured: the two branches' changes"): qwen3-30b-a3b T = 256 139.7 ->
   // 136.9 us, gpt-oss-120b T = 384 564.7 -> 554.8, kimi-k3.1-tp8 T = 1024 896.7 -> 877.4.
   MOEJIT_HD static constexpr int a_buffers(int n) {
     return kABuffers == 2 || n <= kBlockN - 32 ? 2 : 1;

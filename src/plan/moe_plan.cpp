@@ -276,15 +276,16 @@ int route_threads(int num_experts) {
   return 32;
 }
 
-// The route's threads for N = T * K entries: at most kRouteSmallThreads while N <=
-// kRouteSingleRows, else the most that fit (route_threads). Why: the one-CTA route's scans and
-// barriers span all its warps, so up to 1024 entries (one launch either way) 512 threads finish
-// sooner; from 1025 entries one CTA of 1024 threads (two entries each) beats the three launches 512
-// would take. Layer us on the H200 (tools/PERF_LOG.md "the route with 512 threads up to 1024
-// entries", two runs each, 1024 -> 512 threads): qwen3-30b-a3b T = 1 14.8 -> 14.4, T = 48 92.9
-// -> 92.1, T = 96 102.3 -> 101.6; deepseek-v4-flash-tp4 T = 1 15.5 -> 15.1; gpt-oss-120b T = 1 31.4
-// -> 31.0; but qwen3 T = 256 (N = 2048, three launches at 512) 139.4 -> 140.5. 256 threads gained
-// less.
+// The route's threads for N = T * K entries: at most kRouteSmallThreads while
+// N <= kRouteSingleRows, else the most that fit (route_threads). Why: the one-CTA route's scans
+// and barriers span all its warps, so up to 1024 entries (one launch either way) 512 threads
+// finish sooner; from 1025 entries one CTA of 1024 threads (two entries each) beats the three
+// launches 512 would take. Layer us on the H200, two runs each, 1024 -> 512 threads
+// (tools/PERF_LOG.md "Measured: the two branches' changes, the route's threads"):
+// - qwen3-30b-a3b T = 1 14.8 -> 14.4, T = 48 92.9 -> 92.1, T = 96 102.3 -> 101.6;
+// - deepseek-v4-flash-tp4 T = 1 15.5 -> 15.1; gpt-oss-120b T = 1 31.4 -> 31.0;
+// - but qwen3 T = 256 (N = 2048, three launches at 512) 139.4 -> 140.5.
+// 256 threads gained less.
 constexpr int kRouteSmallThreads = 512;
 int route_threads_for(int num_experts, long long rows) {
   const int most = route_threads(num_experts);
