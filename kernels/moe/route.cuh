@@ -36,8 +36,10 @@
 // 4096: 16.4 us against 26.7 us for one CTA). Those figures predate warp::peers, which replaced
 // MATCH.ANY in the rank loop and made both paths 0.2-1.1 us faster; re-measured with it, one CTA
 // at three or four entries a thread still ties or loses (8-11.4 us against about 7). For very
-// large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us). The planner picks C
-// (src/plan/moe_plan.cpp, route_single_rows).
+// large N, C = 4096 keeps the scan's columns short (kimi T = 16384: 32 us). Up to N = 1024 the
+// one-CTA kernel runs 512 threads (its scans and barriers span fewer warps: -0.4 to -0.8 us a
+// layer). The planner picks C and the threads (src/plan/moe_plan.cpp, route_single_rows and
+// route_threads_for).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
