@@ -22,9 +22,9 @@
 //   done), passes the CTA barrier (tile kt + 1 landed, tile kt - 1's stage free for the next
 //   copy), then dequantizes tile kt + 1 (one 16-byte load and one scale word per lane and m64
 //   tile, mxfp4::dequant_step) into the other register set while the tensor core works.
-//   At three CTAs per SM or more there is one register set: the warpgroup waits for tile kt's
-//   wgmmas before the barrier and dequantizes tile kt + 1 into the same registers, while the
-//   other CTAs' warps keep the SM busy (kABuffers).
+//   At three CTAs per SM or more there is one register set at widths above kBlockN - 32: the
+//   warpgroup waits for tile kt's wgmmas before the barrier and dequantizes tile kt + 1 into the
+//   same registers, while the other CTAs' warps keep the SM busy (kABuffers, a_buffers).
 // - Route blocks: the route runs with blocks of kRouteBlock rows (kBlockN / kRouteBlock = 1,
 //   2, 4, 8 or 16 of them per tile) and a CTA takes up to that many consecutive blocks of one
 //   expert, starting at the expert's first block or a multiple of that many after it. Its

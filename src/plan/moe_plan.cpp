@@ -180,15 +180,15 @@ constexpr int kRepackThreads = 256;
 // over up to wgmma_n / block_n route blocks of one expert (a CTA runs at the narrowest quarter of
 // wgmma_n that holds its real rows).
 // - N = 128: two warpgroups of one m64 tile, two CTAs per SM. N = 64: one warpgroup of two m64
-//   tiles, four CTAs per SM, one A register set (moe_gemm_wg.cuh kABuffers; 128 registers, no
-//   spills). Why one warpgroup of two tiles for N = 64: the tile is issue-bound (SASS: 127
-//   instructions per warp and 544-byte atom with two warpgroups of one tile, 0.233 per weight
-//   byte against the 0.249 the H200 can issue per byte at the copy bandwidth), and a warp that
-//   owns two strips pays the K stage's barrier, wgmma wait and loop once for both. Against two
-//   warpgroups of one tile at three CTAs per SM (`--gap-ms 5`, us): qwen3-30b-a3b T = 256 152.3
-//   -> 140.0, T = 512 183.7 -> 176.3; gpt-oss-120b T = 512 677 -> 605, T = 1024 794 -> 734;
-//   deepseek-v4-flash-tp4 T = 1024 409 -> 375, T = 2048 517 -> 505; kimi-k3.1-tp8 T = 1024 982
-//   -> 887, T = 2048 1221 -> 1136.
+//   tiles, four CTAs per SM, one A register set at widths 48-64 and two at 16-32
+//   (moe_gemm_wg.cuh a_buffers; 128 registers, no spills). Why one warpgroup of two tiles for N =
+//   64: the tile is issue-bound (SASS: 127 instructions per warp and 544-byte atom with two
+//   warpgroups of one tile, 0.233 per weight byte against the 0.249 the H200 can issue per byte at
+//   the copy bandwidth), and a warp that owns two strips pays the K stage's barrier, wgmma wait and
+//   loop once for both. Against two warpgroups of one tile at three CTAs per SM (`--gap-ms 5`, us):
+//   qwen3-30b-a3b T = 256 152.3 -> 140.0, T = 512 183.7 -> 176.3; gpt-oss-120b T = 512 677 -> 605,
+//   T = 1024 794 -> 734; deepseek-v4-flash-tp4 T = 1024 409 -> 375, T = 2048 517 -> 505;
+//   kimi-k3.1-tp8 T = 1024 982 -> 887, T = 2048 1221 -> 1136.
 // - T > 1024 (64-row blocks): N = 128: gpt-oss-120b T = 4096 FC1 + FC2 2.13 ms against 3.58 ms
 //   for the mma.sync tile; N = 64 below 56 rows per expert (with the earlier two-warpgroup N = 64
 //   tile: kimi-k3.1-tp8 T = 1536, 27 rows: 1185 against 1313 us; T = 2048: 1394 against 1536;
