@@ -104,9 +104,6 @@ struct MarlinMoeParams {
   int warps_k = 0;            // warps splitting each stage's K (summed in a fixed order)
   int min_blocks_per_sm = 1;  // occupancy target of __launch_bounds__
   bool early_weights = false; // weight prologue before the PDL wait (FC2 only)
-  // Each CTA routes its block from topk_ids (kernels/moe/self_route.cuh) instead of reading
-  // route's arrays, so the layer needs no route launch; FC2 then writes combine's slot rows.
-  bool self_route = false;
   bool has_bias = false;      // FC1 bias [E, 2I] (gate, up pairs), FC2 bias [E, H]
   Activation activation;      // FC1: the gated activation; FC2: none (left default)
   DType out_dtype = DType::kBF16;  // FC1: bf16; FC2: f32 or bf16 (the FC2 rows combine sums)
@@ -121,7 +118,6 @@ struct MarlinMoeParams {
            a.block_k == b.block_k && a.stages == b.stages && a.warps_m == b.warps_m &&
            a.warps_n == b.warps_n && a.warps_k == b.warps_k &&
            a.min_blocks_per_sm == b.min_blocks_per_sm && a.early_weights == b.early_weights &&
-           a.self_route == b.self_route &&
            a.has_bias == b.has_bias && a.activation.kind == b.activation.kind &&
            a.activation.limit == b.activation.limit && a.activation.alpha == b.activation.alpha &&
            a.activation.beta == b.activation.beta &&

@@ -35,7 +35,6 @@
 #include <moejit/kern/moe/mxfp4.cuh>
 #include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/ptx.cuh>
-#include <moejit/kern/moe/self_route.cuh>
 
 namespace moejit::kern::moe {
 
@@ -130,8 +129,7 @@ struct Fc2Epilogue {
 };
 
 template <int kBlockM_, int kBlockN_, int kBlockK_, int kStages_, int kWarpsM_, int kWarpsN_,
-          int kWarpsK_, int kMinBlocksPerSm_, bool kEarlyWeights_, bool kSelfRoute_,
-          class Epilogue_>
+          int kWarpsK_, int kMinBlocksPerSm_, bool kEarlyWeights_, class Epilogue_>
 struct MoeGemmTraits {
   static constexpr int kBlockM = kBlockM_;  // weight rows per CTA (FC1: 8 gate/up pairs per 16)
   static constexpr int kBlockN = kBlockN_;  // padded token rows per CTA = route block size
@@ -142,8 +140,6 @@ struct MoeGemmTraits {
   static constexpr int kWarpsK = kWarpsK_;  // warps splitting each stage's K (fixed-order sum)
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
   static constexpr bool kEarlyWeights = kEarlyWeights_;     // weight prologue before PDL wait
-  // Route block from topk_ids in the CTA (self_route.cuh), not from route's arrays.
-  static constexpr bool kSelfRoute = kSelfRoute_;
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
 
   static constexpr int kWarps = kWarpsM * kWarpsN * kWarpsK;
@@ -251,7 +247,7 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    moe_gemm(const MoeGemmParams p, const GemmRouteArgs route) {
+    moe_gemm(const MoeGemmParams p) {
   using T = Traits;
   using Epi = typename Traits::Epilogue;
   extern __shared__ __align__(128) u8 smem[];
@@ -272,20 +268,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }
-  // The block's expert and rows: from route's arrays (rows stored after the weight prologue), or
-  // routed here (rows already in s_ids / s_rows; the ring is its scratch until then).
-  i32 expert;
+  const i32 expert = p.block_expert[block];
+  if (expert < 0) return;
   const i32 row0 = block * T::kBlockN;
   BlockRows<T::kBlockN, T::kThreads> rows;
-  if constexpr (T::kSelfRoute) {
-    expert = self_route<T::kThreads, T::kBlockN, T::kBlockN, Epi::kGatherTokens,
-                        !Epi::kGatherTokens>(route, p.top_k, block, smem, s_ids, s_rows)
-                 .expert;
-  } else {
-    expert = p.block_expert[block];
-    if (expert >= 0) rows.load(p, tid, row0, T::kBlockN);
-  }
-  if (expert < 0) return;
+  rows.load(p, tid, row0, T::kBlockN);
 
   const i32 k_tiles = ceil_div(p.k_atoms, T::kAtomsK);
   const layout::Dims dims{p.m_atoms, p.k_atoms};
@@ -404,7 +391,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s, s, Flag<true>{});
   }
-  if constexpr (!T::kSelfRoute) rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();

@@ -46,13 +46,12 @@
 #include <moejit/kern/moe/mxfp4.cuh>
 #include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/ptx.cuh>
-#include <moejit/kern/moe/self_route.cuh>
 #include <moejit/kern/moe/wgmma.cuh>
 
 namespace moejit::kern::moe {
 
 template <int kBlockN_, int kWarpGroups_, int kWgTilesM_, int kStages_, int kMinBlocksPerSm_,
-          int kRouteBlock_, bool kEarlyWeights_, bool kSelfRoute_, class Epilogue_>
+          int kRouteBlock_, bool kEarlyWeights_, class Epilogue_>
 struct MoeGemmWgTraits {
   static constexpr int kBlockN = kBlockN_;          // tokens per CTA tile = wgmma N
   static constexpr int kWarpGroups = kWarpGroups_;  // warpgroups, each with its own weight rows
@@ -62,8 +61,6 @@ struct MoeGemmWgTraits {
   // Rows per route block: a CTA takes up to kGroupBlocks consecutive blocks of one expert.
   static constexpr int kRouteBlock = kRouteBlock_;
   static constexpr bool kEarlyWeights = kEarlyWeights_;  // weight prologue before PDL wait
-  // Route blocks from topk_ids in the CTA (self_route.cuh), not from route's arrays.
-  static constexpr bool kSelfRoute = kSelfRoute_;
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
 
   static constexpr int kGroupBlocks = kBlockN / kRouteBlock;  // route blocks per CTA tile
@@ -106,10 +103,9 @@ struct MoeGemmWgTraits {
   static constexpr int kStagingRowBytes =
       kOutFeatures * static_cast<int>(sizeof(typename Epilogue::Out)) + 16;
   static constexpr int kStagingBytes = kBlockN * kStagingRowBytes;
-  // + token ids and input rows (FC2: then top-k weights), the CTA's expert (16 bytes), + 1024 to
-  // align the ring by hand.
+  // + token ids and input rows (FC2: then top-k weights), + 1024 to align the ring by hand.
   static constexpr int kSmemBytes =
-      (kRingBytes > kStagingBytes ? kRingBytes : kStagingBytes) + 2 * kBlockN * 4 + 16 + 1024;
+      (kRingBytes > kStagingBytes ? kRingBytes : kStagingBytes) + 2 * kBlockN * 4 + 1024;
 
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
                 "kBlockN must be 64, 128 or 256 (the wgmma shapes wgmma.cuh wraps)");
@@ -153,7 +149,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   const i32 g = lane >> 2;
 
   BlockRows<kN, T::kThreads> rows;  // to shared memory after the weight prologue
-  if constexpr (!T::kSelfRoute) rows.load(p, tid, row0, limit);  // else already there
+  rows.load(p, tid, row0, limit);
 
   const i32 k_tiles = p.k_atoms;
   const layout::Dims dims{p.m_atoms, p.k_atoms};
@@ -258,7 +254,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s);
   }
-  if constexpr (!T::kSelfRoute) rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
@@ -370,14 +366,9 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   __syncthreads();
   // Why re-read: with two m64 tiles a warpgroup (64 fp32 accumulators and 32 A registers a
   // thread) ptxas kept the strip index and the expert live through the main loop and spilled
-  // them; read again here (the CTA's expert waits in shared memory after s_rows) they are not.
+  // them; read again here (the CTA's expert is block_expert[blockIdx.x]) they are not.
   const i32 e_tid = ::moejit::kern::ptx::thread_index_reread();
-  i32 e_expert;
-  if constexpr (T::kSelfRoute) {
-    e_expert = s_rows[T::kBlockN];
-  } else {
-    e_expert = p.block_expert[::moejit::kern::ptx::block_index_reread()];
-  }
+  const i32 e_expert = p.block_expert[::moejit::kern::ptx::block_index_reread()];
   const i32 e_wg = e_tid >> 7;
   const i32 e_wq = (e_tid >> 5) & 3;
   const i32 e_g = (e_tid & 31) >> 2;
@@ -454,13 +445,13 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    moe_gemm_wg(const MoeGemmParams p, const GemmRouteArgs route) {
+    moe_gemm_wg(const MoeGemmParams p) {
   using T = Traits;
   extern __shared__ __align__(1024) u8 smem_raw[];
   const u32 raw_base = ptx::smem_u32(smem_raw);
   const u32 smem_base = (raw_base + 1023u) & ~1023u;
   u8* const smem = smem_raw + (smem_base - raw_base);
-  i32* s_ids = reinterpret_cast<i32*>(smem + (T::kSmemBytes - 1024 - 16 - 2 * T::kBlockN * 4));
+  i32* s_ids = reinterpret_cast<i32*>(smem + (T::kSmemBytes - 1024 - 2 * T::kBlockN * 4));
   i32* s_rows = s_ids + T::kBlockN;
 
   if constexpr (!T::kEarlyWeights) {
@@ -468,74 +459,56 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }
-  using Epi = typename T::Epilogue;
   const i32 block = static_cast<i32>(blockIdx.x);
   const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
   const i32 row0 = block * T::kRouteBlock;
+  const i32 lane = static_cast<i32>(threadIdx.x) & 31;
+  // Lane j < kGroupBlocks loads block j of the CTA's group, lane q < 4 the first row of
+  // quarter q of its kBlockN rows (where provisioned), beside the load of this block's expert.
   constexpr i32 kQuarter = T::kQuarter;
-  // One gemm_tile instance per wgmma width: the narrowest quarter count that holds the real rows.
-  auto tile = [&](i32 expert, i32 limit, i32 quarters) {
-    auto run = [&](auto n) {
-      wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, limit, m_atom0, smem,
-                                                    smem_base, s_ids, s_rows);
-    };
-    if (quarters == 4) {
-      run(wg_detail::Int<T::kBlockN>{});
-    } else if (quarters == 3) {
-      run(wg_detail::Int<3 * kQuarter>{});
-    } else if (quarters == 2) {
-      run(wg_detail::Int<2 * kQuarter>{});
-    } else {
-      run(wg_detail::Int<kQuarter>{});
-    }
-  };
-  if constexpr (T::kSelfRoute) {
-    // The CTA of each group's first block routes the group's rows straight into s_ids / s_rows
-    // (its real rows a prefix, as from route), every other CTA only its slot rows (FC2).
-    const SelfRouteBlock r =
-        self_route<T::kThreads, T::kRouteBlock, T::kBlockN, Epi::kGatherTokens,
-                   !Epi::kGatherTokens>(route, p.top_k, block, smem, s_ids, s_rows);
-    if (r.expert < 0 || r.before % T::kGroupBlocks != 0) return;
-    if (threadIdx.x == 0) s_rows[T::kBlockN] = r.expert;  // for the epilogue
-    const i32 limit =
-        (r.blocks_left < T::kGroupBlocks ? r.blocks_left : T::kGroupBlocks) * T::kRouteBlock;
-    const i32 real = r.rows_left < limit ? r.rows_left : limit;
-    tile(r.expert, limit, (real + kQuarter - 1) / kQuarter);
-  } else {
-    const i32 lane = static_cast<i32>(threadIdx.x) & 31;
-    // Lane j < kGroupBlocks loads block j of the CTA's group, lane q < 4 the first row of
-    // quarter q of its kBlockN rows (where provisioned), beside the load of this block's expert.
-    const i32 grid_blocks = static_cast<i32>(gridDim.x);
-    const i32 group_expert =
-        lane < T::kGroupBlocks && block + lane < grid_blocks ? p.block_expert[block + lane] : -1;
-    const bool probe = lane < 4 && block + lane * kQuarter / T::kRouteBlock < grid_blocks;
-    const i32 quarter_row = probe ? p.sorted_rows[row0 + lane * kQuarter] : -1;
-    const i32 expert = p.block_expert[block];
-    if (expert < 0) return;
-    if constexpr (T::kGroupBlocks > 1) {
-      // The expert's blocks are consecutive: count those just before this one, 32 per round
-      // (every warp computes the same answer). The CTA of the group's first block covers it.
-      i32 before = 0;
-      for (;;) {
-        const i32 q = block - 1 - before - lane;
-        const u32 same = __ballot_sync(~0u, q >= 0 && p.block_expert[q] == expert);
-        if (same != ~0u) {
-          before += __ffs(~same) - 1;
-          break;
-        }
-        before += 32;
+  const i32 grid_blocks = static_cast<i32>(gridDim.x);
+  const i32 group_expert =
+      lane < T::kGroupBlocks && block + lane < grid_blocks ? p.block_expert[block + lane] : -1;
+  const bool probe = lane < 4 && block + lane * kQuarter / T::kRouteBlock < grid_blocks;
+  const i32 quarter_row = probe ? p.sorted_rows[row0 + lane * kQuarter] : -1;
+  const i32 expert = p.block_expert[block];
+  if (expert < 0) return;
+  if constexpr (T::kGroupBlocks > 1) {
+    // The expert's blocks are consecutive: count those just before this one, 32 per round
+    // (every warp computes the same answer). The CTA of the group's first block covers it.
+    i32 before = 0;
+    for (;;) {
+      const i32 q = block - 1 - before - lane;
+      const u32 same = __ballot_sync(~0u, q >= 0 && p.block_expert[q] == expert);
+      if (same != ~0u) {
+        before += __ffs(~same) - 1;
+        break;
       }
-      if (before % T::kGroupBlocks != 0) return;
+      before += 32;
     }
-    // The group's blocks of this expert (a prefix: its blocks are consecutive) bound its rows; a
-    // quarter may reach past them into the next expert's first block when it spans several
-    // blocks.
-    const i32 limit = __popc(__ballot_sync(~0u, group_expert == expert)) * T::kRouteBlock;
-    // Real rows are a prefix of the CTA's rows (route pads only the end of an expert's last
-    // block), so the quarters holding one run at the narrowest wgmma N that covers them: an
-    // expert's last tile multiplies at most kBlockN / 4 - 1 padding rows.
-    const i32 quarters = __popc(__ballot_sync(~0u, lane * kQuarter < limit && quarter_row >= 0));
-    tile(expert, limit, quarters);
+    if (before % T::kGroupBlocks != 0) return;
+  }
+  // The group's blocks of this expert (a prefix: its blocks are consecutive) bound its rows; a
+  // quarter may reach past them into the next expert's first block when it spans several blocks.
+  const i32 limit =
+      __popc(__ballot_sync(~0u, group_expert == expert)) * T::kRouteBlock;
+  // Real rows are a prefix of the CTA's rows (route pads only the end of an expert's last
+  // block), so the quarters holding one run at the narrowest wgmma N that covers them: an
+  // expert's last tile multiplies at most kBlockN / 4 - 1 padding rows.
+  const i32 quarters =
+      __popc(__ballot_sync(~0u, lane * kQuarter < limit && quarter_row >= 0));
+  auto tile = [&](auto n) {
+    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, limit, m_atom0, smem,
+                                                  smem_base, s_ids, s_rows);
+  };
+  if (quarters == 4) {
+    tile(wg_detail::Int<T::kBlockN>{});
+  } else if (quarters == 3) {
+    tile(wg_detail::Int<3 * kQuarter>{});
+  } else if (quarters == 2) {
+    tile(wg_detail::Int<2 * kQuarter>{});
+  } else {
+    tile(wg_detail::Int<kQuarter>{});
   }
 }
 

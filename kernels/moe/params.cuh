@@ -34,24 +34,6 @@ struct RepackParams {
   i32* bad_scales;    // optional: += count of scale bytes outside [kScaleMin, kScaleMax]
 };
 
-// A grouped GEMM that routes itself (MarlinMoeParams::self_route, self_route.cuh): the ids and
-// sizes its CTAs route from; the GEMM kernels' second argument, read by self_route kernels only.
-// Why not a member of MoeGemmParams: 32 more bytes there made ptxas spill 8-12 bytes in the
-// 128-register warpgroup tiles, whether they route themselves or not.
-struct GemmRouteArgs {
-  const i32* topk_ids;  // [entries] global expert ids, int32 (-1 or another rank's: no row)
-  i32* slot_row;        // FC2: [entries] written for combine: each entry's padded row, or -1
-  i32 entries;          // N = T * top_k
-  i32 experts;          // local experts E
-  i32 expert_offset;    // global id of local expert 0
-};
-
-// Shared memory self_route.cuh needs for N entries over E experts (ints: the entries' local
-// experts, counts, block starts, a scan slot per warp), taken from the ring before its first copy.
-MOEJIT_HD constexpr long long self_route_scratch_bytes(long long entries, long long experts) {
-  return 4 * (entries + experts + (experts + 1) + 32);
-}
-
 // marlin_moe grouped GEMM, used twice: FC1 (W13 x hidden -> activation -> inter) and FC2
 // (W2 x inter -> + bias, * top-k weight -> out2). Rows come from route (route.cuh /
 // route_params.cuh) run with block size = the GEMM's kBlockN: sorted_rows holds token * top_k +
@@ -66,8 +48,7 @@ struct MoeGemmParams {
                               // FC2: inter [padded rows][ld_input]
   void* output;               // FC1: inter bf16 [padded rows][ld_output];
                               // FC2: out2 [padded rows][ld_output] fp32 or bf16
-  const i32* sorted_rows;     // [blocks * BlockN] token * top_k + slot, or -1 (not read by
-                              // self_route kernels, nor block_expert)
+  const i32* sorted_rows;     // [blocks * BlockN] token * top_k + slot, or -1
   const i32* block_expert;    // [grid.x] local expert of each block of BlockN rows, or -1
   const float* topk_weights;  // FC2: [T * top_k] router weight of (token, slot)
   i64 ld_input;               // elements between input rows (>= in_features, multiple of 8)

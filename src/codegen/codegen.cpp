@@ -187,14 +187,13 @@ FamilyText family_text(const MarlinMoeParams& p) {
     std::ostringstream name;
     name << kMoeNs << "moe_gemm_wg<" << kMoeNs << "MoeGemmWgTraits<" << p.wgmma_n << ", " << groups
          << ", " << p.block_m / (64 * groups) << ", " << p.stages << ", " << p.min_blocks_per_sm
-         << ", " << p.block_n << ", " << (p.early_weights ? "true" : "false") << ", "
-         << (p.self_route ? "true" : "false") << ", " << epilogue << ">>";
+         << ", " << p.block_n << ", "
+         << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
     std::ostringstream stem;
     stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_wgmma" << p.wgmma_n << "_m"
          << p.block_m << "_n" << p.block_n << "_s" << p.stages << "_g" << groups << "_o"
          << p.min_blocks_per_sm;
     if (p.early_weights) stem << "_early";
-    if (p.self_route) stem << "_self";
     if (fc1) stem << '_' << epilogue_stem;
     if (p.has_bias) stem << "_bias";
     stem << '_' << dtype_short_name(p.out_dtype);
@@ -204,14 +203,12 @@ FamilyText family_text(const MarlinMoeParams& p) {
   name << kMoeNs << "moe_gemm<" << kMoeNs << "MoeGemmTraits<" << p.block_m << ", " << p.block_n
        << ", " << p.block_k << ", " << p.stages << ", " << p.warps_m << ", " << p.warps_n << ", "
        << p.warps_k << ", " << p.min_blocks_per_sm << ", "
-       << (p.early_weights ? "true" : "false") << ", " << (p.self_route ? "true" : "false")
-       << ", " << epilogue << ">>";
+       << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
   std::ostringstream stem;
   stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_m" << p.block_m << "_n" << p.block_n
        << "_k" << p.block_k << "_s" << p.stages << "_w" << p.warps_m << 'x' << p.warps_n << 'x'
        << p.warps_k << "_o" << p.min_blocks_per_sm;
   if (p.early_weights) stem << "_early";
-  if (p.self_route) stem << "_self";
   if (fc1) stem << '_' << epilogue_stem;
   if (p.has_bias) stem << "_bias";
   stem << '_' << dtype_short_name(p.out_dtype);

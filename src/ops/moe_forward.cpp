@@ -304,7 +304,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     ids32 = narrow_out;
   }
 
-  // 2. route (none where the GEMMs route themselves: config.self_route).
+  // 2. route.
   kern::moe::RouteParams route;
   route.topk_ids = ids32;
   route.num_tokens = t;
@@ -357,25 +357,6 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.m_atoms = sizes.fc1_m_atoms;
   fc1.k_atoms = sizes.fc1_k_atoms;
   fc1.top_k = shape.top_k;
-  kern::moe::GemmRouteArgs self_route{};
-  if (config.self_route) {
-    // The kernels' scratch is their ring: the planner sized the choice so; checked once more
-    // here, since a short ring would corrupt the CTA's shared memory, not fail.
-    const long long scratch = kern::moe::self_route_scratch_bytes(rows, shape.num_experts);
-    for (const MarlinMoeParams* p : {&specs.fc1_params, &specs.fc2_params}) {
-      if (!p->self_route || detail::marlin_moe_ring_bytes(*p) < scratch) {
-        throw Error(ErrorCode::kInternal,
-                    std::string(kOp) + ": the planner's self-routing GEMM " +
-                        (p == &specs.fc1_params ? specs.fc1 : specs.fc2).display_name() +
-                        " has no room for its routing scratch (" + std::to_string(scratch) +
-                        " bytes) at T = " + std::to_string(t));
-      }
-    }
-    self_route.topk_ids = ids32;
-    self_route.entries = static_cast<int>(rows);
-    self_route.experts = shape.num_experts;
-    self_route.expert_offset = shape.expert_offset;
-  }
   const detail::GemmPrefetch prefetch =
       detail::fc1_prefetch(shape, config, specs.fc1_params, sizes, layout.max_blocks,
                            detail::multiprocessor_count(device.ordinal), device.arch);
@@ -383,7 +364,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.prefetch_m_tiles = prefetch.m_tiles;
   fc1.prefetch_k_atoms = prefetch.k_atoms;
   {
-    void* fc1_args[] = {&fc1, &self_route};
+    void* fc1_args[] = {&fc1};
     detail::LaunchShape geometry;
     geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
     geometry.grid_y = m_tiles(sizes.fc1_m_atoms, specs.fc1_params.block_m);
@@ -409,10 +390,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.m_atoms = sizes.fc2_m_atoms;
   fc2.k_atoms = sizes.fc2_k_atoms;
   fc2.top_k = shape.top_k;
-  kern::moe::GemmRouteArgs fc2_route = self_route;
-  if (config.self_route) fc2_route.slot_row = route.slot_row;  // combine's, written by FC2
   {
-    void* fc2_args[] = {&fc2, &fc2_route};
+    void* fc2_args[] = {&fc2};
     detail::LaunchShape geometry;
     geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
     geometry.grid_y = m_tiles(sizes.fc2_m_atoms, specs.fc2_params.block_m);

@@ -470,7 +470,6 @@ void add_params_json(nlohmann::ordered_json& out, const MarlinMoeParams& p) {
   out["warps_k"] = p.warps_k;
   out["min_blocks_per_sm"] = p.min_blocks_per_sm;
   out["early_weights"] = p.early_weights;
-  out["self_route"] = p.self_route;
   out["has_bias"] = p.has_bias;
   out["activation"] = activation_json(p.activation);
   out["out_dtype"] = detail::dtype_short_name(p.out_dtype);
@@ -517,7 +516,6 @@ void add_params_display(std::ostringstream& os, const MarlinMoeParams& p) {
      << p.block_k << ",s" << p.stages << ",w" << p.warps_m << 'x' << p.warps_n << 'x' << p.warps_k
      << ",o" << p.min_blocks_per_sm;
   if (p.early_weights) os << ",early";
-  if (p.self_route) os << ",self";
   if (p.stage == MoeGemmStage::kFc1) os << ',' << activation_text(p.activation);
   if (p.has_bias) os << ",bias";
   if (p.wgmma_n != 0) os << ",wgmma" << p.wgmma_n;
@@ -593,7 +591,6 @@ void hash_params(std::size_t& seed, const MarlinMoeParams& p) {
     combine(seed, std::hash<int>{}(v));
   }
   combine(seed, p.early_weights ? 1u : 0u);
-  combine(seed, p.self_route ? 1u : 0u);
   combine(seed, p.has_bias ? 1u : 0u);
   combine(seed, static_cast<std::size_t>(p.activation.kind));
   for (float v : {p.activation.limit, p.activation.alpha, p.activation.beta,

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
-#include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 #include <sstream>
 
@@ -623,11 +622,12 @@ std::optional<FloatRatio> float_ratio(float value) {
 
 int marlin_moe_threads(const MarlinMoeParams& p) { return 32 * p.warps_m * p.warps_n * p.warps_k; }
 
-long long marlin_moe_ring_bytes(const MarlinMoeParams& p) {
+long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
   if (p.wgmma_n != 0) {
-    // MoeGemmWgTraits: stages of (wgmma_n input rows of 128 bytes + the CTA's weight atoms and
-    // scales for 64 K), each rounded to 1024, or the staging tile if larger.
+    // MoeGemmWgTraits::kSmemBytes: stages of (wgmma_n input rows of 128 bytes + the CTA's weight
+    // atoms and scales for 64 K), each rounded to 1024, or the staging tile if larger; token
+    // ids and rows; 1024 for alignment.
     const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
     const long long stage_raw =
         static_cast<long long>(p.wgmma_n) * 128 +
@@ -642,7 +642,7 @@ long long marlin_moe_ring_bytes(const MarlinMoeParams& p) {
                                               : kern::moe::layout::kAtomRows) *
                                    out_bytes +
                                16);
-    return std::max(p.stages * stage, staging);
+    return std::max(p.stages * stage, staging) + 2LL * p.wgmma_n * 4 + 1024;
   }
   const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
   const long long atoms_k = p.block_k / kern::moe::layout::kAtomK;
@@ -656,15 +656,8 @@ long long marlin_moe_ring_bytes(const MarlinMoeParams& p) {
   const long long acc_regs = warp_atoms_m * warp_tiles_n * 4;
   const long long reduce =
       static_cast<long long>(p.warps_k - 1) * p.warps_m * p.warps_n * acc_regs * 32 * 4;
-  return std::max(static_cast<long long>(p.stages) * stage, reduce);
-}
-
-long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
-  if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
-  // MoeGemmWgTraits::kSmemBytes: the ring, token ids and rows, the CTA's expert (16 bytes), 1024
-  // to align the ring by hand. MoeGemmTraits::kSmemBytes: the ring, token ids and rows.
-  if (p.wgmma_n != 0) return marlin_moe_ring_bytes(p) + 2LL * p.wgmma_n * 4 + 16 + 1024;
-  return marlin_moe_ring_bytes(p) + 2LL * p.block_n * 4;
+  const long long pipe = std::max(static_cast<long long>(p.stages) * stage, reduce);
+  return pipe + 2LL * p.block_n * 4;
 }
 
 long long route_rank_shared_bytes(int num_experts, int block_threads) {
@@ -1043,18 +1036,6 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
     c.route.chunk_rows = std::min(kRouteLargeChunkRows, kRouteMaxItems * threads);
   }
 
-  // Why (tools/PERF_LOG.md "The GEMMs route themselves"): up to kSelfRouteMaxRows entries each
-  // CTA's routing costs less than the route launch and the chain behind it. Every variant's ring
-  // must hold the scratch of the most entries (so the choice changes only where tiles or that
-  // bound do: moe_config_segment_ends).
-  const long long scratch = kern::moe::self_route_scratch_bytes(kSelfRouteMaxRows, shape.num_experts);
-  MarlinMoeParams* const gemms[] = {&c.fc1, &c.fc2, &c.fc1_wgmma, &c.fc2_wgmma};
-  c.self_route = rows <= kSelfRouteMaxRows;
-  for (MarlinMoeParams* p : gemms) {
-    if (p->stages != 0 && marlin_moe_ring_bytes(*p) < scratch) c.self_route = false;
-  }
-  for (MarlinMoeParams* p : gemms) p->self_route = c.self_route && p->stages != 0;
-
   c.combine.hidden = shape.hidden;
   c.combine.top_k = shape.top_k;
   c.combine.in_dtype = c.fc2.out_dtype;
@@ -1076,7 +1057,7 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   if (s.has_narrow) s.narrow = make_spec(Family::kNarrowIds, arch, config.narrow);
   static constexpr RouteKernel kMulti[] = {RouteKernel::kRank, RouteKernel::kScan,
                                            RouteKernel::kScatter};
-  s.route_count = config.self_route ? 0 : config.route_single ? 1 : 3;
+  s.route_count = config.route_single ? 1 : 3;
   for (int i = 0; i < s.route_count; ++i) {
     MoeRouteParams part = config.route;
     part.kernel = config.route_single ? RouteKernel::kSingle : kMulti[i];
@@ -1115,7 +1096,6 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   if (max_tokens < 1) return ends;
   const int k = std::max(shape.top_k, 1);
   std::vector<long long> thresholds = {kCombineSmallTokens, kRouteSingleRows / k,
-                                       kSelfRouteMaxRows / k,
                                        route_single_rows(route_threads(shape.num_experts)) / k,
                                        kRouteLargeRows / k};
   // The T buckets' ends; the 8-row blocks end by rows per expert (small_last below).

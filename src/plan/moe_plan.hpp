@@ -28,14 +28,9 @@ struct FloatRatio {
 };
 std::optional<FloatRatio> float_ratio(float value);
 
-// moe_gemm.cuh's MoeGemmTraits: threads per CTA and dynamic shared memory (kSmemBytes); the
-// ring's bytes, which a self_route kernel uses as its routing scratch first (either main loop).
+// moe_gemm.cuh's MoeGemmTraits: threads per CTA and dynamic shared memory (kSmemBytes).
 int marlin_moe_threads(const MarlinMoeParams& p);
 long long marlin_moe_smem_bytes(const MarlinMoeParams& p);
-long long marlin_moe_ring_bytes(const MarlinMoeParams& p);
-// The most entries N = T * K for which the marlin GEMMs route themselves (MarlinMoeParams::
-// self_route: no route launch), where their rings hold the scratch (self_route_scratch_bytes).
-inline constexpr long long kSelfRouteMaxRows = 2048;
 // route.cuh's RouteTraits::kRankSharedBytes (static shared memory of the rank phase).
 long long route_rank_shared_bytes(int num_experts, int block_threads);
 inline constexpr long long kRouteStaticSharedLimit = 48 * 1024;
@@ -127,8 +122,6 @@ struct MoeForwardConfig {
   NarrowIdsParams narrow;
   bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
   MoeRouteParams route;      // kernel = kSingle, or kRank (scan and scatter share the rest)
-  // FC1 and FC2 route themselves (their params' self_route, every variant): no route launch.
-  bool self_route = false;
   MarlinMoeParams fc1;  // the mma.sync main loop (any arch)
   MarlinMoeParams fc2;
   // The tile has an sm_90a warpgroup variant (same route block, so the same route and
@@ -167,7 +160,7 @@ struct MoeForwardSpecs {
   KernelSpec decode_second;
   bool has_narrow = false;
   KernelSpec narrow;
-  int route_count = 0;  // 0 (self_route), 1 (single) or 3 (rank, scan, scatter)
+  int route_count = 0;  // 1 (single) or 3 (rank, scan, scatter)
   KernelSpec route[3];
   MarlinMoeParams fc1_params;  // config.fc1, or config.fc1_wgmma where wgmma runs on `arch`
   MarlinMoeParams fc2_params;
