@@ -25,6 +25,20 @@ namespace moejit::test {
 
 inline const detail::DriverApi& cu() { return detail::driver(); }
 
+// A seed no earlier run used (random_device), so every run tests fresh inputs.
+inline uint64_t fresh_seed() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+// Declares `seed` (fresh_seed()) and `rng` (a std::mt19937_64 seeded with it) in the enclosing
+// scope, and names the seed in every failure message after it, so a failing case can be rerun
+// with the same inputs.
+#define MOEJIT_TEST_SEEDED_RNG(seed, rng)              \
+  const uint64_t seed = ::moejit::test::fresh_seed(); \
+  INFO("seed " << seed);                              \
+  std::mt19937_64 rng(seed)
+
 // Fails the test with the call, the CUresult name and text.
 #define MOEJIT_TEST_CU(call)                                                         \
   do {                                                                               \

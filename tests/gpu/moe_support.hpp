@@ -48,11 +48,6 @@ namespace layout = kern::moe::layout;
 
 // ---- small helpers ---------------------------------------------------------------------------
 
-inline uint64_t fresh_seed() {
-  std::random_device device;
-  return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
-
 // splitmix64's finalizer: a well-mixed 64-bit value of x.
 inline uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;

@@ -45,11 +45,6 @@ const int kTopKs[] = {2, 6, 8, 16};
 const int kShared[] = {1, 2};
 const DType kIdTypes[] = {DType::kI32, DType::kI64};
 
-uint64_t fresh_seed() {
-  std::random_device device;
-  return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
-
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -98,9 +93,7 @@ TEST_CASE("append_shared: every size, gate and dtype against the fp64 reference"
   gpu();
   prewarm_sweep();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   int cases = 0;
   for (int64_t tokens : {1, 3, 128, 4096}) {
     for (int k : kTopKs) {
@@ -146,9 +139,7 @@ TEST_CASE("append_shared: every size, gate and dtype against the fp64 reference"
 TEST_CASE("append_shared: the same input gives the same bits, eager and graph replay", "[gpu]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   AppendCase c;
   c.tokens = 1000;
   c.top_k = 8;
@@ -200,9 +191,7 @@ TEST_CASE("append_shared: the same input gives the same bits, eager and graph re
 TEST_CASE("append_shared: a cold kernel during capture is refused with kCaptureMiss", "[gpu]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   // K = 5, S = 3: built by no other test, and the binary's cache is private and fresh.
   AppendCase c;
   c.tokens = 64;
@@ -301,9 +290,7 @@ TEST_CASE("append_shared: prewarm with a current context, then capture without a
   }
 
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   AppendCase c;
   c.tokens = 16;
   c.top_k = 4;
@@ -336,9 +323,7 @@ TEST_CASE("append_shared: prewarm with a current context, then capture without a
 TEST_CASE("append_shared: T = 0 launches nothing and needs no data", "[gpu]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   AppendCase c;
   c.tokens = 0;
   c.top_k = 6;
@@ -355,9 +340,7 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
   const moejit::test::GpuEnv& env = gpu();
   (void)env;
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   AppendCase c;
   c.tokens = 4;
   c.top_k = 6;

@@ -252,9 +252,7 @@ bool decode_runs_here(CUstream stream) {
   ModelShape shape = reference_shape("qwen3-30b-a3b");
   shape.max_tokens = 256;
   const auto model = allocate_model(shape);
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const Tokens tk = decode_tokens(shape, 7, rng);
   ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, 7));
   const std::string message =
@@ -313,11 +311,9 @@ TEST_CASE("decode_moe: served reference shapes x T x block_n vs the fp64 referen
   std::vector<ModelShape> shapes;
   for (const DecodeCase& c : kCases) shapes.push_back(case_shape(c));
   build_decode_kernels(shapes, std::vector<int>(std::begin(kSweepTokens), std::end(kSweepTokens)));
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   std::printf("decode_moe sweep: seed %llu, reference on %u threads\n",
               static_cast<unsigned long long>(seed), worker_count());
-  std::mt19937_64 rng(seed);
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const DecodeCase& c = kCases[n];
     const ModelShape& shape = shapes[n];
@@ -431,9 +427,7 @@ TEST_CASE("decode_moe: EP halves (expert_offset 0 and E/2) sum to the whole laye
   // T = 2 also runs the two-launch pair (block_n 0 there: the planner's choice).
   const std::vector<int> token_counts = {2, 7, 256};
   build_decode_kernels({whole, half0, half1}, token_counts);
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const int sources = 32;
   const Checkpoint ck = source_checkpoint(whole, sources, rng());
   const std::vector<int> source = random_sources(experts, sources, rng);
@@ -509,9 +503,7 @@ TEST_CASE("decode_moe: gpt-oss shapes are refused with their rule and served by 
   ModelShape shape = reference_shape("gpt-oss-120b");
   shape.max_tokens = 256;
   prewarm_shapes({shape});
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const int sources = 8;
   const Checkpoint ck = source_checkpoint(shape, sources, rng());
   const std::vector<int> source = random_sources(shape.num_experts, sources, rng);
@@ -561,9 +553,7 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
   std::vector<ModelShape> shapes = {qwen, deepseek};
   for (ModelShape& s : shapes) s.max_tokens = 300;
   build_decode_kernels(shapes, {1, 2, 7, 48, 256});
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const std::vector<MoeForwardOptions> decode_paths = {forced_decode(0), forced_decode(8),
                                                        forced_decode(16), forced_decode(32)};
   for (const ModelShape& shape : shapes) {
@@ -708,9 +698,7 @@ TEST_CASE("decode_moe: T = 0 looks up no kernel; one not built during capture is
   shape.name = "decode-capture-miss";
   REQUIRE(moejit::moe_decode_problem(shape).empty());
   auto model = allocate_model(shape);  // never read: nothing launches
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   // One call under stream capture: the code of the error it threw (kInternal stands for none),
   // and its message.
   const auto captured = [&](ForwardIo& io, const MoeForwardOptions& options, std::string* message) {
@@ -797,9 +785,7 @@ TEST_CASE("decode_moe: the C ABI forward (moejit_moe_forward, _ex) equals the C+
   REQUIRE(moejit_moe_workspace_bytes(moe, 256, &capi_workspace) == MOEJIT_OK);
   CHECK(capi_workspace == moejit::moe_workspace_bytes(shape, 256));
 
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const int sources = 8;
   const Checkpoint ck = source_checkpoint(shape, sources, rng());
   const std::vector<int> source = random_sources(shape.num_experts, sources, rng);

@@ -130,11 +130,9 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   std::vector<ModelShape> shapes;
   for (const SweepShape& s : kSweep) shapes.push_back(sweep_shape(s));
   prewarm_shapes(shapes);
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   std::printf("moe_forward sweep: seed %llu, reference on %u threads\n",
               static_cast<unsigned long long>(seed), worker_count());
-  std::mt19937_64 rng(seed);
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const ModelShape& shape = shapes[n];
     const int real_experts = reference_shape(kSweep[n].name).num_experts;
@@ -242,10 +240,8 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
   std::vector<ModelShape> shapes;
   for (const Case& c : cases) shapes.push_back(c.shape);
   prewarm_shapes(shapes);
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   std::printf("moe_forward prefill: seed %llu\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
   const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
   const bool wgmma = moejit::detail::wgmma_runs_on(arch);
   // Experts whose last CTA runs at quarter q of N, for N = 64 and 128.
@@ -322,10 +318,8 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
   std::vector<ModelShape> shapes;
   for (const Case& c : cases) shapes.push_back(resized(reference_shape(c.name), 128, 0, 128, 512));
   prewarm_shapes(shapes);
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   std::printf("moe_forward short-K FC2: seed %llu\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
   const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const ModelShape& shape = shapes[n];
@@ -366,9 +360,7 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
 TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   for (const char* name : {"kimi-k3.1-tp4-ep2", "gpt-oss-20b"}) {
     const ModelShape real = reference_shape(name);
     const int e = 32;
@@ -426,9 +418,7 @@ TEST_CASE("moe_forward: EP halves (offsets 0 and E/2) sum to the layer", "[gpu][
 TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   struct IdCase {
     const char* name;
     int experts;
@@ -490,9 +480,7 @@ TEST_CASE("moe_forward: ids of -1, other ranks and beyond int32 add nothing", "[
 TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
   prewarm_shapes({shape});
   const Checkpoint ck = make_checkpoint(shape, false, rng());
@@ -529,9 +517,7 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
 TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   // E = 5, k = 3: a route kernel no other test builds, in this binary's private, fresh cache
   // (H = 256: decode_moe refuses the shape, so the automatic path is marlin_moe).
   ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 5, 0, 5, 64);
@@ -568,9 +554,7 @@ TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][mo
 TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const ModelShape shape = resized(reference_shape("deepseek-v4-flash-tp4"), 32, 0, 32, 1000);
   prewarm_shapes({shape});
   const Checkpoint ck = make_checkpoint(shape, false, rng());
@@ -761,9 +745,7 @@ int64_t round_trip_mismatches(const DeviceModel& model, const Checkpoint& ck, in
 TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   struct RepackCase {
     const char* what;
     int experts, hidden, inter;
@@ -810,9 +792,7 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
 TEST_CASE("moe repack: scale bytes the kernels can't dequantize are counted", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   ModelShape shape = reference_shape("qwen3-30b-a3b");
   shape.name = "repack bad scales";
   shape.num_experts = 2;
@@ -890,9 +870,7 @@ std::vector<std::pair<std::string, std::vector<int32_t>>> route_id_cases(const M
 TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise", "[gpu][moe]") {
   gpu();
   TestStream stream;
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const char* names[] = {"gpt-oss-120b",
                          "gpt-oss-20b",
                          "kimi-k3.1-tp8",
