@@ -34,7 +34,7 @@ inline uint64_t fresh_seed() {
 // Declares `seed` (fresh_seed()) and `rng` (a std::mt19937_64 seeded with it) in the enclosing
 // scope, and names the seed in every failure message after it, so a failing case can be rerun
 // with the same inputs.
-#define MOEJIT_TEST_SEEDED_RNG(seed, rng)              \
+#define MOEJIT_TEST_SEEDED_RNG(seed, rng)             \
   const uint64_t seed = ::moejit::test::fresh_seed(); \
   INFO("seed " << seed);                              \
   std::mt19937_64 rng(seed)
