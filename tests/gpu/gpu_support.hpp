@@ -25,7 +25,7 @@ namespace moejit::test {
 
 inline const detail::DriverApi& cu() { return detail::driver(); }
 
-// A seed no earlier run used (random_device), so every run tests fresh inputs.
+// A seed drawn from random_device on every call, so each run tests fresh inputs.
 inline uint64_t fresh_seed() {
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) ^ device();
