@@ -39,6 +39,9 @@ struct RepackParams {
 // route_params.cuh) run with block size = the GEMM's kBlockN: sorted_rows holds token * top_k +
 // slot or -1 (padding), block_expert the local expert of each block and -1 for every
 // provisioned block past the last one used (those CTAs exit at once).
+// Why a new field needs a register check: 32 more bytes here made ptxas spill 8-12 bytes in the
+// 128-register warpgroup tiles (moe_gemm_wg.cuh), whether they read the fields or not
+// (tools/PERF_LOG.md "The GEMMs route themselves"); a second kernel argument did not.
 struct MoeGemmParams {
   const u8* weights;          // kernel layout nibbles of all local experts
   const u8* scales;           // kernel layout scales
