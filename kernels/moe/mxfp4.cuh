@@ -43,11 +43,23 @@ __device__ __forceinline__ u32 group_factors(u32 scale_word) {
 // faster in every MXFP4 tile (marlin_moe gpt-oss-120b T = 96 479 -> 458 us, deepseek-v4-flash-tp4
 // T = 6 46.9 -> 44.0; decode_moe kimi-k3.1-tp8 T = 24 239 -> 233) and the tall FC1 tile needs 80
 // registers instead of 91; moving the left shifts by 3 and 5 to SHF as well lost half of that.
-template <int kShift>
+// kFmaShifts: in the warpgroup tile ptxas put two of the four left shifts of a word on SHF anyway
+// (SASS: 6 LOP3 + 3 SHF on the ALU against 2 IMAD.SHL + 4 HMUL2 on the FMA pipe; ncu: 11% of its
+// warp samples throttled on a math pipe), so there each left shift is a multiply by a register
+// ptxas cannot fold into a shift: 2^s | (dynamic shared memory bytes >> 31), which is 2^s, as no
+// CTA has 2 GB of shared memory (the same bits as the shift). Measured on the H200
+// (tools/PERF_LOG.md "the warpgroup tile's left shifts on the FMA pipe"), layer us: kimi-k3.1-tp8
+// T = 1024 872.8 -> 843.9, gpt-oss-120b T = 512 594.2 -> 586.0, qwen3-30b-a3b T = 256 137.6 ->
+// 135.8.
+template <int kShift, bool kFmaShifts = false>
 __device__ __forceinline__ u32 shift(u32 w) {
   static_assert(kShift > -32 && kShift < 32, "shift out of range");
   if constexpr (kShift > 0) {
     return w >> kShift;
+  } else if constexpr (kShift < 0 && kFmaShifts) {
+    u32 smem_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    return w * ((smem_bytes >> 31) | (1u << -kShift));
   } else if constexpr (kShift < 0) {
     return w << -kShift;
   } else {
@@ -56,26 +68,27 @@ __device__ __forceinline__ u32 shift(u32 w) {
 }
 
 // Register `kPair` of a word, as a bf16x2 of value code * 2^-126.
-template <int kPair>
+template <int kPair, bool kFmaShifts = false>
 __device__ __forceinline__ u32 extract_pair(u32 w) {
   constexpr u32 kMag = 0x01C001C0u;
   constexpr u32 kSign = 0x80008000u;
   constexpr int kMagShift = layout::mag_shift(kPair);
   constexpr int kSignShift = layout::sign_shift(kPair);
   if constexpr (kMagShift == kSignShift) {
-    return shift<kMagShift>(w) & (kMag | kSign);
+    return shift<kMagShift, kFmaShifts>(w) & (kMag | kSign);
   } else {
-    return (shift<kMagShift>(w) & kMag) | (shift<kSignShift>(w) & kSign);
+    return (shift<kMagShift, kFmaShifts>(w) & kMag) | (shift<kSignShift, kFmaShifts>(w) & kSign);
   }
 }
 
 // The four A registers of one k16 step: a0, a2 hold row g (the low half of `factors`, from
-// group_factors), a1, a3 row g + 8 (the high half).
+// group_factors), a1, a3 row g + 8 (the high half). kFmaShifts: see shift.
+template <bool kFmaShifts = false>
 __device__ __forceinline__ void dequant_step(u32 w, u32 factors, u32 (&a)[4]) {
-  a[0] = ptx::mul_bf16x2_half<0>(extract_pair<0>(w), factors);
-  a[1] = ptx::mul_bf16x2_half<1>(extract_pair<1>(w), factors);
-  a[2] = ptx::mul_bf16x2_half<0>(extract_pair<2>(w), factors);
-  a[3] = ptx::mul_bf16x2_half<1>(extract_pair<3>(w), factors);
+  a[0] = ptx::mul_bf16x2_half<0>(extract_pair<0, kFmaShifts>(w), factors);
+  a[1] = ptx::mul_bf16x2_half<1>(extract_pair<1, kFmaShifts>(w), factors);
+  a[2] = ptx::mul_bf16x2_half<0>(extract_pair<2, kFmaShifts>(w), factors);
+  a[3] = ptx::mul_bf16x2_half<1>(extract_pair<3, kFmaShifts>(w), factors);
 }
 
 }  // namespace moejit::kern::moe::mxfp4
