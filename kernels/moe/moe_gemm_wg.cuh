@@ -297,8 +297,8 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
       ptx::lds128(stage + a_lane[i], w);
       const u32 sw = ptx::lds32(stage + s_lane[i]);
       const u32 f0 = mxfp4::group_factors<0>(sw), f1 = mxfp4::group_factors<1>(sw);
-      // Why <true>: the left shifts stay on the FMA pipe (mxfp4::shift; measured on the H200,
-      // tools/PERF_LOG.md "the warpgroup tile's left shifts on the FMA pipe": FC1 -1 to -6%).
+      // Why <true>: here ptxas moved left shifts to the ALU (mxfp4::shift says why and what it
+      // measured).
 #pragma unroll
       for (i32 s = 0; s < 4; ++s) {  // k16 steps; scale group s / 2
         mxfp4::dequant_step<true>(w[s], s < 2 ? f0 : f1, a[kBuf][i][s]);
