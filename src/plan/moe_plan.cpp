@@ -105,8 +105,8 @@ constexpr GemmTile kFc2ShortKTiles[] = {
     // deepseek-v4-flash-tp4 T = 96 242 against 250, qwen3-30b-a3b T = 24 84 against 87.
     {Bucket::kRows8, 0, 256, 8, 128, 3, 8, 1, 1, 3},
     // 16-row blocks: 256 rows over four warps of four atoms, three CTAs per SM, where the
-    // bucket's first T gives FC2 kFc2ShortKMinWaves waves of them (fc2_tile_for), else the
-    // bucket's tile (128 rows over 128-wide K tiles, two atoms a warp). Measured on the H200
+    // bucket's first T gives FC2 kFc2ShortKMinWaves waves of them (fc2_tile_for), else
+    // kFc2FewWavesTile (the bucket's tile at six CTAs per SM). Measured on the H200
     // (tools/PERF_LOG.md "one warpgroup of two m64 tiles", `--gap-ms 5`), layer us against the
     // bucket's tile: kimi-k3.1-tp8 T = 384 628.3 against 653.4, T = 512 676.2 against 702.2;
     // deepseek-v4-flash-tp4 T = 256 263.6 against 268.6, T = 384 283.1 against 288.9 (10 and
@@ -119,8 +119,23 @@ constexpr GemmTile kFc2ShortKTiles[] = {
 };
 constexpr double kFc2ShortKMinWaves = 4.0;
 
+// FC2 of 16-row blocks where K is short but the short-K tile above would fill fewer than
+// kFc2ShortKMinWaves waves (qwen3-30b-a3b): the bucket's tile at six CTAs per SM, which ptxas fits
+// in 80 registers without spills (92 at four, which gives five by registers; six take 157 KB of
+// shared memory). Its warps wait at the K stage's barrier for a quarter of their samples (ncu,
+// qwen3-30b-a3b T = 96); more stages did not help (3: +0.1 to +0.7%, 4: +1.7 to +2.6%), a sixth CTA
+// did a little. Measured on the H200 (tools/PERF_LOG.md "FC2's 16-row tile at six CTAs per SM"),
+// layer us over three id draws, five -> six CTAs: qwen3-30b-a3b T = 96 102.3, 101.6, 101.8 ->
+// 101.4, 101.3, 101.6; T = 128 106.1, 106.8, 106.2 -> 105.8, 106.3, 105.7; T = 160 111.0, 110.8,
+// 111.7 -> 110.5, 109.8, 111.1. gpt-oss-120b (K = 2880, 22.5 stages a CTA) did not gain (T = 192:
+// +0.1 to +0.9%), so the long-K FC2 keeps the bucket's tile.
+constexpr GemmTile kFc2FewWavesTiles[] = {{Bucket::kRows16, 512, 128, 16, 128, 2, 4, 1, 1, 6}};
+constexpr const GemmTile& kFc2FewWavesTile = kFc2FewWavesTiles[0];
+
 static_assert(shares_route_blocks(kFc2ShortKTiles),
               "every short-K FC2 tile must serve a GemmTile bucket with the same block_n");
+static_assert(shares_route_blocks(kFc2FewWavesTiles),
+              "the few-waves FC2 tile serves a GemmTile bucket with its route block");
 
 // FC1 of 16-row blocks over 256-wide K tiles where H is a multiple of 256 (no atoms past K): the
 // bucket's tile with each stage twice as wide and the same two stages, four CTAs per SM (the most
@@ -975,10 +990,15 @@ const GemmTile* fc2_short_k_for(const GemmTile& tile, const ModelShape& shape) {
   return nullptr;
 }
 
-// FC2's tile in `tile`'s bucket: `short_k` (fc2_short_k_for) where the shape's K calls for it.
+// FC2's tile in `tile`'s bucket: `short_k` (fc2_short_k_for) where the shape's K calls for it,
+// kFc2FewWavesTile where K is short but short_k's waves were too few.
 const GemmTile& fc2_tile_for(const GemmTile& tile, const GemmTile* short_k, const ModelShape& shape,
                              int tokens) {
-  return short_k != nullptr ? *short_k : small_block_tile_for(tile, shape, tokens, shape.hidden);
+  if (short_k != nullptr) return *short_k;
+  if (tile.bucket == kFc2FewWavesTile.bucket && fc2_short_k_tile(tile, shape) != nullptr) {
+    return kFc2FewWavesTile;
+  }
+  return small_block_tile_for(tile, shape, tokens, shape.hidden);
 }
 const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
   return fc2_tile_for(tile, fc2_short_k_for(tile, shape), shape, tokens);

@@ -304,17 +304,22 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
 // 16-row blocks: 41 and 107, 4.5 and 5.1 waves), at T whose experts average 10 and 9.4 rows
 // (below the warpgroup tile's 14 for shapes whose FC1 takes the wide-K tile), so the CPU
 // reference stays affordable; and deepseek at T = 300 (14.06 rows), where on sm_90a FC1 runs the
-// warpgroup tile and FC2 keeps this one.
-TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp64 reference",
+// warpgroup tile and FC2 keeps this one. qwen3-30b-a3b (2.6 waves of it) takes the bucket's
+// 128-row tile at six CTAs per SM instead: T = 96, 6 rows an expert.
+TEST_CASE("moe_forward: the short-K FC2 tiles of 16-row blocks vs the fp64 reference",
           "[gpu][moe]") {
   gpu();
   TestStream stream;
   struct Case {
     const char* name;
     int tokens;
+    int fc2_block_m;
+    int fc2_min_blocks_per_sm;
   };
-  const Case cases[] = {
-      {"kimi-k3.1-tp8", 80}, {"deepseek-v4-flash-tp4", 200}, {"deepseek-v4-flash-tp4", 300}};
+  const Case cases[] = {{"kimi-k3.1-tp8", 80, 256, 3},
+                        {"deepseek-v4-flash-tp4", 200, 256, 3},
+                        {"deepseek-v4-flash-tp4", 300, 256, 3},
+                        {"qwen3-30b-a3b", 96, 128, 6}};
   std::vector<ModelShape> shapes;
   for (const Case& c : cases) shapes.push_back(resized(reference_shape(c.name), 128, 0, 128, 512));
   prewarm_shapes(shapes);
@@ -330,7 +335,8 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
         moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch);
     // The tile this case is for, on every arch (the warpgroup tile starts at 14 rows here, H
     // being a multiple of 256, and takes FC1 only).
-    CHECK(specs.fc2_params.block_m == 256);
+    CHECK(specs.fc2_params.block_m == cases[n].fc2_block_m);
+    CHECK(specs.fc2_params.min_blocks_per_sm == cases[n].fc2_min_blocks_per_sm);
     CHECK(specs.fc2_params.block_n == 16);
     CHECK(specs.fc2_params.warps_m == 4);
     CHECK(specs.fc2_params.wgmma_n == 0);
@@ -349,8 +355,8 @@ TEST_CASE("moe_forward: the 256-row short-K FC2 tile of 16-row blocks vs the fp6
     const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
     bool repeat = false;
     const std::vector<uint16_t> out = three_runs(io, model, stream.get(), kMarlin, &repeat);
-    check_score(label + " [short-K FC2, 256 rows]", score(out, ref, which, shape.hidden),
-                which.size(), tokens);
+    check_score(label + " [short-K FC2, " + std::to_string(cases[n].fc2_block_m) + " rows]",
+                score(out, ref, which, shape.hidden), which.size(), tokens);
     INFO("3 runs bitwise identical, every element finite");
     CHECK(count_nonfinite(out) == 0);
     CHECK(repeat);
