@@ -129,7 +129,12 @@ constexpr double kFc2ShortKMinWaves = 4.0;
 // 101.4, 101.3, 101.6; T = 128 106.1, 106.8, 106.2 -> 105.8, 106.3, 105.7; T = 160 111.0, 110.8,
 // 111.7 -> 110.5, 109.8, 111.1. gpt-oss-120b (K = 2880, 22.5 stages a CTA) did not gain (T = 192:
 // +0.1 to +0.9%), so the long-K FC2 keeps the bucket's tile.
-constexpr GemmTile kFc2FewWavesTiles[] = {{Bucket::kRows16, 512, 128, 16, 128, 2, 4, 1, 1, 6}};
+constexpr GemmTile with_ctas_per_sm(GemmTile tile, int ctas) {
+  tile.min_blocks_per_sm = ctas;
+  return tile;
+}
+static_assert(kGemmTiles[2].bucket == Bucket::kRows16, "kGemmTiles[2] is the 16-row bucket's tile");
+constexpr GemmTile kFc2FewWavesTiles[] = {with_ctas_per_sm(kGemmTiles[2], 6)};
 constexpr const GemmTile& kFc2FewWavesTile = kFc2FewWavesTiles[0];
 
 static_assert(shares_route_blocks(kFc2ShortKTiles),
