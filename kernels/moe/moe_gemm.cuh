@@ -2,13 +2,15 @@
 // fp32 accumulate, with FC1's activation or FC2's bias / top-k weight fused into the epilogue.
 //
 // Structure (one template, used twice per MoE layer):
-// - Grid (x, y) = (route blocks of kBlockN padded rows, M tiles of kBlockM weight rows). A CTA
-//   whose block_expert is -1 (past the blocks route used) exits at once, so the grid is sized
-//   for the worst case (route_max_blocks) and the launch needs no host sync (CUDA-graph
-//   capturable). At small T every SM streams: M is split into many tiles of every touched
-//   expert. Why blocks in x: grid.x allows 2^31 - 1 (blocks can pass 65535 at large T * K with
-//   small blocks), grid.y 65535 (M tiles never do). The order made no measurable difference
-//   (gpt-oss-120b T = 256: 53.5% vs 53.3% of copy bandwidth with M tiles or blocks in x).
+// - Grid (x, y, z) = (M tiles of kBlockM weight rows, route blocks of kBlockN padded rows in y
+//   and z: block = z * kGridBlocksY + y; cta_tile). A CTA whose block_expert is -1 (past the
+//   blocks route used) exits at once, so the grid is sized for the worst case (route_max_blocks)
+//   and the launch needs no host sync (CUDA-graph capturable). At small T every SM streams: M is
+//   split into many tiles of every touched expert. Why M tiles fastest: CTAs start in index
+//   order, so the CTAs of unused blocks (about a quarter of the grid at T = 24-256) all come
+//   after the last real one and exit in the tail, instead of taking slots between real CTAs.
+//   Why blocks over y and z: grid.y and grid.z allow 65535 each, and blocks can pass that at
+//   large T * K (z is 1 below it).
 // - Pipeline: kStages-deep cp.async ring; a stage holds BlockM x BlockK weights (kernel layout,
 //   copied verbatim: BlockM/16 contiguous runs of BlockK/64 atoms, evict-first L2 policy), their
 //   scales, and BlockN gathered input rows (zero-filled for padding rows and past K, so a last
@@ -219,6 +221,19 @@ struct BlockRows {
   }
 };
 
+// The route block and the M tile of this CTA (see the file comment), read from %ctaid each call
+// (ptx::block_index_reread): values derived from them are not kept through a main loop. The
+// host splits the blocks as y < kGridBlocksY (params.cuh), z = the rest (moe_forward.cpp).
+struct CtaTile {
+  i32 block;
+  i32 m_tile;
+};
+__device__ __forceinline__ CtaTile cta_tile() {
+  return {::moejit::kern::ptx::block_index_z_reread() * kGridBlocksY +
+              ::moejit::kern::ptx::block_index_y_reread(),
+          ::moejit::kern::ptx::block_index_reread()};
+}
+
 // FC1's first weights asked of L2 while the route runs. Why: under PDL FC1's CTAs are resident
 // before the route finishes, but which expert a CTA serves comes from the route, so HBM idles
 // for the route's few us. Where nearly every expert is touched, CTA (b, m) for b < E asks for
@@ -231,8 +246,9 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
   // Why the indices read again: values derived here must not be kept for the main loop (they
   // made the 128-register warpgroup tiles spill).
   const i32 tid = ::moejit::kern::ptx::thread_index_reread();
-  const i32 expert = ::moejit::kern::ptx::block_index_reread();
-  const i32 m_tile = ::moejit::kern::ptx::block_index_y_reread();
+  const CtaTile cta = cta_tile();
+  const i32 expert = cta.block;
+  const i32 m_tile = cta.m_tile;
   const i32 m_atom = m_tile * kAtomsM + tid;
   if (expert >= p.prefetch_experts || m_tile >= p.prefetch_m_tiles || tid >= kAtomsM ||
       m_atom >= p.m_atoms) {
@@ -260,14 +276,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 wm = warp % T::kWarpsM;
   const i32 wn = (warp / T::kWarpsM) % T::kWarpsN;
   const i32 wk = warp / (T::kWarpsM * T::kWarpsN);
-  const i32 block = static_cast<i32>(blockIdx.x);
-  const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
+  const CtaTile cta = cta_tile();
+  const i32 block = cta.block;
+  const i32 m_atom0 = cta.m_tile * T::kAtomsM;
 
   if constexpr (!T::kEarlyWeights) {
     prefetch_first_weights<T::kAtomsM>(p);
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }
+  if (block >= p.blocks) return;  // the y x z rectangle's last blocks
   const i32 expert = p.block_expert[block];
   if (expert < 0) return;
   const i32 row0 = block * T::kBlockN;

@@ -1191,8 +1191,9 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
   const long long m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
   const long long wave = static_cast<long long>(sms) * fc1.min_blocks_per_sm;
   GemmPrefetch out;
-  out.experts = static_cast<int>(std::min<long long>(shape.num_experts, max_blocks));
-  out.m_tiles = static_cast<int>(std::min(m_tiles, (wave + max_blocks - 1) / max_blocks));
+  out.experts = static_cast<int>(std::min<long long>(
+      {static_cast<long long>(shape.num_experts), max_blocks, (wave + m_tiles - 1) / m_tiles}));
+  out.m_tiles = static_cast<int>(m_tiles);
   const long long atom_bytes = kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes;
   const long long strips = static_cast<long long>(out.experts) * out.m_tiles * atoms_per_tile;
   out.k_atoms = static_cast<int>(
