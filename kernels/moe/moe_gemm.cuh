@@ -80,8 +80,8 @@ struct Fc1Epilogue {
 
   // Token column h (0/1) of a lane's fragment c: rows g (gate j) and g + 8 (up j).
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
-                                               i32 g, i64 row, i32 /*id*/, const float (&c)[4],
-                                               i32 h) {
+                                               i32 g, i64 row, float /*weight*/,
+                                               const float (&c)[4], i32 h) {
     const i32 j = m_atom * layout::kGateUpRows + g;
     if (j >= p.out_features) return;
     static_cast<u16*>(p.output)[row * p.ld_output + j] = value(c[h], c[2 + h], bias(p, expert, j));
@@ -117,9 +117,10 @@ struct Fc2Epilogue {
     }
   }
 
+  // weight: the row's top-k weight (the kernel copied it to shared memory in its prologue).
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
-                                               i32 g, i64 row, i32 id, const float (&c)[4], i32 h) {
-    const float weight = p.topk_weights[id];
+                                               i32 g, i64 row, float weight, const float (&c)[4],
+                                               i32 h) {
 #pragma unroll
     for (i32 r = 0; r < 2; ++r) {
       const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
@@ -161,7 +162,8 @@ struct MoeGemmTraits {
   static constexpr int kReduceBytes = (kWarpsK - 1) * kWarpsM * kWarpsN * kAccRegs * 32 * 4;
   static constexpr int kPipeBytes =
       kStages * kStageBytes > kReduceBytes ? kStages* kStageBytes : kReduceBytes;
-  static constexpr int kSmemBytes = kPipeBytes + 2 * kBlockN * 4;  // + ids and input rows
+  // + ids, input rows and (FC2) top-k weights of the block's rows
+  static constexpr int kSmemBytes = kPipeBytes + 3 * kBlockN * 4;
   static constexpr int kChunksWeights = kStageWeightBytes / 16;
   static constexpr int kChunksScales = kStageScaleBytes / 16;
   static constexpr int kChunksInput = kBlockN * kBlockK / 8;
@@ -204,6 +206,20 @@ struct BlockRows {
     for (i32 j = 0; j < kLoads; ++j) {
       const i32 n = tid + j * kThreads;
       ids[j] = n < kN && n < limit ? p.sorted_rows[row0 + n] : -1;
+    }
+  }
+  // FC2: each row's top-k weight (0 for padding) into s_weights by cp.async, so the epilogue
+  // does not wait a round trip for it; it lands with the copies committed next.
+  __device__ __forceinline__ void copy_weights(const MoeGemmParams& p, i32 tid,
+                                               u32 s_weights) const {
+#pragma unroll
+    for (i32 j = 0; j < kLoads; ++j) {
+      const i32 n = tid + j * kThreads;
+      if (n < kN) {
+        const i32 id = ids[j];
+        ptx::cp_async_4(s_weights + static_cast<u32>(n) * 4u,
+                        id >= 0 ? p.topk_weights + id : p.topk_weights, id >= 0 ? 4u : 0u);
+      }
     }
   }
   template <bool kGatherTokens>
@@ -269,6 +285,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   extern __shared__ __align__(128) u8 smem[];
   i32* s_ids = reinterpret_cast<i32*>(smem + T::kPipeBytes);
   i32* s_rows = s_ids + T::kBlockN;
+  const float* s_weights = reinterpret_cast<const float*>(s_rows + T::kBlockN);
 
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -410,6 +427,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (s < k_tiles) load_weights(s, s, Flag<true>{});
   }
   rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
+  if constexpr (!Epi::kGatherTokens) rows.copy_weights(p, tid, ptx::smem_u32(s_weights));
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
@@ -550,10 +568,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (i32 h = 0; h < 2; ++h) {
         const i32 n = (wn * T::kWarpTilesN + ni) * 8 + 2 * t + h;
-        const i32 id = s_ids[n];
-        if (id < 0) continue;
-        Epi::store(p, expert, m_atom, g, static_cast<i64>(block) * T::kBlockN + n, id, acc[mi][ni],
-                   h);
+        if (s_ids[n] < 0) continue;
+        Epi::store(p, expert, m_atom, g, static_cast<i64>(block) * T::kBlockN + n,
+                   Epi::kGatherTokens ? 0.0f : s_weights[n], acc[mi][ni], h);
       }
     }
   }

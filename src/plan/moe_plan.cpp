@@ -677,7 +677,7 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   const long long reduce =
       static_cast<long long>(p.warps_k - 1) * p.warps_m * p.warps_n * acc_regs * 32 * 4;
   const long long pipe = std::max(static_cast<long long>(p.stages) * stage, reduce);
-  return pipe + 2LL * p.block_n * 4;
+  return pipe + 3LL * p.block_n * 4;  // + ids, input rows, FC2's top-k weights
 }
 
 long long route_rank_shared_bytes(int num_experts, int block_threads) {
