@@ -41,5 +41,11 @@ __device__ __forceinline__ int block_index_y_reread() {
   asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(block));
   return block;
 }
+// blockIdx.z read again, for the same reason.
+__device__ __forceinline__ int block_index_z_reread() {
+  int block;
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(block));
+  return block;
+}
 
 }  // namespace moejit::kern::ptx

@@ -2,13 +2,15 @@
 // fp32 accumulate, with FC1's activation or FC2's bias / top-k weight fused into the epilogue.
 //
 // Structure (one template, used twice per MoE layer):
-// - Grid (x, y) = (route blocks of kBlockN padded rows, M tiles of kBlockM weight rows). A CTA
-//   whose block_expert is -1 (past the blocks route used) exits at once, so the grid is sized
-//   for the worst case (route_max_blocks) and the launch needs no host sync (CUDA-graph
-//   capturable). At small T every SM streams: M is split into many tiles of every touched
-//   expert. Why blocks in x: grid.x allows 2^31 - 1 (blocks can pass 65535 at large T * K with
-//   small blocks), grid.y 65535 (M tiles never do). The order made no measurable difference
-//   (gpt-oss-120b T = 256: 53.5% vs 53.3% of copy bandwidth with M tiles or blocks in x).
+// - Grid (x, y, z) = (M tiles of kBlockM weight rows, route blocks of kBlockN padded rows in y
+//   and z: block = z * kGridBlocksY + y; cta_tile). A CTA whose block_expert is -1 (past the
+//   blocks route used) exits at once, so the grid is sized for the worst case (route_max_blocks)
+//   and the launch needs no host sync (CUDA-graph capturable). At small T every SM streams: M is
+//   split into many tiles of every touched expert. Why M tiles fastest: CTAs start in index
+//   order, so the CTAs of unused blocks (about a quarter of the grid at T = 24-256) all come
+//   after the last real one and exit in the tail, instead of taking slots between real CTAs.
+//   Why blocks over y and z: grid.y and grid.z allow 65535 each, and blocks can pass that at
+//   large T * K (z is 1 below it).
 // - Pipeline: kStages-deep cp.async ring; a stage holds BlockM x BlockK weights (kernel layout,
 //   copied verbatim: BlockM/16 contiguous runs of BlockK/64 atoms, evict-first L2 policy), their
 //   scales, and BlockN gathered input rows (zero-filled for padding rows and past K, so a last
@@ -78,8 +80,8 @@ struct Fc1Epilogue {
 
   // Token column h (0/1) of a lane's fragment c: rows g (gate j) and g + 8 (up j).
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
-                                               i32 g, i64 row, i32 /*id*/, const float (&c)[4],
-                                               i32 h) {
+                                               i32 g, i64 row, float /*weight*/,
+                                               const float (&c)[4], i32 h) {
     const i32 j = m_atom * layout::kGateUpRows + g;
     if (j >= p.out_features) return;
     static_cast<u16*>(p.output)[row * p.ld_output + j] = value(c[h], c[2 + h], bias(p, expert, j));
@@ -115,9 +117,10 @@ struct Fc2Epilogue {
     }
   }
 
+  // weight: the row's top-k weight (the kernel copied it to shared memory in its prologue).
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
-                                               i32 g, i64 row, i32 id, const float (&c)[4], i32 h) {
-    const float weight = p.topk_weights[id];
+                                               i32 g, i64 row, float weight, const float (&c)[4],
+                                               i32 h) {
 #pragma unroll
     for (i32 r = 0; r < 2; ++r) {
       const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
@@ -159,7 +162,8 @@ struct MoeGemmTraits {
   static constexpr int kReduceBytes = (kWarpsK - 1) * kWarpsM * kWarpsN * kAccRegs * 32 * 4;
   static constexpr int kPipeBytes =
       kStages * kStageBytes > kReduceBytes ? kStages* kStageBytes : kReduceBytes;
-  static constexpr int kSmemBytes = kPipeBytes + 2 * kBlockN * 4;  // + ids and input rows
+  // + ids, input rows and (FC2) top-k weights of the block's rows
+  static constexpr int kSmemBytes = kPipeBytes + 3 * kBlockN * 4;
   static constexpr int kChunksWeights = kStageWeightBytes / 16;
   static constexpr int kChunksScales = kStageScaleBytes / 16;
   static constexpr int kChunksInput = kBlockN * kBlockK / 8;
@@ -204,6 +208,20 @@ struct BlockRows {
       ids[j] = n < kN && n < limit ? p.sorted_rows[row0 + n] : -1;
     }
   }
+  // FC2: each row's top-k weight (0 for padding) into s_weights by cp.async, so the epilogue
+  // does not wait a round trip for it; it lands with the copies committed next.
+  __device__ __forceinline__ void copy_weights(const MoeGemmParams& p, i32 tid,
+                                               u32 s_weights) const {
+#pragma unroll
+    for (i32 j = 0; j < kLoads; ++j) {
+      const i32 n = tid + j * kThreads;
+      if (n < kN) {
+        const i32 id = ids[j];
+        ptx::cp_async_4(s_weights + static_cast<u32>(n) * 4u,
+                        id >= 0 ? p.topk_weights + id : p.topk_weights, id >= 0 ? 4u : 0u);
+      }
+    }
+  }
   template <bool kGatherTokens>
   __device__ __forceinline__ void store(const MoeGemmParams& p, i32 tid, i32 row0, i32* s_ids,
                                         i32* s_rows) const {
@@ -219,6 +237,19 @@ struct BlockRows {
   }
 };
 
+// The route block and the M tile of this CTA (see the file comment), read from %ctaid each call
+// (ptx::block_index_reread): values derived from them are not kept through a main loop. The
+// host splits the blocks as y < kGridBlocksY (params.cuh), z = the rest (moe_forward.cpp).
+struct CtaTile {
+  i32 block;
+  i32 m_tile;
+};
+__device__ __forceinline__ CtaTile cta_tile() {
+  return {::moejit::kern::ptx::block_index_z_reread() * kGridBlocksY +
+              ::moejit::kern::ptx::block_index_y_reread(),
+          ::moejit::kern::ptx::block_index_reread()};
+}
+
 // FC1's first weights asked of L2 while the route runs. Why: under PDL FC1's CTAs are resident
 // before the route finishes, but which expert a CTA serves comes from the route, so HBM idles
 // for the route's few us. Where nearly every expert is touched, CTA (b, m) for b < E asks for
@@ -231,8 +262,9 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
   // Why the indices read again: values derived here must not be kept for the main loop (they
   // made the 128-register warpgroup tiles spill).
   const i32 tid = ::moejit::kern::ptx::thread_index_reread();
-  const i32 expert = ::moejit::kern::ptx::block_index_reread();
-  const i32 m_tile = ::moejit::kern::ptx::block_index_y_reread();
+  const CtaTile cta = cta_tile();
+  const i32 expert = cta.block;
+  const i32 m_tile = cta.m_tile;
   const i32 m_atom = m_tile * kAtomsM + tid;
   if (expert >= p.prefetch_experts || m_tile >= p.prefetch_m_tiles || tid >= kAtomsM ||
       m_atom >= p.m_atoms) {
@@ -253,6 +285,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   extern __shared__ __align__(128) u8 smem[];
   i32* s_ids = reinterpret_cast<i32*>(smem + T::kPipeBytes);
   i32* s_rows = s_ids + T::kBlockN;
+  const float* s_weights = reinterpret_cast<const float*>(s_rows + T::kBlockN);
 
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -260,14 +293,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 wm = warp % T::kWarpsM;
   const i32 wn = (warp / T::kWarpsM) % T::kWarpsN;
   const i32 wk = warp / (T::kWarpsM * T::kWarpsN);
-  const i32 block = static_cast<i32>(blockIdx.x);
-  const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
+  const CtaTile cta = cta_tile();
+  const i32 block = cta.block;
+  const i32 m_atom0 = cta.m_tile * T::kAtomsM;
 
   if constexpr (!T::kEarlyWeights) {
     prefetch_first_weights<T::kAtomsM>(p);
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }
+  if (block >= p.blocks) return;  // the y x z rectangle's last blocks
   const i32 expert = p.block_expert[block];
   if (expert < 0) return;
   const i32 row0 = block * T::kBlockN;
@@ -392,6 +427,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (s < k_tiles) load_weights(s, s, Flag<true>{});
   }
   rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
+  if constexpr (!Epi::kGatherTokens) rows.copy_weights(p, tid, ptx::smem_u32(s_weights));
   if constexpr (T::kEarlyWeights) {
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
@@ -532,10 +568,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (i32 h = 0; h < 2; ++h) {
         const i32 n = (wn * T::kWarpTilesN + ni) * 8 + 2 * t + h;
-        const i32 id = s_ids[n];
-        if (id < 0) continue;
-        Epi::store(p, expert, m_atom, g, static_cast<i64>(block) * T::kBlockN + n, id, acc[mi][ni],
-                   h);
+        if (s_ids[n] < 0) continue;
+        Epi::store(p, expert, m_atom, g, static_cast<i64>(block) * T::kBlockN + n,
+                   Epi::kGatherTokens ? 0.0f : s_weights[n], acc[mi][ni], h);
       }
     }
   }

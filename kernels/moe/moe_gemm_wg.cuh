@@ -368,9 +368,9 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   __syncthreads();
   // Why re-read: with two m64 tiles a warpgroup (64 fp32 accumulators and 32 A registers a
   // thread) ptxas kept the strip index and the expert live through the main loop and spilled
-  // them; read again here (the CTA's expert is block_expert[blockIdx.x]) they are not.
+  // them; read again here (the CTA's expert is block_expert[its block]) they are not.
   const i32 e_tid = ::moejit::kern::ptx::thread_index_reread();
-  const i32 e_expert = p.block_expert[::moejit::kern::ptx::block_index_reread()];
+  const i32 e_expert = p.block_expert[cta_tile().block];
   const i32 e_wg = e_tid >> 7;
   const i32 e_wq = (e_tid >> 5) & 3;
   const i32 e_g = (e_tid & 31) >> 2;
@@ -461,14 +461,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     ::moejit::kern::ptx::grid_dependency_wait();
     ::moejit::kern::ptx::launch_dependents();
   }
-  const i32 block = static_cast<i32>(blockIdx.x);
-  const i32 m_atom0 = static_cast<i32>(blockIdx.y) * T::kAtomsM;
+  const CtaTile cta = cta_tile();
+  const i32 block = cta.block;
+  const i32 m_atom0 = cta.m_tile * T::kAtomsM;
   const i32 row0 = block * T::kRouteBlock;
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
   // Lane j < kGroupBlocks loads block j of the CTA's group, lane q < 4 the first row of
   // quarter q of its kBlockN rows (where provisioned), beside the load of this block's expert.
   constexpr i32 kQuarter = T::kQuarter;
-  const i32 grid_blocks = static_cast<i32>(gridDim.x);
+  const i32 grid_blocks = p.blocks;
+  if (block >= grid_blocks) return;  // the y x z rectangle's last blocks
   const i32 group_expert =
       lane < T::kGroupBlocks && block + lane < grid_blocks ? p.block_expert[block + lane] : -1;
   const bool probe = lane < 4 && block + lane * kQuarter / T::kRouteBlock < grid_blocks;

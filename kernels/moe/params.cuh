@@ -42,6 +42,10 @@ struct RepackParams {
 // Why a new field needs a register check: 32 more bytes here made ptxas spill 8-12 bytes in the
 // 128-register warpgroup tiles (moe_gemm_wg.cuh), whether they read the fields or not
 // (tools/PERF_LOG.md "The GEMMs route themselves"); a second kernel argument did not.
+// The GEMMs' grids hold M tiles in x and route blocks in y and z, at most this many in y (the
+// limit of grid.y): block = z * kGridBlocksY + y (moe_gemm.cuh's cta_tile).
+inline constexpr i32 kGridBlocksY = 65535;
+
 struct MoeGemmParams {
   const u8* weights;          // kernel layout nibbles of all local experts
   const u8* scales;           // kernel layout scales
@@ -52,7 +56,7 @@ struct MoeGemmParams {
   void* output;               // FC1: inter bf16 [padded rows][ld_output];
                               // FC2: out2 [padded rows][ld_output] fp32 or bf16
   const i32* sorted_rows;     // [blocks * BlockN] token * top_k + slot, or -1
-  const i32* block_expert;    // [grid.x] local expert of each block of BlockN rows, or -1
+  const i32* block_expert;    // [blocks] local expert of each block of BlockN rows, or -1
   const float* topk_weights;  // FC2: [T * top_k] router weight of (token, slot)
   i64 ld_input;               // elements between input rows (>= in_features, multiple of 8)
   i64 ld_output;              // elements between output rows
@@ -61,6 +65,7 @@ struct MoeGemmParams {
   i32 m_atoms;                // kernel layout dims of this matrix
   i32 k_atoms;
   i32 top_k;  // slots per token (sorted id -> token)
+  i32 blocks;  // route blocks provisioned (route_max_blocks): CTAs past them exit (moe_gemm.cuh)
   // L2 prefetch before the grid wait (FC1 under PDL; all 0 = none): CTA (b, m) with
   // b < prefetch_experts and m < prefetch_m_tiles asks L2 for the first prefetch_k_atoms K atoms
   // of every strip of expert b's M tile m, and their scales (moe_gemm.cuh's

@@ -53,6 +53,12 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_by
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// 4-byte global -> shared copy through L1 (.ca: the only form below 16 bytes); reads src_bytes
+// (4, or 0: no memory is read) and zero-fills the rest. src must be a valid address either way.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }

@@ -5,6 +5,7 @@
 // synchronizes: it is CUDA-graph capturable.
 #include <cuda.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <moejit/kern/moe/decode_params.cuh>
@@ -337,9 +338,18 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
 
   // 3. FC1: W13 x hidden -> activation -> inter.
   const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
-  const auto m_tiles = [](int m_atoms, int block_m) {
+  // A GEMM's grid (moe_gemm.cuh's cta_tile): M tiles in x (fastest), the route blocks over y
+  // (kGridBlocksY at most) and z.
+  const auto gemm_grid = [&](int m_atoms, int block_m, unsigned block_threads, int smem) {
     const int atoms_per_tile = block_m / 16;
-    return static_cast<unsigned>((m_atoms + atoms_per_tile - 1) / atoms_per_tile);
+    const long long y = kern::moe::kGridBlocksY;
+    detail::LaunchShape geometry;
+    geometry.grid_x = static_cast<unsigned>((m_atoms + atoms_per_tile - 1) / atoms_per_tile);
+    geometry.grid_y = static_cast<unsigned>(std::min<long long>(layout.max_blocks, y));
+    geometry.grid_z = static_cast<unsigned>((layout.max_blocks + y - 1) / y);
+    geometry.block = block_threads;
+    geometry.smem = static_cast<unsigned>(smem);
+    return geometry;
   };
   kern::moe::MoeGemmParams fc1{};
   fc1.weights = static_cast<const kern::moe::u8*>(w.w13);
@@ -357,6 +367,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.m_atoms = sizes.fc1_m_atoms;
   fc1.k_atoms = sizes.fc1_k_atoms;
   fc1.top_k = shape.top_k;
+  fc1.blocks = static_cast<int>(layout.max_blocks);
   const detail::GemmPrefetch prefetch =
       detail::fc1_prefetch(shape, config, specs.fc1_params, sizes, layout.max_blocks,
                            detail::multiprocessor_count(device.ordinal), device.arch);
@@ -365,11 +376,9 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.prefetch_k_atoms = prefetch.k_atoms;
   {
     void* fc1_args[] = {&fc1};
-    detail::LaunchShape geometry;
-    geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
-    geometry.grid_y = m_tiles(sizes.fc1_m_atoms, specs.fc1_params.block_m);
-    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(specs.fc1_params));
-    geometry.smem = static_cast<unsigned>(fc1_smem);
+    const detail::LaunchShape geometry =
+        gemm_grid(sizes.fc1_m_atoms, specs.fc1_params.block_m,
+                  static_cast<unsigned>(detail::marlin_moe_threads(specs.fc1_params)), fc1_smem);
     detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, geometry, true, stream, fc1_args);
   }
 
@@ -390,13 +399,12 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.m_atoms = sizes.fc2_m_atoms;
   fc2.k_atoms = sizes.fc2_k_atoms;
   fc2.top_k = shape.top_k;
+  fc2.blocks = static_cast<int>(layout.max_blocks);
   {
     void* fc2_args[] = {&fc2};
-    detail::LaunchShape geometry;
-    geometry.grid_x = static_cast<unsigned>(layout.max_blocks);
-    geometry.grid_y = m_tiles(sizes.fc2_m_atoms, specs.fc2_params.block_m);
-    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(specs.fc2_params));
-    geometry.smem = static_cast<unsigned>(fc2_smem);
+    const detail::LaunchShape geometry =
+        gemm_grid(sizes.fc2_m_atoms, specs.fc2_params.block_m,
+                  static_cast<unsigned>(detail::marlin_moe_threads(specs.fc2_params)), fc2_smem);
     detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
   }
 

@@ -66,7 +66,7 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
   CUlaunchConfig config{};
   config.gridDimX = shape.grid_x;
   config.gridDimY = shape.grid_y;
-  config.gridDimZ = 1;
+  config.gridDimZ = shape.grid_z;
   config.blockDimX = shape.block;
   config.blockDimY = 1;
   config.blockDimZ = 1;
@@ -79,9 +79,9 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
   if (result != CUDA_SUCCESS) {
     std::ostringstream os;
     os << op << ": launching " << spec.display_name() << " (grid " << shape.grid_x << 'x'
-       << shape.grid_y << ", block " << shape.block << ", dynamic shared memory " << shape.smem
-       << " bytes) on stream " << static_cast<const void*>(stream)
-       << " failed: " << describe(result);
+       << shape.grid_y << 'x' << shape.grid_z << ", block " << shape.block
+       << ", dynamic shared memory " << shape.smem << " bytes) on stream "
+       << static_cast<const void*>(stream) << " failed: " << describe(result);
     throw Error(ErrorCode::kDriver, os.str());
   }
 }

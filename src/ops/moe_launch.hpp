@@ -17,6 +17,7 @@ namespace moejit::detail {
 struct LaunchShape {
   unsigned grid_x = 1;
   unsigned grid_y = 1;
+  unsigned grid_z = 1;
   unsigned block = 1;
   unsigned smem = 0;  // dynamic shared memory bytes
 };

@@ -677,7 +677,7 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   const long long reduce =
       static_cast<long long>(p.warps_k - 1) * p.warps_m * p.warps_n * acc_regs * 32 * 4;
   const long long pipe = std::max(static_cast<long long>(p.stages) * stage, reduce);
-  return pipe + 2LL * p.block_n * 4;
+  return pipe + 3LL * p.block_n * 4;  // + ids, input rows, FC2's top-k weights
 }
 
 long long route_rank_shared_bytes(int num_experts, int block_threads) {
@@ -1191,8 +1191,9 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
   const long long m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
   const long long wave = static_cast<long long>(sms) * fc1.min_blocks_per_sm;
   GemmPrefetch out;
-  out.experts = static_cast<int>(std::min<long long>(shape.num_experts, max_blocks));
-  out.m_tiles = static_cast<int>(std::min(m_tiles, (wave + max_blocks - 1) / max_blocks));
+  out.experts = static_cast<int>(std::min<long long>(
+      {static_cast<long long>(shape.num_experts), max_blocks, (wave + m_tiles - 1) / m_tiles}));
+  out.m_tiles = static_cast<int>(m_tiles);
   const long long atom_bytes = kern::moe::layout::kAtomBytes + kern::moe::layout::kAtomScaleBytes;
   const long long strips = static_cast<long long>(out.experts) * out.m_tiles * atoms_per_tile;
   out.k_atoms = static_cast<int>(

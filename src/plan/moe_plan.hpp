@@ -220,11 +220,12 @@ MoeWeightSizes moe_weight_sizes(const ModelShape& shape);
 // FC1's L2 prefetch before its grid wait (MoeGemmParams::prefetch_*; moe_gemm.cuh's
 // prefetch_first_weights) for `fc1` (config.fc1, or config.fc1_wgmma where that runs) over the
 // repacked `sizes` (moe_weight_sizes(shape), which the op already holds) at T = config.tokens,
-// FC1's grid.x = max_blocks, on a device of `sms` SMs and arch `arch`; all 0 = none. On sm_90 or
-// newer where uniform routing is expected to leave at most kFc1PrefetchMaxUntouched of the local
-// experts untouched: experts min(E, max_blocks) (one per CTA column), the M tiles of the first wave
-// (ceil(sms x min_blocks_per_sm / max_blocks) rows of the grid, x fastest), and as many whole K
-// atoms per strip as make kFc1PrefetchBytes in all. Measured on the H200 (tools/PERF_LOG.md, "FC1's
+// FC1's route blocks = max_blocks, on a device of `sms` SMs and arch `arch`; all 0 = none. On sm_90
+// or newer where uniform routing is expected to leave at most kFc1PrefetchMaxUntouched of the
+// local experts untouched: every M tile of the blocks the first wave serves (the grid runs M
+// tiles fastest, so those are the first ceil(sms x min_blocks_per_sm / m_tiles) blocks), block b
+// asking for expert b (experts at most E and max_blocks), and as many whole K atoms per strip as
+// make kFc1PrefetchBytes in all. Measured on the H200 (tools/PERF_LOG.md, "FC1's
 // first weights asked of L2 during the route"): -0.3 to -1.8% a layer at T = 24-1024; 8 or 32 MB
 // did no better than 16, and 0.25 untouched left out rows that 0.7 gains on.
 struct GemmPrefetch {

@@ -751,14 +751,15 @@ TEST_CASE("moe plan: FC1's L2 prefetch covers the first wave within its byte bud
       }
       const int atoms_per_tile = specs.fc1_params.block_m / 16;
       const int m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
-      // One expert per CTA column, every column that exists.
-      CHECK(p.experts == std::min<long long>(shape.num_experts, max_blocks));
-      // The M tiles of the first wave (x fastest), never past the GEMM's.
-      CHECK(p.m_tiles >= 1);
-      CHECK(p.m_tiles <= m_tiles);
+      // Every M tile (the grid runs M tiles fastest) of the blocks of the first wave, one
+      // expert per block, never more than E or the blocks that exist.
+      CHECK(p.m_tiles == m_tiles);
       const long long wave = static_cast<long long>(kSms) * specs.fc1_params.min_blocks_per_sm;
-      CHECK((p.m_tiles == m_tiles || p.m_tiles * max_blocks >= wave));
-      CHECK((p.m_tiles - 1) * max_blocks < wave);
+      const long long columns = std::min<long long>(shape.num_experts, max_blocks);
+      CHECK(p.experts >= 1);
+      CHECK(p.experts <= columns);
+      CHECK((p.experts == columns || static_cast<long long>(p.experts) * m_tiles >= wave));
+      CHECK(static_cast<long long>(p.experts - 1) * m_tiles < wave);
       // Whole atoms inside each strip's K, within the budget unless one atom already exceeds it.
       CHECK(p.k_atoms >= 1);
       CHECK(p.k_atoms <= sizes.fc1_k_atoms);
@@ -781,7 +782,9 @@ TEST_CASE("moe plan: FC1's L2 prefetch covers the first wave within its byte bud
   CHECK(prefetch_at(1).k_atoms == 0);
   CHECK(prefetch_at(5).k_atoms == 0);
   CHECK(prefetch_at(6).k_atoms > 0);
-  CHECK(prefetch_at(96).experts == 128);
+  // T = 96: FC1's 12 M tiles of 128 rows; four CTAs per SM on 132 SMs start 44 blocks.
+  CHECK(prefetch_at(96).m_tiles == 12);
+  CHECK(prefetch_at(96).experts == 44);
 }
 
 TEST_CASE("moe plan: segment ends cover [1, max_tokens]", "[plan]") {
@@ -958,7 +961,7 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
   big.block_n = 64;
   big.block_k = 128;
   big.warps_m = 8;
-  CHECK(detail::marlin_moe_smem_bytes(big) == 104960);
+  CHECK(detail::marlin_moe_smem_bytes(big) == 105216);  // 4 stages of 26 KB + 3 x 64 x 4
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, big, "sm_80")).empty());
 
   struct RouteCase {
