@@ -7,8 +7,11 @@
 //   blocks route used) exits at once, so the grid is sized for the worst case (route_max_blocks)
 //   and the launch needs no host sync (CUDA-graph capturable). At small T every SM streams: M is
 //   split into many tiles of every touched expert. Why M tiles fastest: CTAs start in index
-//   order, so the CTAs of unused blocks (about a quarter of the grid at T = 24-256) all come
-//   after the last real one and exit in the tail, instead of taking slots between real CTAs.
+//   order, so the CTAs resident at once hold every M tile of a few blocks, and each block's
+//   gathered input rows are read from HBM once (with blocks fastest, every M tile's wave read
+//   all of them again: gpt-oss-120b T = 4096 FC2 read 2.72 GB against 0.66 GB, 752 against 588
+//   us; tools/PERF_LOG.md "the prefill rows, m27 against m28"); and the CTAs of unused blocks
+//   (about a quarter of the grid at T = 24-256) come after the last real one.
 //   Why blocks over y and z: grid.y and grid.z allow 65535 each, and blocks can pass that at
 //   large T * K (z is 1 below it).
 // - Pipeline: kStages-deep cp.async ring; a stage holds BlockM x BlockK weights (kernel layout,
