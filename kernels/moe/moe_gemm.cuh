@@ -255,9 +255,10 @@ __device__ __forceinline__ CtaTile cta_tile() {
 
 // FC1's first weights asked of L2 while the route runs. Why: under PDL FC1's CTAs are resident
 // before the route finishes, but which expert a CTA serves comes from the route, so HBM idles
-// for the route's few us. Where nearly every expert is touched, CTA (b, m) for b < E asks for
-// expert b's M tile m (its first K atoms): the first wave's CTAs then find their prologue in L2
-// whichever block they serve, since together they cover every expert's first M tiles. Thread j
+// for the route's few us. Where nearly every expert is touched, CTA (b, m) for b <
+// prefetch_experts asks for expert b's M tile m (its first K atoms): the first wave holds every
+// M tile of the first blocks (M tiles run fastest), and those blocks belong to the first experts,
+// so the first wave's CTAs find their prologue in L2 (the host sizes it: fc1_prefetch). Thread j
 // asks for strip j (one bulk prefetch of its weights, one of its scales). A hint only: it reads
 // weights, which no earlier kernel of the layer writes, and changes no result.
 template <i32 kAtomsM>
