@@ -182,10 +182,6 @@ struct MoeGemmTraits {
   static_assert(kSmemBytes <= 227 * 1024,
                 "shared memory over the sm_90 limit (227 KB): lower kStages, kBlockK or kBlockN");
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
-
-  // Launch geometry (host or device): grid.x = route blocks provisioned (route_max_blocks),
-  // grid.y = M tiles.
-  MOEJIT_HD static constexpr i32 m_tiles(i32 m_atoms) { return ceil_div(m_atoms, kAtomsM); }
 };
 
 // A compile-time bool passed to generic lambdas.

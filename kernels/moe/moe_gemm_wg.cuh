@@ -121,9 +121,6 @@ struct MoeGemmWgTraits {
                 "shared memory over the sm_90 limit (227 KB): lower kStages or kBlockN");
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
   static_assert(kStagingRowBytes % 16 == 0, "a staged output row must be whole 16-byte pieces");
-
-  // Launch geometry (host or device): grid.x = route blocks provisioned, grid.y = M tiles.
-  MOEJIT_HD static constexpr i32 m_tiles(i32 m_atoms) { return ceil_div(m_atoms, kAtomsM); }
 };
 
 namespace wg_detail {

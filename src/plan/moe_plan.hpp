@@ -200,7 +200,7 @@ struct MoeWorkspaceLayout {
   std::size_t marlin_bytes = 0;  // end of the marlin chain's regions
   std::size_t decode_bytes = 0;  // config.decode: decode_moe's Geometry::workspace_bytes(), else 0
   std::size_t bytes = 0;         // max(marlin_bytes, decode_bytes): enough for either path
-  long long max_blocks = 0;      // route blocks provisioned: the GEMMs' grid.x
+  long long max_blocks = 0;      // route blocks provisioned: the GEMMs' grid.y x grid.z
   long long padded_rows = 0;     // max_blocks * block
 };
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config);
