@@ -340,14 +340,13 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
   // A GEMM's grid (moe_gemm.cuh's cta_tile): M tiles in x (fastest), the route blocks over y
   // (kGridBlocksY at most) and z.
-  const auto gemm_grid = [&](int m_atoms, int block_m, unsigned block_threads, int smem) {
-    const int atoms_per_tile = block_m / 16;
+  const auto gemm_grid = [&](const MarlinMoeParams& params, int m_atoms, int smem) {
     const long long y = kern::moe::kGridBlocksY;
     detail::LaunchShape geometry;
-    geometry.grid_x = static_cast<unsigned>((m_atoms + atoms_per_tile - 1) / atoms_per_tile);
+    geometry.grid_x = static_cast<unsigned>(detail::marlin_moe_m_tiles(params, m_atoms));
     geometry.grid_y = static_cast<unsigned>(std::min<long long>(layout.max_blocks, y));
     geometry.grid_z = static_cast<unsigned>((layout.max_blocks + y - 1) / y);
-    geometry.block = block_threads;
+    geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(params));
     geometry.smem = static_cast<unsigned>(smem);
     return geometry;
   };
@@ -376,9 +375,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.prefetch_k_atoms = prefetch.k_atoms;
   {
     void* fc1_args[] = {&fc1};
-    const detail::LaunchShape geometry =
-        gemm_grid(sizes.fc1_m_atoms, specs.fc1_params.block_m,
-                  static_cast<unsigned>(detail::marlin_moe_threads(specs.fc1_params)), fc1_smem);
+    const detail::LaunchShape geometry = gemm_grid(specs.fc1_params, sizes.fc1_m_atoms, fc1_smem);
     detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, geometry, true, stream, fc1_args);
   }
 
@@ -402,9 +399,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.blocks = static_cast<int>(layout.max_blocks);
   {
     void* fc2_args[] = {&fc2};
-    const detail::LaunchShape geometry =
-        gemm_grid(sizes.fc2_m_atoms, specs.fc2_params.block_m,
-                  static_cast<unsigned>(detail::marlin_moe_threads(specs.fc2_params)), fc2_smem);
+    const detail::LaunchShape geometry = gemm_grid(specs.fc2_params, sizes.fc2_m_atoms, fc2_smem);
     detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
   }
 

@@ -642,6 +642,11 @@ std::optional<FloatRatio> float_ratio(float value) {
 
 int marlin_moe_threads(const MarlinMoeParams& p) { return 32 * p.warps_m * p.warps_n * p.warps_k; }
 
+int marlin_moe_m_tiles(const MarlinMoeParams& p, int m_atoms) {
+  const int atoms_per_tile = p.block_m / kern::moe::layout::kAtomRows;
+  return (m_atoms + atoms_per_tile - 1) / atoms_per_tile;
+}
+
 long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   if (p.warps_m <= 0 || p.warps_n <= 0 || p.block_n <= 0) return 0;
   if (p.wgmma_n != 0) {
@@ -1188,7 +1193,7 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
   const double miss = 1.0 - std::min(1.0, static_cast<double>(shape.top_k) / routed);
   if (std::pow(miss, config.tokens) > kFc1PrefetchMaxUntouched) return {};
   const int atoms_per_tile = fc1.block_m / kern::moe::layout::kAtomRows;
-  const long long m_tiles = (sizes.fc1_m_atoms + atoms_per_tile - 1) / atoms_per_tile;
+  const long long m_tiles = marlin_moe_m_tiles(fc1, sizes.fc1_m_atoms);
   const long long wave = static_cast<long long>(sms) * fc1.min_blocks_per_sm;
   GemmPrefetch out;
   out.experts = static_cast<int>(std::min<long long>(

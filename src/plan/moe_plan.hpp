@@ -30,6 +30,8 @@ std::optional<FloatRatio> float_ratio(float value);
 
 // moe_gemm.cuh's MoeGemmTraits: threads per CTA and dynamic shared memory (kSmemBytes).
 int marlin_moe_threads(const MarlinMoeParams& p);
+// The M tiles (the GEMM grid's x) of a matrix of `m_atoms` 16-row atoms under p.block_m.
+int marlin_moe_m_tiles(const MarlinMoeParams& p, int m_atoms);
 long long marlin_moe_smem_bytes(const MarlinMoeParams& p);
 // route.cuh's RouteTraits::kRankSharedBytes (static shared memory of the rank phase).
 long long route_rank_shared_bytes(int num_experts, int block_threads);

@@ -962,6 +962,10 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
   big.block_k = 128;
   big.warps_m = 8;
   CHECK(detail::marlin_moe_smem_bytes(big) == 105216);  // 4 stages of 26 KB + 3 x 64 x 4
+  // The GEMM grid's M tiles: 8 atoms of 16 rows a tile, a partial last tile counted
+  // (gpt-oss-120b's FC2, H = 2880: 180 atoms).
+  CHECK(detail::marlin_moe_m_tiles(big, 180) == 23);
+  CHECK(detail::marlin_moe_m_tiles(big, 176) == 22);
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, big, "sm_80")).empty());
 
   struct RouteCase {
