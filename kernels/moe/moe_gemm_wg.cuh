@@ -103,9 +103,9 @@ struct MoeGemmWgTraits {
   static constexpr int kStagingRowBytes =
       kOutFeatures * static_cast<int>(sizeof(typename Epilogue::Out)) + 16;
   static constexpr int kStagingBytes = kBlockN * kStagingRowBytes;
-  // + token ids and input rows (FC2: then top-k weights), + 1024 to align the ring by hand.
+  // + token ids, input rows and (FC2) top-k weights, + 1024 to align the ring by hand.
   static constexpr int kSmemBytes =
-      (kRingBytes > kStagingBytes ? kRingBytes : kStagingBytes) + 2 * kBlockN * 4 + 1024;
+      (kRingBytes > kStagingBytes ? kRingBytes : kStagingBytes) + 3 * kBlockN * 4 + 1024;
 
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
                 "kBlockN must be 64, 128 or 256 (the wgmma shapes wgmma.cuh wraps)");
@@ -257,6 +257,17 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     ::moejit::kern::ptx::launch_dependents();
   }
   __syncthreads();  // s_rows visible to every thread
+  if constexpr (!Epi::kGatherTokens) {
+    // FC2: the top-k weight of each row (0 for padding), after s_rows, landing with the first
+    // stage, so the epilogue does not wait a round trip for them. Why from s_ids, not `rows`:
+    // keeping `rows` live to here made ptxas spill the bias instances.
+    static_assert(kN <= T::kThreads, "one top-k weight per thread");
+    if (tid < kN) {
+      const i32 id = s_ids[tid];
+      ptx::cp_async_4(ptx::smem_u32(s_rows + T::kBlockN + tid),
+                      id >= 0 ? p.topk_weights + id : p.topk_weights, id >= 0 ? 4u : 0u);
+    }
+  }
   setup_inputs();
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
@@ -355,13 +366,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   // Epilogue: values into the staging tile (the ring, free once every warp is past its last
   // wgmma), then whole 16-byte pieces of each real token's row to the output.
   using Out = typename Epi::Out;
-  if constexpr (!Epi::kGatherTokens) {
-    // FC2: each token column's top-k weight, once per CTA (s_rows is not read any more).
-    for (i32 n = tid; n < kN; n += T::kThreads) {
-      const i32 id = s_ids[n];
-      s_rows[n] = __float_as_int(id >= 0 ? p.topk_weights[id] : 0.0f);
-    }
-  }
+  const float* const s_weights = reinterpret_cast<const float*>(s_rows + T::kBlockN);  // FC2
   __syncthreads();
   // Why re-read: with two m64 tiles a warpgroup (64 fp32 accumulators and 32 A registers a
   // thread) ptxas kept the strip index and the expert live through the main loop and spilled
@@ -393,19 +398,21 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
         }
       }
     } else {
-      // FC2: this lane's outputs g and g + 8 of the strip for 2 tokens per slice.
+      // FC2: this lane's outputs g and g + 8 of the strip for 2 tokens per slice. The bias
+      // column is clamped as FC1's (outputs past out_features are never stored): with a
+      // conditional load ptxas kept its 0 in local memory in the N = 64 instance.
       float bias[2];
 #pragma unroll
       for (i32 r = 0; r < 2; ++r) {
         const i32 col = m_atom * layout::kAtomRows + e_g + 8 * r;
-        bias[r] = col < p.out_features ? Epi::bias(p, e_expert, col) : 0.0f;
+        bias[r] = Epi::bias(p, e_expert, col < p.out_features ? col : p.out_features - 1);
       }
 #pragma unroll
       for (i32 s8 = 0; s8 < kN / 8; ++s8) {
 #pragma unroll
         for (i32 h = 0; h < 2; ++h) {
           const i32 n = 8 * s8 + 2 * t + h;
-          const float weight = __int_as_float(s_rows[n]);
+          const float weight = s_weights[n];
           Out* row = reinterpret_cast<Out*>(smem + n * T::kStagingRowBytes);
 #pragma unroll
           for (i32 r = 0; r < 2; ++r) {
@@ -450,7 +457,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const u32 raw_base = ptx::smem_u32(smem_raw);
   const u32 smem_base = (raw_base + 1023u) & ~1023u;
   u8* const smem = smem_raw + (smem_base - raw_base);
-  i32* s_ids = reinterpret_cast<i32*>(smem + (T::kSmemBytes - 1024 - 2 * T::kBlockN * 4));
+  i32* s_ids = reinterpret_cast<i32*>(smem + (T::kSmemBytes - 1024 - 3 * T::kBlockN * 4));
   i32* s_rows = s_ids + T::kBlockN;
 
   if constexpr (!T::kEarlyWeights) {

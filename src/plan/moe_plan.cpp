@@ -652,7 +652,7 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   if (p.wgmma_n != 0) {
     // MoeGemmWgTraits::kSmemBytes: stages of (wgmma_n input rows of 128 bytes + the CTA's weight
     // atoms and scales for 64 K), each rounded to 1024, or the staging tile if larger; token
-    // ids and rows; 1024 for alignment.
+    // ids, rows and top-k weights; 1024 for alignment.
     const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
     const long long stage_raw =
         static_cast<long long>(p.wgmma_n) * 128 +
@@ -667,7 +667,7 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
                                               : kern::moe::layout::kAtomRows) *
                                    out_bytes +
                                16);
-    return std::max(p.stages * stage, staging) + 2LL * p.wgmma_n * 4 + 1024;
+    return std::max(p.stages * stage, staging) + 3LL * p.wgmma_n * 4 + 1024;
   }
   const long long atoms_m = p.block_m / kern::moe::layout::kAtomRows;
   const long long atoms_k = p.block_k / kern::moe::layout::kAtomK;

@@ -647,10 +647,10 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     CHECK(moejit::supports(on_90a.fc2).empty());
     CHECK(detail::marlin_moe_threads(c.fc1_wgmma) == (narrow ? 128 : 256));
     // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
-    // rounded to 21504), ids, alignment (the nvrtc test asserts it against kSmemBytes); with
-    // N = 64 (MoeGemmWgTraits<64, 1, 2, 4, ...>, the same 128 rows), 8 KB of inputs (stages of
-    // 13312) and half the ids.
-    const long long smem = narrow ? 4 * 13312 + 512 + 1024 : 4 * 21504 + 1024 + 1024;
+    // rounded to 21504), ids, rows and top-k weights (3 x 4 bytes per token), alignment (the
+    // nvrtc test asserts it against kSmemBytes); with N = 64 (MoeGemmWgTraits<64, 1, 2, 4, ...>,
+    // the same 128 rows), 8 KB of inputs (stages of 13312) and half the ids.
+    const long long smem = narrow ? 4 * 13312 + 768 + 1024 : 4 * 21504 + 1536 + 1024;
     CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == smem);
     // FC2's staging tile (wgmma_n tokens x 128 bf16 + 16 bytes) fits in its ring.
     CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == smem);
