@@ -164,6 +164,13 @@ __device__ __forceinline__ void wait_landed(const u64* full, const u64* empty, i
   pipe::wait(ptx::smem_u32(full + slot), phase & 1u);
 }
 
+// Waits until unit `u` of a kS-slot ring has landed, for the producer that issued it and has not
+// yet issued unit u + kS into its slot (so the parity names unit u alone).
+template <i32 kS>
+__device__ __forceinline__ void wait_full(const u64* full, i32 u) {
+  pipe::wait(ptx::smem_u32(full + u % kS), static_cast<u32>((u / kS) & 1));
+}
+
 // Named barrier 1 + `group` over one group of eight consumer warps.
 __device__ __forceinline__ void consumers_sync(i32 group = 0) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "n"(kPairConsumerThreads) : "memory");
@@ -216,6 +223,7 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
   constexpr i32 kUnit = G.fc1_unit_bytes();
   constexpr i32 kStrips = G.fc1_strips();
   constexpr i32 kRow = G.hidden_row_bytes();
+  constexpr i32 kPace = G.fc1_in_flight();
   extern __shared__ __align__(128) u8 smem[];
   u8* const ring = smem;
   u8* const hid = smem + G.fc1_ring_bytes();
@@ -268,6 +276,10 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
         const i32 i = u - begin;
         const i32 slot = i % kS;
         pipe::wait(ptx::smem_u32(empty + slot), static_cast<u32>((i / kS) & 1) ^ 1u);
+        // At most kPace units in flight (kPairFc1InFlightBytes says why).
+        if constexpr (kPace < kS) {
+          if (i >= kPace) pair::wait_full<kS>(full, i - kPace);
+        }
         const i32 e = virtual_expert(r.vinfo[u / kStrips]);
         pair::land_strip<kAtoms>(ring_base + static_cast<u32>(slot * kUnit),
                                  ptx::smem_u32(full + slot), p.w13, p.w13_scales,

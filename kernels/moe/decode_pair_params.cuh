@@ -35,6 +35,18 @@ inline constexpr i32 kPairColumns = 8;        // positions per virtual expert (o
 inline constexpr i32 kPairSmemBudget = 112 * 1024;
 inline constexpr i32 kPairMaxFc1Stages = 8;
 inline constexpr i32 kPairMaxFc2Stages = 32;
+// Why fc1's producer keeps only about this many bytes in flight (PairGeometry::fc1_in_flight: it
+// issues a unit once the unit that many before it has landed, not as soon as a ring slot is
+// free): DRAM serves the requests of all SMs interleaved, so a unit lands only when about every
+// byte asked for with it has; asking for one unit at a time (about what one SM needs in flight
+// at the copy rate, 4.2 TB/s x ~1 us / 132) lands each SM's first unit sooner, and each next one
+// while the last is multiplied. Measured on the H200 (tools/PERF_LOG.md "the pair's producers
+// paced by landings"), decode us against the unpaced fc1, three id draws: deepseek-v4-flash-tp4
+// T = 1 14.3 -> 13.5-13.8, T = 2 22.1-22.5 -> 20.6-21.3; qwen3-30b-a3b T = 1 14.3-14.5 ->
+// 13.9-14.2; kimi-k3.1-tp8 T = 1 19.4-19.7 -> 19.0-19.3; at ~56 KB the gain was mostly gone
+// (deepseek T = 1 14.4-14.5). fc2's producer is not paced: its units must be in shared memory
+// when fc1 ends, and paced to ~16 KB they landed after it (2.4-8 us slower on every pair shape).
+inline constexpr i32 kPairFc1InFlightBytes = 32 * 1024;
 inline constexpr i32 kPairFc2MaxStrips = 4;  // H strips per fc2 CTA (the launch's grid keeps to it)
 
 // Why every rule (static_assert-ed by PairTraits, checked by the planner, which then keeps the
@@ -75,6 +87,13 @@ struct PairGeometry {
   MOEJIT_HD constexpr i32 fc1_hidden_bytes() const { return max_tokens * hidden_row_bytes(); }
   MOEJIT_HD constexpr i32 fc1_fixed_bytes() const {
     return fc1_hidden_bytes() + route_bytes() + barrier_bytes(kPairMaxFc1Stages);
+  }
+  // Units fc1's producer keeps in flight: the whole units nearest kPairFc1InFlightBytes, at least
+  // one (deepseek-v4-flash-tp4 and kimi: 1 of 35 / 30 KB; qwen3-30b-a3b: 2 of 17 KB). Pacing
+  // applies where this is below fc1_stages(); the ring's empty slots bound the rest.
+  MOEJIT_HD constexpr i32 fc1_in_flight() const {
+    const i32 units = (kPairFc1InFlightBytes + fc1_unit_bytes() / 2) / fc1_unit_bytes();
+    return units > 1 ? units : 1;
   }
   MOEJIT_HD constexpr i32 fc1_stages() const {
     const i32 s = (kPairSmemBudget - fc1_fixed_bytes()) / fc1_unit_bytes();

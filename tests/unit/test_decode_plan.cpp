@@ -856,6 +856,19 @@ TEST_CASE("decode_moe pair: the planner's choice, its rules, names and the SM it
   CHECK(g.fc2_grid(132) == 132);
   CHECK(g.fc2_grid(300) == 224);
   CHECK(g.fc2_grid(16) == 56);
+  // fc1's producer keeps the whole units nearest 32 KB in flight, at least one, and paces only
+  // where that is fewer than its ring's slots (else the empty slots bound it already).
+  CHECK(g.fc1_unit_bytes() == 56 * 544);
+  CHECK(g.fc1_in_flight() == 1);
+  const decode::PairGeometry deepseek{256, 6, 4096, 512, 1};
+  CHECK(deepseek.fc1_unit_bytes() == 64 * 544);
+  CHECK(deepseek.fc1_in_flight() == 1);
+  const decode::PairGeometry qwen3{128, 8, 2048, 768, 1};
+  CHECK(qwen3.fc1_unit_bytes() == 32 * 544);
+  CHECK(qwen3.fc1_in_flight() == 2);
+  CHECK(qwen3.fc1_in_flight() < qwen3.fc1_stages());
+  CHECK(decode::PairGeometry{64, 8, 1024, 768, 1}.fc1_in_flight() == 4);  // 8.5 KB units
+  CHECK(decode::PairGeometry{64, 8, 16384, 768, 1}.fc1_in_flight() == 1);  // 139 KB units
 }
 
 TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, every block_n",
