@@ -867,7 +867,7 @@ TEST_CASE("decode_moe pair: the planner's choice, its rules, names and the SM it
   CHECK(qwen3.fc1_unit_bytes() == 32 * 544);
   CHECK(qwen3.fc1_in_flight() == 2);
   CHECK(qwen3.fc1_in_flight() < qwen3.fc1_stages());
-  CHECK(decode::PairGeometry{64, 8, 1024, 768, 1}.fc1_in_flight() == 4);  // 8.5 KB units
+  CHECK(decode::PairGeometry{64, 8, 1024, 768, 1}.fc1_in_flight() == 4);   // 8.5 KB units
   CHECK(decode::PairGeometry{64, 8, 16384, 768, 1}.fc1_in_flight() == 1);  // 139 KB units
 }
 
