@@ -214,11 +214,7 @@ struct BlockRows {
 #pragma unroll
     for (i32 j = 0; j < kLoads; ++j) {
       const i32 n = tid + j * kThreads;
-      if (n < kN) {
-        const i32 id = ids[j];
-        ptx::cp_async_4(s_weights + static_cast<u32>(n) * 4u,
-                        id >= 0 ? p.topk_weights + id : p.topk_weights, id >= 0 ? 4u : 0u);
-      }
+      if (n < kN) copy_topk_weight(p, ids[j], s_weights + static_cast<u32>(n) * 4u);
     }
   }
   template <bool kGatherTokens>
@@ -235,6 +231,12 @@ struct BlockRows {
     }
   }
 };
+
+// FC2: copies the top-k weight of sorted id `id` (0 where id < 0: a padding row) to `dst` by
+// cp.async, so the epilogue does not wait a round trip for it. Used by both GEMM tiles.
+__device__ __forceinline__ void copy_topk_weight(const MoeGemmParams& p, i32 id, u32 dst) {
+  ptx::cp_async_4(dst, id >= 0 ? p.topk_weights + id : p.topk_weights, id >= 0 ? 4u : 0u);
+}
 
 // The route block and the M tile of this CTA (see the file comment), read from %ctaid each call
 // (ptx::block_index_reread): values derived from them are not kept through a main loop. The

@@ -262,11 +262,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     // stage, so the epilogue does not wait a round trip for them. Why from s_ids, not `rows`:
     // keeping `rows` live to here made ptxas spill the bias instances.
     static_assert(kN <= T::kThreads, "one top-k weight per thread");
-    if (tid < kN) {
-      const i32 id = s_ids[tid];
-      ptx::cp_async_4(ptx::smem_u32(s_rows + T::kBlockN + tid),
-                      id >= 0 ? p.topk_weights + id : p.topk_weights, id >= 0 ? 4u : 0u);
-    }
+    if (tid < kN) copy_topk_weight(p, s_ids[tid], ptx::smem_u32(s_rows + T::kBlockN + tid));
   }
   setup_inputs();
 #pragma unroll
