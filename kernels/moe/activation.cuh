@@ -8,9 +8,11 @@
 //
 // NaN: clamps are written so that a NaN input stays NaN (min/max intrinsics would replace it
 // by the limit and hide a broken input).
-// Why accurate math (common/math.cuh sigmoid, tanhf), not fast intrinsics: the epilogue runs once
-// per output element of a K-long dot product, so its cost is noise, and the kernel's error
-// budget then belongs to the bf16 rounding of FC1's output alone.
+// Accuracy: every output is rounded to bf16 (2^-9 relative) right after, so the functors keep
+// their own error far below that: common/math.cuh's sigmoid_for_bf16 (under 2^-15 relative,
+// branch-free, ~6 instructions), tanhf (2 ulp), and constant divisors as multiplies by their
+// rounded reciprocal (1 ulp more). Why not the accurate sigmoid: at 16 rows per expert the
+// epilogue is not noise beside the K loop (tools/PERF_LOG.md "The activation without branches").
 #pragma once
 
 #include <moejit/kern/common/math.cuh>
@@ -23,7 +25,7 @@ struct Ratio {
   static constexpr float kValue = static_cast<float>(kNum) / static_cast<float>(kDen);
 };
 
-__device__ __forceinline__ float sigmoid(float x) { return ::moejit::kern::sigmoid_accurate(x); }
+__device__ __forceinline__ float sigmoid(float x) { return ::moejit::kern::sigmoid_for_bf16(x); }
 __device__ __forceinline__ float min_keep_nan(float x, float hi) { return x > hi ? hi : x; }
 __device__ __forceinline__ float clamp_keep_nan(float x, float lo, float hi) {
   return x > hi ? hi : (x < lo ? lo : x);
@@ -67,9 +69,12 @@ struct SiTU {
   static constexpr float kBeta = Ratio<kBetaNum, kBetaDen>::kValue;
   static constexpr float kLin = Ratio<kLinNum, kLinDen>::kValue;
   static_assert(kBeta > 0.0f && kLin > 0.0f, "beta and linear_beta must be positive");
+  // 1 / beta and 1 / linear_beta, correctly rounded: a multiply instead of an IEEE division.
+  static constexpr float kInvBeta = Ratio<kBetaDen, kBetaNum>::kValue;
+  static constexpr float kInvLin = Ratio<kLinDen, kLinNum>::kValue;
   __device__ __forceinline__ static float apply(float g, float u) {
-    const float gate = kBeta * tanhf(g / kBeta) * sigmoid(g);
-    return gate * (kLin * tanhf(u / kLin));
+    const float gate = kBeta * tanhf(g * kInvBeta) * sigmoid(g);
+    return gate * (kLin * tanhf(u * kInvLin));
   }
 };
 
