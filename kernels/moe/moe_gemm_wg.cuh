@@ -373,6 +373,16 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   const i32 e_wq = (e_tid >> 5) & 3;
   const i32 e_g = (e_tid & 31) >> 2;
   const i32 t = e_tid & 3;
+  // FC2: the top-k weights of this lane's token columns, read before any staging store up to
+  // 32 tokens. Why: read beside the stores, each weight's shared load cannot move above the
+  // stores before it (both are shared memory), so the multiplies wait on them one by one. Why
+  // not at 48-64 tokens: there the 12-16 more live registers made ptxas spill.
+  constexpr bool kHoistWeights = !Epi::kGatherTokens && kN <= 32;
+  float weights[kHoistWeights ? kN / 4 : 1];
+  if constexpr (kHoistWeights) {
+#pragma unroll
+    for (i32 c = 0; c < kN / 4; ++c) weights[c] = s_weights[8 * (c / 2) + 2 * t + c % 2];
+  }
 #pragma unroll
   for (i32 i = 0; i < T::kWgTilesM; ++i) {
     const i32 strip = (e_wg * T::kWgTilesM + i) * 4 + e_wq;  // inside the CTA
@@ -408,7 +418,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
 #pragma unroll
         for (i32 h = 0; h < 2; ++h) {
           const i32 n = 8 * s8 + 2 * t + h;
-          const float weight = s_weights[n];
+          const float weight = kHoistWeights ? weights[kHoistWeights ? 2 * s8 + h : 0] : s_weights[n];
           Out* row = reinterpret_cast<Out*>(smem + n * T::kStagingRowBytes);
 #pragma unroll
           for (i32 r = 0; r < 2; ++r) {
