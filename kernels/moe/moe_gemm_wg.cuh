@@ -418,7 +418,12 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
 #pragma unroll
         for (i32 h = 0; h < 2; ++h) {
           const i32 n = 8 * s8 + 2 * t + h;
-          const float weight = kHoistWeights ? weights[kHoistWeights ? 2 * s8 + h : 0] : s_weights[n];
+          float weight;
+          if constexpr (kHoistWeights) {
+            weight = weights[2 * s8 + h];
+          } else {
+            weight = s_weights[n];
+          }
           Out* row = reinterpret_cast<Out*>(smem + n * T::kStagingRowBytes);
 #pragma unroll
           for (i32 r = 0; r < 2; ++r) {
