@@ -10,7 +10,7 @@
 // by the limit and hide a broken input).
 // Accuracy: every output is rounded to bf16 (2^-9 relative) right after, so the functors keep
 // their own error far below that: common/math.cuh's sigmoid_for_bf16 (under 2^-15 relative,
-// branch-free, ~6 instructions), tanhf (2 ulp), and constant divisors as multiplies by their
+// branch-free), tanhf (2 ulp), and constant divisors as multiplies by their
 // rounded reciprocal (1 ulp more). Why not the accurate sigmoid: at 16 rows per expert the
 // epilogue is not noise beside the K loop (tools/PERF_LOG.md "The activation without branches").
 #pragma once
