@@ -66,11 +66,15 @@ struct MoeRouteParams {
   int block_m = 0;        // rows per GEMM block: the grouped GEMM's block_n (8..128, power of 2)
   int block_threads = 0;  // threads per CTA of every route kernel
   int chunk_rows = 0;     // C: entries one CTA ranks (a multiple of block_threads)
+  // G: 0, or the warpgroup GEMM's token tile (a multiple of block_m): the route also lists the
+  // groups of G / block_m blocks of one expert that GEMM's CTAs take (scan and scatter, or the
+  // single kernel; the rank kernel never reads it).
+  int group_rows = 0;
 
   friend bool operator==(const MoeRouteParams& a, const MoeRouteParams& b) {
     return a.kernel == b.kernel && a.num_experts == b.num_experts && a.top_k == b.top_k &&
            a.block_m == b.block_m && a.block_threads == b.block_threads &&
-           a.chunk_rows == b.chunk_rows;
+           a.chunk_rows == b.chunk_rows && a.group_rows == b.group_rows;
   }
 };
 

@@ -25,12 +25,16 @@
 //   At three CTAs per SM or more there is one register set at widths above kBlockN - 32: the
 //   warpgroup waits for tile kt's wgmmas before the barrier and dequantizes tile kt + 1 into the
 //   same registers, while the other CTAs' warps keep the SM busy (kABuffers, a_buffers).
-// - Route blocks: the route runs with blocks of kRouteBlock rows (kBlockN / kRouteBlock = 1,
-//   2, 4, 8 or 16 of them per tile) and a CTA takes up to that many consecutive blocks of one
-//   expert, starting at the expert's first block or a multiple of that many after it. Its
-//   real rows are a prefix of those, and it runs at the narrowest N in {1, 2, 3, 4} x
+// - Route groups: the route runs with blocks of kRouteBlock rows and lists each expert's groups
+//   of kBlockN rows (kBlockN / kRouteBlock = 1, 2, 4, 8 or 16 blocks, from the expert's first
+//   block; route_params.cuh group_tiles). The grid's y x z runs over the groups provisioned, M
+//   tiles in x as moe_gemm.cuh: CTA (m, g) reads group g's first block, expert and real rows in
+//   one 8-byte load, and the CTAs past the groups used (the grid's tail) exit at once. Its real
+//   rows are a prefix of the group's, and it runs at the narrowest N in {1, 2, 3, 4} x
 //   kBlockN / 4 that covers them (one gemm_tile instance per width), so an expert's last tile
-//   computes fewer than kBlockN / 4 padding rows, whatever the route block.
+//   computes fewer than kBlockN / 4 padding rows, whatever the route block. Why a list: with a
+//   CTA per route block, those not first in their group exited after reading the block map
+//   (two in three of qwen3-30b-a3b's FC2 CTAs at T = 256, interleaved with the working ones).
 // - Epilogue: after the last wait the accumulators are in mma.sync's C order per 8-token
 //   slice; moe_gemm.cuh's Fc1Epilogue / Fc2Epilogue turn them into outputs (activation, bias,
 //   top-k weight), which go through a staging tile in shared memory so each token's row leaves
@@ -122,6 +126,18 @@ struct MoeGemmWgTraits {
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
   static_assert(kStagingRowBytes % 16 == 0, "a staged output row must be whole 16-byte pieces");
 };
+
+// One CTA's tile of the route's group list (route_params.cuh group_tiles): block < 0 past the
+// groups used.
+struct GroupTile {
+  i32 block;   // first route block
+  i32 rows;    // real rows, a prefix of the group's kBlockN
+  i32 expert;  // local expert
+};
+__device__ __forceinline__ GroupTile group_tile(const MoeGemmParams& p, i32 group) {
+  const int2 t = *reinterpret_cast<const int2*>(p.group_tiles + 2 * group);
+  return {t.x, t.y >> 16, t.y & 0xffff};
+}
 
 namespace wg_detail {
 
@@ -365,10 +381,12 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   const float* const s_weights = reinterpret_cast<const float*>(s_rows + T::kBlockN);  // FC2
   __syncthreads();
   // Why re-read: with two m64 tiles a warpgroup (64 fp32 accumulators and 32 A registers a
-  // thread) ptxas kept the strip index and the expert live through the main loop and spilled
-  // them; read again here (the CTA's expert is block_expert[its block]) they are not.
+  // thread) ptxas kept the strip index, the expert and the first row live through the main loop
+  // and spilled them; read again here (the CTA's group tile) they are not.
   const i32 e_tid = ::moejit::kern::ptx::thread_index_reread();
-  const i32 e_expert = p.block_expert[cta_tile().block];
+  const GroupTile e_group = group_tile(p, cta_tile().block);
+  const i32 e_expert = e_group.expert;
+  const i32 e_row0 = e_group.block * T::kRouteBlock;
   const i32 e_wg = e_tid >> 7;
   const i32 e_wq = (e_tid >> 5) & 3;
   const i32 e_g = (e_tid & 31) >> 2;
@@ -447,7 +465,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     const i32 f0 = f_base + (c % kPiecesPerRow) * kPerPiece;
     if (s_ids[n] < 0 || f0 >= p.out_features) continue;
     const u8* src = smem + n * T::kStagingRowBytes + (c % kPiecesPerRow) * 16;
-    Out* dst = out + (static_cast<i64>(row0) + n) * p.ld_output + f0;
+    Out* dst = out + (static_cast<i64>(e_row0) + n) * p.ld_output + f0;
     if (aligned && f0 + kPerPiece <= p.out_features) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
@@ -477,45 +495,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     ::moejit::kern::ptx::launch_dependents();
   }
   const CtaTile cta = cta_tile();
-  const i32 block = cta.block;
   const i32 m_atom0 = cta.m_tile * T::kAtomsM;
-  const i32 row0 = block * T::kRouteBlock;
+  if (cta.block >= p.blocks) return;  // the y x z rectangle's last groups
+  const GroupTile group = group_tile(p, cta.block);
+  if (group.block < 0) return;  // past the groups route used: the grid's tail
+  const i32 expert = group.expert;
+  const i32 row0 = group.block * T::kRouteBlock;
+  // Rows from row0 + limit on are padding or the next expert's.
+  const i32 limit = group.rows;
+  // Real rows are a prefix of the group's (route pads only the end of an expert's last block), so
+  // the tile runs at the narrowest wgmma N in quarters of kBlockN that covers them: an expert's
+  // last tile multiplies at most kBlockN / 4 - 1 padding rows. Why a ballot, not
+  // ceil_div(limit, kQuarter): its count is warp-uniform to ptxas, so the branch to the width
+  // instances is too; from the loaded value ptxas spilled 4 bytes in the N = 64 instance's loop.
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
-  // Lane j < kGroupBlocks loads block j of the CTA's group, lane q < 4 the first row of
-  // quarter q of its kBlockN rows (where provisioned), beside the load of this block's expert.
-  constexpr i32 kQuarter = T::kQuarter;
-  const i32 grid_blocks = p.blocks;
-  if (block >= grid_blocks) return;  // the y x z rectangle's last blocks
-  const i32 group_expert =
-      lane < T::kGroupBlocks && block + lane < grid_blocks ? p.block_expert[block + lane] : -1;
-  const bool probe = lane < 4 && block + lane * kQuarter / T::kRouteBlock < grid_blocks;
-  const i32 quarter_row = probe ? p.sorted_rows[row0 + lane * kQuarter] : -1;
-  const i32 expert = p.block_expert[block];
-  if (expert < 0) return;
-  if constexpr (T::kGroupBlocks > 1) {
-    // The expert's blocks are consecutive: count those just before this one, 32 per round
-    // (every warp computes the same answer). The CTA of the group's first block covers it.
-    i32 before = 0;
-    for (;;) {
-      const i32 q = block - 1 - before - lane;
-      const u32 same = __ballot_sync(~0u, q >= 0 && p.block_expert[q] == expert);
-      if (same != ~0u) {
-        before += __ffs(~same) - 1;
-        break;
-      }
-      before += 32;
-    }
-    if (before % T::kGroupBlocks != 0) return;
-  }
-  // The group's blocks of this expert (a prefix: its blocks are consecutive) bound its rows; a
-  // quarter may reach past them into the next expert's first block when it spans several blocks.
-  const i32 limit =
-      __popc(__ballot_sync(~0u, group_expert == expert)) * T::kRouteBlock;
-  // Real rows are a prefix of the CTA's rows (route pads only the end of an expert's last
-  // block), so the quarters holding one run at the narrowest wgmma N that covers them: an
-  // expert's last tile multiplies at most kBlockN / 4 - 1 padding rows.
-  const i32 quarters =
-      __popc(__ballot_sync(~0u, lane * kQuarter < limit && quarter_row >= 0));
+  const i32 quarters = __popc(__ballot_sync(~0u, lane * T::kQuarter < limit));
   auto tile = [&](auto n) {
     wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, limit, m_atom0, smem,
                                                   smem_base, s_ids, s_rows);
@@ -523,11 +517,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (quarters == 4) {
     tile(wg_detail::Int<T::kBlockN>{});
   } else if (quarters == 3) {
-    tile(wg_detail::Int<3 * kQuarter>{});
+    tile(wg_detail::Int<3 * T::kQuarter>{});
   } else if (quarters == 2) {
-    tile(wg_detail::Int<2 * kQuarter>{});
+    tile(wg_detail::Int<2 * T::kQuarter>{});
   } else {
-    tile(wg_detail::Int<kQuarter>{});
+    tile(wg_detail::Int<T::kQuarter>{});
   }
 }
 

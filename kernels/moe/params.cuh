@@ -36,9 +36,10 @@ struct RepackParams {
 
 // marlin_moe grouped GEMM, used twice: FC1 (W13 x hidden -> activation -> inter) and FC2
 // (W2 x inter -> + bias, * top-k weight -> out2). Rows come from route (route.cuh /
-// route_params.cuh) run with block size = the GEMM's kBlockN: sorted_rows holds token * top_k +
-// slot or -1 (padding), block_expert the local expert of each block and -1 for every
-// provisioned block past the last one used (those CTAs exit at once).
+// route_params.cuh) run with block size = the GEMM's kBlockN (the warpgroup tile: its route
+// block): sorted_rows holds token * top_k + slot or -1 (padding), block_expert the local expert
+// of each block and -1 for every provisioned block past the last one used (those CTAs exit at
+// once), and for the warpgroup tile group_tiles its CTA tiles (route GroupRows = its kBlockN).
 // Why a new field needs a register check: 32 more bytes here made ptxas spill 8-12 bytes in the
 // 128-register warpgroup tiles (moe_gemm_wg.cuh), whether they read the fields or not
 // (tools/PERF_LOG.md "The GEMMs route themselves"); a second kernel argument did not.
@@ -57,6 +58,7 @@ struct MoeGemmParams {
                               // FC2: out2 [padded rows][ld_output] fp32 or bf16
   const i32* sorted_rows;     // [blocks * BlockN] token * top_k + slot, or -1
   const i32* block_expert;    // [blocks] local expert of each block of BlockN rows, or -1
+  const i32* group_tiles;     // warpgroup tile: [2 * blocks] route group_tiles (else unused)
   const float* topk_weights;  // FC2: [T * top_k] router weight of (token, slot)
   i64 ld_input;               // elements between input rows (>= in_features, multiple of 8)
   i64 ld_output;              // elements between output rows
@@ -65,7 +67,9 @@ struct MoeGemmParams {
   i32 m_atoms;                // kernel layout dims of this matrix
   i32 k_atoms;
   i32 top_k;  // slots per token (sorted id -> token)
-  i32 blocks;  // route blocks provisioned (route_max_blocks): CTAs past them exit (moe_gemm.cuh)
+  // The tiles the grid's y x z provisions: route blocks (route_max_blocks; moe_gemm.cuh), or
+  // groups for the warpgroup tile (route_max_groups); CTAs past them exit.
+  i32 blocks;
   // L2 prefetch before the grid wait (FC1 under PDL; all 0 = none): CTA (b, m) with
   // b < prefetch_experts and m < prefetch_m_tiles asks L2 for the first prefetch_k_atoms K atoms
   // of every strip of expert b's M tile m, and their scales (moe_gemm.cuh's

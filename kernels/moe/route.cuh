@@ -19,11 +19,15 @@
 //     1. route_rank_kernel: chunk c ranks its entries; writes its per-expert counts to
 //        chunk_base[c, :] and, in slot_row, each entry's (expert << 16 | rank in chunk) or -1.
 //     2. route_scan_kernel: one CTA turns chunk_base[:, e] into exclusive prefixes over chunks,
-//        scans ceil(count / B) over experts; writes expert_counts, expert_block_offset,
-//        total_blocks.
+//        scans ceil(count / B) (and ceil(count / G)) over experts; writes expert_counts,
+//        expert_block_offset, total_blocks (and expert_group_offset).
 //     3. route_scatter_kernel, grid route_scatter_ctas(N, C, E, threads) (the chunks, or one
 //        warp per expert if more): chunk c writes sorted_rows and the final slot_row of its
-//        entries; all CTAs share out the padding rows, block_expert and its -1 tail.
+//        entries; all CTAs share out the padding rows, block_expert and its -1 tail (and the
+//        group tiles and theirs).
+// With GroupRows G > 0 the route also lists each expert's groups of G / B blocks (the CTA tiles
+// of the warpgroup GEMM, moe_gemm_wg.cuh), so that GEMM's grid holds only groups: one CTA per
+// group and M tile, none for the blocks inside a group.
 // Why three launches and not a look-back single pass: the chunk ranks need the counts of every
 // earlier chunk on all E experts (E up to 896), which a decoupled look-back would have to pass
 // chunk to chunk as E-wide vectors; the kernels stay simple and free of inter-CTA waiting.
@@ -57,14 +61,18 @@ template <int NumExperts,    // E: local experts; ids in [expert_offset, expert_
                              // (moe_gemm.cuh's kBlockN)
           int BlockThreads,  // threads per CTA of every route kernel: a multiple of 32 in
                              // [32, 1024]
-          int ChunkRows>     // C: entries one CTA ranks; N <= C runs the one-launch path.
+          int ChunkRows,     // C: entries one CTA ranks; N <= C runs the one-launch path.
                              // A multiple of BlockThreads, at most 32768
+          int GroupRows = 0>  // G: 0, or the warpgroup GEMM's token tile (a multiple of B):
+                              // the route also lists the groups of G / B consecutive blocks
+                              // of one expert its CTAs take (route_params.cuh group_tiles)
 struct RouteTraits {
   static constexpr int kExperts = NumExperts;
   static constexpr int kTopK = TopK;
   static constexpr int kBlockM = BlockM;
   static constexpr int kThreads = BlockThreads;
   static constexpr int kChunkRows = ChunkRows;
+  static constexpr int kGroupRows = GroupRows;
 
   // Derived.
   static constexpr int kWarps = kThreads / 32;
@@ -73,9 +81,10 @@ struct RouteTraits {
   // Scan kernel: threads per expert, each scanning a group of chunks (1 when E >= threads).
   static constexpr int kScanGroups =
       kThreads / kExperts < 1 ? 1 : (kThreads / kExperts > 32 ? 32 : kThreads / kExperts);
-  // Static shared memory of the rank phase: per-warp u16 counters, counts, block starts, scan.
-  static constexpr int kRankSharedBytes =
-      (kWarps * kExperts * 2 + 3) / 4 * 4 + kExperts * 4 + (kExperts + 1) * 4 + kWarps * 4;
+  // Static shared memory of the rank phase, at most: per-warp u16 counters, counts, block and
+  // group starts, the 64-bit scan and its alignment (the host's route_rank_shared_bytes).
+  static constexpr int kRankSharedBytes = (kWarps * kExperts * 2 + 3) / 4 * 4 + kExperts * 4 +
+                                          2 * (kExperts + 1) * 4 + kWarps * 8 + 8;
 
   static_assert(kExperts >= 1 && kExperts <= 32767,
                 "route: NumExperts must be in [1, 32767] (the multi-CTA path packs the local "
@@ -94,6 +103,9 @@ struct RouteTraits {
   static_assert(kItems <= 32,
                 "route: ChunkRows / BlockThreads must be at most 32 (entries a thread keeps in "
                 "registers); raise BlockThreads or lower ChunkRows");
+  static_assert(kGroupRows == 0 || (kGroupRows % kBlockM == 0 && kGroupRows <= 32767),
+                "route: GroupRows must be 0 or a multiple of BlockM up to 32767 (a group's rows "
+                "are packed into 15 bits)");
   static_assert(kRankSharedBytes <= 48 * 1024,
                 "route: the rank phase needs BlockThreads / 32 * NumExperts 16-bit counters in "
                 "static shared memory (48 KB at most); lower BlockThreads (e.g. 512 for 896 "
@@ -102,12 +114,25 @@ struct RouteTraits {
 
 namespace detail {
 
+// The value route_scan_experts scans: 64 bits where groups ride in the high half, else 32 (a
+// 64-bit scan cost the group-less route 0.2-0.3 us at kimi-k3.1-tp8 T = 24 on the H200).
+template <bool kGroups>
+struct RouteScanValue {
+  using Type = long long;
+};
+template <>
+struct RouteScanValue<false> {
+  using Type = int;
+};
+
 // Shared memory of the per-expert totals (every kernel but the scatter).
 template <class Traits>
 struct RouteExpertShared {
   int expert_count[Traits::kExperts];     // entries on expert e (in this chunk, or in all)
   int block_start[Traits::kExperts + 1];  // exclusive scan of ceil(count / B); [E] = total
-  int scan[Traits::kWarps];               // block-scan scratch
+  // Exclusive scan of ceil(count / G); [E] = total (one unused int without groups).
+  int group_start[Traits::kGroupRows > 0 ? Traits::kExperts + 1 : 1];
+  typename RouteScanValue<(Traits::kGroupRows > 0)>::Type scan[Traits::kWarps];  // scan scratch
 };
 
 // Shared memory of the rank phase (single-CTA and rank kernels).
@@ -139,31 +164,31 @@ __device__ __forceinline__ int route_active_warps(int n) {
   return per_warp == 0 ? 0 : (n + per_warp - 1) / per_warp;
 }
 
-// Exclusive scan of one int per thread over the CTA; `total` gets the sum. Every thread calls.
-template <class Traits>
-__device__ __forceinline__ int route_block_exclusive_scan(int value, int* scratch, int& total) {
+// Exclusive scan of one value per thread over the CTA; `total` gets the sum. Every thread calls.
+template <class Traits, class V>
+__device__ __forceinline__ V route_block_exclusive_scan(V value, V* scratch, V& total) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
-  int inclusive = value;
+  V inclusive = value;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    const V up = __shfl_up_sync(0xffffffffu, inclusive, d);
     if (lane >= d) inclusive += up;
   }
   if (lane == 31) scratch[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    int w = lane < Traits::kWarps ? scratch[lane] : 0;
+    V w = lane < Traits::kWarps ? scratch[lane] : 0;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      const int up = __shfl_up_sync(0xffffffffu, w, d);
+      const V up = __shfl_up_sync(0xffffffffu, w, d);
       if (lane >= d) w += up;
     }
     if (lane < Traits::kWarps) scratch[lane] = w;
   }
   __syncthreads();
   total = scratch[Traits::kWarps - 1];
-  const int before = warp == 0 ? 0 : scratch[warp - 1];
+  const V before = warp == 0 ? 0 : scratch[warp - 1];
   __syncthreads();  // scratch may be reused by the caller
   return before + inclusive - value;
 }
@@ -240,30 +265,71 @@ __device__ __forceinline__ void route_scan_warps(RouteRankShared<Traits>& s, int
   __syncthreads();
 }
 
-// s.block_start = exclusive scan over experts of ceil(s.expert_count[e] / B); [E] = total.
-// Thread i owns experts [i * P, i * P + P) (P = kExpertsPerThread). Ends synced.
+// An expert's blocks (low 32 bits) and, with groups, its groups (high 32 bits) for `count`
+// entries: one 64-bit scan gives both starts (neither sum passes N < 2^31, so no carry).
+template <class Traits>
+__device__ __forceinline__ typename RouteScanValue<(Traits::kGroupRows > 0)>::Type
+route_blocks_and_groups(int count) {
+  constexpr int B = Traits::kBlockM;
+  constexpr int G = Traits::kGroupRows;
+  typename RouteScanValue<(G > 0)>::Type v = (count + B - 1) / B;
+  if constexpr (G > 0) v += static_cast<long long>((count + G - 1) / G) << 32;
+  return v;
+}
+
+// s.block_start = exclusive scan over experts of ceil(s.expert_count[e] / B), and with groups
+// s.group_start of ceil(count / G); [E] = the totals. Thread i owns experts [i * P, i * P + P)
+// (P = kExpertsPerThread). Ends synced.
 template <class Traits>
 __device__ __forceinline__ void route_scan_experts(RouteExpertShared<Traits>& s) {
   constexpr int E = Traits::kExperts;
   constexpr int P = Traits::kExpertsPerThread;
-  constexpr int B = Traits::kBlockM;
   const int first = static_cast<int>(threadIdx.x) * P;
-  int mine = 0;
+  using V = typename RouteScanValue<(Traits::kGroupRows > 0)>::Type;
+  V mine = 0;
 #pragma unroll
   for (int j = 0; j < P; ++j) {
-    if (first + j < E) mine += (s.expert_count[first + j] + B - 1) / B;
+    if (first + j < E) mine += route_blocks_and_groups<Traits>(s.expert_count[first + j]);
   }
-  int total = 0;
-  int at = route_block_exclusive_scan<Traits>(mine, s.scan, total);
+  V total = 0;
+  V at = route_block_exclusive_scan<Traits>(mine, s.scan, total);
 #pragma unroll
   for (int j = 0; j < P; ++j) {
     if (first + j < E) {
-      s.block_start[first + j] = at;
-      at += (s.expert_count[first + j] + B - 1) / B;
+      s.block_start[first + j] = static_cast<int>(at);
+      if constexpr (Traits::kGroupRows > 0) s.group_start[first + j] = static_cast<int>(at >> 32);
+      at += route_blocks_and_groups<Traits>(s.expert_count[first + j]);
     }
   }
-  if (threadIdx.x == 0) s.block_start[E] = total;
+  if (threadIdx.x == 0) {
+    s.block_start[E] = static_cast<int>(total);
+    if constexpr (Traits::kGroupRows > 0) s.group_start[E] = static_cast<int>(total >> 32);
+  }
   __syncthreads();
+}
+
+// Group tiles j = first, first + stride, ... of expert e (`count` entries from block `start`,
+// its groups from `group`): {its first block, (rows << 16) | e} (route_params.cuh).
+template <class Traits>
+__device__ __forceinline__ void route_write_groups(const RouteParams& p, int e, int count,
+                                                   int start, int group, int first, int stride) {
+  constexpr int G = Traits::kGroupRows;
+  constexpr int kBlocksPerGroup = G / Traits::kBlockM;
+  const int groups = (count + G - 1) / G;
+  for (int j = first; j < groups; j += stride) {
+    const int rows = count - j * G < G ? count - j * G : G;
+    *reinterpret_cast<int2*>(p.group_tiles + 2 * (group + j)) =
+        make_int2(start + j * kBlocksPerGroup, (rows << 16) | e);
+  }
+}
+
+// group_tiles g = first, first + stride, ... from `total` (the groups used) below max_groups:
+// both ints -1.
+__device__ __forceinline__ void route_clear_groups(const RouteParams& p, int total, int first,
+                                                   int stride, int max_groups) {
+  for (int g = total + first; g < max_groups; g += stride) {
+    *reinterpret_cast<int2*>(p.group_tiles + 2 * g) = make_int2(-1, -1);
+  }
 }
 
 // Exclusive prefix, in place, of column[c * E] for c in [c_begin, c_end), starting from `sum`;
@@ -287,13 +353,16 @@ __device__ __forceinline__ int route_prefix_column(int* column, int c_begin, int
   return sum;
 }
 
-// Padding rows and block_expert entries of expert e (one warp): rows [B * start + count, B * end)
-// get -1, blocks [start, end) get e.
-template <int kBlockM>
+// Padding rows, block_expert entries and (with groups) group tiles of expert e (one warp): rows
+// [B * start + count, B * end) get -1, blocks [start, end) get e, its groups from `group` their
+// tiles.
+template <class Traits>
 __device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, int count, int start,
-                                                  int end, int lane) {
-  for (int r = start * kBlockM + count + lane; r < end * kBlockM; r += 32) p.sorted_rows[r] = -1;
+                                                  int end, int group, int lane) {
+  constexpr int B = Traits::kBlockM;
+  for (int r = start * B + count + lane; r < end * B; r += 32) p.sorted_rows[r] = -1;
   for (int b = start + lane; b < end; b += 32) p.block_expert[b] = e;
+  if constexpr (Traits::kGroupRows > 0) route_write_groups<Traits>(p, e, count, start, group, lane, 32);
 }
 
 // Padding rows and block_expert entries of the 32 experts [e0, e0 + 32) (one warp): for each
@@ -307,22 +376,23 @@ __device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, i
 // nonempty experts each (measured on the H200: gpt-oss, E = 128 over 32 warps, T = 96 took
 // 10.2 us with groups against 4.3 us with a warp per expert), so the scatter kernel takes a warp
 // per expert then.
-template <int kExperts, int kBlockM>
+template <class Traits>
 __device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0, const int* counts,
                                                  const int* starts, int lane) {
+  constexpr int kExperts = Traits::kExperts;
   const int e = e0 + lane;
   const int count = e < kExperts ? counts[e] : 0;
   const int start = e < kExperts ? starts[e] : 0;
   const int end = e < kExperts ? starts[e + 1] : 0;
+  int group = 0;
+  if constexpr (Traits::kGroupRows > 0) group = e < kExperts ? p.expert_group_offset[e] : 0;
   unsigned todo = __ballot_sync(0xffffffffu, end > start);
   while (todo != 0u) {
     const int j = __ffs(static_cast<int>(todo)) - 1;
     todo &= todo - 1u;
-    const int c = __shfl_sync(0xffffffffu, count, j);
-    const int first = __shfl_sync(0xffffffffu, start, j);
-    const int last = __shfl_sync(0xffffffffu, end, j);
-    for (int r = first * kBlockM + c + lane; r < last * kBlockM; r += 32) p.sorted_rows[r] = -1;
-    for (int b = first + lane; b < last; b += 32) p.block_expert[b] = e0 + j;
+    route_fill_expert<Traits>(p, e0 + j, __shfl_sync(0xffffffffu, count, j),
+                              __shfl_sync(0xffffffffu, start, j), __shfl_sync(0xffffffffu, end, j),
+                              __shfl_sync(0xffffffffu, group, j), lane);
   }
 }
 
@@ -395,9 +465,19 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
     p.expert_counts[e] = s.x.expert_count[e];
     p.expert_block_offset[e] = s.x.block_start[e];
     detail::route_pad_expert<B>(p, s.x.expert_count[e], s.x.block_start[e], s.x.block_start[e + 1]);
+    if constexpr (Traits::kGroupRows > 0) {
+      p.expert_group_offset[e] = s.x.group_start[e];
+      detail::route_write_groups<Traits>(p, e, s.x.expert_count[e], s.x.block_start[e],
+                                         s.x.group_start[e], 0, 1);
+    }
   }
   detail::route_block_experts<E>(p, s.x.block_start, tid, Traits::kThreads,
                                  static_cast<int>(route_max_blocks(n, E, B)));
+  if constexpr (Traits::kGroupRows > 0) {
+    detail::route_clear_groups(p, s.x.group_start[E], tid, Traits::kThreads,
+                               static_cast<int>(route_max_groups(n, E, Traits::kGroupRows)));
+    if (tid == 0) p.expert_group_offset[E] = s.x.group_start[E];
+  }
   if (tid == 0) {
     p.expert_block_offset[E] = total;
     *p.total_blocks = total;
@@ -511,10 +591,12 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scan_kernel(const Rout
   for (int e = tid; e < E; e += Traits::kThreads) {
     p.expert_counts[e] = s.expert_count[e];
     p.expert_block_offset[e] = s.block_start[e];
+    if constexpr (Traits::kGroupRows > 0) p.expert_group_offset[e] = s.group_start[e];
   }
   if (tid == 0) {
     p.expert_block_offset[E] = s.block_start[E];
     *p.total_blocks = s.block_start[E];
+    if constexpr (Traits::kGroupRows > 0) p.expert_group_offset[E] = s.group_start[E];
   }
 }
 
@@ -566,18 +648,24 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
   const int grid_warps = static_cast<int>(gridDim.x) * Traits::kWarps;
   if ((E + 31) / 32 >= grid_warps) {
     for (int e0 = chunk * Traits::kThreads + (tid & ~31); e0 < E; e0 += grid_threads) {
-      detail::route_fill_group<E, B>(p, e0, p.expert_counts, p.expert_block_offset, lane);
+      detail::route_fill_group<Traits>(p, e0, p.expert_counts, p.expert_block_offset, lane);
     }
   } else {
     for (int e = chunk * Traits::kWarps + (tid >> 5); e < E; e += grid_warps) {
-      detail::route_fill_expert<B>(p, e, p.expert_counts[e], p.expert_block_offset[e],
-                                   p.expert_block_offset[e + 1], lane);
+      detail::route_fill_expert<Traits>(
+          p, e, p.expert_counts[e], p.expert_block_offset[e], p.expert_block_offset[e + 1],
+          Traits::kGroupRows > 0 ? p.expert_group_offset[e] : 0, lane);
     }
   }
   const int total = p.expert_block_offset[E];
   const int max_blocks = static_cast<int>(route_max_blocks(rows, E, B));
   for (int b = total + chunk * Traits::kThreads + tid; b < max_blocks; b += grid_threads) {
     p.block_expert[b] = -1;
+  }
+  if constexpr (Traits::kGroupRows > 0) {
+    detail::route_clear_groups(p, p.expert_group_offset[E], chunk * Traits::kThreads + tid,
+                               grid_threads,
+                               static_cast<int>(route_max_groups(rows, E, Traits::kGroupRows)));
   }
 }
 

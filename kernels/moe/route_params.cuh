@@ -18,6 +18,15 @@
 //   slot_row[N]                 for each entry t * K + s its row in sorted_rows, or -1 when
 //                               the id is -1 or not local (it then contributes nothing)
 //   total_blocks[1]             sum over experts of ceil(count / B)
+// and, where the route is built with GroupRows = G > 0 (the warpgroup GEMM's token tile, a
+// multiple of B: its CTAs take G / B consecutive blocks of one expert):
+//   expert_group_offset[E + 1]  first group of each expert (exclusive scan of ceil(count / G));
+//                               [E] = the groups used
+//   group_tiles[2 * max_groups] for each group g < [E], two ints: the group's first block
+//                               (offset[e] + j * G / B for group j of expert e) and
+//                               (rows << 16) | e, rows = min(G, count - j * G) its real rows (a
+//                               prefix of its G); both -1 for every g in [groups used,
+//                               max_groups) (all written). max_groups = max_blocks(N, E, G).
 // Local experts are ids in [expert_offset, expert_offset + E).
 //
 // The block bound. With n_e entries on expert e, sum n_e = M <= N and at most min(E, M)
@@ -56,6 +65,8 @@ struct RouteParams {
   int* slot_row = nullptr;             // [N]
   int* total_blocks = nullptr;         // [1]
   int* chunk_base = nullptr;           // [route_num_chunks(N, C), E]: multi-CTA path only
+  int* expert_group_offset = nullptr;  // [E + 1], in groups: GroupRows > 0 only
+  int* group_tiles = nullptr;          // [2 * route_max_blocks(N, E, G)]: GroupRows > 0 only
 };
 
 // combine: out[t, :] = sum over slots s = 0..K-1 in order of fc2_out[slot_row[t * K + s], :]
@@ -106,6 +117,13 @@ MOEJIT_HD constexpr long long route_scatter_ctas(long long rows, long long chunk
   return chunks > fill ? chunks : fill;
 }
 
+// Groups of G rows the buffer must hold (GroupRows = G; 0 when G is 0: no groups): the block
+// bound with G for B, as a group is ceil(count / G) per expert exactly like a block.
+MOEJIT_HD constexpr long long route_max_groups(long long rows, long long experts,
+                                               long long group_rows) {
+  return group_rows > 0 ? route_max_blocks(rows, experts, group_rows) : 0;
+}
+
 // Whether N entries take the one-launch path (route_single_kernel): N <= C.
 MOEJIT_HD constexpr bool route_is_single_cta(long long rows, long long chunk_rows) {
   return rows <= chunk_rows;
@@ -125,16 +143,20 @@ struct RouteWorkspaceLayout {
   unsigned long long slot_row = 0;
   unsigned long long total_blocks = 0;
   unsigned long long chunk_base = 0;  // [route_num_chunks(N, C), E] (one row for N <= C)
-  unsigned long long bytes = 0;       // total size
+  unsigned long long expert_group_offset = 0;  // [E + 1] (empty when G is 0)
+  unsigned long long group_tiles = 0;          // [2 * max_groups] (empty when G is 0)
+  unsigned long long bytes = 0;                // total size
 };
 
 MOEJIT_HD constexpr unsigned long long route_align_up(unsigned long long bytes) {
   return (bytes + kRouteAlign - 1) / kRouteAlign * kRouteAlign;
 }
 
+// group_rows: the route's GroupRows (0: no group arrays).
 MOEJIT_HD constexpr RouteWorkspaceLayout route_workspace_layout(long long rows, long long experts,
                                                                 long long block_m,
-                                                                long long chunk_rows) {
+                                                                long long chunk_rows,
+                                                                long long group_rows = 0) {
   const unsigned long long n = rows > 0 ? static_cast<unsigned long long>(rows) : 0ull;
   const unsigned long long e = experts > 0 ? static_cast<unsigned long long>(experts) : 0ull;
   const unsigned long long blocks =
@@ -161,6 +183,12 @@ MOEJIT_HD constexpr RouteWorkspaceLayout route_workspace_layout(long long rows, 
   at = route_align_up(at + kInt);
   layout.chunk_base = at;
   at = route_align_up(at + chunks * e * kInt);
+  const unsigned long long groups =
+      static_cast<unsigned long long>(route_max_groups(rows, experts, group_rows));
+  layout.expert_group_offset = at;
+  if (group_rows > 0) at = route_align_up(at + (e + 1) * kInt);
+  layout.group_tiles = at;
+  at = route_align_up(at + 2 * groups * kInt);
   layout.bytes = at;
   return layout;
 }

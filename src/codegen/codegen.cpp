@@ -104,10 +104,13 @@ FamilyText family_text(const MoeRouteParams& p) {
   std::ostringstream name;
   name << kMoeNs << route_kernel_function(p.kernel) << '<' << kMoeNs << "RouteTraits<"
        << p.num_experts << ", " << p.top_k << ", " << p.block_m << ", " << p.block_threads << ", "
-       << p.chunk_rows << ">>";
+       << p.chunk_rows;
+  if (p.group_rows != 0) name << ", " << p.group_rows;  // GroupRows defaults to 0
+  name << ">>";
   std::ostringstream stem;
   stem << "route_" << route_kernel_name(p.kernel) << "_e" << p.num_experts << "_k" << p.top_k
        << "_b" << p.block_m << "_t" << p.block_threads << "_c" << p.chunk_rows;
+  if (p.group_rows != 0) stem << "_g" << p.group_rows;
   return FamilyText{"moejit/kern/moe/route.cuh", name.str(), stem.str()};
 }
 

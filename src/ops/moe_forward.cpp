@@ -317,6 +317,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   route.slot_row = reinterpret_cast<int*>(base + layout.slot_row);
   route.total_blocks = reinterpret_cast<int*>(base + layout.total_blocks);
   route.chunk_base = reinterpret_cast<int*>(base + layout.chunk_base);
+  route.expert_group_offset = reinterpret_cast<int*>(base + layout.expert_group_offset);
+  route.group_tiles = reinterpret_cast<int*>(base + layout.group_tiles);
   {
     void* route_args[] = {&route};
     const unsigned chunks =
@@ -338,14 +340,20 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
 
   // 3. FC1: W13 x hidden -> activation -> inter.
   const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
-  // A GEMM's grid (moe_gemm.cuh's cta_tile): M tiles in x (fastest), the route blocks over y
+  // The tiles a GEMM's grid provisions over y and z: the route's groups for the warpgroup tile
+  // (moe_gemm_wg.cuh), its blocks otherwise.
+  const auto gemm_tiles = [&](const MarlinMoeParams& params) {
+    return params.wgmma_n != 0 ? layout.max_groups : layout.max_blocks;
+  };
+  // A GEMM's grid (moe_gemm.cuh's cta_tile): M tiles in x (fastest), the tiles over y
   // (kGridBlocksY at most) and z.
   const auto gemm_grid = [&](const MarlinMoeParams& params, int m_atoms, int smem) {
     const long long y = kern::moe::kGridBlocksY;
+    const long long tiles = gemm_tiles(params);
     detail::LaunchShape geometry;
     geometry.grid_x = static_cast<unsigned>(detail::marlin_moe_m_tiles(params, m_atoms));
-    geometry.grid_y = static_cast<unsigned>(std::min<long long>(layout.max_blocks, y));
-    geometry.grid_z = static_cast<unsigned>((layout.max_blocks + y - 1) / y);
+    geometry.grid_y = static_cast<unsigned>(std::min<long long>(tiles, y));
+    geometry.grid_z = static_cast<unsigned>((tiles + y - 1) / y);
     geometry.block = static_cast<unsigned>(detail::marlin_moe_threads(params));
     geometry.smem = static_cast<unsigned>(smem);
     return geometry;
@@ -358,6 +366,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.output = base + layout.inter;
   fc1.sorted_rows = route.sorted_rows;
   fc1.block_expert = route.block_expert;
+  fc1.group_tiles = route.group_tiles;
   fc1.topk_weights = static_cast<const float*>(weights.data);
   fc1.ld_input = hidden_size;
   fc1.ld_output = shape.intermediate;
@@ -366,9 +375,9 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.m_atoms = sizes.fc1_m_atoms;
   fc1.k_atoms = sizes.fc1_k_atoms;
   fc1.top_k = shape.top_k;
-  fc1.blocks = static_cast<int>(layout.max_blocks);
+  fc1.blocks = static_cast<int>(gemm_tiles(specs.fc1_params));
   const detail::GemmPrefetch prefetch =
-      detail::fc1_prefetch(shape, config, specs.fc1_params, sizes, layout.max_blocks,
+      detail::fc1_prefetch(shape, config, specs.fc1_params, sizes, fc1.blocks,
                            detail::multiprocessor_count(device.ordinal), device.arch);
   fc1.prefetch_experts = prefetch.experts;
   fc1.prefetch_m_tiles = prefetch.m_tiles;
@@ -388,6 +397,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.output = base + layout.out2;
   fc2.sorted_rows = route.sorted_rows;
   fc2.block_expert = route.block_expert;
+  fc2.group_tiles = route.group_tiles;
   fc2.topk_weights = static_cast<const float*>(weights.data);
   fc2.ld_input = shape.intermediate;
   fc2.ld_output = hidden_size;
@@ -396,7 +406,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.m_atoms = sizes.fc2_m_atoms;
   fc2.k_atoms = sizes.fc2_k_atoms;
   fc2.top_k = shape.top_k;
-  fc2.blocks = static_cast<int>(layout.max_blocks);
+  fc2.blocks = static_cast<int>(gemm_tiles(specs.fc2_params));
   {
     void* fc2_args[] = {&fc2};
     const detail::LaunchShape geometry = gemm_grid(specs.fc2_params, sizes.fc2_m_atoms, fc2_smem);

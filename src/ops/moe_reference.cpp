@@ -48,7 +48,7 @@ uint8_t nearest_e2m1(double v) {
 // ---- route ----------------------------------------------------------------------------------
 
 RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tokens, int top_k,
-                               int num_experts, int expert_offset, int block_m) {
+                               int num_experts, int expert_offset, int block_m, int group_rows) {
   MOEJIT_CHECK(
       num_tokens >= 0 && top_k >= 1 && num_experts >= 1 && block_m >= 1 && expert_offset >= 0,
       kBadArg,
@@ -56,6 +56,10 @@ RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tok
       "expert_offset >= 0; found T = "
           << num_tokens << ", K = " << top_k << ", E = " << num_experts << ", block_m = " << block_m
           << ", expert_offset = " << expert_offset);
+  MOEJIT_CHECK(group_rows == 0 || (group_rows >= block_m && group_rows % block_m == 0), kBadArg,
+               "route_reference: group_rows = " << group_rows
+                                                << " must be 0 or a multiple of block_m = "
+                                                << block_m);
   const int64_t n = static_cast<int64_t>(num_tokens) * top_k;
   MOEJIT_CHECK(static_cast<int64_t>(topk_ids.size()) == n, kBadArg,
                "route_reference: topk_ids holds "
@@ -102,6 +106,23 @@ RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tok
     const int32_t row = next[static_cast<size_t>(e)]++;
     out.sorted_rows[static_cast<size_t>(row)] = static_cast<int32_t>(i);
     out.slot_row[static_cast<size_t>(i)] = row;
+  }
+  if (group_rows > 0) {
+    out.max_groups = n == 0 ? 0 : (n + nonempty * (group_rows - 1)) / group_rows;
+    out.expert_group_offset.assign(static_cast<size_t>(num_experts) + 1, 0);
+    out.group_tiles.assign(static_cast<size_t>(out.max_groups) * 2, -1);
+    for (size_t e = 0; e < out.expert_counts.size(); ++e) {
+      const int32_t count = out.expert_counts[e];
+      const int32_t groups = (count + group_rows - 1) / group_rows;
+      const int32_t first = out.expert_group_offset[e];
+      out.expert_group_offset[e + 1] = first + groups;
+      for (int32_t j = 0; j < groups; ++j) {
+        const size_t g = static_cast<size_t>(first + j);
+        out.group_tiles[2 * g] = out.expert_block_offset[e] + j * (group_rows / block_m);
+        out.group_tiles[2 * g + 1] =
+            (std::min(group_rows, count - j * group_rows) << 16) | static_cast<int32_t>(e);
+      }
+    }
   }
   return out;
 }

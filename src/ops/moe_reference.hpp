@@ -22,13 +22,19 @@ struct RouteReference {
   std::vector<int32_t> slot_row;             // [T * K]: row of entry t * K + s, or -1
   int32_t total_blocks = 0;
   int64_t max_blocks = 0;  // the buffer bound: (N + min(E, N) * (B - 1)) / B, N = T * K
+  // With group_rows G > 0 (route_params.cuh's groups; empty without):
+  std::vector<int32_t> expert_group_offset;  // [E + 1], in groups; [E] = the groups used
+  std::vector<int32_t> group_tiles;          // [2 * max_groups]: {first block, rows << 16 | e}
+  int64_t max_groups = 0;                    // the same bound with G for B
 };
 
 // The route of `topk_ids` [T, K] onto local experts [expert_offset, expert_offset + E) with
-// blocks of `block_m` rows. Throws Error{kInvalidArgument} when ids.size() != T * K, T < 0,
-// K < 1, E < 1, block_m < 1 or expert_offset < 0.
+// blocks of `block_m` rows and, where group_rows > 0, groups of group_rows rows (a multiple of
+// block_m). Throws Error{kInvalidArgument} when ids.size() != T * K, T < 0, K < 1, E < 1,
+// block_m < 1, expert_offset < 0, or group_rows is neither 0 nor a multiple of block_m.
 RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tokens, int top_k,
-                               int num_experts, int expert_offset, int block_m);
+                               int num_experts, int expert_offset, int block_m,
+                               int group_rows = 0);
 
 // ---- bf16 -----------------------------------------------------------------------------------
 

@@ -132,6 +132,10 @@ std::string route_problem(const MoeRouteParams& p) {
     os << "chunk_rows / block_threads = " << p.chunk_rows / p.block_threads
        << " entries per thread; allowed: at most 32 (kept in registers): raise block_threads or "
           "lower chunk_rows";
+  } else if (p.group_rows != 0 &&
+             (p.group_rows < p.block_m || p.group_rows % p.block_m != 0 || p.group_rows > 32767)) {
+    os << "group_rows = " << p.group_rows << " is not allowed; allowed: 0 (no groups) or a "
+       << "multiple of block_m (" << p.block_m << ") up to 32767 (the warpgroup GEMM's token tile)";
   } else if (detail::route_rank_shared_bytes(p.num_experts, p.block_threads) >
              detail::kRouteStaticSharedLimit) {
     os << "block_threads = " << p.block_threads << " with num_experts = " << p.num_experts
@@ -452,6 +456,7 @@ void add_params_json(nlohmann::ordered_json& out, const MoeRouteParams& p) {
   out["block_m"] = p.block_m;
   out["block_threads"] = p.block_threads;
   out["chunk_rows"] = p.chunk_rows;
+  out["group_rows"] = p.group_rows;
 }
 
 void add_params_json(nlohmann::ordered_json& out, const MoeRepackParams& p) {
@@ -504,7 +509,9 @@ void add_params_json(nlohmann::ordered_json& out, const MoeDecodeParams& p) {
 
 void add_params_display(std::ostringstream& os, const MoeRouteParams& p) {
   os << '<' << route_kernel_name(p.kernel) << ",e" << p.num_experts << ",k" << p.top_k << ",b"
-     << p.block_m << ",t" << p.block_threads << ",c" << p.chunk_rows << '>';
+     << p.block_m << ",t" << p.block_threads << ",c" << p.chunk_rows;
+  if (p.group_rows != 0) os << ",g" << p.group_rows;
+  os << '>';
 }
 
 void add_params_display(std::ostringstream& os, const MoeRepackParams& p) {
@@ -577,6 +584,7 @@ void hash_params(std::size_t& seed, const MoeRouteParams& p) {
   combine(seed, std::hash<int>{}(p.block_m));
   combine(seed, std::hash<int>{}(p.block_threads));
   combine(seed, std::hash<int>{}(p.chunk_rows));
+  combine(seed, std::hash<int>{}(p.group_rows));
 }
 
 void hash_params(std::size_t& seed, const MoeRepackParams& p) {

@@ -688,7 +688,9 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
 long long route_rank_shared_bytes(int num_experts, int block_threads) {
   const long long e = num_experts;
   const long long warps = block_threads / 32;
-  return (warps * e * 2 + 3) / 4 * 4 + e * 4 + (e + 1) * 4 + warps * 4;
+  // route.cuh's RouteTraits::kRankSharedBytes: counters, counts, block and group starts, the
+  // 64-bit scan and its alignment (the group starts counted whether or not the route has them).
+  return (warps * e * 2 + 3) / 4 * 4 + e * 4 + 2 * (e + 1) * 4 + warps * 8 + 8;
 }
 
 long long max_dynamic_smem_bytes(const Arch& arch) {
@@ -1052,6 +1054,9 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.route.num_experts = shape.num_experts;
   c.route.top_k = shape.top_k;
   c.route.block_m = tile.block_n;  // route block == the GEMM's token tile
+  // The warpgroup tile's CTAs take groups of its wgmma_n rows: the route lists them, so its grid
+  // holds groups, not blocks (moe_gemm_wg.cuh).
+  c.route.group_rows = c.wgmma ? c.fc1_wgmma.wgmma_n : 0;
   c.route.block_threads = threads;
   c.route_single = rows <= route_single_rows(threads);
   c.route.kernel = c.route_single ? RouteKernel::kSingle : RouteKernel::kRank;
@@ -1094,6 +1099,10 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
     // Why: the rank kernel never reads the block size (it ranks entries within their chunk), so
     // every block size shares one rank kernel instead of one compile per block size.
     if (part.kernel == RouteKernel::kRank) part.block_m = kRouteRankBlockM;
+    // Groups only for the warpgroup tile, which the rank kernel never serves either.
+    if (part.kernel == RouteKernel::kRank || !(config.wgmma && wgmma_runs_on(arch))) {
+      part.group_rows = 0;
+    }
     s.route[i] = make_spec(Family::kRoute, arch, part);
   }
   const bool wgmma = config.wgmma && wgmma_runs_on(arch);
@@ -1208,8 +1217,9 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
 
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config) {
   const long long rows = static_cast<long long>(config.tokens) * shape.top_k;
-  const kern::moe::RouteWorkspaceLayout route = kern::moe::route_workspace_layout(
-      rows, shape.num_experts, config.route.block_m, config.route.chunk_rows);
+  const kern::moe::RouteWorkspaceLayout route =
+      kern::moe::route_workspace_layout(rows, shape.num_experts, config.route.block_m,
+                                        config.route.chunk_rows, config.route.group_rows);
   MoeWorkspaceLayout w;
   w.expert_counts = to_size(route.expert_counts);
   w.expert_block_offset = to_size(route.expert_block_offset);
@@ -1218,6 +1228,9 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
   w.slot_row = to_size(route.slot_row);
   w.total_blocks = to_size(route.total_blocks);
   w.chunk_base = to_size(route.chunk_base);
+  w.expert_group_offset = to_size(route.expert_group_offset);
+  w.group_tiles = to_size(route.group_tiles);
+  w.max_groups = kern::moe::route_max_groups(rows, shape.num_experts, config.route.group_rows);
   w.max_blocks = kern::moe::route_max_blocks(rows, shape.num_experts, config.route.block_m);
   w.padded_rows = kern::moe::route_max_padded_rows(rows, shape.num_experts, config.route.block_m);
   std::size_t at = to_size(route.bytes);

@@ -196,14 +196,17 @@ struct MoeWorkspaceLayout {
   std::size_t slot_row = 0;
   std::size_t total_blocks = 0;
   std::size_t chunk_base = 0;
+  std::size_t expert_group_offset = 0;  // with config.route.group_rows only (else empty)
+  std::size_t group_tiles = 0;
   std::size_t ids32 = 0;         // narrowed ids [T * K] int32 (only with narrow_ids)
   std::size_t inter = 0;         // FC1 output, bf16 [padded rows, I]
   std::size_t out2 = 0;          // FC2 output, [padded rows, H] in fc2.out_dtype
   std::size_t marlin_bytes = 0;  // end of the marlin chain's regions
   std::size_t decode_bytes = 0;  // config.decode: decode_moe's Geometry::workspace_bytes(), else 0
   std::size_t bytes = 0;         // max(marlin_bytes, decode_bytes): enough for either path
-  long long max_blocks = 0;      // route blocks provisioned: the GEMMs' grid.y x grid.z
+  long long max_blocks = 0;      // route blocks provisioned: the mma.sync GEMMs' grid.y x grid.z
   long long padded_rows = 0;     // max_blocks * block
+  long long max_groups = 0;      // groups provisioned: the warpgroup GEMMs' grid.y x grid.z
 };
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config);
 
@@ -222,7 +225,8 @@ MoeWeightSizes moe_weight_sizes(const ModelShape& shape);
 // FC1's L2 prefetch before its grid wait (MoeGemmParams::prefetch_*; moe_gemm.cuh's
 // prefetch_first_weights) for `fc1` (config.fc1, or config.fc1_wgmma where that runs) over the
 // repacked `sizes` (moe_weight_sizes(shape), which the op already holds) at T = config.tokens,
-// FC1's route blocks = max_blocks, on a device of `sms` SMs and arch `arch`; all 0 = none. On sm_90
+// FC1's grid tiles (route blocks, or groups for the warpgroup tile) = max_blocks, on a device
+// of `sms` SMs and arch `arch`; all 0 = none. On sm_90
 // or newer where uniform routing is expected to leave at most kFc1PrefetchMaxUntouched of the
 // local experts untouched: every M tile of the blocks the first wave serves (the grid runs M
 // tiles fastest, so those are the first ceil(sms x min_blocks_per_sm / m_tiles) blocks), block b

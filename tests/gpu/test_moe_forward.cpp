@@ -911,6 +911,12 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
       const moejit::detail::MoeWorkspaceLayout ws =
           moejit::detail::moe_workspace_layout(shape, config);
       const int block = config.route.block_m;
+      // The groups the route lists where the warpgroup tile runs on this arch (0: none).
+      const moejit::detail::MoeForwardSpecs specs = moejit::detail::moe_forward_specs(
+          config, moejit::detail::Runtime::instance().current_arch());
+      const int group_rows =
+          std::get<moejit::MoeRouteParams>(specs.route[specs.route_count - 1].params).group_rows;
+      CHECK(group_rows == specs.fc1_params.wgmma_n);
       // Hidden states of zero and equal top-k weights: only the ids matter here.
       Tokens tk;
       tk.count = tokens;
@@ -919,14 +925,15 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
       tk.weights.assign(to_size(static_cast<int64_t>(tokens) * shape.top_k),
                         1.0f / static_cast<float>(shape.top_k));
       for (auto& [label, ids] : route_id_cases(shape, tokens, rng, tokens <= 1000)) {
-        INFO(shape.name << " T=" << tokens << " B=" << block << " ("
+        INFO(shape.name << " T=" << tokens << " B=" << block << " G=" << group_rows << " ("
                         << (config.route_single ? "one launch" : "three launches") << ") "
                         << label);
         tk.ids.assign(ids.begin(), ids.end());
         ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
         const moejit::detail::RouteReference ref = moejit::detail::route_reference(
-            ids, tokens, shape.top_k, shape.num_experts, shape.expert_offset, block);
+            ids, tokens, shape.top_k, shape.num_experts, shape.expert_offset, block, group_rows);
         REQUIRE(ref.max_blocks == ws.max_blocks);
+        REQUIRE(ref.max_groups == (group_rows > 0 ? ws.max_groups : 0));
         std::vector<int32_t> first_rows;
         for (int run = 0; run < 3; ++run) {
           INFO("run " << run);
@@ -945,6 +952,12 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
           CHECK(download_at<int32_t>(io.workspace, ws.block_expert, to_size(ref.max_blocks)) ==
                 ref.block_expert);
           CHECK(download_at<int32_t>(io.workspace, ws.slot_row, ids.size()) == ref.slot_row);
+          if (group_rows > 0) {
+            CHECK(download_at<int32_t>(io.workspace, ws.expert_group_offset, e + 1) ==
+                  ref.expert_group_offset);
+            CHECK(download_at<int32_t>(io.workspace, ws.group_tiles,
+                                       to_size(2 * ref.max_groups)) == ref.group_tiles);
+          }
           const std::vector<int32_t> rows =
               download_at<int32_t>(io.workspace, ws.sorted_rows, ref.sorted_rows.size());
           CHECK(rows == ref.sorted_rows);

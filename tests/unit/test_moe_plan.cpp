@@ -980,6 +980,9 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
       {[](MoeRouteParams& p) { p.block_threads = 100; }, {"block_threads = 100"}},
       {[](MoeRouteParams& p) { p.chunk_rows = 1536; }, {"chunk_rows = 1536", "multiple"}},
       {[](MoeRouteParams& p) { p.chunk_rows = 65536; }, {"chunk_rows = 65536", "16-bit"}},
+      {[](MoeRouteParams& p) { p.group_rows = 12; }, {"group_rows = 12", "multiple of block_m"}},
+      {[](MoeRouteParams& p) { p.group_rows = 4; }, {"group_rows = 4", "multiple of block_m"}},
+      {[](MoeRouteParams& p) { p.group_rows = 40000; }, {"group_rows = 40000", "32767"}},
       {[](MoeRouteParams& p) {
          p.block_threads = 32;
          p.chunk_rows = 2048;
@@ -1185,6 +1188,12 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
   CHECK(detail::render(spec_of(Family::kRoute, good_route())).name_expression ==
         "moejit::kern::moe::route_single_kernel<moejit::kern::moe::RouteTraits<128, 4, 8, 1024, "
         "1024>>");
+  MoeRouteParams grouped = good_route();
+  grouped.group_rows = 64;
+  CHECK(detail::render(spec_of(Family::kRoute, grouped)).name_expression ==
+        "moejit::kern::moe::route_single_kernel<moejit::kern::moe::RouteTraits<128, 4, 8, 1024, "
+        "1024, 64>>");
+  CHECK(spec_of(Family::kRoute, grouped).display_name() != spec_of(Family::kRoute, good_route()).display_name());
   CHECK(detail::render(spec_of(Family::kCombine, good_combine())).name_expression ==
         "moejit::kern::moe::combine_kernel<moejit::kern::moe::CombineTraits<2880, 4, false, "
         "256>>");

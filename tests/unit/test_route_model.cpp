@@ -33,12 +33,13 @@ struct RouteCase {
   int offset;
   int block_m;
   std::vector<int32_t> ids;
+  int group_rows = 0;  // the warpgroup GEMM's groups (0: none)
 };
 
 // Every property the route contract promises, checked by brute force against the ids.
 void check_route(const RouteCase& c, const RouteReference& r) {
   INFO("case " << c.name << ": T = " << c.tokens << ", K = " << c.top_k << ", E = " << c.experts
-               << ", offset = " << c.offset << ", B = " << c.block_m);
+               << ", offset = " << c.offset << ", B = " << c.block_m << ", G = " << c.group_rows);
   const int64_t n = static_cast<int64_t>(c.tokens) * c.top_k;
   const int B = c.block_m;
   auto is_local = [&](int32_t id) {
@@ -116,10 +117,51 @@ void check_route(const RouteCase& c, const RouteReference& r) {
       REQUIRE(r.slot_row[k] == -1);
     }
   }
+
+  // Groups: expert e's ceil(count / G) groups, consecutive from its group offset, tile its real
+  // rows in order, G at a time, each starting on one of its blocks; -1 past the groups used.
+  const int G = c.group_rows;
+  REQUIRE(moejit::kern::moe::route_max_groups(n, c.experts, G) == r.max_groups);
+  if (G == 0) {
+    REQUIRE(r.max_groups == 0);
+    REQUIRE(r.group_tiles.empty());
+    REQUIRE(r.expert_group_offset.empty());
+    return;
+  }
+  REQUIRE(r.max_groups == (n == 0 ? 0 : (n + std::min<int64_t>(c.experts, n) * (G - 1)) / G));
+  REQUIRE(r.group_tiles.size() == static_cast<size_t>(r.max_groups) * 2);
+  REQUIRE(r.expert_group_offset.size() == static_cast<size_t>(c.experts) + 1);
+  REQUIRE(r.expert_group_offset[0] == 0);
+  for (int e = 0; e < c.experts; ++e) {
+    const size_t i = static_cast<size_t>(e);
+    const int32_t groups = r.expert_group_offset[i + 1] - r.expert_group_offset[i];
+    REQUIRE(groups == (brute_count[i] + G - 1) / G);
+    int32_t covered = 0;  // real rows of e in the groups so far
+    for (int32_t g = r.expert_group_offset[i]; g < r.expert_group_offset[i + 1]; ++g) {
+      const int32_t block = r.group_tiles[2 * static_cast<size_t>(g)];
+      const int32_t packed = r.group_tiles[2 * static_cast<size_t>(g) + 1];
+      const int32_t rows = packed >> 16;
+      REQUIRE((packed & 0xffff) == e);
+      REQUIRE(block * B == r.expert_block_offset[i] * B + covered);
+      REQUIRE(rows == std::min(G, brute_count[i] - covered));
+      REQUIRE(block + (rows + B - 1) / B <= r.expert_block_offset[i + 1]);
+      for (int32_t row = block * B; row < block * B + rows; ++row) {
+        REQUIRE(r.sorted_rows[static_cast<size_t>(row)] >= 0);
+      }
+      covered += rows;
+    }
+    REQUIRE(covered == brute_count[i]);
+  }
+  REQUIRE(r.expert_group_offset.back() <= r.max_groups);
+  for (int64_t g = r.expert_group_offset.back(); g < r.max_groups; ++g) {
+    REQUIRE(r.group_tiles[2 * static_cast<size_t>(g)] == -1);
+    REQUIRE(r.group_tiles[2 * static_cast<size_t>(g) + 1] == -1);
+  }
 }
 
 RouteReference run_case(const RouteCase& c) {
-  return route_reference(c.ids, c.tokens, c.top_k, c.experts, c.offset, c.block_m);
+  return route_reference(c.ids, c.tokens, c.top_k, c.experts, c.offset, c.block_m,
+                         c.group_rows);
 }
 
 std::vector<int32_t> random_ids(std::mt19937_64& rng, int tokens, int top_k, int global_experts,
@@ -157,6 +199,16 @@ TEST_CASE("route model: a small case worked by hand", "[route]") {
   CHECK(r.sorted_rows == std::vector<int32_t>{1, -1, 0, 3, 4, -1, 2, -1});
   CHECK(r.slot_row == std::vector<int32_t>{2, 0, 6, 3, 4, -1});
   CHECK(r.block_expert == std::vector<int32_t>{0, 1, 1, 2, -1});
+  CHECK(r.max_groups == 0);
+
+  // Groups of 4 rows (two blocks): expert 1's three rows in one group from block 1; max_groups
+  // (6 + 4 * 3) / 4 = 4.
+  RouteCase grouped = c;
+  grouped.group_rows = 4;
+  const RouteReference g = run_case(grouped);
+  check_route(grouped, g);
+  CHECK(g.expert_group_offset == std::vector<int32_t>{0, 1, 2, 3, 3});
+  CHECK(g.group_tiles == std::vector<int32_t>{0, 1 << 16 | 0, 1, 3 << 16 | 1, 3, 1 << 16 | 2, -1, -1});
 }
 
 TEST_CASE("route model: random ids on real and odd shapes", "[route]") {
@@ -178,7 +230,9 @@ TEST_CASE("route model: random ids on real and odd shapes", "[route]") {
                       s.experts,
                       rank * s.experts,
                       block_m,
-                      random_ids(rng, tokens, s.top_k, s.experts * s.ep_ranks, 0.1)};
+                      random_ids(rng, tokens, s.top_k, s.experts * s.ep_ranks, 0.1),
+                      // Groups of 1, 2, 4 or 8 blocks, and none.
+                      (tokens + rank) % 5 == 4 ? 0 : block_m << ((tokens + rank) % 5)};
           check_route(c, run_case(c));
         }
       }
@@ -233,7 +287,9 @@ TEST_CASE("route model: adversarial ids", "[route]") {
   cases.push_back({"T = 1, not local", 1, 4, experts, 0, 8, {-1, 40, 41, 1000}});
   cases.push_back({"E = 1", 50, 2, 1, 3, 8, std::vector<int32_t>(100, 3)});
 
-  for (const RouteCase& c : cases) {
+  for (RouteCase& c : cases) {
+    // Groups of four blocks, as the warpgroup GEMM's 64-row tile over 16-row blocks.
+    c.group_rows = 4 * c.block_m;
     const RouteReference r = run_case(c);
     check_route(c, r);
     INFO("case " << c.name);
@@ -273,21 +329,27 @@ TEST_CASE("route model: bad arguments are refused", "[route]") {
   CHECK(code_of([] { route_reference({1, 2}, 1, 2, 0, 0, 8); }) == ErrorCode::kInvalidArgument);
   CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, -1, 8); }) == ErrorCode::kInvalidArgument);
   CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, 0, 0); }) == ErrorCode::kInvalidArgument);
+  CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, 0, 8, 12); }) ==
+        ErrorCode::kInvalidArgument);
 }
 
 TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") {
   using moejit::kern::moe::kRouteAlign;
   using moejit::kern::moe::route_workspace_layout;
   struct Sizes {
-    long long rows, experts, block_m, chunk;
+    long long rows, experts, block_m, chunk, group_rows;
   };
-  const Sizes cases[] = {{0, 896, 8, 4096},        {16, 896, 8, 4096},     {4096, 896, 16, 4096},
-                         {262144, 896, 128, 4096}, {65536, 128, 64, 4096}, {4097, 3, 8, 4096}};
+  const Sizes cases[] = {{0, 896, 8, 4096, 0},        {16, 896, 8, 4096, 0},
+                         {4096, 896, 16, 4096, 0},    {262144, 896, 128, 4096, 0},
+                         {65536, 128, 64, 4096, 128}, {4097, 3, 8, 4096, 0},
+                         {2048, 128, 16, 2048, 64},   {0, 128, 16, 2048, 64}};
   for (const Sizes& s : cases) {
-    const auto l = route_workspace_layout(s.rows, s.experts, s.block_m, s.chunk);
-    const unsigned long long offsets[] = {
-        l.expert_counts, l.expert_block_offset, l.sorted_rows, l.block_expert,
-        l.slot_row,      l.total_blocks,        l.chunk_base,  l.bytes};
+    const auto l = route_workspace_layout(s.rows, s.experts, s.block_m, s.chunk, s.group_rows);
+    const unsigned long long offsets[] = {l.expert_counts, l.expert_block_offset,
+                                          l.sorted_rows,   l.block_expert,
+                                          l.slot_row,      l.total_blocks,
+                                          l.chunk_base,    l.expert_group_offset,
+                                          l.group_tiles,   l.bytes};
     const unsigned long long rows = static_cast<unsigned long long>(s.rows);
     const unsigned long long experts = static_cast<unsigned long long>(s.experts);
     const unsigned long long blocks = static_cast<unsigned long long>(
@@ -302,7 +364,11 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
                                        4 * blocks,
                                        4 * rows,
                                        4,
-                                       4 * chunks * experts};
+                                       4 * chunks * experts,
+                                       s.group_rows > 0 ? 4 * (experts + 1) : 0,
+                                       8 * static_cast<unsigned long long>(
+                                               moejit::kern::moe::route_max_groups(
+                                                   s.rows, s.experts, s.group_rows))};
     for (size_t i = 0; i + 1 < std::size(offsets); ++i) {
       CHECK(offsets[i] % kRouteAlign == 0);
       CHECK(offsets[i + 1] >= offsets[i] + need[i]);
