@@ -199,23 +199,22 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
                    layout::kAtomScaleBytes +
                (c % 2) * 16;
   }
-  // Copies the K tile after the previous call's into `stage`.
-  auto load_weights = [&](i32 stage) {
+  // Copies K tile kt into `stage`.
+  auto load_weights = [&](i32 stage, i32 kt) {
     const u32 dst = smem_base + stage * T::kStageBytes + T::kStageInputBytes;
 #pragma unroll
     for (i32 i = 0; i < kNW; ++i) {
       const i32 c = tid + i * T::kThreads;
       if (kChunksW % T::kThreads == 0 || c < kChunksW) {
-        ptx::cp_async_16(dst + c * 16, w_src[i], 16u);
-        w_src[i] += layout::kAtomBytes;
+        ptx::cp_async_16(dst + c * 16, w_src[i] + kt * layout::kAtomBytes, 16u);
       }
     }
 #pragma unroll
     for (i32 i = 0; i < kNS; ++i) {
       const i32 c = tid + i * T::kThreads;
       if (kChunksS % T::kThreads == 0 || c < kChunksS) {
-        ptx::cp_async_16(dst + T::kStageWeightBytes + c * 16, s_src[i], 16u);
-        s_src[i] += layout::kAtomScaleBytes;
+        ptx::cp_async_16(dst + T::kStageWeightBytes + c * 16,
+                         s_src[i] + kt * layout::kAtomScaleBytes, 16u);
       }
     }
   };
@@ -248,15 +247,16 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   // Copies K tile kt (the one after the previous call's) into `stage`.
   auto load_inputs = [&](i32 stage, i32 kt) {
     const u32 dst = smem_base + stage * T::kStageBytes + in_dst;
-    const i32 k_left = p.in_features - kt * T::kBlockK;  // K elements left in this tile
-    const bool in_k = in_j * 8 < k_left;                 // this thread's chunk lies inside K
+    // All ones where this thread's chunk lies inside K, else 0: it masks the bytes (zero-filled
+    // past K) and the source offset (so no address past a row is formed). Padding rows' offsets
+    // stay inside row 0, which always exists.
+    const u32 k_mask = in_j * 8 < p.in_features - kt * T::kBlockK ? ~0u : 0u;
 #pragma unroll
     for (i32 i = 0; i < kNI; ++i) {
       const i32 c = tid + i * T::kThreads;
       if (kChunksInput % T::kThreads == 0 || c < kChunksInput) {
-        const u32 bytes = in_k ? ((in_real >> i) & 1u) * 16u : 0u;
         ptx::cp_async_16(dst + i * kRowsPerCopy * T::kInputRowBytes,
-                         p.input + (bytes != 0 ? in_off[i] : 0u), bytes);
+                         p.input + (in_off[i] & k_mask), ((in_real >> i) & 1u) * 16u & k_mask);
         in_off[i] += T::kBlockK;
       }
     }
@@ -265,7 +265,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   // Prologue: weights first (they do not depend on the previous kernel), then inputs.
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
-    if (s < k_tiles) load_weights(s);
+    if (s < k_tiles) load_weights(s, s);
   }
   rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
@@ -353,7 +353,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     __syncthreads();
     const i32 next = kt + T::kStages - 1;
     if (next < k_tiles) {
-      load_weights(next % T::kStages);
+      load_weights(next % T::kStages, next);
       load_inputs(next % T::kStages, next);
     }
     ptx::cp_async_commit();
