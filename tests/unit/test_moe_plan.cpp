@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/route_params.cuh>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -1251,6 +1252,33 @@ TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
             w.out2 + static_cast<std::size_t>(w.padded_rows) * shape.hidden * 2);  // bf16 rows
       CHECK(w.padded_rows == w.max_blocks * config.route.block_m);
       CHECK(w.max_blocks >= 1);
+      // The warpgroup tile's groups: listed by the route where that tile is planned, sized by the
+      // same bound with the tile's N for the block, inside the route's regions.
+      const int group_rows = config.route.group_rows;
+      CHECK(group_rows == (config.wgmma ? config.fc1_wgmma.wgmma_n : 0));
+      const long long rows = static_cast<long long>(tokens) * shape.top_k;
+      CHECK(w.max_groups == moejit::kern::moe::route_max_groups(rows, shape.num_experts,
+                                                                 group_rows));
+      if (group_rows > 0) {
+        CHECK(w.max_groups >= 1);
+        CHECK(w.max_groups <= w.max_blocks);
+        CHECK(w.expert_group_offset % 256 == 0);
+        CHECK(w.group_tiles % 256 == 0);
+        CHECK(w.expert_group_offset >= w.chunk_base);
+        CHECK(w.group_tiles >= w.expert_group_offset + 4 * (shape.num_experts + 1));
+        CHECK(w.inter >= w.group_tiles + static_cast<std::size_t>(w.max_groups) * 8);
+      }
+      // The route's kernels carry the groups only where the warpgroup tile runs (sm_90a), and
+      // the rank kernel never does.
+      for (const char* arch : {"sm_90a", "sm_80"}) {
+        const detail::MoeForwardSpecs specs = detail::moe_forward_specs(config, Arch::parse(arch));
+        for (int i = 0; i < specs.route_count; ++i) {
+          const auto& route = std::get<moejit::MoeRouteParams>(specs.route[i].params);
+          CHECK(route.group_rows == (route.kernel == RouteKernel::kRank
+                                         ? 0
+                                         : specs.fc1_params.wgmma_n));
+        }
+      }
       if (tokens <= 300) {
         CHECK(moejit::moe_workspace_bytes(shape, tokens) >= w.bytes);
       }
