@@ -255,8 +255,8 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
     for (i32 i = 0; i < kNI; ++i) {
       const i32 c = tid + i * T::kThreads;
       if (kChunksInput % T::kThreads == 0 || c < kChunksInput) {
-        ptx::cp_async_16(dst + i * kRowsPerCopy * T::kInputRowBytes,
-                         p.input + (in_off[i] & k_mask), ((in_real >> i) & 1u) * 16u & k_mask);
+        ptx::cp_async_16(dst + i * kRowsPerCopy * T::kInputRowBytes, p.input + (in_off[i] & k_mask),
+                         ((in_real >> i) & 1u) * 16u & k_mask);
         in_off[i] += T::kBlockK;
       }
     }

@@ -53,16 +53,16 @@
 namespace moejit::kern::moe {
 
 // Every compile-time setting of the route kernels.
-template <int NumExperts,    // E: local experts; ids in [expert_offset, expert_offset + E) are
-                             // local, all others (-1, other EP ranks) get no row
-          int TopK,          // K: slots per token (entry t * K + s is token t, slot s)
-          int BlockM,        // B: padded rows per GEMM block (8, 16, 32, 64 or 128), picked
-                             // per T by the planner: the grouped GEMM's token tile
-                             // (moe_gemm.cuh's kBlockN)
-          int BlockThreads,  // threads per CTA of every route kernel: a multiple of 32 in
-                             // [32, 1024]
-          int ChunkRows,     // C: entries one CTA ranks; N <= C runs the one-launch path.
-                             // A multiple of BlockThreads, at most 32768
+template <int NumExperts,     // E: local experts; ids in [expert_offset, expert_offset + E) are
+                              // local, all others (-1, other EP ranks) get no row
+          int TopK,           // K: slots per token (entry t * K + s is token t, slot s)
+          int BlockM,         // B: padded rows per GEMM block (8, 16, 32, 64 or 128), picked
+                              // per T by the planner: the grouped GEMM's token tile
+                              // (moe_gemm.cuh's kBlockN)
+          int BlockThreads,   // threads per CTA of every route kernel: a multiple of 32 in
+                              // [32, 1024]
+          int ChunkRows,      // C: entries one CTA ranks; N <= C runs the one-launch path.
+                              // A multiple of BlockThreads, at most 32768
           int GroupRows = 0>  // G: 0, or the warpgroup GEMM's token tile (a multiple of B):
                               // the route also lists the groups of G / B consecutive blocks
                               // of one expert its CTAs take (route_params.cuh group_tiles)
@@ -82,9 +82,9 @@ struct RouteTraits {
   static constexpr int kScanGroups =
       kThreads / kExperts < 1 ? 1 : (kThreads / kExperts > 32 ? 32 : kThreads / kExperts);
   // Static shared memory of the rank phase, at most: per-warp u16 counters, counts, block and
-  // group starts, the 64-bit scan and its alignment (the host's route_rank_shared_bytes).
-  static constexpr int kRankSharedBytes = (kWarps * kExperts * 2 + 3) / 4 * 4 + kExperts * 4 +
-                                          2 * (kExperts + 1) * 4 + kWarps * 8 + 8;
+  // group starts, the scan (64-bit at most) and its alignment (the host's route_rank_shared_bytes).
+  static constexpr int kRankSharedBytes =
+      (kWarps * kExperts * 2 + 3) / 4 * 4 + kExperts * 4 + 2 * (kExperts + 1) * 4 + kWarps * 8 + 8;
 
   static_assert(kExperts >= 1 && kExperts <= 32767,
                 "route: NumExperts must be in [1, 32767] (the multi-CTA path packs the local "
@@ -362,7 +362,8 @@ __device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, i
   constexpr int B = Traits::kBlockM;
   for (int r = start * B + count + lane; r < end * B; r += 32) p.sorted_rows[r] = -1;
   for (int b = start + lane; b < end; b += 32) p.block_expert[b] = e;
-  if constexpr (Traits::kGroupRows > 0) route_write_groups<Traits>(p, e, count, start, group, lane, 32);
+  if constexpr (Traits::kGroupRows > 0)
+    route_write_groups<Traits>(p, e, count, start, group, lane, 32);
 }
 
 // Padding rows and block_expert entries of the 32 experts [e0, e0 + 32) (one warp): for each

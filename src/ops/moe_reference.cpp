@@ -57,9 +57,8 @@ RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tok
           << num_tokens << ", K = " << top_k << ", E = " << num_experts << ", block_m = " << block_m
           << ", expert_offset = " << expert_offset);
   MOEJIT_CHECK(group_rows == 0 || (group_rows >= block_m && group_rows % block_m == 0), kBadArg,
-               "route_reference: group_rows = " << group_rows
-                                                << " must be 0 or a multiple of block_m = "
-                                                << block_m);
+               "route_reference: group_rows = "
+                   << group_rows << " must be 0 or a multiple of block_m = " << block_m);
   const int64_t n = static_cast<int64_t>(num_tokens) * top_k;
   MOEJIT_CHECK(static_cast<int64_t>(topk_ids.size()) == n, kBadArg,
                "route_reference: topk_ids holds "

@@ -33,8 +33,7 @@ struct RouteReference {
 // block_m). Throws Error{kInvalidArgument} when ids.size() != T * K, T < 0, K < 1, E < 1,
 // block_m < 1, expert_offset < 0, or group_rows is neither 0 nor a multiple of block_m.
 RouteReference route_reference(const std::vector<int32_t>& topk_ids, int num_tokens, int top_k,
-                               int num_experts, int expert_offset, int block_m,
-                               int group_rows = 0);
+                               int num_experts, int expert_offset, int block_m, int group_rows = 0);
 
 // ---- bf16 -----------------------------------------------------------------------------------
 

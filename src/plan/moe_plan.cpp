@@ -689,7 +689,8 @@ long long route_rank_shared_bytes(int num_experts, int block_threads) {
   const long long e = num_experts;
   const long long warps = block_threads / 32;
   // route.cuh's RouteTraits::kRankSharedBytes: counters, counts, block and group starts, the
-  // 64-bit scan and its alignment (the group starts counted whether or not the route has them).
+  // scan (64-bit at most) and its alignment (the group starts counted whether or not the route has
+  // them).
   return (warps * e * 2 + 3) / 4 * 4 + e * 4 + 2 * (e + 1) * 4 + warps * 8 + 8;
 }
 

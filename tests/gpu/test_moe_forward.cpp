@@ -955,8 +955,8 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
           if (group_rows > 0) {
             CHECK(download_at<int32_t>(io.workspace, ws.expert_group_offset, e + 1) ==
                   ref.expert_group_offset);
-            CHECK(download_at<int32_t>(io.workspace, ws.group_tiles,
-                                       to_size(2 * ref.max_groups)) == ref.group_tiles);
+            CHECK(download_at<int32_t>(io.workspace, ws.group_tiles, to_size(2 * ref.max_groups)) ==
+                  ref.group_tiles);
           }
           const std::vector<int32_t> rows =
               download_at<int32_t>(io.workspace, ws.sorted_rows, ref.sorted_rows.size());

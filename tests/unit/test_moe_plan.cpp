@@ -1194,7 +1194,8 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
   CHECK(detail::render(spec_of(Family::kRoute, grouped)).name_expression ==
         "moejit::kern::moe::route_single_kernel<moejit::kern::moe::RouteTraits<128, 4, 8, 1024, "
         "1024, 64>>");
-  CHECK(spec_of(Family::kRoute, grouped).display_name() != spec_of(Family::kRoute, good_route()).display_name());
+  CHECK(spec_of(Family::kRoute, grouped).display_name() !=
+        spec_of(Family::kRoute, good_route()).display_name());
   CHECK(detail::render(spec_of(Family::kCombine, good_combine())).name_expression ==
         "moejit::kern::moe::combine_kernel<moejit::kern::moe::CombineTraits<2880, 4, false, "
         "256>>");
@@ -1257,8 +1258,8 @@ TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
       const int group_rows = config.route.group_rows;
       CHECK(group_rows == (config.wgmma ? config.fc1_wgmma.wgmma_n : 0));
       const long long rows = static_cast<long long>(tokens) * shape.top_k;
-      CHECK(w.max_groups == moejit::kern::moe::route_max_groups(rows, shape.num_experts,
-                                                                 group_rows));
+      CHECK(w.max_groups ==
+            moejit::kern::moe::route_max_groups(rows, shape.num_experts, group_rows));
       if (group_rows > 0) {
         CHECK(w.max_groups >= 1);
         CHECK(w.max_groups <= w.max_blocks);
@@ -1274,9 +1275,8 @@ TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
         const detail::MoeForwardSpecs specs = detail::moe_forward_specs(config, Arch::parse(arch));
         for (int i = 0; i < specs.route_count; ++i) {
           const auto& route = std::get<moejit::MoeRouteParams>(specs.route[i].params);
-          CHECK(route.group_rows == (route.kernel == RouteKernel::kRank
-                                         ? 0
-                                         : specs.fc1_params.wgmma_n));
+          CHECK(route.group_rows ==
+                (route.kernel == RouteKernel::kRank ? 0 : specs.fc1_params.wgmma_n));
         }
       }
       if (tokens <= 300) {

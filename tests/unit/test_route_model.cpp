@@ -160,8 +160,7 @@ void check_route(const RouteCase& c, const RouteReference& r) {
 }
 
 RouteReference run_case(const RouteCase& c) {
-  return route_reference(c.ids, c.tokens, c.top_k, c.experts, c.offset, c.block_m,
-                         c.group_rows);
+  return route_reference(c.ids, c.tokens, c.top_k, c.experts, c.offset, c.block_m, c.group_rows);
 }
 
 std::vector<int32_t> random_ids(std::mt19937_64& rng, int tokens, int top_k, int global_experts,
@@ -208,7 +207,8 @@ TEST_CASE("route model: a small case worked by hand", "[route]") {
   const RouteReference g = run_case(grouped);
   check_route(grouped, g);
   CHECK(g.expert_group_offset == std::vector<int32_t>{0, 1, 2, 3, 3});
-  CHECK(g.group_tiles == std::vector<int32_t>{0, 1 << 16 | 0, 1, 3 << 16 | 1, 3, 1 << 16 | 2, -1, -1});
+  CHECK(g.group_tiles ==
+        std::vector<int32_t>{0, 1 << 16 | 0, 1, 3 << 16 | 1, 3, 1 << 16 | 2, -1, -1});
 }
 
 TEST_CASE("route model: random ids on real and odd shapes", "[route]") {
@@ -224,12 +224,7 @@ TEST_CASE("route model: random ids on real and odd shapes", "[route]") {
     for (int tokens : token_counts) {
       for (int block_m : blocks) {
         for (int rank = 0; rank < s.ep_ranks; ++rank) {
-          RouteCase c{"random",
-                      tokens,
-                      s.top_k,
-                      s.experts,
-                      rank * s.experts,
-                      block_m,
+          RouteCase c{"random", tokens, s.top_k, s.experts, rank * s.experts, block_m,
                       random_ids(rng, tokens, s.top_k, s.experts * s.ep_ranks, 0.1),
                       // Groups of 1, 2, 4 or 8 blocks, and none.
                       (tokens + rank) % 5 == 4 ? 0 : block_m << ((tokens + rank) % 5)};
@@ -329,8 +324,7 @@ TEST_CASE("route model: bad arguments are refused", "[route]") {
   CHECK(code_of([] { route_reference({1, 2}, 1, 2, 0, 0, 8); }) == ErrorCode::kInvalidArgument);
   CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, -1, 8); }) == ErrorCode::kInvalidArgument);
   CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, 0, 0); }) == ErrorCode::kInvalidArgument);
-  CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, 0, 8, 12); }) ==
-        ErrorCode::kInvalidArgument);
+  CHECK(code_of([] { route_reference({1, 2}, 1, 2, 4, 0, 8, 12); }) == ErrorCode::kInvalidArgument);
 }
 
 TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") {
@@ -345,11 +339,9 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
                          {2048, 128, 16, 2048, 64},   {0, 128, 16, 2048, 64}};
   for (const Sizes& s : cases) {
     const auto l = route_workspace_layout(s.rows, s.experts, s.block_m, s.chunk, s.group_rows);
-    const unsigned long long offsets[] = {l.expert_counts, l.expert_block_offset,
-                                          l.sorted_rows,   l.block_expert,
-                                          l.slot_row,      l.total_blocks,
-                                          l.chunk_base,    l.expert_group_offset,
-                                          l.group_tiles,   l.bytes};
+    const unsigned long long offsets[] = {
+        l.expert_counts, l.expert_block_offset, l.sorted_rows,         l.block_expert, l.slot_row,
+        l.total_blocks,  l.chunk_base,          l.expert_group_offset, l.group_tiles,  l.bytes};
     const unsigned long long rows = static_cast<unsigned long long>(s.rows);
     const unsigned long long experts = static_cast<unsigned long long>(s.experts);
     const unsigned long long blocks = static_cast<unsigned long long>(
@@ -358,17 +350,17 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
                                           ? 1ull
                                           : (rows + static_cast<unsigned long long>(s.chunk) - 1) /
                                                 static_cast<unsigned long long>(s.chunk);
-    const unsigned long long need[] = {4 * experts,
-                                       4 * (experts + 1),
-                                       4 * blocks * static_cast<unsigned long long>(s.block_m),
-                                       4 * blocks,
-                                       4 * rows,
-                                       4,
-                                       4 * chunks * experts,
-                                       s.group_rows > 0 ? 4 * (experts + 1) : 0,
-                                       8 * static_cast<unsigned long long>(
-                                               moejit::kern::moe::route_max_groups(
-                                                   s.rows, s.experts, s.group_rows))};
+    const unsigned long long need[] = {
+        4 * experts,
+        4 * (experts + 1),
+        4 * blocks * static_cast<unsigned long long>(s.block_m),
+        4 * blocks,
+        4 * rows,
+        4,
+        4 * chunks * experts,
+        s.group_rows > 0 ? 4 * (experts + 1) : 0,
+        8 * static_cast<unsigned long long>(
+                moejit::kern::moe::route_max_groups(s.rows, s.experts, s.group_rows))};
     for (size_t i = 0; i + 1 < std::size(offsets); ++i) {
       CHECK(offsets[i] % kRouteAlign == 0);
       CHECK(offsets[i + 1] >= offsets[i] + need[i]);
