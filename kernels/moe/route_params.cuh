@@ -66,7 +66,7 @@ struct RouteParams {
   int* total_blocks = nullptr;         // [1]
   int* chunk_base = nullptr;           // [route_num_chunks(N, C), E]: multi-CTA path only
   int* expert_group_offset = nullptr;  // [E + 1], in groups: GroupRows > 0 only
-  int* group_tiles = nullptr;          // [2 * route_max_blocks(N, E, G)]: GroupRows > 0 only
+  int* group_tiles = nullptr;          // [2 * route_max_groups(N, E, G)]: GroupRows > 0 only
 };
 
 // combine: out[t, :] = sum over slots s = 0..K-1 in order of fc2_out[slot_row[t * K + s], :]

@@ -10,6 +10,7 @@
 #include <moejit/kern/moe/route_params.cuh>
 #include <sstream>
 
+#include "moejit/error.hpp"
 #include "plan/decode_geometry.hpp"
 
 namespace moejit::detail {
@@ -1110,6 +1111,15 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   const bool fc2_wgmma = wgmma && !config.fc2_short_k;
   s.fc1_params = wgmma ? config.fc1_wgmma : config.fc1;
   s.fc2_params = fc2_wgmma ? config.fc2_wgmma : config.fc2;
+  // A warpgroup GEMM reads the route's group list of its own N: the route must list exactly those.
+  const int groups = std::get<MoeRouteParams>(s.route[s.route_count - 1].params).group_rows;
+  if (groups != s.fc1_params.wgmma_n ||
+      (s.fc2_params.wgmma_n != 0 && s.fc2_params.wgmma_n != groups)) {
+    throw Error(ErrorCode::kInternal,
+                "moe plan: the route lists groups of " + std::to_string(groups) +
+                    " rows but the warpgroup GEMMs take " + std::to_string(s.fc1_params.wgmma_n) +
+                    " (FC1) and " + std::to_string(s.fc2_params.wgmma_n) + " (FC2)");
+  }
   s.fc1 = make_spec(Family::kMarlinMoe, arch, s.fc1_params);
   s.fc2 = make_spec(Family::kMarlinMoe, arch, s.fc2_params);
   s.combine = make_spec(Family::kCombine, arch, fc2_wgmma ? config.combine_wgmma : config.combine);
