@@ -279,9 +279,30 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
                    static_cast<u32>(p.prefetch_k_atoms) * layout::kAtomScaleBytes);
 }
 
+// FC2's wait for its inputs (MoeGemmChain, params.cuh): FC1's whole grid, or FC1's M tiles of
+// this CTA's tile only. One thread spins; the CTA barrier after the call orders every thread's
+// input copies after its acquire.
+__device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
+  if (chain.wait == nullptr) {
+    ::moejit::kern::ptx::grid_dependency_wait();
+  } else if (threadIdx.x == 0) {
+    const u32* done = chain.wait + cta_tile().block;
+    while (ptx::load_acquire(done) < chain.wait_count) ptx::sleep_ns(32);
+  }
+}
+
+// FC1's count of this CTA's tile (MoeGemmChain): call after a barrier that every thread which
+// stored outputs has passed; the fence makes those stores visible before the count.
+__device__ __forceinline__ void signal_stored(const MoeGemmChain& chain) {
+  if (chain.signal != nullptr && threadIdx.x == 0) {
+    ptx::fence_acq_rel_gpu();
+    atomicAdd(chain.signal + cta_tile().block, 1u);
+  }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    moe_gemm(const MoeGemmParams p) {
+    moe_gemm(const MoeGemmParams p, const MoeGemmChain chain) {
   using T = Traits;
   using Epi = typename Traits::Epilogue;
   extern __shared__ __align__(128) u8 smem[];
@@ -431,10 +452,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (!Epi::kGatherTokens) rows.copy_weights(p, tid, ptx::smem_u32(s_weights));
   if constexpr (T::kEarlyWeights) {
-    ::moejit::kern::ptx::grid_dependency_wait();
+    wait_for_inputs(chain);
     ::moejit::kern::ptx::launch_dependents();
   }
-  __syncthreads();  // s_rows visible to every thread
+  __syncthreads();  // s_rows visible to every thread (and FC1's rows, after wait_for_inputs)
   setup_inputs();
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
@@ -575,6 +596,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                    Epi::kGatherTokens ? 0.0f : s_weights[n], acc[mi][ni], h);
       }
     }
+  }
+  if constexpr (Epi::kGatherTokens) {
+    // FC1: every storing warp (the kWarpsK == 0 slice, which holds thread 0) past its stores.
+    constexpr i32 kStoringThreads = T::kWarpsM * T::kWarpsN * 32;
+    if constexpr (kStoringThreads == T::kThreads) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync 2, %0;" ::"n"(kStoringThreads) : "memory");
+    }
+    signal_stored(chain);
   }
 }
 
