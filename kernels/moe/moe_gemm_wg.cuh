@@ -267,11 +267,11 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s, s);
   }
-  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
-    wait_for_inputs(chain);
+    wait_for_inputs<T::kThreads>(chain);
     ::moejit::kern::ptx::launch_dependents();
   }
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   __syncthreads();  // s_rows visible to every thread (and FC1's rows, after wait_for_inputs)
   if constexpr (!Epi::kGatherTokens) {
     // FC2: the top-k weight of each row (0 for padding), after s_rows, landing with the first
