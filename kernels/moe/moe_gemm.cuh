@@ -298,11 +298,12 @@ __device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
 }
 
 // FC1's count of this CTA's tile (MoeGemmChain): call after a barrier that every thread which
-// stored outputs has passed; the fence makes those stores visible before the count.
+// stored outputs has passed; the release makes those stores visible before the count. Why a
+// release reduction, not a fence and atomicAdd: the same MEMBAR.GPU, without the L1 invalidation
+// (CCTL.IVALL) that atomicAdd's acquire half adds (SASS, sm_90a).
 __device__ __forceinline__ void signal_stored(const MoeGemmChain& chain) {
   if (chain.signal != nullptr && threadIdx.x == 0) {
-    ptx::fence_acq_rel_gpu();
-    atomicAdd(chain.signal + cta_tile().block, 1u);
+    ptx::red_add_release(chain.signal + cta_tile().block, 1u);
   }
 }
 

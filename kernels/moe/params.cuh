@@ -81,8 +81,8 @@ struct MoeGemmParams {
 
 // The order between a layer's two GEMMs, per tile instead of per grid: FC2's CTA of tile b
 // (a route block, or a group for the warpgroup tile) needs only FC1's outputs of tile b, i.e.
-// FC1's M tiles of that tile. FC1's CTAs count their stores in done[b] (fence, then an atomic
-// add, after every thread's stores); FC2's CTAs wait until done[b] == wait_count (FC1's M tiles)
+// FC1's M tiles of that tile. FC1's CTAs count their stores in done[b] (a release add after a
+// barrier behind every thread's stores); FC2's CTAs wait until done[b] == wait_count (FC1's M tiles)
 // instead of waiting for FC1's whole grid, so FC2 works on the SMs FC1's last wave leaves idle.
 // route zeroes done[0, max_blocks) (route_params.cuh tile_done). No deadlock: FC1 triggers its
 // dependents only after every one of its CTAs has started (moe_gemm.cuh), so every CTA an FC2

@@ -156,6 +156,11 @@ __device__ __forceinline__ u32 load_relaxed(const u32* p) {
 __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
+// Adds v with release semantics: this thread's earlier writes, and those of other threads that
+// a CTA barrier ordered before it, are visible to whoever acquires the sum.
+__device__ __forceinline__ void red_add_release(u32* p, u32 v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
 
 }  // namespace moejit::kern::moe::ptx
