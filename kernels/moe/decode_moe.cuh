@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       while (done - retired < kInFlight && done != final_count && item_finished(done, false)) {
         ++done;
       }
-      pipe::fence_acq_rel_gpu();  // the consumers' output stores, before the counters
+      ptx::fence_acq_rel_gpu();  // the consumers' output stores, before the counters
       bool combine = false;
       for (; retired < done; ++retired) {
         const i32 it = in_flight[retired % kInFlight];
@@ -497,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       }
       pipe::store_release_cta(misc + kMiscRetired, retired);
       if (combine) {
-        pipe::fence_acq_rel_gpu();  // every CTA's FC2 rows, before the combine
+        ptx::fence_acq_rel_gpu();  // every CTA's FC2 rows, before the combine
         pipe::store_release_cta(misc + kMiscCombinesPushed, pushed);
       }
     }
@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     // publisher falls far behind.
     const auto wait_for_room = [&]() {
       while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
-        pipe::sleep_ns(256);
+        ptx::sleep_ns(256);
       }
     };
     const auto push_combines = [&]() {
@@ -558,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       const i32 v = local / per_v;
       const i32 slice = local % per_v;
       u32 ready = 0;  // FC1 items of v done, loaded early (an FC2 item waits for all of them)
-      if (fc2 && lane == 0) ready = pipe::load_relaxed(fc1_done + v);
+      if (fc2 && lane == 0) ready = ptx::load_relaxed(fc1_done + v);
       const u32 info = vinfo[v];
       const i32 e = virtual_expert(info);
       const i32 count = virtual_count(info);
@@ -662,10 +662,10 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         }
         if (lane == 0) {
           while (ready < static_cast<u32>(G.fc1_items())) {
-            pipe::sleep_ns(64);
-            ready = pipe::load_relaxed(fc1_done + v);
+            ptx::sleep_ns(64);
+            ready = ptx::load_relaxed(fc1_done + v);
           }
-          pipe::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
+          ptx::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
         }
         __syncwarp();
         for (i32 k = 0; k < early; ++k) {
@@ -696,7 +696,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       const u32 finished = pipe::load_acquire_cta(misc + kMiscPublisherDone);
       push_combines();
       if (finished != 0u) break;
-      pipe::sleep_ns(64);
+      ptx::sleep_ns(64);
     }
     const i32 slot = open_entry();
     if (lane == 0) {

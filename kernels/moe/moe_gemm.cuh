@@ -279,9 +279,37 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
                    static_cast<u32>(p.prefetch_k_atoms) * layout::kAtomScaleBytes);
 }
 
+// FC2's wait for its inputs (MoeGemmChain, params.cuh): FC1's whole grid, or FC1's M tiles of
+// this CTA's tile only. One thread spins; the CTA barrier after the call orders every thread's
+// input copies after its acquire. Why the last warp's lane and a call before the route rows go
+// to shared memory: the acquire load stalls its warp for an L2 round trip even when the tile is
+// long done, and that warp holds no route rows (kN <= kThreads - 32 in every planned tile), so
+// the round trip overlaps the other warps' wait for their rows instead of following it
+// (measured: with thread 0 after the rows, FC2 at kimi-k3.1-tp8 T = 4096, short K and many CTAs,
+// was 5% slower; tools/PERF_LOG.md "FC2 waits for its own tile of FC1").
+template <i32 kThreads>
+__device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
+  if (chain.wait == nullptr) {
+    ::moejit::kern::ptx::grid_dependency_wait();
+  } else if (threadIdx.x == kThreads - 32) {
+    const u32* done = chain.wait + cta_tile().block;
+    while (ptx::load_acquire(done) < chain.wait_count) ptx::sleep_ns(32);
+  }
+}
+
+// FC1's count of this CTA's tile (MoeGemmChain): call after a barrier that every thread which
+// stored outputs has passed; the release makes those stores visible before the count. Why a
+// release reduction, not a fence and atomicAdd: the same MEMBAR.GPU, without the L1 invalidation
+// (CCTL.IVALL) that atomicAdd's acquire half adds (SASS, sm_90a).
+__device__ __forceinline__ void signal_stored(const MoeGemmChain& chain) {
+  if (chain.signal != nullptr && threadIdx.x == 0) {
+    ptx::red_add_release(chain.signal + cta_tile().block, 1u);
+  }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    moe_gemm(const MoeGemmParams p) {
+    moe_gemm(const MoeGemmParams p, const MoeGemmChain chain) {
   using T = Traits;
   using Epi = typename Traits::Epilogue;
   extern __shared__ __align__(128) u8 smem[];
@@ -428,13 +456,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s, s, Flag<true>{});
   }
-  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
-  if constexpr (!Epi::kGatherTokens) rows.copy_weights(p, tid, ptx::smem_u32(s_weights));
   if constexpr (T::kEarlyWeights) {
-    ::moejit::kern::ptx::grid_dependency_wait();
+    wait_for_inputs<T::kThreads>(chain);
     ::moejit::kern::ptx::launch_dependents();
   }
-  __syncthreads();  // s_rows visible to every thread
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
+  if constexpr (!Epi::kGatherTokens) rows.copy_weights(p, tid, ptx::smem_u32(s_weights));
+  __syncthreads();  // s_rows visible to every thread (and FC1's rows, after wait_for_inputs)
   setup_inputs();
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
@@ -575,6 +603,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                    Epi::kGatherTokens ? 0.0f : s_weights[n], acc[mi][ni], h);
       }
     }
+  }
+  if constexpr (Epi::kGatherTokens) {
+    // FC1: every storing warp (the kWarpsK == 0 slice, which holds thread 0) past its stores.
+    constexpr i32 kStoringThreads = T::kWarpsM * T::kWarpsN * 32;
+    if constexpr (kStoringThreads == T::kThreads) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync 2, %0;" ::"n"(kStoringThreads) : "memory");
+    }
+    signal_stored(chain);
   }
 }
 

@@ -150,9 +150,9 @@ struct Int {
 // treated as padding: they belong to the next expert) x the CTA's kBlockM weight rows, over all
 // of K, then the epilogue.
 template <class T, int kN>
-__device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i32 row0,
-                                          i32 limit, i32 m_atom0, u8* smem, u32 smem_base,
-                                          i32* s_ids, i32* s_rows) {
+__device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmChain& chain,
+                                          i32 expert, i32 row0, i32 limit, i32 m_atom0, u8* smem,
+                                          u32 smem_base, i32* s_ids, i32* s_rows) {
   using Epi = typename T::Epilogue;
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -267,12 +267,12 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
   for (i32 s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) load_weights(s, s);
   }
-  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
   if constexpr (T::kEarlyWeights) {
-    ::moejit::kern::ptx::grid_dependency_wait();
+    wait_for_inputs<T::kThreads>(chain);
     ::moejit::kern::ptx::launch_dependents();
   }
-  __syncthreads();  // s_rows visible to every thread
+  rows.template store<Epi::kGatherTokens>(p, tid, row0, s_ids, s_rows);
+  __syncthreads();  // s_rows visible to every thread (and FC1's rows, after wait_for_inputs)
   if constexpr (!Epi::kGatherTokens) {
     // FC2: the top-k weight of each row (0 for padding), after s_rows, landing with the first
     // stage, so the epilogue does not wait a round trip for them. Why from s_ids, not `rows`:
@@ -480,7 +480,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, i32 expert, i3
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    moe_gemm_wg(const MoeGemmParams p) {
+    moe_gemm_wg(const MoeGemmParams p, const MoeGemmChain chain) {
   using T = Traits;
   extern __shared__ __align__(1024) u8 smem_raw[];
   const u32 raw_base = ptx::smem_u32(smem_raw);
@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
   const i32 quarters = __popc(__ballot_sync(~0u, lane * T::kQuarter < limit));
   auto tile = [&](auto n) {
-    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, expert, row0, limit, m_atom0, smem,
+    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, chain, expert, row0, limit, m_atom0, smem,
                                                   smem_base, s_ids, s_rows);
   };
   if (quarters == 4) {
@@ -522,6 +522,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     tile(wg_detail::Int<2 * T::kQuarter>{});
   } else {
     tile(wg_detail::Int<T::kQuarter>{});
+  }
+  if constexpr (T::Epilogue::kGatherTokens) {
+    __syncthreads();  // every thread's FC1 stores
+    signal_stored(chain);
   }
 }
 

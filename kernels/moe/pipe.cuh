@@ -91,11 +91,6 @@ __device__ __forceinline__ void prefetch_map(const TensorMap& map) {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async;" ::: "memory");
 }
-__device__ __forceinline__ u32 load_acquire(const u32* p) {
-  u32 v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 // Arrives on `bar` once this thread's earlier cp.async copies have landed; raises the barrier's
 // pending count first, so the phase waits for it.
 __device__ __forceinline__ void arrive_on_copies(u32 bar) {
@@ -106,9 +101,6 @@ __device__ __forceinline__ void expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-__device__ __forceinline__ void fence_acq_rel_gpu() {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
 __device__ __forceinline__ void store_release_cta(u32* p, u32 v) {
   asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(ptx::smem_u32(p)), "r"(v) : "memory");
 }
@@ -117,12 +109,6 @@ __device__ __forceinline__ u32 load_acquire_cta(const u32* p) {
   asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(ptx::smem_u32(p)) : "memory");
   return v;
 }
-__device__ __forceinline__ u32 load_relaxed(const u32* p) {
-  u32 v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
 __device__ __forceinline__ u32 lanemask_lt() {
   u32 m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));

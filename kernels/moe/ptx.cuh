@@ -142,4 +142,25 @@ __device__ __forceinline__ u16 to_bf16(float x) {
 __device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xFFFF0000u); }
 
+// gpu-scope counters between CTAs (decode_moe's item counters, marlin_moe's per-tile chain).
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 load_relaxed(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+// Adds v with release semantics: this thread's earlier writes, and those of other threads that
+// a CTA barrier ordered before it, are visible to whoever acquires the sum.
+__device__ __forceinline__ void red_add_release(u32* p, u32 v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+
 }  // namespace moejit::kern::moe::ptx

@@ -23,8 +23,8 @@
 //        expert_block_offset, total_blocks (and expert_group_offset).
 //     3. route_scatter_kernel, grid route_scatter_ctas(N, C, E, threads) (the chunks, or one
 //        warp per expert if more): chunk c writes sorted_rows and the final slot_row of its
-//        entries; all CTAs share out the padding rows, block_expert and its -1 tail (and the
-//        group tiles and theirs).
+//        entries; all CTAs share out the padding rows, block_expert and its -1 tail (zeroing
+//        tile_done beside it) (and the group tiles and theirs).
 // With GroupRows G > 0 the route also lists each expert's groups of G / B blocks (the CTA tiles
 // of the warpgroup GEMM, moe_gemm_wg.cuh), so that GEMM's grid holds only groups: one CTA per
 // group and M tile, none for the blocks inside a group.
@@ -361,7 +361,10 @@ __device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, i
                                                   int end, int group, int lane) {
   constexpr int B = Traits::kBlockM;
   for (int r = start * B + count + lane; r < end * B; r += 32) p.sorted_rows[r] = -1;
-  for (int b = start + lane; b < end; b += 32) p.block_expert[b] = e;
+  for (int b = start + lane; b < end; b += 32) {
+    p.block_expert[b] = e;
+    p.tile_done[b] = 0u;
+  }
   if constexpr (Traits::kGroupRows > 0)
     route_write_groups<Traits>(p, e, count, start, group, lane, 32);
 }
@@ -431,6 +434,7 @@ __device__ __forceinline__ void route_block_experts(const RouteParams& p, const 
       e = lo;
     }
     p.block_expert[b] = e;
+    p.tile_done[b] = 0u;
   }
 }
 
@@ -662,6 +666,7 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
   const int max_blocks = static_cast<int>(route_max_blocks(rows, E, B));
   for (int b = total + chunk * Traits::kThreads + tid; b < max_blocks; b += grid_threads) {
     p.block_expert[b] = -1;
+    p.tile_done[b] = 0u;
   }
   if constexpr (Traits::kGroupRows > 0) {
     detail::route_clear_groups(p, p.expert_group_offset[E], chunk * Traits::kThreads + tid,

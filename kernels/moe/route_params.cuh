@@ -18,6 +18,9 @@
 //   slot_row[N]                 for each entry t * K + s its row in sorted_rows, or -1 when
 //                               the id is -1 or not local (it then contributes nothing)
 //   total_blocks[1]             sum over experts of ceil(count / B)
+//   tile_done[max_blocks]       all 0: the counters of the GEMMs' per-tile order (params.cuh
+//                               MoeGemmChain), indexed by block, or by group for the warpgroup
+//                               tile (max_groups <= max_blocks), reset for the FC1 that follows
 // and, where the route is built with GroupRows = G > 0 (the warpgroup GEMM's token tile, a
 // multiple of B: its CTAs take G / B consecutive blocks of one expert):
 //   expert_group_offset[E + 1]  first group of each expert (exclusive scan of ceil(count / G));
@@ -67,6 +70,7 @@ struct RouteParams {
   int* chunk_base = nullptr;           // [route_num_chunks(N, C), E]: multi-CTA path only
   int* expert_group_offset = nullptr;  // [E + 1], in groups: GroupRows > 0 only
   int* group_tiles = nullptr;          // [2 * route_max_groups(N, E, G)]: GroupRows > 0 only
+  unsigned* tile_done = nullptr;       // [route_max_blocks(N, E, B)], written 0
 };
 
 // combine: out[t, :] = sum over slots s = 0..K-1 in order of fc2_out[slot_row[t * K + s], :]
@@ -145,6 +149,7 @@ struct RouteWorkspaceLayout {
   unsigned long long chunk_base = 0;  // [route_num_chunks(N, C), E] (one row for N <= C)
   unsigned long long expert_group_offset = 0;  // [E + 1] (empty when G is 0)
   unsigned long long group_tiles = 0;          // [2 * max_groups] (empty when G is 0)
+  unsigned long long tile_done = 0;            // [max_blocks]
   unsigned long long bytes = 0;                // total size
 };
 
@@ -189,6 +194,8 @@ MOEJIT_HD constexpr RouteWorkspaceLayout route_workspace_layout(long long rows, 
   if (group_rows > 0) at = route_align_up(at + (e + 1) * kInt);
   layout.group_tiles = at;
   at = route_align_up(at + 2 * groups * kInt);
+  layout.tile_done = at;
+  at = route_align_up(at + blocks * kInt);
   layout.bytes = at;
   return layout;
 }

@@ -319,6 +319,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   route.chunk_base = reinterpret_cast<int*>(base + layout.chunk_base);
   route.expert_group_offset = reinterpret_cast<int*>(base + layout.expert_group_offset);
   route.group_tiles = reinterpret_cast<int*>(base + layout.group_tiles);
+  route.tile_done = reinterpret_cast<unsigned*>(base + layout.tile_done);
   {
     void* route_args[] = {&route};
     const unsigned chunks =
@@ -382,10 +383,20 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.prefetch_experts = prefetch.experts;
   fc1.prefetch_m_tiles = prefetch.m_tiles;
   fc1.prefetch_k_atoms = prefetch.k_atoms;
+  // Where both GEMMs take the same tiles, FC1 counts each tile's M tiles stored and FC2 waits
+  // for its own tile's count instead of FC1's whole grid (MoeGemmChain).
+  const detail::LaunchShape fc1_geometry =
+      gemm_grid(specs.fc1_params, sizes.fc1_m_atoms, fc1_smem);
+  kern::moe::MoeGemmChain fc1_chain{};
+  kern::moe::MoeGemmChain fc2_chain{};
+  if (specs.gemm_chain) {
+    fc1_chain.signal = route.tile_done;
+    fc2_chain.wait = route.tile_done;
+    fc2_chain.wait_count = fc1_geometry.grid_x;
+  }
   {
-    void* fc1_args[] = {&fc1};
-    const detail::LaunchShape geometry = gemm_grid(specs.fc1_params, sizes.fc1_m_atoms, fc1_smem);
-    detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, geometry, true, stream, fc1_args);
+    void* fc1_args[] = {&fc1, &fc1_chain};
+    detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, fc1_geometry, true, stream, fc1_args);
   }
 
   // 4. FC2: W2 x inter -> (+ bias) * top-k weight -> out2 (weights streamed early under PDL).
@@ -408,7 +419,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.top_k = shape.top_k;
   fc2.blocks = static_cast<int>(gemm_tiles(specs.fc2_params));
   {
-    void* fc2_args[] = {&fc2};
+    void* fc2_args[] = {&fc2, &fc2_chain};
     const detail::LaunchShape geometry = gemm_grid(specs.fc2_params, sizes.fc2_m_atoms, fc2_smem);
     detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
   }

@@ -1120,6 +1120,10 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
                     " rows but the warpgroup GEMMs take " + std::to_string(s.fc1_params.wgmma_n) +
                     " (FC1) and " + std::to_string(s.fc2_params.wgmma_n) + " (FC2)");
   }
+  // Per-tile order where both GEMMs take the same tiles of the route: both warpgroup GEMMs (the
+  // same groups, checked above), or both mma.sync GEMMs (the same blocks).
+  s.gemm_chain = s.fc1_params.wgmma_n == s.fc2_params.wgmma_n &&
+                 s.fc1_params.block_n == s.fc2_params.block_n && s.fc2_params.early_weights;
   s.fc1 = make_spec(Family::kMarlinMoe, arch, s.fc1_params);
   s.fc2 = make_spec(Family::kMarlinMoe, arch, s.fc2_params);
   s.combine = make_spec(Family::kCombine, arch, fc2_wgmma ? config.combine_wgmma : config.combine);
@@ -1241,6 +1245,7 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
   w.chunk_base = to_size(route.chunk_base);
   w.expert_group_offset = to_size(route.expert_group_offset);
   w.group_tiles = to_size(route.group_tiles);
+  w.tile_done = to_size(route.tile_done);
   w.max_groups = kern::moe::route_max_groups(rows, shape.num_experts, config.route.group_rows);
   w.max_blocks = kern::moe::route_max_blocks(rows, shape.num_experts, config.route.block_m);
   w.padded_rows = kern::moe::route_max_padded_rows(rows, shape.num_experts, config.route.block_m);

@@ -166,6 +166,9 @@ struct MoeForwardSpecs {
   KernelSpec route[3];
   MarlinMoeParams fc1_params;  // config.fc1, or config.fc1_wgmma where wgmma runs on `arch`
   MarlinMoeParams fc2_params;
+  // FC2 waits for FC1 per tile (kernels/moe/params.cuh MoeGemmChain) instead of per grid: where
+  // both GEMMs take the same tiles (both warpgroup GEMMs, or both mma.sync GEMMs of one block).
+  bool gemm_chain = false;
   KernelSpec fc1;
   KernelSpec fc2;
   KernelSpec combine;
@@ -198,6 +201,7 @@ struct MoeWorkspaceLayout {
   std::size_t chunk_base = 0;
   std::size_t expert_group_offset = 0;  // with config.route.group_rows only (else empty)
   std::size_t group_tiles = 0;
+  std::size_t tile_done = 0;     // [max_blocks] u32: the GEMMs' per-tile counters (route zeroes)
   std::size_t ids32 = 0;         // narrowed ids [T * K] int32 (only with narrow_ids)
   std::size_t inter = 0;         // FC1 output, bf16 [padded rows, I]
   std::size_t out2 = 0;          // FC2 output, [padded rows, H] in fc2.out_dtype

@@ -916,7 +916,8 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
           config, moejit::detail::Runtime::instance().current_arch());
       const int group_rows =
           std::get<moejit::MoeRouteParams>(specs.route[specs.route_count - 1].params).group_rows;
-      CHECK(group_rows == specs.fc1_params.wgmma_n);
+      const int fc1_m_tiles = moejit::detail::marlin_moe_m_tiles(
+          specs.fc1_params, moejit::detail::moe_weight_sizes(shape).fc1_m_atoms);
       // Hidden states of zero and equal top-k weights: only the ids matter here.
       Tokens tk;
       tk.count = tokens;
@@ -957,6 +958,17 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
                   ref.expert_group_offset);
             CHECK(download_at<int32_t>(io.workspace, ws.group_tiles, to_size(2 * ref.max_groups)) ==
                   ref.group_tiles);
+          }
+          // The GEMMs' per-tile counters over the poison: the route zeroed every one, then FC1
+          // added one per M tile to each tile it served (the groups used, or the blocks used),
+          // where FC2 waits on them.
+          {
+            const int used = group_rows > 0 ? ref.expert_group_offset[e] : ref.total_blocks;
+            std::vector<uint32_t> expect(to_size(ref.max_blocks), 0u);
+            if (specs.gemm_chain) {
+              std::fill_n(expect.begin(), used, static_cast<uint32_t>(fc1_m_tiles));
+            }
+            CHECK(download_at<uint32_t>(io.workspace, ws.tile_done, expect.size()) == expect);
           }
           const std::vector<int32_t> rows =
               download_at<int32_t>(io.workspace, ws.sorted_rows, ref.sorted_rows.size());

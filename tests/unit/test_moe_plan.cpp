@@ -1267,8 +1267,12 @@ TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
         CHECK(w.group_tiles % 256 == 0);
         CHECK(w.expert_group_offset >= w.chunk_base);
         CHECK(w.group_tiles >= w.expert_group_offset + 4 * (shape.num_experts + 1));
-        CHECK(w.inter >= w.group_tiles + static_cast<std::size_t>(w.max_groups) * 8);
+        CHECK(w.tile_done >= w.group_tiles + static_cast<std::size_t>(w.max_groups) * 8);
       }
+      // The GEMMs' per-tile counters: one per block (groups never outnumber blocks).
+      CHECK(w.tile_done % 256 == 0);
+      CHECK(w.tile_done >= w.chunk_base);
+      CHECK(w.inter >= w.tile_done + static_cast<std::size_t>(w.max_blocks) * 4);
       // The route's kernels carry the groups only where the warpgroup tile runs (sm_90a), and
       // the rank kernel never does.
       for (const char* arch : {"sm_90a", "sm_80"}) {
@@ -1278,6 +1282,13 @@ TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
           CHECK(route.group_rows ==
                 (route.kernel == RouteKernel::kRank ? 0 : specs.fc1_params.wgmma_n));
         }
+        // FC2 waits per tile exactly where both GEMMs take the same tiles: both warpgroup tiles
+        // (the same groups), or both mma.sync tiles (the same route blocks); not where FC2 keeps
+        // its short-K tile beside the warpgroup FC1.
+        const bool same_tiles = specs.fc1_params.wgmma_n == specs.fc2_params.wgmma_n;
+        CHECK(specs.gemm_chain == same_tiles);
+        CHECK(specs.fc1_params.block_n == specs.fc2_params.block_n);
+        if (std::string(arch) == "sm_80") CHECK(specs.gemm_chain);
       }
       if (tokens <= 300) {
         CHECK(moejit::moe_workspace_bytes(shape, tokens) >= w.bytes);

@@ -341,7 +341,8 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
     const auto l = route_workspace_layout(s.rows, s.experts, s.block_m, s.chunk, s.group_rows);
     const unsigned long long offsets[] = {
         l.expert_counts, l.expert_block_offset, l.sorted_rows,         l.block_expert, l.slot_row,
-        l.total_blocks,  l.chunk_base,          l.expert_group_offset, l.group_tiles,  l.bytes};
+        l.total_blocks,  l.chunk_base,          l.expert_group_offset, l.group_tiles,  l.tile_done,
+        l.bytes};
     const unsigned long long rows = static_cast<unsigned long long>(s.rows);
     const unsigned long long experts = static_cast<unsigned long long>(s.experts);
     const unsigned long long blocks = static_cast<unsigned long long>(
@@ -360,7 +361,8 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
         4 * chunks * experts,
         s.group_rows > 0 ? 4 * (experts + 1) : 0,
         8 * static_cast<unsigned long long>(
-                moejit::kern::moe::route_max_groups(s.rows, s.experts, s.group_rows))};
+                moejit::kern::moe::route_max_groups(s.rows, s.experts, s.group_rows)),
+        4 * blocks};
     for (size_t i = 0; i + 1 < std::size(offsets); ++i) {
       CHECK(offsets[i] % kRouteAlign == 0);
       CHECK(offsets[i + 1] >= offsets[i] + need[i]);
