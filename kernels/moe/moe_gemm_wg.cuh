@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 quarters = __popc(__ballot_sync(~0u, lane * T::kQuarter < limit));
   auto tile = [&](auto n) {
     wg_detail::gemm_tile<T, decltype(n)::kValue>(p, chain, expert, row0, limit, m_atom0, smem,
-                                                  smem_base, s_ids, s_rows);
+                                                 smem_base, s_ids, s_rows);
   };
   if (quarters == 4) {
     tile(wg_detail::Int<T::kBlockN>{});

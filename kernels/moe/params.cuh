@@ -79,15 +79,15 @@ struct MoeGemmParams {
   i32 prefetch_k_atoms;
 };
 
-// The order between a layer's two GEMMs, per tile instead of per grid: FC2's CTA of tile b
-// (a route block, or a group for the warpgroup tile) needs only FC1's outputs of tile b, i.e.
-// FC1's M tiles of that tile. FC1's CTAs count their stores in done[b] (a release add after a
-// barrier behind every thread's stores); FC2's CTAs wait until done[b] == wait_count (FC1's M tiles)
+// The order between a layer's two GEMMs, per tile instead of per grid: FC2's CTA of tile b (a
+// route block, or a group for the warpgroup tile) needs only FC1's outputs of tile b, i.e. FC1's
+// M tiles of that tile. FC1's CTAs count their stores in done[b] (a release add after a barrier
+// behind every thread's stores); FC2's CTAs wait until done[b] == wait_count (FC1's M tiles)
 // instead of waiting for FC1's whole grid, so FC2 works on the SMs FC1's last wave leaves idle.
-// route zeroes done[0, max_blocks) (route_params.cuh tile_done). No deadlock: FC1 triggers its
-// dependents only after every one of its CTAs has started (moe_gemm.cuh), so every CTA an FC2
-// CTA waits for is running or done. A second kernel argument, not MoeGemmParams fields: see the
-// register note above.
+// The route zeroes done[0, max_blocks) (route_params.cuh tile_done). No deadlock: FC1's CTAs
+// trigger their dependents as they start (moe_gemm.cuh), so FC2 launches only once every FC1
+// CTA is running or done. A second kernel argument, not MoeGemmParams fields: see the register
+// note above.
 struct MoeGemmChain {
   u32* signal = nullptr;      // FC1: done counters to add to (nullptr: none)
   const u32* wait = nullptr;  // FC2: done counters to wait on (nullptr: wait for FC1's grid)

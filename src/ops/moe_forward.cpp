@@ -385,8 +385,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.prefetch_k_atoms = prefetch.k_atoms;
   // Where both GEMMs take the same tiles, FC1 counts each tile's M tiles stored and FC2 waits
   // for its own tile's count instead of FC1's whole grid (MoeGemmChain).
-  const detail::LaunchShape fc1_geometry =
-      gemm_grid(specs.fc1_params, sizes.fc1_m_atoms, fc1_smem);
+  const detail::LaunchShape fc1_geometry = gemm_grid(specs.fc1_params, sizes.fc1_m_atoms, fc1_smem);
   kern::moe::MoeGemmChain fc1_chain{};
   kern::moe::MoeGemmChain fc2_chain{};
   if (specs.gemm_chain) {

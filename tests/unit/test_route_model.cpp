@@ -340,9 +340,9 @@ TEST_CASE("route workspace layout: aligned, disjoint, large enough", "[route]") 
   for (const Sizes& s : cases) {
     const auto l = route_workspace_layout(s.rows, s.experts, s.block_m, s.chunk, s.group_rows);
     const unsigned long long offsets[] = {
-        l.expert_counts, l.expert_block_offset, l.sorted_rows,         l.block_expert, l.slot_row,
-        l.total_blocks,  l.chunk_base,          l.expert_group_offset, l.group_tiles,  l.tile_done,
-        l.bytes};
+        l.expert_counts, l.expert_block_offset, l.sorted_rows, l.block_expert,
+        l.slot_row,      l.total_blocks,        l.chunk_base,  l.expert_group_offset,
+        l.group_tiles,   l.tile_done,           l.bytes};
     const unsigned long long rows = static_cast<unsigned long long>(s.rows);
     const unsigned long long experts = static_cast<unsigned long long>(s.experts);
     const unsigned long long blocks = static_cast<unsigned long long>(
