@@ -26,9 +26,11 @@
 //   results are bitwise deterministic (no atomics, no split-K across CTAs). FC1 applies the
 //   activation to (gate, up) held by the same thread and writes inter bf16 [padded row][I];
 //   FC2 writes (acc + bias) * topk_weight to out2 [padded row][H]; combine sums a token's rows.
-// - PDL: kEarlyWeights issues the weight prologue before griddepcontrol.wait, so FC2 streams its
-//   weights while FC1 drains. Valid only when the previous kernel triggers its dependents after
-//   the route data it read was complete, which this kernel does (it triggers after its wait).
+// - PDL: kEarlyWeights issues the weight prologue before the wait for its inputs, so FC2 streams
+//   its weights while FC1 drains. Valid only when the previous kernel triggers its dependents
+//   after the route data it read was complete, which this kernel does (it triggers after its
+//   wait). That wait is griddepcontrol.wait, or with a MoeGemmChain (params.cuh) FC1's count of
+//   the CTA's own tile, so FC2 runs on the SMs FC1's last wave leaves (wait_for_inputs).
 //
 // Tile sizes, pipeline depth, warp split and the epilogue are template arguments chosen by the
 // planner from T and the shape; wgmma for large T is a later, separate path of the same traits.
@@ -145,7 +147,7 @@ struct MoeGemmTraits {
   static constexpr int kWarpsN = kWarpsN_;  // warps splitting the CTA's token rows
   static constexpr int kWarpsK = kWarpsK_;  // warps splitting each stage's K (fixed-order sum)
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
-  static constexpr bool kEarlyWeights = kEarlyWeights_;     // weight prologue before PDL wait
+  static constexpr bool kEarlyWeights = kEarlyWeights_;     // weight prologue before input wait
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
 
   static constexpr int kWarps = kWarpsM * kWarpsN * kWarpsK;

@@ -40,7 +40,8 @@
 //   top-k weight), which go through a staging tile in shared memory so each token's row leaves
 //   in whole 16-byte pieces. One CTA owns each output element (no split-K): results are
 //   bitwise deterministic.
-// - PDL: as moe_gemm.cuh (kEarlyWeights: weight prologue before griddepcontrol.wait).
+// - PDL: as moe_gemm.cuh (kEarlyWeights: weight prologue before the wait for inputs, which is
+//   griddepcontrol.wait or, with a MoeGemmChain, FC1's count of the CTA's own group).
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
@@ -64,7 +65,7 @@ struct MoeGemmWgTraits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
   // Rows per route block: a CTA takes up to kGroupBlocks consecutive blocks of one expert.
   static constexpr int kRouteBlock = kRouteBlock_;
-  static constexpr bool kEarlyWeights = kEarlyWeights_;  // weight prologue before PDL wait
+  static constexpr bool kEarlyWeights = kEarlyWeights_;  // weight prologue before input wait
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
 
   static constexpr int kGroupBlocks = kBlockN / kRouteBlock;  // route blocks per CTA tile

@@ -85,9 +85,9 @@ struct MoeGemmParams {
 // behind every thread's stores); FC2's CTAs wait until done[b] == wait_count (FC1's M tiles)
 // instead of waiting for FC1's whole grid, so FC2 works on the SMs FC1's last wave leaves idle.
 // The route zeroes done[0, max_blocks) (route_params.cuh tile_done). No deadlock: FC1's CTAs
-// trigger their dependents as they start (moe_gemm.cuh), so FC2 launches only once every FC1
-// CTA is running or done. A second kernel argument, not MoeGemmParams fields: see the register
-// note above.
+// trigger their dependents at their start, right after their wait for the route (moe_gemm.cuh),
+// so FC2 launches only once every FC1 CTA is running or done. A second kernel argument, not
+// MoeGemmParams fields: see the register note above.
 struct MoeGemmChain {
   u32* signal = nullptr;      // FC1: done counters to add to (nullptr: none)
   const u32* wait = nullptr;  // FC2: done counters to wait on (nullptr: wait for FC1's grid)
