@@ -171,10 +171,9 @@ __device__ __forceinline__ void wait_full(const u64* full, i32 u) {
   pipe::wait(ptx::smem_u32(full + u % kS), static_cast<u32>((u / kS) & 1));
 }
 
-// Named barrier 1 over kThreads consumer threads (fc1: both groups; fc2: its eight warps).
-template <i32 kThreads>
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+// Named barrier 1 + `group` over one group of eight consumer warps.
+__device__ __forceinline__ void consumers_sync(i32 group = 0) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "n"(kPairConsumerThreads) : "memory");
 }
 
 // kAtoms consecutive K atoms, from atom0, of one strip (weights at w_base, scales at s_base)
@@ -212,12 +211,9 @@ __device__ __forceinline__ void mma_strip(u32 w_base, u32 s_base, u32 b_lane, i3
 // ---- fc1: FC1 strips of every virtual expert, split evenly over the grid ---------------------
 // One CTA per SM. The producer warp lands one strip (all of K, weights then scales: two bulk
 // copies) per ring slot. Units alternate between two groups of eight consumer warps; in a group
-// each warp takes an eighth of the strip's K atoms. The unit's leader (one warp of the group,
-// the next one each unit) sums the eight partial sums in warp order, applies the activation and
-// frees the slot; the other seven store theirs over the atoms they have read (no separate
-// reduction buffer), arrive on the slot's partials barrier and go on to their next unit.
-// Why a rotating leader and no group barrier: with a fixed leader behind a barrier of the whole
-// group, every warp waited each unit for the leader's sum and activation of the unit before.
+// each warp takes an eighth of the strip's K atoms, stores its partial sums over the atoms it
+// has read, and the group's first warp sums the eight in warp order, applies the activation and
+// frees the slot (no separate reduction buffer).
 template <class T>
 __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePairParams p) {
   constexpr PairGeometry G = T::kGeo;
@@ -234,13 +230,11 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
   u8* const route_base = hid + G.fc1_hidden_bytes();
   u64* const full = reinterpret_cast<u64*>(route_base + G.route_bytes());
   u64* const empty = full + kPairMaxFc1Stages;
-  u64* const parts = empty + kPairMaxFc1Stages;  // a unit's seven other partial sums are stored
   const pair::Routing r = pair::Routing::carve(route_base);
 
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
   const i32 warp = tid >> 5;
-  constexpr i32 kConsumerThreads = kPairFc1Groups * kPairConsumerThreads;
 
   // Inputs of earlier grids, and the previous forward's fc2 reading the intermediate rows.
   ::moejit::kern::ptx::grid_dependency_wait();
@@ -250,16 +244,14 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
     for (i32 s = 0; s < kS; ++s) {
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
       pipe::mbar_init(ptx::smem_u32(empty + s), 1);
-      pipe::mbar_init(ptx::smem_u32(parts + s), 32 * (kPairConsumerWarps - 1));
     }
     pipe::fence_mbar_init();
   }
-  // The hidden rows, whole, while the routing runs; by the consumers alone, so the producer's
-  // first copies wait only for the routing.
-  if (tid < kConsumerThreads) {
+  // The hidden rows, whole, while the routing runs.
+  {
     constexpr i32 kPieces = G.hidden / 8;  // 16 bytes each
     const u32 hid_base = ptx::smem_u32(hid);
-    for (i32 i = tid; i < p.num_tokens * kPieces; i += kConsumerThreads) {
+    for (i32 i = tid; i < p.num_tokens * kPieces; i += kPairFc1Threads) {
       const i32 t = i / kPieces;
       const i32 c = i % kPieces;
       ptx::cp_async_16(hid_base + static_cast<u32>(t * kRow + c * 16),
@@ -267,7 +259,9 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
     }
     ptx::cp_async_commit();
   }
-  const i32 nv = pair::route<T>(p, r);  // ends with __syncthreads: the barriers are initialized
+  const i32 nv = pair::route<T>(p, r);
+  ptx::cp_async_wait<0>();
+  __syncthreads();
 
   const i32 units = nv * kStrips;
   const i32 begin = static_cast<i32>(static_cast<i64>(blockIdx.x) * units / gridDim.x);
@@ -297,9 +291,6 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
   }
 
   // ============================== consumers ==============================
-  // Every consumer's hidden-row copies landed and visible to the others.
-  ptx::cp_async_wait<0>();
-  pair::consumers_sync<kConsumerThreads>();
   // Group `group` takes units begin + group, + 2, ... (wait_landed: the slot's previous unit may
   // be the other group's).
   const i32 group = warp / kPairConsumerWarps;
@@ -329,30 +320,20 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
 #pragma unroll
     for (i32 q = 0; q < 4; ++q) acc[0][q] += acc[1][q];
 
-    // Fixed-order sum of the eight K slices, by the unit's leader (the group's units in turn).
-    // Each other warp's partial goes over the first atom it read (the warp is past its last read
-    // of the slot); every lane arrives, so each lane's own stores are released to the leader.
-    const i32 leader = (i / kPairFc1Groups) % kPairConsumerWarps;
+    // Fixed-order sum of the eight K slices. Each warp's partial goes over the first atom it
+    // read (the warp is past its last read of the slot).
     float* const part = reinterpret_cast<float*>(ring + slot * kUnit);
     constexpr i32 kPartStride = kWarpAtoms * layout::kAtomBytes / 4;  // floats between warps
     __syncwarp();
-    if (gw != leader) {
+    if (gw != 0) {
 #pragma unroll
       for (i32 q = 0; q < 4; ++q) part[gw * kPartStride + q * 32 + lane] = acc[0][q];
-      pipe::arrive(ptx::smem_u32(parts + slot));
-      continue;
     }
-    // The slot's partials phase of this fill: its earlier fills' phases completed before their
-    // leaders freed the slot, and its next fill's arrivals come only after this leader frees it.
-    pipe::wait(ptx::smem_u32(parts + slot), static_cast<u32>((i / kS) & 1));
-    const float mine[4] = {acc[0][0], acc[0][1], acc[0][2], acc[0][3]};
-#pragma unroll
-    for (i32 q = 0; q < 4; ++q) acc[0][q] = gw == 0 ? mine[q] : part[q * 32 + lane];
+    pair::consumers_sync(group);
+    if (gw != 0) continue;
     for (i32 w = 1; w < kPairConsumerWarps; ++w) {
 #pragma unroll
-      for (i32 q = 0; q < 4; ++q) {
-        acc[0][q] += w == gw ? mine[q] : part[w * kPartStride + q * 32 + lane];
-      }
+      for (i32 q = 0; q < 4; ++q) acc[0][q] += part[w * kPartStride + q * 32 + lane];
     }
     // The slot's next bulk copy (async proxy) comes after these plain stores and loads.
     pipe::fence_proxy_async();
@@ -451,7 +432,7 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
   }
-  pair::consumers_sync<kPairConsumerThreads>();
+  pair::consumers_sync();
 
   const i32 g = lane >> 2;
   const i32 t4 = lane & 3;
@@ -485,7 +466,7 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
       }
     }
   }
-  pair::consumers_sync<kPairConsumerThreads>();
+  pair::consumers_sync();
 
   // out[t][h] = sum over slots in order (positions with no local expert hold 0).
   const i32 cols = strips * layout::kAtomRows;

@@ -74,8 +74,7 @@ struct PairGeometry {
   MOEJIT_HD static constexpr i32 route_bytes() {
     return 4 * 4 * kPairMaxPositions + 2 * kPairColumns * kPairMaxPositions + 16;
   }
-  // mbarriers of a ring: kinds per slot (fc1: full, empty and partials; fc2: full and empty).
-  MOEJIT_HD static constexpr i32 barrier_bytes(i32 stages, i32 kinds) { return 8 * kinds * stages; }
+  MOEJIT_HD static constexpr i32 barrier_bytes(i32 stages) { return 16 * stages; }
 
   // ---- fc1: one unit = one FC1 strip of one virtual expert, all of K = H ----
   MOEJIT_HD constexpr i32 fc1_strips() const { return inter / layout::kGateUpRows; }  // per expert
@@ -87,7 +86,7 @@ struct PairGeometry {
   MOEJIT_HD constexpr i32 hidden_row_bytes() const { return hidden * 2 + 16; }
   MOEJIT_HD constexpr i32 fc1_hidden_bytes() const { return max_tokens * hidden_row_bytes(); }
   MOEJIT_HD constexpr i32 fc1_fixed_bytes() const {
-    return fc1_hidden_bytes() + route_bytes() + barrier_bytes(kPairMaxFc1Stages, 3);
+    return fc1_hidden_bytes() + route_bytes() + barrier_bytes(kPairMaxFc1Stages);
   }
   // Units fc1's producer keeps in flight: the whole units nearest kPairFc1InFlightBytes, at least
   // one (deepseek-v4-flash-tp4 and kimi: 1 of 35 / 30 KB; qwen3-30b-a3b: 2 of 17 KB). Pacing
@@ -117,7 +116,7 @@ struct PairGeometry {
   }
   MOEJIT_HD constexpr i32 fc2_fixed_bytes() const {
     return fc2_inter_bytes() + fc2_rows_bytes() + route_bytes() +
-           barrier_bytes(kPairMaxFc2Stages, 2);
+           barrier_bytes(kPairMaxFc2Stages);
   }
   MOEJIT_HD constexpr i32 fc2_stages() const {
     const i32 s = (kPairSmemBudget - fc2_fixed_bytes()) / fc2_unit_bytes();
