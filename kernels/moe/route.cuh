@@ -369,37 +369,6 @@ __device__ __forceinline__ void route_fill_expert(const RouteParams& p, int e, i
     route_write_groups<Traits>(p, e, count, start, group, lane, 32);
 }
 
-// Padding rows and block_expert entries of the 32 experts [e0, e0 + 32) (one warp): for each
-// expert e, rows [B * start + count, B * end) get -1 and blocks [start, end) get e, where
-// count = counts[e], start = starts[e], end = starts[e + 1]. Used by the scatter kernel (the
-// three-launch path); the one-launch kernel fills per thread instead (route_pad_expert,
-// route_block_experts). Why a group per warp: lane j reads expert e0 + j's sizes (one global
-// round trip for 32 experts) and a ballot skips the experts without blocks; the nonempty ones
-// are written by the whole warp, coalesced. It pays only when there are at least as many groups
-// of 32 experts as warps sharing the fill: with fewer, most warps would idle while a few walk 32
-// nonempty experts each (measured on the H200: gpt-oss, E = 128 over 32 warps, T = 96 took
-// 10.2 us with groups against 4.3 us with a warp per expert), so the scatter kernel takes a warp
-// per expert then.
-template <class Traits>
-__device__ __forceinline__ void route_fill_group(const RouteParams& p, int e0, const int* counts,
-                                                 const int* starts, int lane) {
-  constexpr int kExperts = Traits::kExperts;
-  const int e = e0 + lane;
-  const int count = e < kExperts ? counts[e] : 0;
-  const int start = e < kExperts ? starts[e] : 0;
-  const int end = e < kExperts ? starts[e + 1] : 0;
-  int group = 0;
-  if constexpr (Traits::kGroupRows > 0) group = e < kExperts ? p.expert_group_offset[e] : 0;
-  unsigned todo = __ballot_sync(0xffffffffu, end > start);
-  while (todo != 0u) {
-    const int j = __ffs(static_cast<int>(todo)) - 1;
-    todo &= todo - 1u;
-    route_fill_expert<Traits>(p, e0 + j, __shfl_sync(0xffffffffu, count, j),
-                              __shfl_sync(0xffffffffu, start, j), __shfl_sync(0xffffffffu, end, j),
-                              __shfl_sync(0xffffffffu, group, j), lane);
-  }
-}
-
 // Padding rows of one expert (one thread): rows [B * start + count, B * end) get -1. Fewer than
 // B: only an expert's last block is partial.
 template <int kBlockM>
@@ -460,11 +429,11 @@ __global__ void __launch_bounds__(Traits::kThreads) route_single_kernel(const Ro
   detail::route_scan_experts<Traits>(s.x);
 
   // Why a thread per expert and per block for the padding rows and the block map (not a warp
-  // walking the nonempty experts of a group, as the scatter kernel does): at decode nearly every
-  // touched expert has one block, and the walk cost a dependent chain of ~60 instructions per
-  // touched expert (kimi-k3.1-tp8 T = 24: 315 experts, ~19 K of the kernel's 25.5 K
-  // warp-instructions, 9.5 us). Here each thread writes fewer than B padding rows per expert it
-  // owns and searches the block map for each block it owns.
+  // per expert, as the scatter kernel does, nor one walking a group's nonempty experts): at
+  // decode nearly every touched expert has one block, and the walk cost a dependent chain of ~60
+  // instructions per touched expert (kimi-k3.1-tp8 T = 24: 315 experts, ~19 K of the kernel's
+  // 25.5 K warp-instructions, 9.5 us). Here each thread writes fewer than B padding rows per
+  // expert it owns and searches the block map for each block it owns.
   const int total = s.x.block_start[E];
   for (int e = tid; e < E; e += Traits::kThreads) {
     p.expert_counts[e] = s.x.expert_count[e];
@@ -605,9 +574,9 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scan_kernel(const Rout
   }
 }
 
-// Multi-CTA step 3 of 3: grid route_num_chunks(N, C). Chunk c places its entries; the CTAs
-// share out the padding rows and block_expert (a warp per expert, or per group of 32 experts
-// when there are more groups than warps in the grid) and the -1 tail of block_expert.
+// Multi-CTA step 3 of 3: grid route_scatter_ctas(N, C, E, threads). Chunk c places its entries;
+// the CTAs share out the padding rows and block_expert (a warp per expert) and the -1 tail of
+// block_expert.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const RouteParams p) {
   constexpr int E = Traits::kExperts;
@@ -649,18 +618,16 @@ __global__ void __launch_bounds__(Traits::kThreads) route_scatter_kernel(const R
     }
   }
 
+  // A warp per expert: route_scatter_ctas gives the grid at least one warp per expert. Why not
+  // a warp walking the nonempty experts of a group of 32: with fewer groups than warps most
+  // warps idled while a few walked 32 experts each (measured on the H200: gpt-oss-120b, E = 128
+  // over 32 warps, T = 96: 10.2 us with groups against 4.3 us with a warp per expert).
   const int grid_threads = static_cast<int>(gridDim.x) * Traits::kThreads;
   const int grid_warps = static_cast<int>(gridDim.x) * Traits::kWarps;
-  if ((E + 31) / 32 >= grid_warps) {
-    for (int e0 = chunk * Traits::kThreads + (tid & ~31); e0 < E; e0 += grid_threads) {
-      detail::route_fill_group<Traits>(p, e0, p.expert_counts, p.expert_block_offset, lane);
-    }
-  } else {
-    for (int e = chunk * Traits::kWarps + (tid >> 5); e < E; e += grid_warps) {
-      detail::route_fill_expert<Traits>(
-          p, e, p.expert_counts[e], p.expert_block_offset[e], p.expert_block_offset[e + 1],
-          Traits::kGroupRows > 0 ? p.expert_group_offset[e] : 0, lane);
-    }
+  for (int e = chunk * Traits::kWarps + (tid >> 5); e < E; e += grid_warps) {
+    detail::route_fill_expert<Traits>(p, e, p.expert_counts[e], p.expert_block_offset[e],
+                                      p.expert_block_offset[e + 1],
+                                      Traits::kGroupRows > 0 ? p.expert_group_offset[e] : 0, lane);
   }
   const int total = p.expert_block_offset[E];
   const int max_blocks = static_cast<int>(route_max_blocks(rows, E, B));
