@@ -326,6 +326,9 @@ __device__ __forceinline__ void mma_chunk_active(u32 w_base, u32 s_base, u32 a_b
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeParams p) {
+  // Everything before this grid is done (the previous layer's reads of the workspace included)
+  // before the main kernel may start: it reads hidden and topk_ids before its own wait.
+  ::moejit::kern::ptx::grid_dependency_wait();
   ::moejit::kern::ptx::launch_dependents();
   u32* counters = reinterpret_cast<u32*>(p.workspace + T::kGeo.ws_counters());
   for (i32 i = static_cast<i32>(threadIdx.x); i < T::kGeo.counter_words(); i += kThreads) {

@@ -133,13 +133,15 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
 
   kern::moe::decode::DecodeMoeParams params = args;
   void* kernel_args[] = {&params};
-  // Why no PDL for the reset: it must start after everything before it in the stream (the
-  // previous layer may still read this workspace, and the main kernel reads hidden and topk_ids
-  // before it waits). It lets the main kernel launch early; that one waits for it
-  // (griddepcontrol.wait) before touching the counters.
+  // Why PDL for the reset, as for the route that heads the marlin chain: it is scheduled while the
+  // kernel before it drains, and it waits for that kernel's grid (griddepcontrol.wait) before it
+  // zeroes the counters (the previous layer may still read this workspace). Only then does it let
+  // the main kernel launch, which reads hidden and topk_ids before its own wait, so those reads
+  // come after everything before the reset. The main kernel waits for the reset's grid before
+  // touching the counters.
   LaunchShape reset_shape;
   reset_shape.block = static_cast<unsigned>(kDecodeThreads);
-  launch_moe_kernel(op, reset_spec, reset_kernel, reset_shape, false, stream, kernel_args);
+  launch_moe_kernel(op, reset_spec, reset_kernel, reset_shape, true, stream, kernel_args);
 
   LaunchShape main_shape;
   main_shape.grid_x = static_cast<unsigned>(sms * decode_moe_blocks_per_sm(main));
@@ -165,13 +167,15 @@ void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const Curren
 
   kern::moe::decode::DecodePairParams params = args;
   void* kernel_args[] = {&params};
-  // Why no PDL for fc1: it overwrites the intermediate rows the previous forward's fc2 may still
-  // read, and it reads hidden and topk_ids, which the kernels before it write.
+  // Why PDL for fc1, as for the route that heads the marlin chain: it is scheduled while the
+  // kernel before it drains, and its first instruction waits for that kernel's grid
+  // (griddepcontrol.wait), before it reads hidden and topk_ids and before it overwrites the
+  // intermediate rows the previous forward's fc2 may still read.
   LaunchShape fc1_shape;
   fc1_shape.grid_x = static_cast<unsigned>(sms);
   fc1_shape.block = static_cast<unsigned>(kDecodePairFc1Threads);
   fc1_shape.smem = static_cast<unsigned>(fc1_smem);
-  launch_moe_kernel(op, fc1_spec, fc1_kernel, fc1_shape, false, stream, kernel_args);
+  launch_moe_kernel(op, fc1_spec, fc1_kernel, fc1_shape, true, stream, kernel_args);
 
   LaunchShape fc2_shape;
   fc2_shape.grid_x = static_cast<unsigned>(decode_pair_geometry(fc2).fc2_grid(sms));

@@ -38,9 +38,9 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
 
 // Launches the two-launch tile for `fc1` (a kPairFc1 spec's params; its kPairFc2 is derived):
 // both kernels looked up first, shared memory and the largest carveout opted into (one CTA of
-// each kernel shares an SM). fc1: one CTA per multiprocessor, 544 threads, launched plainly (it
-// starts after everything before it); fc2: PairGeometry::fc2_grid CTAs of 288 threads under
-// programmatic dependent launch. args.inter at least PairGeometry::workspace_bytes() bytes
+// each kernel shares an SM). fc1: one CTA per multiprocessor, 544 threads; fc2:
+// PairGeometry::fc2_grid CTAs of 288 threads; both under programmatic dependent launch (each
+// waits for the grid before it). args.inter at least PairGeometry::workspace_bytes() bytes
 // (checked by the caller).
 void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
                         const kern::moe::decode::DecodePairParams& args, CUstream stream);
