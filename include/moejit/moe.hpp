@@ -118,6 +118,11 @@ struct MoeForwardArgs {
   const DLTensor* topk_weights = nullptr;
   MoeWeights weights;
   // At least moe_workspace_bytes(shape, T) bytes (any larger max_tokens works), 256-byte aligned.
+  // Scratch of this call from its launch until `stream` has run its kernels: every call writes
+  // what it reads before reading it, so between calls the bytes may hold anything (another op may
+  // reuse the buffer in stream order). Two calls in flight at once (on two streams) need two
+  // workspaces: the kernels of one call wait on counters in it, and a second call resetting them
+  // would corrupt the first call's output or stall its kernels.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   // [T, H] bf16, 16-byte aligned; written completely (0 for a token with no local expert).
@@ -127,8 +132,9 @@ struct MoeForwardArgs {
 // Which kernels compute the layer.
 enum class MoePath {
   kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T = 1 where it
-            // serves (its two-kernel tile where that serves the shape: 0.76-0.96x marlin_moe's
-            // time), marlin_moe otherwise (from T = 2 mostly faster, by up to 18%)
+            // serves (its two-kernel tile where that serves the shape: 0.86-0.96x marlin_moe's
+            // time), marlin_moe otherwise (from T = 2 decode_moe is mostly slower: up to 1.26x
+            // marlin_moe's time at T = 2)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };

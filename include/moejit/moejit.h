@@ -96,7 +96,9 @@ moejit_status moejit_moe_workspace_bytes(const moejit_moe* moe, int max_tokens, 
 
 /* out [T, H] bf16 = the routed-expert layer of hidden [T, H] bf16 with topk_ids [T, K] (int32, or
  * int64 when the shape says) and topk_weights [T, K] fp32. No allocation, no host sync, CUDA-graph
- * capturable after a prewarm. */
+ * capturable after a prewarm. The workspace is the call's scratch until the stream has run its
+ * kernels (its bytes may hold anything between calls); two calls in flight at once need two
+ * workspaces (moejit::MoeForwardArgs::workspace). */
 moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const DLTensor* topk_ids, const DLTensor* topk_weights,
                                  const moejit_moe_weights* weights, void* workspace,
