@@ -133,7 +133,7 @@ struct MoeForwardArgs {
 enum class MoePath {
   kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T = 1 where it
             // serves (its two-kernel tile where that serves the shape: 0.86-0.96x marlin_moe's
-            // time), marlin_moe otherwise (from T = 2 decode_moe is mostly slower: up to 1.26x
+            // time), marlin_moe otherwise (from T = 2 decode_moe is mostly slower: up to 1.27x
             // marlin_moe's time at T = 2)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
