@@ -122,7 +122,9 @@ struct MoeForwardArgs {
   // what it reads before reading it, so between calls the bytes may hold anything (another op may
   // reuse the buffer in stream order). Two calls in flight at once (on two streams) need two
   // workspaces: the kernels of one call wait on counters in it, and a second call resetting them
-  // would corrupt the first call's output or stall its kernels.
+  // would corrupt the first call's output or stall its kernels. A kernel that waits on such a
+  // counter for 10 s (kern::moe::kCounterWaitLimitNs; a layer takes milliseconds) traps: the
+  // stream then reports a launch failure instead of hanging.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   // [T, H] bf16, 16-byte aligned; written completely (0 for a token with no local expert).

@@ -42,6 +42,7 @@
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
 #include <moejit/kern/moe/mxfp4.cuh>
+#include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/pipe.cuh>
 #include <moejit/kern/moe/ptx.cuh>
 
@@ -664,9 +665,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
           if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
         }
         if (lane == 0) {
-          while (ready < static_cast<u32>(G.fc1_items())) {
-            ptx::sleep_ns(64);
-            ready = ptx::load_relaxed(fc1_done + v);
+          if (ready < static_cast<u32>(G.fc1_items())) {
+            ptx::wait_at_least(fc1_done + v, static_cast<u32>(G.fc1_items()),
+                               kCounterWaitLimitNs);
           }
           ptx::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
         }

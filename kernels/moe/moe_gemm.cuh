@@ -295,7 +295,9 @@ __device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
     ::moejit::kern::ptx::grid_dependency_wait();
   } else if (threadIdx.x == kThreads - 32) {
     const u32* done = chain.wait + cta_tile().block;
-    while (ptx::load_acquire(done) < chain.wait_count) ptx::sleep_ns(32);
+    if (ptx::load_acquire(done) < chain.wait_count) {
+      ptx::wait_at_least(done, chain.wait_count, chain.wait_limit_ns);
+    }
   }
 }
 

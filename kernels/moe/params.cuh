@@ -88,10 +88,19 @@ struct MoeGemmParams {
 // trigger their dependents at their start, right after their wait for the route (moe_gemm.cuh),
 // so FC2 launches only once every FC1 CTA is running or done. A second kernel argument, not
 // MoeGemmParams fields: see the register note above.
+// How long a CTA may wait for another CTA's counter (MoeGemmChain, decode_moe's per-expert FC1
+// counts) before the wait is taken for one that will never end: far beyond any layer (a whole
+// layer takes milliseconds at T = 16384), so only a broken workspace contract (two calls in
+// flight on one workspace, include/moejit/moe.hpp) or an earlier fault gets there.
+inline constexpr u64 kCounterWaitLimitNs = 10ull * 1000 * 1000 * 1000;
+
 struct MoeGemmChain {
   u32* signal = nullptr;      // FC1: done counters to add to (nullptr: none)
   const u32* wait = nullptr;  // FC2: done counters to wait on (nullptr: wait for FC1's grid)
   u32 wait_count = 0;         // FC2: FC1's M tiles (the count a tile is complete at)
+  // FC2: how long a tile's count may stay short before the wait is taken for one that will never
+  // end (ptx.cuh wait_at_least: it traps). The op passes kCounterWaitLimitNs.
+  u64 wait_limit_ns = 0;
 };
 
 }  // namespace moejit::kern::moe

@@ -162,5 +162,23 @@ __device__ __forceinline__ void red_add_release(u32* p, u32 v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+__device__ __forceinline__ u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits until *counter >= target (acquire: what was released before the counts is visible after
+// it). Call once a first look found it short. Past limit_ns (params.cuh kCounterWaitLimitNs says
+// why the op's limit is what it is) it traps, so the launch fails with an error that the stream's
+// next synchronization reports, instead of hanging the stream. Why no message (printf) first:
+// any call in a kernel, vprintf's included, makes ptxas serialize every wgmma of it (C7510).
+__device__ __forceinline__ void wait_at_least(const u32* counter, u32 target, u64 limit_ns) {
+  const u64 start = globaltimer();
+  while (load_acquire(counter) < target) {
+    if (globaltimer() - start > limit_ns) __trap();
+    sleep_ns(32);
+  }
+}
 
 }  // namespace moejit::kern::moe::ptx

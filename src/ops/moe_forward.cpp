@@ -392,6 +392,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     fc1_chain.signal = route.tile_done;
     fc2_chain.wait = route.tile_done;
     fc2_chain.wait_count = fc1_geometry.grid_x;
+    fc2_chain.wait_limit_ns = kern::moe::kCounterWaitLimitNs;
   }
   {
     void* fc1_args[] = {&fc1, &fc1_chain};

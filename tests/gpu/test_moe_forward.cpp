@@ -24,8 +24,12 @@
 #include <cuda.h>
 #include <dlpack/dlpack.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -34,6 +38,7 @@
 #include <limits>
 #include <memory>
 #include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/params.cuh>
 #include <random>
 #include <sstream>
 #include <string>
@@ -988,4 +993,110 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
     }
   }
   std::printf("moe route: %d id sets checked bitwise (3 runs each)\n", checked);
+}
+
+// ---- A wait that can never end fails the launch instead of hanging the stream ----------------
+
+// The child half of the test after it, run only by it in a process of its own (the trap it
+// provokes ends that process's CUDA context): one marlin_moe call captured into a graph whose FC2
+// node is edited to wait for a tile count FC1 never reaches, with a 0.2 s limit. Prints the
+// synchronize's result and the time it took, then exits at once (0: the launch failed as it
+// should; 3: it did not), so no destructor touches the dead context.
+TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes traps",
+          "[.][wait_trap_child]") {
+  gpu();
+  TestStream stream;
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 64);
+  const int tokens = 24;
+  prewarm_shapes({shape});
+  const moejit::detail::MoeForwardSpecs specs = moejit::detail::moe_forward_specs(
+      moejit::detail::choose_moe_config(shape, tokens),
+      moejit::detail::Runtime::instance().current_arch());
+  REQUIRE(specs.gemm_chain);
+  auto model = allocate_model(shape);
+  IdPlan plan;
+  plan.lo = 0;
+  plan.hi = shape.num_experts;
+  const Tokens tk = make_tokens(shape, tokens, plan, rng);
+  ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
+  MoeForwardOptions marlin;
+  marlin.path = MoePath::kMarlin;
+
+  CUgraph graph = nullptr;
+  MOEJIT_TEST_CU(cu().cuStreamBeginCapture(stream.get(), CU_STREAM_CAPTURE_MODE_GLOBAL));
+  moejit::moe_forward(shape, io.args(*model), stream.get(), marlin);
+  MOEJIT_TEST_CU(cu().cuStreamEndCapture(stream.get(), &graph));
+  REQUIRE(graph != nullptr);
+  // FC2's node: the kernel launched as FC2's spec (the launch passes the CUkernel as its
+  // function; the node may hold it or the function it resolves to in this context).
+  const CUkernel fc2 = moejit::detail::Runtime::instance().kernel(specs.fc2, stream.get());
+  CUfunction fc2_function = nullptr;
+  MOEJIT_TEST_CU(cu().cuKernelGetFunction(&fc2_function, fc2));
+  std::size_t count = 0;
+  MOEJIT_TEST_CU(cu().cuGraphGetNodes(graph, nullptr, &count));
+  std::vector<CUgraphNode> nodes(count);
+  MOEJIT_TEST_CU(cu().cuGraphGetNodes(graph, nodes.data(), &count));
+  int edited = 0;
+  for (CUgraphNode node : nodes) {
+    CUgraphNodeType type{};
+    MOEJIT_TEST_CU(cu().cuGraphNodeGetType(node, &type));
+    if (type != CU_GRAPH_NODE_TYPE_KERNEL) continue;
+    CUDA_KERNEL_NODE_PARAMS params{};
+    MOEJIT_TEST_CU(cu().cuGraphKernelNodeGetParams(node, &params));
+    const bool is_fc2 = params.func == fc2_function ||
+                        params.func == reinterpret_cast<CUfunction>(fc2) || params.kern == fc2;
+    if (!is_fc2) continue;
+    REQUIRE(params.kernelParams != nullptr);
+    moejit::kern::moe::MoeGemmParams gemm = *static_cast<const moejit::kern::moe::MoeGemmParams*>(
+        params.kernelParams[0]);
+    moejit::kern::moe::MoeGemmChain chain = *static_cast<const moejit::kern::moe::MoeGemmChain*>(
+        params.kernelParams[1]);
+    REQUIRE(chain.wait != nullptr);
+    CHECK(chain.wait_limit_ns == moejit::kern::moe::kCounterWaitLimitNs);
+    chain.wait_count = 0xFFFFFFFFu;
+    chain.wait_limit_ns = 200ull * 1000 * 1000;
+    void* args[] = {&gemm, &chain};
+    params.kernelParams = args;
+    params.extra = nullptr;
+    MOEJIT_TEST_CU(cu().cuGraphKernelNodeSetParams(node, &params));
+    ++edited;
+  }
+  REQUIRE(edited == 1);
+  CUgraphExec exec = nullptr;
+  MOEJIT_TEST_CU(cu().cuGraphInstantiate(&exec, graph, 0));
+  const auto start = std::chrono::steady_clock::now();
+  MOEJIT_TEST_CU(cu().cuGraphLaunch(exec, stream.get()));
+  const CUresult result = cu().cuStreamSynchronize(stream.get());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const char* name = nullptr;
+  cu().cuGetErrorName(result, &name);
+  std::printf("wait_trap_child: synchronize returned %s after %.3f s\n",
+              name != nullptr ? name : "?", seconds);
+  std::fflush(stdout);
+  std::_Exit(result != CUDA_SUCCESS && seconds >= 0.2 ? 0 : 3);
+}
+
+TEST_CASE("moe_forward: a wait that can never end fails the launch instead of hanging",
+          "[gpu][moe]") {
+  gpu();
+  // The child is this binary, running the hidden case above; `timeout` bounds a hang.
+  char self[4096] = {};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  REQUIRE(length > 0);
+  const std::string command =
+      "timeout 120 '" + std::string(self) + "' '[wait_trap_child]' 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string output;
+  char chunk[512];
+  while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
+  const int status = pclose(pipe);
+  INFO("child output:\n" << output);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  const std::size_t line = output.find("wait_trap_child: synchronize returned CUDA_ERROR_");
+  REQUIRE(line != std::string::npos);
+  std::printf("moe_forward: %s", output.substr(line).c_str());
 }
