@@ -666,8 +666,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         }
         if (lane == 0) {
           if (ready < static_cast<u32>(G.fc1_items())) {
-            ptx::wait_at_least(fc1_done + v, static_cast<u32>(G.fc1_items()),
-                               kCounterWaitLimitNs);
+            ptx::wait_at_least(fc1_done + v, static_cast<u32>(G.fc1_items()), kCounterWaitLimitNs);
           }
           ptx::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
         }

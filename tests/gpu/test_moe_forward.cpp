@@ -23,7 +23,6 @@
 // Each forward case prints one line, "moe_forward <shape> T=<T> relL2=<x> ...", for PERF_LOG.
 #include <cuda.h>
 #include <dlpack/dlpack.h>
-
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1010,9 +1009,9 @@ TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes
   const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 64);
   const int tokens = 24;
   prewarm_shapes({shape});
-  const moejit::detail::MoeForwardSpecs specs = moejit::detail::moe_forward_specs(
-      moejit::detail::choose_moe_config(shape, tokens),
-      moejit::detail::Runtime::instance().current_arch());
+  const moejit::detail::MoeForwardSpecs specs =
+      moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens),
+                                        moejit::detail::Runtime::instance().current_arch());
   REQUIRE(specs.gemm_chain);
   auto model = allocate_model(shape);
   IdPlan plan;
@@ -1048,10 +1047,10 @@ TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes
                         params.func == reinterpret_cast<CUfunction>(fc2) || params.kern == fc2;
     if (!is_fc2) continue;
     REQUIRE(params.kernelParams != nullptr);
-    moejit::kern::moe::MoeGemmParams gemm = *static_cast<const moejit::kern::moe::MoeGemmParams*>(
-        params.kernelParams[0]);
-    moejit::kern::moe::MoeGemmChain chain = *static_cast<const moejit::kern::moe::MoeGemmChain*>(
-        params.kernelParams[1]);
+    moejit::kern::moe::MoeGemmParams gemm =
+        *static_cast<const moejit::kern::moe::MoeGemmParams*>(params.kernelParams[0]);
+    moejit::kern::moe::MoeGemmChain chain =
+        *static_cast<const moejit::kern::moe::MoeGemmChain*>(params.kernelParams[1]);
     REQUIRE(chain.wait != nullptr);
     CHECK(chain.wait_limit_ns == moejit::kern::moe::kCounterWaitLimitNs);
     chain.wait_count = 0xFFFFFFFFu;
@@ -1085,8 +1084,7 @@ TEST_CASE("moe_forward: a wait that can never end fails the launch instead of ha
   char self[4096] = {};
   const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
   REQUIRE(length > 0);
-  const std::string command =
-      "timeout 120 '" + std::string(self) + "' '[wait_trap_child]' 2>&1";
+  const std::string command = "timeout 120 '" + std::string(self) + "' '[wait_trap_child]' 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   REQUIRE(pipe != nullptr);
   std::string output;
