@@ -665,10 +665,12 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
           if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
         }
         if (lane == 0) {
+          // Acquired either way: orders the FC1 rows before the copies below.
           if (ready < static_cast<u32>(G.fc1_items())) {
             ptx::wait_at_least(fc1_done + v, static_cast<u32>(G.fc1_items()), kCounterWaitLimitNs);
+          } else {
+            ptx::load_acquire(fc1_done + v);
           }
-          ptx::load_acquire(fc1_done + v);  // orders the FC1 rows before the copies below
         }
         __syncwarp();
         for (i32 k = 0; k < early; ++k) {

@@ -79,6 +79,12 @@ struct MoeGemmParams {
   i32 prefetch_k_atoms;
 };
 
+// How long a CTA may wait for another CTA's counter (MoeGemmChain, decode_moe's per-expert FC1
+// counts) before the wait is taken for one that will never end: far beyond any layer (a whole
+// layer takes milliseconds at T = 16384), so only a broken workspace contract (two calls in
+// flight on one workspace, include/moejit/moe.hpp) or an earlier fault gets there.
+inline constexpr u64 kCounterWaitLimitNs = 10ull * 1000 * 1000 * 1000;
+
 // The order between a layer's two GEMMs, per tile instead of per grid: FC2's CTA of tile b (a
 // route block, or a group for the warpgroup tile) needs only FC1's outputs of tile b, i.e. FC1's
 // M tiles of that tile. FC1's CTAs count their stores in done[b] (a release add after a barrier
@@ -88,12 +94,6 @@ struct MoeGemmParams {
 // trigger their dependents at their start, right after their wait for the route (moe_gemm.cuh),
 // so FC2 launches only once every FC1 CTA is running or done. A second kernel argument, not
 // MoeGemmParams fields: see the register note above.
-// How long a CTA may wait for another CTA's counter (MoeGemmChain, decode_moe's per-expert FC1
-// counts) before the wait is taken for one that will never end: far beyond any layer (a whole
-// layer takes milliseconds at T = 16384), so only a broken workspace contract (two calls in
-// flight on one workspace, include/moejit/moe.hpp) or an earlier fault gets there.
-inline constexpr u64 kCounterWaitLimitNs = 10ull * 1000 * 1000 * 1000;
-
 struct MoeGemmChain {
   u32* signal = nullptr;      // FC1: done counters to add to (nullptr: none)
   const u32* wait = nullptr;  // FC2: done counters to wait on (nullptr: wait for FC1's grid)

@@ -168,17 +168,20 @@ __device__ __forceinline__ u64 globaltimer() {
   return t;
 }
 
-// Waits until *counter >= target (acquire: what was released before the counts is visible after
-// it). Call once a first look found it short. Past limit_ns (params.cuh kCounterWaitLimitNs says
-// why the op's limit is what it is) it traps, so the launch fails with an error that the stream's
-// next synchronization reports, instead of hanging the stream. Why no message (printf) first:
-// any call in a kernel, vprintf's included, makes ptxas serialize every wgmma of it (C7510).
+// Waits until *counter >= target, then acquires it (what was released before the counts is
+// visible after). Call once a first look found it short. Why relaxed polls and one acquire at the
+// end: each acquire load also invalidates the SM's L1 (CCTL.IVALL), which the polls need not do.
+// Past limit_ns (params.cuh kCounterWaitLimitNs says why the op's limit is what it is) it traps,
+// so the launch fails with an error that the stream's next synchronization reports, instead of
+// hanging the stream. Why no message (printf) first: any call in a kernel, vprintf's included,
+// makes ptxas serialize every wgmma of it (C7510).
 __device__ __forceinline__ void wait_at_least(const u32* counter, u32 target, u64 limit_ns) {
   const u64 start = globaltimer();
-  while (load_acquire(counter) < target) {
+  while (load_relaxed(counter) < target) {
     if (globaltimer() - start > limit_ns) __trap();
     sleep_ns(32);
   }
+  load_acquire(counter);
 }
 
 }  // namespace moejit::kern::moe::ptx
