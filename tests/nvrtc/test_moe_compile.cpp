@@ -305,13 +305,15 @@ TEST_CASE("every planned MoE kernel of every reference shape compiles for sm_90a
   check_outcomes(specs, outcomes);
   check_no_faulting_copies(outcomes);
   // Why: a warpgroup tile that runs out of registers spills and gets every wgmma serialized
-  // (ptxas waits after each one, note C7512), which measured 3-5% slower per layer.
+  // (ptxas waits after each one, note C7512), which measured 3-5% slower per layer; any call in
+  // the kernel (a printf's included) serializes them too (note C7510). Every such ptxas note says
+  // "wgmma.mma_async instructions are serialized".
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const auto* p = std::get_if<MarlinMoeParams>(&specs[i].params);
     if (p == nullptr || p->wgmma_n == 0 || !outcomes[i].error.empty()) continue;
     INFO(outcomes[i].name << "\n" << outcomes[i].log);
     CHECK(spill_bytes(outcomes[i].log) == 0);
-    CHECK_FALSE(contains(outcomes[i].log, "C7512"));
+    CHECK_FALSE(contains(outcomes[i].log, "instructions are serialized"));
   }
   report("sm_90a", outcomes, wall, threads);
 }
