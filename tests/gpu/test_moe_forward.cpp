@@ -999,8 +999,8 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
 // The child half of the test after it, run only by it in a process of its own (the trap it
 // provokes ends that process's CUDA context): one marlin_moe call captured into a graph whose FC2
 // node is edited to wait for a tile count FC1 never reaches, with a 0.2 s limit. Prints the
-// synchronize's result and the time it took, then exits at once (0: the launch failed as it
-// should; 3: it did not), so no destructor touches the dead context.
+// synchronize's result and the time it took, then exits at once (0: the trap failed the launch
+// after the limit; 3: anything else), so no destructor touches the dead context.
 TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes traps",
           "[.][wait_trap_child]") {
   gpu();
@@ -1052,7 +1052,8 @@ TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes
     moejit::kern::moe::MoeGemmChain chain =
         *static_cast<const moejit::kern::moe::MoeGemmChain*>(params.kernelParams[1]);
     REQUIRE(chain.wait != nullptr);
-    CHECK(chain.wait_limit_ns == moejit::kern::moe::kCounterWaitLimitNs);
+    // REQUIRE, not CHECK: this process ends in _Exit, which would drop a failed CHECK.
+    REQUIRE(chain.wait_limit_ns == moejit::kern::moe::kCounterWaitLimitNs);
     chain.wait_count = 0xFFFFFFFFu;
     chain.wait_limit_ns = 200ull * 1000 * 1000;
     void* args[] = {&gemm, &chain};
@@ -1074,7 +1075,9 @@ TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes
   std::printf("wait_trap_child: synchronize returned %s after %.3f s\n",
               name != nullptr ? name : "?", seconds);
   std::fflush(stdout);
-  std::_Exit(result != CUDA_SUCCESS && seconds >= 0.2 ? 0 : 3);
+  // A trap reads as CUDA_ERROR_LAUNCH_FAILED, and only after the 0.2 s limit: a fault of the
+  // edited launch itself would read otherwise or come sooner.
+  std::_Exit(result == CUDA_ERROR_LAUNCH_FAILED && seconds >= 0.2 ? 0 : 3);
 }
 
 TEST_CASE("moe_forward: a wait that can never end fails the launch instead of hanging",
@@ -1094,7 +1097,8 @@ TEST_CASE("moe_forward: a wait that can never end fails the launch instead of ha
   INFO("child output:\n" << output);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
-  const std::size_t line = output.find("wait_trap_child: synchronize returned CUDA_ERROR_");
+  const std::size_t line =
+      output.find("wait_trap_child: synchronize returned CUDA_ERROR_LAUNCH_FAILED");
   REQUIRE(line != std::string::npos);
   std::printf("moe_forward: %s", output.substr(line).c_str());
 }
