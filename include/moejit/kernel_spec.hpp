@@ -152,13 +152,14 @@ struct NarrowIdsParams {
   }
 };
 
-// decode_moe: one kernel of the family's two launch pairs. The persistent tile: kReset zeroes the
-// work-queue counters (one CTA, launched without programmatic dependent launch, so it starts
-// after everything before it); kMain is the persistent fused layer, launched with it (it waits on
-// kReset before touching the counters). Both take the same traits. The two-launch tile for the
+// decode_moe: one kernel of the family's two launch sequences, each launched with programmatic
+// dependent launch. The persistent tile, three kernels of the same traits: kReset zeroes the
+// work-queue counters (one CTA; it waits for the grid before it first); kMain is the persistent
+// fused layer up to FC2's fp32 rows (it waits on kReset before touching the counters); kCombine
+// sums each token's rows into the output (it waits for kMain's grid). The two-launch tile for the
 // smallest T (kernels/moe/decode_pair.cuh): kPairFc1 (FC1 with the activation), then kPairFc2
-// (FC2 and the top-k sum) launched with programmatic dependent launch; both take PairTraits.
-enum class DecodeKernel { kReset, kMain, kPairFc1, kPairFc2 };
+// (FC2 and the top-k sum); both take PairTraits.
+enum class DecodeKernel { kReset, kMain, kPairFc1, kPairFc2, kCombine };
 
 // decode_moe (kernels/moe/decode_moe.cuh DecodeTraits, decode_pair.cuh PairTraits): the model's
 // sizes are template arguments, so every rule of kernels/moe/decode_params.cuh (Geometry::rule)
@@ -174,7 +175,7 @@ struct MoeDecodeParams {
   int fc2_strips = 0;            // 16-row strips per FC2 item: 4 or 8 dividing H / 16
   int stages = 0;                // chunks in flight per CTA (2..8)
   // The pair kernels have no block_n, strips or stages (all 0): their tile follows from the
-  // shape and the T bucket they serve, 1, 2, 4 or 8 tokens (0 for kReset and kMain).
+  // shape and the T bucket they serve, 1, 2, 4 or 8 tokens (0 for kReset, kMain and kCombine).
   int max_tokens = 0;
   Activation activation;         // the gated activation of FC1
   DType id_dtype = DType::kI32;  // topk_ids element type read directly (kI32 or kI64)
@@ -196,7 +197,7 @@ using FamilyParams =
 
 const char* route_kernel_name(RouteKernel kernel) noexcept;  // "single", "rank", "scan", "scatter"
 const char* moe_gemm_stage_name(MoeGemmStage stage) noexcept;  // "fc1", "fc2"
-// "reset", "main", "pair_fc1", "pair_fc2"
+// "reset", "main", "pair_fc1", "pair_fc2", "combine"
 const char* decode_kernel_name(DecodeKernel kernel) noexcept;
 
 struct KernelSpec {

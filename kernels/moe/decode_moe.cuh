@@ -1,6 +1,6 @@
 // libmoejit kernels/moe: decode_moe (family 4), the fused small-T MoE layer: routing, FC1 with
-// the activation, FC2 with the top-k weight and the top-k sum, in one persistent launch (after a
-// tiny counter reset it overlaps through programmatic dependent launch).
+// the activation and FC2 with the top-k weight in one persistent launch, between a tiny counter
+// reset and the top-k sum, all three overlapped through programmatic dependent launch.
 //
 // Why this shape of kernel (tools/PERF_LOG.md, "decode_moe", has the numbers): at T <= 256 the
 // layer is bound by reading the touched experts' MXFP4 weights once. So
@@ -20,8 +20,12 @@
 // - FC2 needs all of FC1's output for its virtual expert: the producer issues an FC2 item's
 //   weight copies first, then waits on that expert's FC1 counter, then copies the activations
 //   with 16-byte cp.async (generic proxy: rows other CTAs wrote with plain stores need no proxy
-//   fence); FC2 writes fp32 rows per position, and the CTA that completes the last FC2 item of an
-//   H slice sums that slice of every token in slot order (deterministic, no atomics on data);
+//   fence); FC2 writes fp32 rows per position, and decode_moe_combine, the next launch, sums each
+//   token's rows in slot order (deterministic, no atomics on data). Why a launch of its own: FC2
+//   items run expert by expert, so every H slice completes in the last items, and when the CTA
+//   that completed a slice summed it, the layer ended in one CTA per slice reading T x K rows of
+//   it while the rest of the GPU idled (measured on the H200, tools/PERF_LOG.md "decode_moe's
+//   end-of-FC2 combines": 32 of qwen3-30b-a3b's 166 us at T = 256, 95 of kimi-k3.1-tp8's 713);
 // - routing is recomputed by every CTA in shared memory (no inter-CTA step): ranks by
 //   (token, slot) order with warp::peers (ballots) per warp, then scans; the rank is the same in
 //   every CTA and every run.
@@ -337,20 +341,71 @@ __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeP
   }
 }
 
-// Shared control words (misc[], u32): routing scan sums, the producer's list of items in flight,
-// the H slices waiting for their combine; then kInFlight "item done" mbarriers (u64), one per
+// The top-k sum, the launch after the persistent kernel: out[t][c .. c + 3] = the sum of FC2's
+// fp32 rows of token t's local slots, in slot order (0 where it has none), as bf16. A thread per
+// token and four columns, so a warp reads 512 contiguous bytes of each row; all of a batch's
+// rows are asked for before the first add. Why the ids before the wait: they were written
+// before the reset kernel's wait, which every grid of the forward comes after.
+inline constexpr i32 kCombineBatch = 8;  // rows in flight per thread
+template <class T>
+__global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const DecodeMoeParams p) {
+  constexpr Geometry G = T::kGeo;
+  constexpr i32 kThreadsPerToken = G.hidden / kCombineColumns;
+  static_assert(G.hidden % kCombineColumns == 0, "whole float4 columns per thread");
+  const i32 i = static_cast<i32>(blockIdx.x) * kCombineThreads + static_cast<i32>(threadIdx.x);
+  const i32 tok = i / kThreadsPerToken;
+  const i32 col = (i % kThreadsPerToken) * kCombineColumns;
+  const bool live = tok < p.num_tokens;
+  const float* const out2 = reinterpret_cast<const float*>(p.workspace + G.ws_out2());
+  u64 local = 0;  // bit k: slot k of the token is on a local expert
+  if (live) {
+#pragma unroll
+    for (i32 k = 0; k < G.top_k; ++k) {
+      local |= static_cast<u64>(local_expert<T>(p, tok * G.top_k + k) != kNoExpert) << k;
+    }
+  }
+  ::moejit::kern::ptx::grid_dependency_wait();
+  if (!live) return;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (i32 k0 = 0; k0 < G.top_k; k0 += kCombineBatch) {
+    float4 x[kCombineBatch];
+#pragma unroll
+    for (i32 j = 0; j < kCombineBatch; ++j) {
+      const i32 k = k0 + j;
+      if (k < G.top_k && ((local >> k) & 1u)) {
+        const i64 row = static_cast<i64>(tok) * G.top_k + k;
+        x[j] = __ldcg(reinterpret_cast<const float4*>(out2 + row * G.hidden + col));
+      }
+    }
+#pragma unroll
+    for (i32 j = 0; j < kCombineBatch; ++j) {
+      const i32 k = k0 + j;
+      if (k < G.top_k && ((local >> k) & 1u)) {
+        sum.x += x[j].x;
+        sum.y += x[j].y;
+        sum.z += x[j].z;
+        sum.w += x[j].w;
+      }
+    }
+  }
+  uint2 packed;
+  packed.x = ptx::pack_bf16x2(sum.x, sum.y);
+  packed.y = ptx::pack_bf16x2(sum.z, sum.w);
+  *reinterpret_cast<uint2*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
+}
+
+// Shared control words (misc[], u32): routing scan sums, the producer's list of items in flight;
+// then kInFlight "item done" mbarriers (u64), one per
 // item in flight: every consumer warp arrives on its item's barrier, the publisher waits on them.
 // Why barriers and not counters the publisher polls: an idle poll costs ~50 issue slots the
 // consumer warps of its SM need (ncu, v4-v6: 6-7.5% of the kernel's instructions), a barrier
 // wait suspends the warp.
 inline constexpr i32 kMiscScan = 0;             // [0, 10): block_exclusive_scan warp sums + total
 inline constexpr i32 kMiscRetired = 16;         // items the publisher has retired
-inline constexpr i32 kMiscInFlight = 32;        // [32, 64): items issued, not yet retired (ring)
-inline constexpr i32 kMiscCombine = 64;         // [64, 96): H slices to combine
-inline constexpr i32 kMiscCombinesPushed = 96;  // combines the publisher has listed
-inline constexpr i32 kMiscIssuedFinal = 97;     // items the producer issued, once it is done
-inline constexpr i32 kMiscPublisherDone = 98;   // 1 once every item is retired
-inline constexpr i32 kMiscWords = 128;          // then the item barriers
+inline constexpr i32 kMiscInFlight = 32;       // [32, 64): items issued, not yet retired (ring)
+inline constexpr i32 kMiscIssuedFinal = 64;    // items the producer issued, once it is done
+inline constexpr i32 kMiscWords = 128;         // then the item barriers
 inline constexpr i32 kInFlight = 32;
 static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
               "control words and item barriers fit the shared memory reserved for them");
@@ -358,37 +413,6 @@ static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
 // item arithmetic).
 inline constexpr i32 kHeaderFc2 = 1 << 16;
 inline constexpr i32 kHeaderLast = 1 << 17;
-
-// Sums H slice `slice` (kCols columns) of every token over its local slots, in slot order, into
-// out (bf16). The consumer warps share the work.
-template <class T>
-__device__ __forceinline__ void combine_slice(const DecodeMoeParams& p, const float* out2,
-                                              i32 slice) {
-  constexpr Geometry G = T::kGeo;
-  constexpr i32 kCols = G.fc2_strips * layout::kAtomRows;  // 64 or 128
-  constexpr i32 kThreadsPerToken = kCols / 4;              // 4 columns (16 bytes) each
-  constexpr i32 kTokensPerPass = kConsumerThreads / kThreadsPerToken;
-  const i32 tid = static_cast<i32>(threadIdx.x);
-  const i32 col = slice * kCols + (tid % kThreadsPerToken) * 4;
-  for (i32 tok = tid / kThreadsPerToken; tok < p.num_tokens; tok += kTokensPerPass) {
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll 4
-    for (i32 k = 0; k < G.top_k; ++k) {
-      const i32 pos = tok * G.top_k + k;
-      if (local_expert<T>(p, pos) == kNoExpert) continue;
-      const float4 x =
-          __ldcg(reinterpret_cast<const float4*>(out2 + static_cast<i64>(pos) * G.hidden + col));
-      s0 += x.x;
-      s1 += x.y;
-      s2 += x.z;
-      s3 += x.w;
-    }
-    uint2 packed;
-    packed.x = ptx::pack_bf16x2(s0, s1);
-    packed.y = ptx::pack_bf16x2(s2, s3);
-    *reinterpret_cast<uint2*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
-  }
-}
 
 template <class T>
 // Why __grid_constant__: the tensor copies name the maps in the parameter space by address.
@@ -405,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   u32* const vinfo = reinterpret_cast<u32*>(reinterpret_cast<u8*>(sorted) + G.sorted_bytes());
   u64* const full = reinterpret_cast<u64*>(reinterpret_cast<u8*>(vinfo) + G.vinfo_bytes());
   u64* const empty = full + kS;
-  // Chunk headers [kS][4]: item (>= 0), -1 = end, -2 = combine; then the chunk or the H slice.
+  // Chunk headers [kS][4]: item (>= 0) or -1 = end; then the chunk, virtual expert, slice.
   i32* const headers = reinterpret_cast<i32*>(empty + kS);
   u32* const misc = reinterpret_cast<u32*>(headers + 4 * kS);
 
@@ -424,29 +448,22 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   if (tid < kInFlight) pipe::mbar_init(ptx::smem_u32(item_done + tid), kConsumerWarps);
   if (tid == 0) {
     misc[kMiscRetired] = 0u;
-    misc[kMiscCombinesPushed] = 0u;
     misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
-    misc[kMiscPublisherDone] = 0u;
   }
   const i32 nv = route<T>(p, ring, sorted, vinfo, misc + kMiscScan);  // ends with __syncthreads
 
   // Counters were zeroed by decode_moe_reset, the previous grid in the stream.
   ::moejit::kern::ptx::grid_dependency_wait();
+  // The combine may be scheduled now: it waits for this whole grid before it reads a row.
+  ::moejit::kern::ptx::launch_dependents();
   u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
   u32* const queue = counters;
   u32* const fc1_done = counters + 1;
-  u32* const fc2_done = counters + 1 + G.max_virtual();
   u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
   float* const out2 = reinterpret_cast<float*>(p.workspace + G.ws_out2());
 
-  if (nv == 0) {  // no local position at all: the layer's output is zero
-    const i32 words = p.num_tokens * G.hidden / 2;
-    for (i32 i = static_cast<i32>(blockIdx.x) * kThreads + tid; i < words;
-         i += static_cast<i32>(gridDim.x) * kThreads) {
-      reinterpret_cast<u32*>(p.out)[i] = 0u;
-    }
-    return;
-  }
+  // No local position at all: nothing to compute, and the combine writes zeros.
+  if (nv == 0) return;
   const i32 fc1_total = nv * G.fc1_items();
   const i32 total = fc1_total + nv * G.fc2_items();
   const u32 ring_base = ptx::smem_u32(ring);
@@ -455,18 +472,15 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   constexpr i32 kFc2ChunkK = G.fc2_chunk_k();
 
   i32* const in_flight = reinterpret_cast<i32*>(misc + kMiscInFlight);
-  u32* const combines = misc + kMiscCombine;
 
   if (warp == kPublisherWarp) {
     // ============================== publisher ==============================
-    // Lane 0 publishes the items every consumer warp has finished: FC1 bumps its virtual
-    // expert's counter (FC2 items wait on it); FC2 bumps its H slice's counter, and the CTA that
-    // completes a slice has it combined. Why a warp of its own: a gpu-scope fence waits for the
+    // Lane 0 publishes the FC1 items every consumer warp has finished: it bumps their virtual
+    // expert's counter (FC2 items wait on it). Why a warp of its own: a gpu-scope fence waits for the
     // issuing thread's outstanding memory operations, so the producer (with a ring of copies in
     // flight) must never fence, and the consumers should not stall on one per item.
     if (lane != 0) return;
     u32 retired = 0;
-    u32 pushed = 0;
     const auto item_finished = [&](u32 n, bool block) {
       const u32 bar = ptx::smem_u32(item_done + n % kInFlight);
       return block ? pipe::try_wait(bar, (n / kInFlight) & 1u)
@@ -484,28 +498,17 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       while (done - retired < kInFlight && done != final_count && item_finished(done, false)) {
         ++done;
       }
-      ptx::fence_acq_rel_gpu();  // the consumers' output stores, before the counters
-      bool combine = false;
+      // Why only when an FC1 item is among them: FC2 rows are read by the next grid, which the
+      // end of this one orders.
+      bool fc1 = false;
+      for (u32 n = retired; n < done; ++n) fc1 |= in_flight[n % kInFlight] < fc1_total;
+      if (fc1) ptx::fence_acq_rel_gpu();  // the consumers' inter stores, before the counters
       for (; retired < done; ++retired) {
         const i32 it = in_flight[retired % kInFlight];
-        if (it < fc1_total) {
-          atomicAdd(fc1_done + it / G.fc1_items(), 1u);
-        } else {
-          const i32 slice = (it - fc1_total) % G.fc2_items();
-          if (atomicAdd(fc2_done + slice, 1u) == static_cast<u32>(nv - 1)) {
-            combines[pushed % kInFlight] = static_cast<u32>(slice);
-            ++pushed;
-            combine = true;
-          }
-        }
+        if (it < fc1_total) atomicAdd(fc1_done + it / G.fc1_items(), 1u);
       }
       pipe::store_release_cta(misc + kMiscRetired, retired);
-      if (combine) {
-        ptx::fence_acq_rel_gpu();  // every CTA's FC2 rows, before the combine
-        pipe::store_release_cta(misc + kMiscCombinesPushed, pushed);
-      }
     }
-    pipe::store_release_cta(misc + kMiscPublisherDone, 1u);
     return;
   }
 
@@ -523,7 +526,6 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
     u32 seq = 0;                // ring entries produced (position and phase)
     u32 issued = 0;
-    u32 combined = 0;  // combine entries pushed into the ring
 
     const auto open_entry = [&]() {
       const i32 slot = static_cast<i32>(seq % kS);
@@ -537,18 +539,6 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     const auto wait_for_room = [&]() {
       while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
         ptx::sleep_ns(256);
-      }
-    };
-    const auto push_combines = [&]() {
-      const u32 pushed = pipe::load_acquire_cta(misc + kMiscCombinesPushed);
-      for (; combined < pushed; ++combined) {
-        const i32 slot = open_entry();
-        if (lane == 0) {
-          headers[4 * slot] = -2;
-          headers[4 * slot + 1] = static_cast<i32>(combines[combined % kInFlight]);
-          pipe::arrive(ptx::smem_u32(full + slot));
-        }
-        __syncwarp();
       }
     };
 
@@ -687,21 +677,14 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
       }
       item = __shfl_sync(0xffffffffu, next, 0);
-      push_combines();
     }
-    // Queue drained: let the publisher retire what is in flight, combine what it completes,
-    // then stop the consumers.
+    // Queue drained: tell the publisher where the items end, and stop the consumers (their
+    // last items still arrive on the item barriers the publisher waits on).
     if (lane == 0) {
       pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
       // Wakes the publisher: the barrier of item `issued` (never issued) completes at once.
       wait_for_room();
       pipe::arrive(ptx::smem_u32(item_done + issued % kInFlight), kConsumerWarps);
-    }
-    for (;;) {
-      const u32 finished = pipe::load_acquire_cta(misc + kMiscPublisherDone);
-      push_combines();
-      if (finished != 0u) break;
-      ptx::sleep_ns(64);
     }
     const i32 slot = open_entry();
     if (lane == 0) {
@@ -726,12 +709,6 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     const i32 item = header.x;
     const i32 c = header.y;
     if (item == -1) break;
-    if (item == -2) {
-      combine_slice<T>(p, out2, c);
-      __syncwarp();
-      if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
-      continue;
-    }
     const i32 v = header.z;
     const bool fc2 = (header.w & kHeaderFc2) != 0;
     const bool last = (header.w & kHeaderLast) != 0;

@@ -33,6 +33,10 @@ inline constexpr i32 kCopyAtoms = 4;           // atoms per box row of one tenso
 inline constexpr i32 kMaxExperts = 4096;       // 12 bits in a virtual expert's packed info
 inline constexpr i32 kMaxTopK = 64;            // positions < 2^14
 inline constexpr i32 kSmemLimit = 227 * 1024;  // sm_90 opt-in limit per CTA
+// decode_moe_combine: a thread per token and kCombineColumns output columns (one float4 of each
+// FC2 row), kCombineThreads a CTA; the grid covers T x H / kCombineColumns threads.
+inline constexpr i32 kCombineThreads = 256;
+inline constexpr i32 kCombineColumns = 4;
 
 // Why every rule: the kernel has no tail code anywhere. Each rule is static_assert-ed by
 // DecodeTraits and checked by the planner (decode_rule), which routes a shape that breaks one to
@@ -151,8 +155,8 @@ struct Geometry {
 
   // ---- global workspace (bytes; every region 256-byte aligned) ----
   // counters (zeroed by the reset kernel before every forward): [0] the work queue,
-  // [1 .. max_virtual] FC1 items done per virtual expert, then FC2 items done per FC2 slice.
-  MOEJIT_HD constexpr i32 counter_words() const { return 1 + max_virtual() + fc2_items(); }
+  // [1 .. max_virtual] FC1 items done per virtual expert.
+  MOEJIT_HD constexpr i32 counter_words() const { return 1 + max_virtual(); }
   MOEJIT_HD constexpr i64 ws_counters() const { return 0; }
   MOEJIT_HD constexpr i64 ws_inter() const { return align256(4LL * counter_words()); }
   // FC1 output, bf16 [max_virtual][BlockN][I]
@@ -160,7 +164,8 @@ struct Geometry {
     return static_cast<i64>(max_virtual()) * block_n * inter * 2;
   }
   MOEJIT_HD constexpr i64 ws_out2() const { return ws_inter() + align256(inter_bytes()); }
-  // FC2 rows, fp32 [positions][H], top-k weight applied; summed per token in slot order.
+  // FC2 rows, fp32 [positions][H], top-k weight applied; the combine launch sums them per token
+  // in slot order.
   MOEJIT_HD constexpr i64 out2_bytes() const { return static_cast<i64>(positions()) * hidden * 4; }
   MOEJIT_HD constexpr i64 workspace_bytes() const { return ws_out2() + align256(out2_bytes()); }
 

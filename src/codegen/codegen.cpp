@@ -260,8 +260,10 @@ FamilyText family_text(const MoeDecodeParams& p) {
          << ", " << p.intermediate << ", " << p.block_n << ", " << p.fc1_strips << ", "
          << p.fc2_strips << ", " << p.stages << ", " << act.type << ", "
          << (ids64 ? "true" : "false") << '>';
-  const bool reset = p.kernel == DecodeKernel::kReset;
-  name << decode_ns << (reset ? "decode_moe_reset<" : "decode_moe<") << traits.str() << '>';
+  const char* const kernel = p.kernel == DecodeKernel::kReset     ? "decode_moe_reset<"
+                            : p.kernel == DecodeKernel::kCombine ? "decode_moe_combine<"
+                                                                 : "decode_moe<";
+  name << decode_ns << kernel << traits.str() << '>';
   stem << "_n" << p.block_n << "_f" << p.fc1_strips << 'x' << p.fc2_strips << "_s" << p.stages
        << '_' << act.stem << '_' << dtype_short_name(p.id_dtype);
   return FamilyText{"moejit/kern/moe/decode_moe.cuh", name.str(), stem.str()};

@@ -329,9 +329,10 @@ std::string narrow_ids_problem(const NarrowIdsParams& p) {
 std::string decode_problem(const MoeDecodeParams& p) {
   std::ostringstream os;
   if (p.kernel != DecodeKernel::kReset && p.kernel != DecodeKernel::kMain &&
-      p.kernel != DecodeKernel::kPairFc1 && p.kernel != DecodeKernel::kPairFc2) {
+      p.kernel != DecodeKernel::kPairFc1 && p.kernel != DecodeKernel::kPairFc2 &&
+      p.kernel != DecodeKernel::kCombine) {
     os << "kernel = " << static_cast<int>(p.kernel)
-       << " is not a decode_moe kernel; allowed: reset, main, pair_fc1, pair_fc2";
+       << " is not a decode_moe kernel; allowed: reset, main, pair_fc1, pair_fc2, combine";
     return os.str();
   }
   std::string reason = detail::decode_pair_kernel(p.kernel) ? detail::decode_pair_rule_problem(p)
@@ -660,6 +661,8 @@ const char* decode_kernel_name(DecodeKernel kernel) noexcept {
       return "pair_fc1";
     case DecodeKernel::kPairFc2:
       return "pair_fc2";
+    case DecodeKernel::kCombine:
+      return "combine";
   }
   return "unknown";
 }

@@ -899,6 +899,12 @@ MoeDecodeParams decode_reset_params(const MoeDecodeParams& main) {
   return p;
 }
 
+MoeDecodeParams decode_combine_params(const MoeDecodeParams& main) {
+  MoeDecodeParams p = main;
+  p.kernel = DecodeKernel::kCombine;
+  return p;
+}
+
 MoeDecodeParams choose_decode_pair(const ModelShape& shape, int tokens) {
   MoeDecodeParams p;
   p.kernel = DecodeKernel::kPairFc1;
@@ -1034,6 +1040,7 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
       c.decode_second = choose_decode_config(shape, tokens, 0);
       c.decode = c.decode_second.stages != 0;
       c.decode_first = decode_reset_params(c.decode_second);
+      c.decode_combine = decode_combine_params(c.decode_second);
     }
   }
   c.narrow_ids = shape.id_dtype == DType::kI64;
@@ -1089,6 +1096,8 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   if (s.decode) {
     s.decode_first = decode_moe_spec(config.decode_first, arch);
     s.decode_second = decode_moe_spec(config.decode_second, arch);
+    s.decode_has_combine = !config.decode_pair;
+    if (s.decode_has_combine) s.decode_combine = decode_moe_spec(config.decode_combine, arch);
   }
   s.has_narrow = config.narrow_ids;
   if (s.has_narrow) s.narrow = make_spec(Family::kNarrowIds, arch, config.narrow);
@@ -1136,6 +1145,7 @@ std::vector<KernelSpec> moe_config_specs(const MoeForwardConfig& config, const A
   if (s.decode) {
     specs.push_back(s.decode_first);
     specs.push_back(s.decode_second);
+    if (s.decode_has_combine) specs.push_back(s.decode_combine);
   }
   if (s.has_narrow) specs.push_back(s.narrow);
   for (int i = 0; i < s.route_count; ++i) specs.push_back(s.route[i]);

@@ -90,8 +90,9 @@ std::string decode_moe_problem(const ModelShape& shape);
 // planner's block_n, 8, 16 or 32 forces it. Pure arithmetic, no allocation. stages == 0 when no
 // pipeline depth fits (decode_moe_problem names that shape).
 MoeDecodeParams choose_decode_config(const ModelShape& shape, int tokens, int block_n_override);
-// The reset kernel that goes with a main kernel (same traits).
+// The reset kernel and the combine kernel that go with a main kernel (same traits).
 MoeDecodeParams decode_reset_params(const MoeDecodeParams& main);
+MoeDecodeParams decode_combine_params(const MoeDecodeParams& main);
 // The pair's fc1 kernel for T tokens of `shape` (T bucket 1, 2, 4 or 8), or max_tokens == 0 when
 // T > kDecodePairMaxTokens or PairGeometry::rule() refuses the shape. The fc2 kernel is the same
 // with kernel = kPairFc2 (decode_pair_fc2_params).
@@ -108,18 +109,20 @@ bool wgmma_runs_on(const Arch& arch);
 // ---- the choice per T ---------------------------------------------------------------------------
 
 // Everything moe_forward may launch for one token count T >= 1. An automatic call launches
-// decode_moe's two kernels (decode_first -> decode_second) when decode_by_default(config) and
+// decode_moe's kernels (decode_first -> decode_second [-> decode_combine for the persistent tile])
+// when decode_by_default(config) and
 // decode_moe runs on the device's arch; otherwise, and whenever the marlin path is forced,
 // [narrow_ids] -> route (single, or rank + scan + scatter) -> FC1 -> FC2 -> combine. The marlin
 // fields are always filled.
 struct MoeForwardConfig {
   int tokens = 0;
   bool decode = false;  // T <= 256 and decode_moe serves the shape at the planner's tile
-  // The two launches: the persistent tile (kReset -> kMain), or where decode_pair the two-launch
-  // tile (kPairFc1 -> kPairFc2). Valid when decode.
+  // The launches: the persistent tile (kReset -> kMain -> kCombine), or where decode_pair the
+  // two-launch tile (kPairFc1 -> kPairFc2, no decode_combine). Valid when decode.
   bool decode_pair = false;
   MoeDecodeParams decode_first;
   MoeDecodeParams decode_second;
+  MoeDecodeParams decode_combine;
   bool narrow_ids = false;       // int64 ids: one narrowing launch first
   NarrowIdsParams narrow;
   bool route_single = true;  // N = T * K <= route.chunk_rows: one route launch
@@ -156,10 +159,13 @@ inline bool decode_by_default(const MoeForwardConfig& config) {
 // every forward).
 struct MoeForwardSpecs {
     // config.decode and decode_moe runs on `arch` (decode_moe_runs_on): an automatic call launches
-  // decode_first then decode_second and nothing else. The marlin chain below is always filled.
+  // decode_first, decode_second and (the persistent tile) decode_combine, and nothing else. The
+  // marlin chain below is always filled.
   bool decode = false;
   KernelSpec decode_first;
   KernelSpec decode_second;
+  bool decode_has_combine = false;
+  KernelSpec decode_combine;
   bool has_narrow = false;
   KernelSpec narrow;
   int route_count = 0;  // 1 (single) or 3 (rank, scan, scatter)

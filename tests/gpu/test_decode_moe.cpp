@@ -103,6 +103,7 @@ void build_decode_kernels(const std::vector<ModelShape>& shapes, const std::vect
         const moejit::MoeDecodeParams main = detail::choose_decode_config(shape, t, block_n);
         forced.push_back(detail::decode_moe_spec(detail::decode_reset_params(main), arch));
         forced.push_back(detail::decode_moe_spec(main, arch));
+        forced.push_back(detail::decode_moe_spec(detail::decode_combine_params(main), arch));
       }
     }
   }

@@ -109,6 +109,8 @@ const char* function_of(const KernelSpec& spec) {
           return "decode_pair_fc1";
         case moejit::DecodeKernel::kPairFc2:
           return "decode_pair_fc2";
+        case moejit::DecodeKernel::kCombine:
+          return "decode_moe_combine";
       }
       break;
   }
@@ -432,6 +434,7 @@ std::vector<KernelSpec> planned_decode(const std::vector<ModelShape>& shapes, co
     const MoeDecodeParams wide = detail::choose_decode_config(shape, 256, 32);
     add(detail::decode_moe_spec(wide, arch));
     add(detail::decode_moe_spec(detail::decode_reset_params(wide), arch));
+    add(detail::decode_moe_spec(detail::decode_combine_params(wide), arch));
   }
   return specs;
 }

@@ -169,14 +169,16 @@ int expected_block_n(const ModelShape& shape, int tokens) {
 }
 
 // The distinct main kernels the planner picks for T in 1..min(256, max_tokens).
-// Every decode kernel the planner's configs launch for T <= min(max_tokens, 256): both kernels
-// of each launch pair (reset and main, or the pair's fc1 and fc2).
+// Every decode kernel the planner's configs launch for T <= min(max_tokens, 256): every kernel
+// of each launch sequence (reset, main and combine, or the pair's fc1 and fc2).
 std::vector<MoeDecodeParams> planner_choices(const ModelShape& shape, int max_tokens) {
   std::vector<MoeDecodeParams> out;
   for (int t = 1; t <= std::min(max_tokens, 256); ++t) {
     const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
     if (!c.decode) continue;
-    for (const MoeDecodeParams& p : {c.decode_first, c.decode_second}) {
+    std::vector<MoeDecodeParams> launched = {c.decode_first, c.decode_second};
+    if (!c.decode_pair) launched.push_back(c.decode_combine);
+    for (const MoeDecodeParams& p : launched) {
       if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
     }
   }
@@ -222,6 +224,8 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
       CHECK(config.decode_second.kernel == DecodeKernel::kMain);
       CHECK(config.decode_first == detail::decode_reset_params(config.decode_second));
       CHECK(config.decode_first.kernel == DecodeKernel::kReset);
+      CHECK(config.decode_combine == detail::decode_combine_params(config.decode_second));
+      CHECK(config.decode_combine.kernel == DecodeKernel::kCombine);
       CHECK(detail::decode_by_default(config) == (t <= detail::kDecodeAutoMaxTokens));
     }
   }
@@ -605,16 +609,21 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
   CHECK(moejit::parse_family("decode_moe") == Family::kDecodeMoe);
   CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kReset)) == "reset");
   CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kMain)) == "main");
+  CHECK(std::string(moejit::decode_kernel_name(DecodeKernel::kCombine)) == "combine");
 
   const KernelSpec main = spec_of(good_params());
   MoeDecodeParams reset_params = good_params();
   reset_params.kernel = DecodeKernel::kReset;
   const KernelSpec reset = spec_of(reset_params);
+  const KernelSpec combine = spec_of(detail::decode_combine_params(good_params()));
   CHECK(main.display_name() ==
         "decode_moe<main,e896,k16,h3584,i384,n16,f2x4,s4,situ(beta=4,linear_beta=25),i32>"
         "@sm_90a");
   CHECK(reset.display_name() ==
         "decode_moe<reset,e896,k16,h3584,i384,n16,f2x4,s4,situ(beta=4,linear_beta=25),i32>"
+        "@sm_90a");
+  CHECK(combine.display_name() ==
+        "decode_moe<combine,e896,k16,h3584,i384,n16,f2x4,s4,situ(beta=4,linear_beta=25),i32>"
         "@sm_90a");
 
   const auto json = nlohmann::json::parse(main.to_json());
@@ -642,6 +651,9 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
   CHECK(detail::render(reset).name_expression ==
         "moejit::kern::moe::decode::decode_moe_reset<moejit::kern::moe::decode::DecodeTraits<896, "
         "16, 3584, 384, 16, 2, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
+  CHECK(detail::render(combine).name_expression ==
+        "moejit::kern::moe::decode::decode_moe_combine<moejit::kern::moe::decode::DecodeTraits<"
+        "896, 16, 3584, 384, 16, 2, 4, 4, moejit::kern::moe::act::SiTU<4, 1, 25, 1>, false>>");
   CHECK(src.file_name ==
         "decode_moe_main_e896_k16_h3584_i384_n16_f2x4_s4_situ_b4o1_lb25o1_i32_sm_90a.cu");
   MoeDecodeParams wide = good_params();
@@ -656,6 +668,7 @@ TEST_CASE("decode_moe names, JSON, hashes and generated source", "[plan][decode]
   const std::vector<std::function<void(MoeDecodeParams&)>> edits = {
       [](MoeDecodeParams&) {},
       [](MoeDecodeParams& p) { p.kernel = DecodeKernel::kReset; },
+      [](MoeDecodeParams& p) { p.kernel = DecodeKernel::kCombine; },
       [](MoeDecodeParams& p) { p.num_experts = 448; },
       [](MoeDecodeParams& p) { p.top_k = 8; },
       [](MoeDecodeParams& p) { p.hidden = 4096; },
@@ -752,6 +765,10 @@ TEST_CASE("decode_moe plan: prewarm lists every decode kernel a call can pick, p
   const std::vector<KernelSpec> listed3 = detail::moe_config_specs(k3, sm90);
   CHECK(std::get<MoeDecodeParams>(listed3[0].params).kernel == DecodeKernel::kReset);
   CHECK(std::get<MoeDecodeParams>(listed3[1].params).kernel == DecodeKernel::kMain);
+  CHECK(std::get<MoeDecodeParams>(listed3[2].params).kernel == DecodeKernel::kCombine);
+  CHECK(listed3[3].family != Family::kDecodeMoe);
+  CHECK_FALSE(s90.decode_has_combine);
+  CHECK(detail::moe_forward_specs(k3, sm90).decode_has_combine);
   CHECK(listed[2].family == Family::kRoute);
   CHECK(listed[5].family == Family::kCombine);
   // Below sm_90 the same config runs marlin only.
