@@ -9,11 +9,11 @@
 //      be captured in a CUDA graph. Run `moejit prewarm` (or moejit::prewarm) on the shape first:
 //      every kernel moe_forward can pick for any T <= shape.max_tokens is then already built.
 //
-// Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset)
-// for T <= 256 on sm_90 or newer, for shapes that meet its rules (moe_decode_problem), or for
-// T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is also a multiple of 512; and
-// marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every T. MoePath::kAuto takes
-// the faster one (decode_moe for T = 1 where it serves; see MoePath),
+// Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset,
+// before the top-k sum) for T <= 256 on sm_90 or newer, for shapes that meet its rules
+// (moe_decode_problem), or for T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is
+// also a multiple of 512; and marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every
+// T. MoePath::kAuto takes the faster one (decode_moe for T = 1 where it serves; see MoePath),
 // MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is

@@ -403,9 +403,9 @@ __global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const Deco
 // wait suspends the warp.
 inline constexpr i32 kMiscScan = 0;             // [0, 10): block_exclusive_scan warp sums + total
 inline constexpr i32 kMiscRetired = 16;         // items the publisher has retired
-inline constexpr i32 kMiscInFlight = 32;       // [32, 64): items issued, not yet retired (ring)
-inline constexpr i32 kMiscIssuedFinal = 64;    // items the producer issued, once it is done
-inline constexpr i32 kMiscWords = 128;         // then the item barriers
+inline constexpr i32 kMiscInFlight = 32;        // [32, 64): items issued, not yet retired (ring)
+inline constexpr i32 kMiscIssuedFinal = 64;     // items the producer issued, once it is done
+inline constexpr i32 kMiscWords = 128;          // then the item barriers
 inline constexpr i32 kInFlight = 32;
 static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
               "control words and item barriers fit the shared memory reserved for them");
@@ -476,8 +476,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   if (warp == kPublisherWarp) {
     // ============================== publisher ==============================
     // Lane 0 publishes the FC1 items every consumer warp has finished: it bumps their virtual
-    // expert's counter (FC2 items wait on it). Why a warp of its own: a gpu-scope fence waits for the
-    // issuing thread's outstanding memory operations, so the producer (with a ring of copies in
+    // expert's counter (FC2 items wait on it). Why a warp of its own: a gpu-scope fence waits for
+    // the issuing thread's outstanding memory operations, so the producer (with a ring of copies in
     // flight) must never fence, and the consumers should not stall on one per item.
     if (lane != 0) return;
     u32 retired = 0;

@@ -261,8 +261,8 @@ FamilyText family_text(const MoeDecodeParams& p) {
          << p.fc2_strips << ", " << p.stages << ", " << act.type << ", "
          << (ids64 ? "true" : "false") << '>';
   const char* const kernel = p.kernel == DecodeKernel::kReset     ? "decode_moe_reset<"
-                            : p.kernel == DecodeKernel::kCombine ? "decode_moe_combine<"
-                                                                 : "decode_moe<";
+                             : p.kernel == DecodeKernel::kCombine ? "decode_moe_combine<"
+                                                                  : "decode_moe<";
   name << decode_ns << kernel << traits.str() << '>';
   stem << "_n" << p.block_n << "_f" << p.fc1_strips << 'x' << p.fc2_strips << "_s" << p.stages
        << '_' << act.stem << '_' << dtype_short_name(p.id_dtype);

@@ -156,8 +156,9 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   const long long combine_threads =
       static_cast<long long>(args.num_tokens) * main.hidden / kern::moe::decode::kCombineColumns;
   LaunchShape combine_shape;
-  combine_shape.grid_x = static_cast<unsigned>(
-      (combine_threads + kern::moe::decode::kCombineThreads - 1) / kern::moe::decode::kCombineThreads);
+  combine_shape.grid_x =
+      static_cast<unsigned>((combine_threads + kern::moe::decode::kCombineThreads - 1) /
+                            kern::moe::decode::kCombineThreads);
   combine_shape.block = static_cast<unsigned>(kern::moe::decode::kCombineThreads);
   launch_moe_kernel(op, combine_spec, combine_kernel, combine_shape, true, stream, kernel_args);
 }

@@ -1,5 +1,6 @@
-// The decode path of moe_forward: decode_moe's two launches (counter reset, then the persistent
-// fused layer under programmatic dependent launch, or the pair's FC1 then FC2) and the device fact its grid needs (the
+// The decode path of moe_forward: decode_moe's launches (counter reset, the persistent fused
+// layer and the top-k sum under programmatic dependent launch, or the pair's FC1 then FC2) and
+// the device fact its grid needs (the
 // multiprocessor count, queried once per device). moe_forward.cpp checks the arguments and
 // fills the kernel arguments; this unit looks the kernels up and launches them.
 #pragma once
@@ -27,11 +28,12 @@ void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, cons
                                const void* w13_scales, const void* w2, const void* w2_scales,
                                kern::moe::decode::DecodeMoeParams& args);
 
-// Launches decode_moe for `main` (a kMain spec's params; its reset kernel is derived) on
-// `stream`: both kernels are looked up (built or loaded on a miss, Error{kCaptureMiss} while
-// capturing) and the main kernel's shared memory opted into before anything launches. Grid of
-// the main kernel: multiprocessors x Geometry::blocks_per_sm(), 320 threads,
-// Geometry::smem_bytes() of dynamic shared memory. `args` points into the caller's buffers,
+// Launches decode_moe for `main` (a kMain spec's params; its reset and combine kernels are
+// derived) on `stream`: all three kernels are looked up (built or loaded on a miss,
+// Error{kCaptureMiss} while capturing) and the main kernel's shared memory opted into before
+// anything launches. Grid of the main kernel: multiprocessors x Geometry::blocks_per_sm(), 320
+// threads, Geometry::smem_bytes() of dynamic shared memory; of the combine, T x H /
+// kCombineColumns threads in CTAs of kCombineThreads. `args` points into the caller's buffers,
 // args.workspace at least Geometry::workspace_bytes() bytes (checked by the caller).
 void launch_decode_moe(const char* op, const MoeDecodeParams& main, const CurrentDevice& device,
                        const kern::moe::decode::DecodeMoeParams& args, CUstream stream);

@@ -158,7 +158,7 @@ inline bool decode_by_default(const MoeForwardConfig& config) {
 // The kernels of one config for `arch`, by role. Filled without allocating (the op builds it on
 // every forward).
 struct MoeForwardSpecs {
-    // config.decode and decode_moe runs on `arch` (decode_moe_runs_on): an automatic call launches
+  // config.decode and decode_moe runs on `arch` (decode_moe_runs_on): an automatic call launches
   // decode_first, decode_second and (the persistent tile) decode_combine, and nothing else. The
   // marlin chain below is always filled.
   bool decode = false;

@@ -173,8 +173,8 @@ void expect_refused(Family family, const moejit::FamilyParams& params,
 }  // namespace
 
 TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and combine", "[plan]") {
-  // decode_moe kernels (reset, main, combine) for T <= 256 on sm_90+: three per tile the planner picks
-  // over T: block_n 8 below T = 6, then 8 FC1 strips with two CTAs per SM, then 8 with three
+  // decode_moe kernels (reset, main, combine) for T <= 256 on sm_90+: three per tile the planner
+  // picks over T: block_n 8 below T = 6, then 8 FC1 strips with two CTAs per SM, then 8 with three
   // from T = 16, and block_n 32 where experts average 12 positions (the qwen shapes at large T).
   // gpt-oss: none (H = 2880 is not a multiple of 256, and biases).
   // The two-launch pair adds fc1 and fc2 for T = 1 and for T = 2 where it serves the shape (not

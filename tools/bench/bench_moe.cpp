@@ -1091,9 +1091,8 @@ class ModelBench {
       for (int t : decode_tokens) {
         const moejit::MoeDecodeParams main =
             moejit::detail::choose_decode_config(s, t, o_.decode_block_n);
-        for (const moejit::MoeDecodeParams& p :
-             {moejit::detail::decode_reset_params(main), main,
-              moejit::detail::decode_combine_params(main)}) {
+        for (const moejit::MoeDecodeParams& p : {moejit::detail::decode_reset_params(main), main,
+                                                 moejit::detail::decode_combine_params(main)}) {
           const moejit::KernelSpec spec = moejit::detail::decode_moe_spec(p, device_.arch);
           if (std::find(extra.begin(), extra.end(), spec) == extra.end()) extra.push_back(spec);
         }
