@@ -20,8 +20,9 @@
 // - FC2 needs all of FC1's output for its virtual expert: the producer issues an FC2 item's
 //   weight copies first, then waits on that expert's FC1 counter, then copies the activations
 //   with 16-byte cp.async (generic proxy: rows other CTAs wrote with plain stores need no proxy
-//   fence); FC2 writes fp32 rows per position, and decode_moe_combine, the next launch, sums each
-//   token's rows in slot order (deterministic, no atomics on data). Why a launch of its own: FC2
+//   fence); FC2 writes bf16 rows per position (as marlin_moe's FC2: half the bytes of fp32 for
+//   one more rounding, 2^-9 relative, before the fp32 sum), and decode_moe_combine, the next
+//   launch, sums each token's rows in slot order (deterministic, no atomics on data). Why a launch of its own: FC2
 //   items run expert by expert, so every H slice completes in the last items, and when the CTA
 //   that completed a slice summed it, the layer ended in one CTA per slice reading T x K rows of
 //   it while the rest of the GPU idled (measured on the H200, tools/PERF_LOG.md "decode_moe's
@@ -341,9 +342,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_moe_reset(const DecodeMoeP
   }
 }
 
-// The top-k sum, the launch after the persistent kernel: out[t][c .. c + 3] = the sum of FC2's
-// fp32 rows of token t's local slots, in slot order (0 where it has none), as bf16. A thread per
-// token and four columns, so a warp reads 512 contiguous bytes of each row; all of a batch's
+// The top-k sum, the launch after the persistent kernel: out[t][c .. c + 7] = the fp32 sum of
+// FC2's bf16 rows of token t's local slots, in slot order (0 where it has none), as bf16. A thread
+// per token and eight columns, so a warp reads 512 contiguous bytes of each row; all of a batch's
 // rows are asked for before the first add. Why the ids before the wait: they were written
 // before the reset kernel's wait, which every grid of the forward comes after.
 inline constexpr i32 kCombineBatch = 8;  // rows in flight per thread
@@ -351,12 +352,13 @@ template <class T>
 __global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const DecodeMoeParams p) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 kThreadsPerToken = G.hidden / kCombineColumns;
-  static_assert(G.hidden % kCombineColumns == 0, "whole float4 columns per thread");
+  static_assert(kCombineColumns == 8 && G.hidden % kCombineColumns == 0,
+                "one 16-byte piece of bf16 columns per thread");
   const i32 i = static_cast<i32>(blockIdx.x) * kCombineThreads + static_cast<i32>(threadIdx.x);
   const i32 tok = i / kThreadsPerToken;
   const i32 col = (i % kThreadsPerToken) * kCombineColumns;
   const bool live = tok < p.num_tokens;
-  const float* const out2 = reinterpret_cast<const float*>(p.workspace + G.ws_out2());
+  const u16* const out2 = reinterpret_cast<const u16*>(p.workspace + G.ws_out2());
   u64 local = 0;  // bit k: slot k of the token is on a local expert
   if (live) {
 #pragma unroll
@@ -366,33 +368,37 @@ __global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const Deco
   }
   ::moejit::kern::ptx::grid_dependency_wait();
   if (!live) return;
-  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  float sum[kCombineColumns] = {};
 #pragma unroll
   for (i32 k0 = 0; k0 < G.top_k; k0 += kCombineBatch) {
-    float4 x[kCombineBatch];
+    uint4 x[kCombineBatch];
 #pragma unroll
     for (i32 j = 0; j < kCombineBatch; ++j) {
       const i32 k = k0 + j;
       if (k < G.top_k && ((local >> k) & 1u)) {
         const i64 row = static_cast<i64>(tok) * G.top_k + k;
-        x[j] = __ldcg(reinterpret_cast<const float4*>(out2 + row * G.hidden + col));
+        x[j] = __ldcg(reinterpret_cast<const uint4*>(out2 + row * G.hidden + col));
       }
     }
 #pragma unroll
     for (i32 j = 0; j < kCombineBatch; ++j) {
       const i32 k = k0 + j;
       if (k < G.top_k && ((local >> k) & 1u)) {
-        sum.x += x[j].x;
-        sum.y += x[j].y;
-        sum.z += x[j].z;
-        sum.w += x[j].w;
+        const u32 w[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
+#pragma unroll
+        for (i32 c = 0; c < 4; ++c) {
+          sum[2 * c] += ptx::bf16_lo(w[c]);
+          sum[2 * c + 1] += ptx::bf16_hi(w[c]);
+        }
       }
     }
   }
-  uint2 packed;
-  packed.x = ptx::pack_bf16x2(sum.x, sum.y);
-  packed.y = ptx::pack_bf16x2(sum.z, sum.w);
-  *reinterpret_cast<uint2*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
+  uint4 packed;
+  packed.x = ptx::pack_bf16x2(sum[0], sum[1]);
+  packed.y = ptx::pack_bf16x2(sum[2], sum[3]);
+  packed.z = ptx::pack_bf16x2(sum[4], sum[5]);
+  packed.w = ptx::pack_bf16x2(sum[6], sum[7]);
+  *reinterpret_cast<uint4*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
 }
 
 // Shared control words (misc[], u32): routing scan sums, the producer's list of items in flight;
@@ -460,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   u32* const queue = counters;
   u32* const fc1_done = counters + 1;
   u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
-  float* const out2 = reinterpret_cast<float*>(p.workspace + G.ws_out2());
+  u16* const out2 = reinterpret_cast<u16*>(p.workspace + G.ws_out2());
 
   // No local position at all: nothing to compute, and the combine writes zeros.
   if (nv == 0) return;
@@ -789,9 +795,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
             if (n < count) {
               const i32 pos = sorted[first + n];
               const float weight = p.topk_weights[pos] * mxfp4::kAccumulatorScale;
-              float* const dst = out2 + static_cast<i64>(pos) * G.hidden + row;
-              dst[0] = acc[nt][h] * weight;
-              dst[8] = acc[nt][2 + h] * weight;
+              u16* const dst = out2 + static_cast<i64>(pos) * G.hidden + row;
+              dst[0] = ptx::to_bf16(acc[nt][h] * weight);
+              dst[8] = ptx::to_bf16(acc[nt][2 + h] * weight);
             }
           }
         }

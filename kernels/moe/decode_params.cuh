@@ -33,10 +33,10 @@ inline constexpr i32 kCopyAtoms = 4;           // atoms per box row of one tenso
 inline constexpr i32 kMaxExperts = 4096;       // 12 bits in a virtual expert's packed info
 inline constexpr i32 kMaxTopK = 64;            // positions < 2^14
 inline constexpr i32 kSmemLimit = 227 * 1024;  // sm_90 opt-in limit per CTA
-// decode_moe_combine: a thread per token and kCombineColumns output columns (one float4 of each
-// FC2 row), kCombineThreads a CTA; the grid covers T x H / kCombineColumns threads.
+// decode_moe_combine: a thread per token and kCombineColumns output columns (16 bytes of each
+// bf16 FC2 row), kCombineThreads a CTA; the grid covers T x H / kCombineColumns threads.
 inline constexpr i32 kCombineThreads = 256;
-inline constexpr i32 kCombineColumns = 4;
+inline constexpr i32 kCombineColumns = 8;
 
 // Why every rule: the kernel has no tail code anywhere. Each rule is static_assert-ed by
 // DecodeTraits and checked by the planner (decode_rule), which routes a shape that breaks one to
@@ -164,9 +164,9 @@ struct Geometry {
     return static_cast<i64>(max_virtual()) * block_n * inter * 2;
   }
   MOEJIT_HD constexpr i64 ws_out2() const { return ws_inter() + align256(inter_bytes()); }
-  // FC2 rows, fp32 [positions][H], top-k weight applied; the combine launch sums them per token
+  // FC2 rows, bf16 [positions][H], top-k weight applied; the combine launch sums them per token
   // in slot order.
-  MOEJIT_HD constexpr i64 out2_bytes() const { return static_cast<i64>(positions()) * hidden * 4; }
+  MOEJIT_HD constexpr i64 out2_bytes() const { return static_cast<i64>(positions()) * hidden * 2; }
   MOEJIT_HD constexpr i64 workspace_bytes() const { return ws_out2() + align256(out2_bytes()); }
 
   MOEJIT_HD constexpr Rule rule() const {

@@ -24,9 +24,8 @@
 // probability 1 - 1/sources per slot, and one lost slot of k = 16 costs ~0.25 of a token's norm.
 //
 // Tolerance: gpu/moe_support.hpp argues 1e-2 relative L2 (2e-2 per token) for marlin_moe
-// (~2.8e-3 expected); decode_moe rounds at two of its three points (FC1's activation output
-// stored as bf16, the layer output rounded once; its weighted FC2 rows stay fp32), so ~2.3e-3
-// and the same bounds hold. decode vs marlin: their difference is at most the sum of both
+// (~2.8e-3 expected); decode_moe rounds at the same three points (FC1's activation output and
+// the weighted FC2 rows stored as bf16, the layer output rounded once), so the same bounds hold. decode vs marlin: their difference is at most the sum of both
 // errors (~5.1e-3, about 2x under 1e-2), so 1e-2 again.
 //
 // Reference cost: T·k·3·H·I multiply-adds per shape and T, on every core; at T = 96 and 256 the

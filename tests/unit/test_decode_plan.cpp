@@ -925,7 +925,7 @@ TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, e
   CHECK(g.workspace_bytes() ==
         decode::Geometry::align256(4LL * g.counter_words()) +
             decode::Geometry::align256(static_cast<long long>(g.max_virtual()) * 16 * 384 * 2) +
-            decode::Geometry::align256(256LL * 16 * 3584 * 4));
+            decode::Geometry::align256(256LL * 16 * 3584 * 2));
   // A shape decode_moe refuses sizes marlin only.
   const ModelShape& gpt = find_shape(reference_shapes(), "gpt-oss-120b");
   const detail::MoeWorkspaceLayout w =
