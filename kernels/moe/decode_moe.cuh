@@ -22,11 +22,12 @@
 //   with 16-byte cp.async (generic proxy: rows other CTAs wrote with plain stores need no proxy
 //   fence); FC2 writes bf16 rows per position (as marlin_moe's FC2: half the bytes of fp32 for
 //   one more rounding, 2^-9 relative, before the fp32 sum), and decode_moe_combine, the next
-//   launch, sums each token's rows in slot order (deterministic, no atomics on data). Why a launch of its own: FC2
-//   items run expert by expert, so every H slice completes in the last items, and when the CTA
-//   that completed a slice summed it, the layer ended in one CTA per slice reading T x K rows of
-//   it while the rest of the GPU idled (measured on the H200, tools/PERF_LOG.md "decode_moe's
-//   end-of-FC2 combines": 32 of qwen3-30b-a3b's 166 us at T = 256, 95 of kimi-k3.1-tp8's 713);
+//   launch, sums each token's rows in slot order (deterministic, no atomics on data). Why a
+//   launch of its own: FC2 items run expert by expert, so every H slice completes in the last
+//   items, and when the CTA that completed a slice summed it, the layer ended in one CTA per
+//   slice reading T x K rows of it while the rest of the GPU idled (measured on the H200,
+//   tools/PERF_LOG.md "how long decode_moe's end-of-FC2 combines take": 32 of qwen3-30b-a3b's
+//   166 us at T = 256, 95 of kimi-k3.1-tp8's 713);
 // - routing is recomputed by every CTA in shared memory (no inter-CTA step): ranks by
 //   (token, slot) order with warp::peers (ballots) per warp, then scans; the rank is the same in
 //   every CTA and every run.
@@ -402,8 +403,8 @@ __global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const Deco
 }
 
 // Shared control words (misc[], u32): routing scan sums, the producer's list of items in flight;
-// then kInFlight "item done" mbarriers (u64), one per
-// item in flight: every consumer warp arrives on its item's barrier, the publisher waits on them.
+// then kInFlight "item done" mbarriers (u64), one per item in flight: every consumer warp arrives
+// on its item's barrier, the publisher waits on them.
 // Why barriers and not counters the publisher polls: an idle poll costs ~50 issue slots the
 // consumer warps of its SM need (ncu, v4-v6: 6-7.5% of the kernel's instructions), a barrier
 // wait suspends the warp.

@@ -25,8 +25,9 @@
 //
 // Tolerance: gpu/moe_support.hpp argues 1e-2 relative L2 (2e-2 per token) for marlin_moe
 // (~2.8e-3 expected); decode_moe rounds at the same three points (FC1's activation output and
-// the weighted FC2 rows stored as bf16, the layer output rounded once), so the same bounds hold. decode vs marlin: their difference is at most the sum of both
-// errors (~5.1e-3, about 2x under 1e-2), so 1e-2 again.
+// the weighted FC2 rows stored as bf16, the layer output rounded once), so the same bounds hold.
+// decode vs marlin: their difference is at most the sum of both errors (~5.1e-3, about 2x under
+// 1e-2), so 1e-2 again.
 //
 // Reference cost: T·k·3·H·I multiply-adds per shape and T, on every core; at T = 96 and 256 the
 // three heaviest shapes check 48 or 64 sampled tokens (every token is still checked for NaN and
