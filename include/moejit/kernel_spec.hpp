@@ -154,7 +154,7 @@ struct NarrowIdsParams {
 
 // decode_moe: one kernel of the family's two launch sequences, each launched with programmatic
 // dependent launch. The persistent tile, three kernels of the same traits: kReset zeroes the
-// work-queue counters (one CTA; it waits for the grid before it first); kMain is the persistent
+// work-queue counters (one CTA, after waiting for the grid before it); kMain is the persistent
 // fused layer up to FC2's bf16 rows (it waits on kReset before touching the counters); kCombine
 // sums each token's rows into the output (it waits for kMain's grid). The two-launch tile for the
 // smallest T (kernels/moe/decode_pair.cuh): kPairFc1 (FC1 with the activation), then kPairFc2
