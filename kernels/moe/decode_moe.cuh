@@ -505,14 +505,16 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       while (done - retired < kInFlight && done != final_count && item_finished(done, false)) {
         ++done;
       }
-      // Why only when an FC1 item is among them: FC2 rows are read by the next grid, which the
-      // end of this one orders.
-      bool fc1 = false;
-      for (u32 n = retired; n < done; ++n) fc1 |= in_flight[n % kInFlight] < fc1_total;
-      if (fc1) ptx::fence_acq_rel_gpu();  // the consumers' inter stores, before the counters
+      // One fence before the first FC1 counter: it orders every retired item's inter stores.
+      // Why none for FC2 items alone: their rows are read by the next grid, which the end of
+      // this one orders.
+      bool fenced = false;
       for (; retired < done; ++retired) {
         const i32 it = in_flight[retired % kInFlight];
-        if (it < fc1_total) atomicAdd(fc1_done + it / G.fc1_items(), 1u);
+        if (it >= fc1_total) continue;
+        if (!fenced) ptx::fence_acq_rel_gpu();
+        fenced = true;
+        atomicAdd(fc1_done + it / G.fc1_items(), 1u);
       }
       pipe::store_release_cta(misc + kMiscRetired, retired);
     }

@@ -27,7 +27,7 @@ inline constexpr i32 kPublisherWarp = kConsumerWarps + 1;  // retires items (fen
 inline constexpr i32 kThreads = 32 * (kConsumerWarps + 2);
 inline constexpr i32 kConsumerThreads = 32 * kConsumerWarps;
 inline constexpr i32 kFc1ChunkKMin = 4;        // FC1 chunk: 4 to 16 K atoms (fc1_chunk_k)
-inline constexpr i32 kFc2ChunkKMax = 4;        // FC2 chunk: 4 K atoms where I % 256 == 0, else 2
+inline constexpr i32 kFc2ChunkKMax = 4;        // FC2 chunk: 4, 3 or 2 K atoms (fc2_chunk_k)
 inline constexpr i32 kSlotAtoms = 32;          // weight atoms per ring slot: 16 KB
 inline constexpr i32 kCopyAtoms = 4;           // atoms per box row of one tensor copy (2 KB)
 inline constexpr i32 kMaxExperts = 4096;       // 12 bits in a virtual expert's packed info
@@ -46,7 +46,7 @@ enum class Rule : i32 {
   kExperts,       // 1 <= E <= kMaxExperts (12-bit expert field)
   kTopK,          // 1 <= K <= kMaxTopK (positions fit 14 bits)
   kHidden,        // H % 256 == 0: FC1 chunks are whole 256-wide K runs; FC2 strips whole
-  kInter,         // I % 128 == 0: FC2 chunks are whole 128- or 256-wide K runs; FC1 items whole
+  kInter,         // I % 128 == 0: FC2 chunks are whole 128-, 192- or 256-wide K runs; FC1 whole
   kBlockN,        // BlockN in {8, 16, 32}: n8 MMA tiles, packed count field
   kFc1Strips,     // kFc1Strips in {2, 4, 8} and divides I / 8
   kFc2Strips,     // kFc2Strips in {4, 8} and divides H / 16
@@ -100,8 +100,15 @@ struct Geometry {
   MOEJIT_HD constexpr i32 fc2_m_atoms() const { return hidden / layout::kAtomRows; }
   MOEJIT_HD constexpr i32 fc2_items() const { return fc2_m_atoms() / fc2_strips; }  // per v
   // Why 4 atoms where they divide I: a 16 KB chunk of 8 strips halves the producer's work per
-  // byte; I = 384 (kimi-k3.1) keeps 2.
-  MOEJIT_HD constexpr i32 fc2_chunk_k() const { return fc2_k_atoms() % 4 == 0 ? 4 : 2; }
+  // byte. I = 384 (kimi-k3.1, 6 atoms) takes 3 with 8 strips, a 12 KB chunk where 2 atoms left
+  // half of each slot empty (the bytes a slot holds in flight set FC2's pace: 8 KB chunks of 4
+  // strips were 12-53% slower, tools/PERF_LOG.md); 3 atoms do not split over 2 warps, so 4
+  // strips keep 2.
+  MOEJIT_HD constexpr i32 fc2_chunk_k() const {
+    return fc2_k_atoms() % 4 == 0                                          ? 4
+           : fc2_k_atoms() % 3 == 0 && fc2_strips == kConsumerWarps ? 3
+                                                                          : 2;
+  }
   MOEJIT_HD constexpr i32 fc2_chunks() const { return fc2_k_atoms() / fc2_chunk_k(); }
   MOEJIT_HD constexpr i32 fc2_warps_k() const { return kConsumerWarps / fc2_strips; }
 
