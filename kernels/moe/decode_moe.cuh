@@ -181,7 +181,9 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   const i32 lane = tid & 31;
   const i32 warp = tid >> 5;
   u16* counts = reinterpret_cast<u16*>(scratch);  // [warp][E]: then the warp's base per expert
-  u32* sums = reinterpret_cast<u32*>(scratch + Geometry::align16(kConsumerWarps * E * 2));
+  u32* sums = reinterpret_cast<u32*>(scratch + G.route_counts_bytes());
+  // The local expert of each position, kNoExpert as 0xFFFF (E <= kMaxExperts < 2^16).
+  u16* local = reinterpret_cast<u16*>(scratch + G.route_counts_bytes() + G.route_sums_bytes());
 
   const i32 positions = p.num_tokens * G.top_k;
   // Whole 32-position steps per warp, warps in position order.
@@ -193,6 +195,29 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     reinterpret_cast<u32*>(counts)[i] = 0u;
   }
   if ((kConsumerWarps * E) % 2 != 0 && tid == 0) counts[kConsumerWarps * E - 1] = 0;
+  // Every id read once, kIdBatch loads in flight per thread before the first store. Why: the
+  // passes below walk each warp's run 32 positions a step, and reading the ids there put one
+  // round trip to L2 on every step, twice (measured on the H200: 28.6 us of a forward with no
+  // items at kimi-k3.1-tp8 T = 256, 4096 positions; tools/PERF_LOG.md "no items").
+  constexpr i32 kIdBatch = 8;
+  for (i32 base = 0; base < positions; base += kIdBatch * kThreads) {
+    u32 e[kIdBatch];
+#pragma unroll
+    for (i32 j = 0; j < kIdBatch; ++j) {
+      const i32 pos = base + j * kThreads + tid;
+      e[j] = pos < positions ? local_expert<T>(p, pos) : kNoExpert;
+    }
+#pragma unroll
+    for (i32 j = 0; j < kIdBatch; ++j) {
+      const i32 pos = base + j * kThreads + tid;
+      if (pos < positions) local[pos] = static_cast<u16>(e[j]);
+    }
+  }
+  static_assert(kMaxExperts < 0xFFFF, "a local expert and kNoExpert fit 16 bits");
+  const auto local_of = [&](i32 pos) {
+    const u32 e = local[pos];
+    return e == 0xFFFFu ? kNoExpert : e;
+  };
   __syncthreads();
 
   // Pass 1: each warp counts its run per expert.
@@ -200,7 +225,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     u16* mine = counts + warp * E;
     for (i32 base = begin; base < end; base += 32) {
       const i32 pos = base + lane;
-      const u32 e = pos < end ? local_expert<T>(p, pos) : kNoExpert;
+      const u32 e = pos < end ? local_of(pos) : kNoExpert;
       const u32 peers = expert_peers<T>(e);
       if (e != kNoExpert && lane == __ffs(peers) - 1) {
         mine[e] = static_cast<u16>(mine[e] + __popc(peers));
@@ -228,7 +253,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     u16* mine = counts + warp * E;
     for (i32 base = begin; base < end; base += 32) {
       const i32 pos = base + lane;
-      const u32 e = pos < end ? local_expert<T>(p, pos) : kNoExpert;
+      const u32 e = pos < end ? local_of(pos) : kNoExpert;
       const u32 peers = expert_peers<T>(e);
       u32 before = 0;
       if (e != kNoExpert) {
