@@ -195,12 +195,14 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     reinterpret_cast<u32*>(counts)[i] = 0u;
   }
   if ((kConsumerWarps * E) % 2 != 0 && tid == 0) counts[kConsumerWarps * E - 1] = 0;
-  // Every id read once, kIdBatch loads in flight per thread before the first store. Why: the
-  // passes below walk each warp's run 32 positions a step, and reading the ids there put one
-  // round trip to L2 on every step, twice (measured on the H200: 28.6 us of a forward with no
-  // items at kimi-k3.1-tp8 T = 256, 4096 positions; tools/PERF_LOG.md "no items").
+  // Past one 32-position step per warp, every id is read once up front, kIdBatch loads in flight
+  // per thread before the first store, and both passes read the table. Why: each step of the
+  // passes below otherwise waits for its ids' round trip to L2, twice per step (kimi-k3.1-tp8
+  // T = 96-256: -3 to -6 us, tools/PERF_LOG.md "routing from ids read once"); with one step per
+  // warp the table only adds a round trip and a barrier (+0.2-0.4 us at T = 3-6).
+  const bool staged = positions > kConsumerWarps * 32;
   constexpr i32 kIdBatch = 8;
-  for (i32 base = 0; base < positions; base += kIdBatch * kThreads) {
+  for (i32 base = 0; staged && base < positions; base += kIdBatch * kThreads) {
     u32 e[kIdBatch];
 #pragma unroll
     for (i32 j = 0; j < kIdBatch; ++j) {
@@ -215,6 +217,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   }
   static_assert(kMaxExperts < 0xFFFF, "a local expert and kNoExpert fit 16 bits");
   const auto local_of = [&](i32 pos) {
+    if (!staged) return local_expert<T>(p, pos);
     const u32 e = local[pos];
     return e == 0xFFFFu ? kNoExpert : e;
   };
