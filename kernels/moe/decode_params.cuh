@@ -146,8 +146,10 @@ struct Geometry {
   MOEJIT_HD constexpr i32 control_bytes() const { return misc_bytes() + stages * 32; }
   // Routing scratch, aliased with the ring (the ring is not used before routing ends): per-warp
   // expert counts u16 [8][E], packed per-expert sums u32 [E], and the local expert of every
-  // position u16 [positions] (past 8 x 32 positions: topk_ids read once, loads in flight together).
-  MOEJIT_HD constexpr i32 route_counts_bytes() const { return align16(kConsumerWarps * experts * 2); }
+  // position u16 [positions] (past 8 x 32 positions, topk_ids are read into it once).
+  MOEJIT_HD constexpr i32 route_counts_bytes() const {
+    return align16(kConsumerWarps * experts * 2);
+  }
   MOEJIT_HD constexpr i32 route_sums_bytes() const { return align16(experts * 4); }
   MOEJIT_HD constexpr i32 route_scratch_bytes() const {
     return route_counts_bytes() + route_sums_bytes() + align16(positions() * 2);
