@@ -51,9 +51,9 @@ inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe 
 // decode_moe takes 0.76-0.96x marlin_moe's time at T = 1, but 0.97-1.18x at T = 2 (the pair,
 // once marlin_moe's dequant got faster), 0.96-1.18x at T = 3..5, 0.92-1.18x at T = 8..16 and
 // 1.03-1.13x at T = 24: past T = 1 the persistent tile or the pair wins on a few (shape, T) only,
-// by at most 8%, and loses up to 18%. With the top-k sum as its own launch (tools/PERF_LOG.md
-// "the combine launch (dc) and bf16 FC2 rows (db)") the persistent tile still takes 1.04-1.23x
-// at T = 3-6 and 1.02-1.16x at T = 24-256.
+// by at most 8%, and loses up to 18%. With the top-k sum as its own launch, kimi-k3.1's FC2 chunks
+// of 3 atoms and the routing's ids table (tools/PERF_LOG.md, thirty-third session) the
+// persistent tile still takes 1.02-1.16x at T = 3-6 and 1.02-1.14x at T = 24-256.
 inline constexpr int kDecodeAutoMaxTokens = 1;
 // Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
 // 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
