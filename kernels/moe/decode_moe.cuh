@@ -198,7 +198,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   // Past one 32-position step per warp, every id is read once up front, kIdBatch loads in flight
   // per thread before the first store, and both passes read the table. Why: each step of the
   // passes below otherwise waits for its ids' round trip to L2, twice per step (kimi-k3.1-tp8
-  // T = 96-256: -3 to -6 us, tools/PERF_LOG.md "routing from ids read once"); with one step per
+  // T = 96-256: -4 to -7 us, tools/PERF_LOG.md "routing from ids read once"); with one step per
   // warp the table only adds a round trip and a barrier (+0.2-0.4 us at T = 3-6).
   const bool staged = positions > kConsumerWarps * 32;
   constexpr i32 kIdBatch = 8;

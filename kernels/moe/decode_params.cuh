@@ -105,9 +105,9 @@ struct Geometry {
   // strips were 12-53% slower, tools/PERF_LOG.md); 3 atoms do not split over 2 warps, so 4
   // strips keep 2.
   MOEJIT_HD constexpr i32 fc2_chunk_k() const {
-    return fc2_k_atoms() % 4 == 0                                          ? 4
-           : fc2_k_atoms() % 3 == 0 && fc2_strips == kConsumerWarps ? 3
-                                                                          : 2;
+    if (fc2_k_atoms() % 4 == 0) return 4;
+    if (fc2_k_atoms() % 3 == 0 && fc2_warps_k() == 1) return 3;
+    return 2;
   }
   MOEJIT_HD constexpr i32 fc2_chunks() const { return fc2_k_atoms() / fc2_chunk_k(); }
   MOEJIT_HD constexpr i32 fc2_warps_k() const { return kConsumerWarps / fc2_strips; }
