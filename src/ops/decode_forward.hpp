@@ -1,8 +1,8 @@
 // The decode path of moe_forward: decode_moe's launches (counter reset, the persistent fused
 // layer and the top-k sum under programmatic dependent launch, or the pair's FC1 then FC2) and
-// the device fact its grid needs (the
-// multiprocessor count, queried once per device). moe_forward.cpp checks the arguments and
-// fills the kernel arguments; this unit looks the kernels up and launches them.
+// the device fact its grid needs (the multiprocessor count, queried once per device).
+// moe_forward.cpp checks the arguments and fills the kernel arguments; this unit looks the
+// kernels up and launches them.
 #pragma once
 
 #include <cuda.h>

@@ -112,10 +112,9 @@ bool wgmma_runs_on(const Arch& arch);
 
 // Everything moe_forward may launch for one token count T >= 1. An automatic call launches
 // decode_moe's kernels (decode_first -> decode_second [-> decode_combine for the persistent tile])
-// when decode_by_default(config) and
-// decode_moe runs on the device's arch; otherwise, and whenever the marlin path is forced,
-// [narrow_ids] -> route (single, or rank + scan + scatter) -> FC1 -> FC2 -> combine. The marlin
-// fields are always filled.
+// when decode_by_default(config) and decode_moe runs on the device's arch; otherwise, and
+// whenever the marlin path is forced, [narrow_ids] -> route (single, or rank + scan + scatter) ->
+// FC1 -> FC2 -> combine. The marlin fields are always filled.
 struct MoeForwardConfig {
   int tokens = 0;
   bool decode = false;  // T <= 256 and decode_moe serves the shape at the planner's tile
