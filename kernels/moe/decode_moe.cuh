@@ -383,6 +383,10 @@ __global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const Deco
   constexpr i32 kThreadsPerToken = G.hidden / kCombineColumns;
   static_assert(kCombineColumns == 8 && G.hidden % kCombineColumns == 0,
                 "one 16-byte piece of bf16 columns per thread");
+  // The next grid in the stream (the next forward's reset, say) may be scheduled now: it waits
+  // for this whole grid before it does anything, and it launches only once every CTA of this one
+  // has run to here, so it never holds an SM this grid still needs.
+  ::moejit::kern::ptx::launch_dependents();
   const i32 i = static_cast<i32>(blockIdx.x) * kCombineThreads + static_cast<i32>(threadIdx.x);
   const i32 tok = i / kThreadsPerToken;
   const i32 col = (i % kThreadsPerToken) * kCombineColumns;

@@ -380,6 +380,10 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   const i32 lane = tid & 31;
   const i32 warp = tid >> 5;
 
+  // The next grid in the stream (the next forward's fc1, say) may be scheduled now: it waits
+  // for this whole grid before it reads or writes anything, and it launches only once every CTA
+  // of this one has run to here, so it never holds an SM this grid still needs.
+  ::moejit::kern::ptx::launch_dependents();
   if (tid == 0) {
     for (i32 s = 0; s < kS; ++s) {
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
