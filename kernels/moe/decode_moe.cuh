@@ -434,106 +434,6 @@ __global__ void __launch_bounds__(kCombineThreads) decode_moe_combine(const Deco
   *reinterpret_cast<uint4*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
 }
 
-// The top-k sum inside the persistent kernel, by its consumer warps once their producer found
-// the queue drained: out[t][c .. c + 7] = the fp32 sum of FC2's bf16 rows of token t's local
-// slots, in slot order (0 where it has none), as bf16. Units of one H slice (an FC2 item's
-// columns) and kSumTokens tokens, slices first, claimed from a counter; a unit starts once the
-// publishers have counted all nv FC2 items of its slice. Why here and not in a launch of its own:
-// the slices complete over the last FC2 items, so most units run while other CTAs finish theirs,
-// and the forward ends with this grid (tools/PERF_LOG.md, "the top-k sum inside the persistent
-// kernel").
-inline constexpr i32 kSumBatch = 4;  // rows in flight per thread
-// One bit per slot of a token: 32 bits where top_k allows (two registers fewer).
-template <bool kWide>
-struct SlotMask {
-  using type = u64;
-};
-template <>
-struct SlotMask<false> {
-  using type = u32;
-};
-// `nv` comes from shared memory and every pointer from the parameters, so nothing of this
-// stays live in registers through the main loop (measured: 8-72 bytes of spills otherwise).
-template <class T>
-__device__ __forceinline__ void sum_slices(const DecodeMoeParams& p, const u32* nv_word,
-                                           u32* unit_slots) {
-  constexpr Geometry G = T::kGeo;
-  const i32 nv = static_cast<i32>(*static_cast<const volatile u32*>(nv_word) & 0xFFFFu);
-  u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
-  const u32* const fc2_done = counters + G.counter_fc2_done();
-  u32* const sum_queue = counters + G.counter_sum_queue();
-  const u16* const out2 = reinterpret_cast<const u16*>(p.workspace + G.ws_out2());
-  constexpr i32 kSliceColumns = G.fc2_strips * layout::kAtomRows;
-  constexpr i32 kLanesPerToken = kSliceColumns / kCombineColumns;
-  constexpr i32 kSumTokens = kConsumerThreads / kLanesPerToken;
-  static_assert(kSliceColumns % kCombineColumns == 0 && kConsumerThreads % kLanesPerToken == 0,
-                "a slice is whole 16-byte pieces, a unit whole tokens");
-  const i32 tid = static_cast<i32>(threadIdx.x);
-  const i32 token_blocks = ceil_div(p.num_tokens, kSumTokens);
-  const i32 units = G.fc2_items() * token_blocks;
-  i32 next = 0;
-  if (tid == 0) next = static_cast<i32>(atomicAdd(sum_queue, 1u));
-  for (u32 round = 0;; ++round) {
-    if (tid == 0) {
-      const i32 unit = next;
-      if (unit < units) {
-        next = static_cast<i32>(atomicAdd(sum_queue, 1u));  // in flight during this unit
-        const u32* const done = fc2_done + unit / token_blocks;
-        if (ptx::load_relaxed(done) < static_cast<u32>(nv)) {
-          ptx::wait_at_least(done, static_cast<u32>(nv), kCounterWaitLimitNs);
-        } else {
-          ptx::load_acquire(done);
-        }
-      }
-      unit_slots[round & 1u] = static_cast<u32>(unit);
-    }
-    // Orders the acquire above before every consumer thread's row reads below.
-    pipe::consumers_sync();
-    const i32 unit = static_cast<i32>(unit_slots[round & 1u]);
-    if (unit >= units) return;
-    const i32 tok = (unit % token_blocks) * kSumTokens + tid / kLanesPerToken;
-    const i32 col = (unit / token_blocks) * kSliceColumns + (tid % kLanesPerToken) * kCombineColumns;
-    if (tok >= p.num_tokens) continue;
-    using Mask = typename SlotMask<(G.top_k > 32)>::type;
-    Mask local = 0;  // bit k: slot k of the token is on a local expert
-#pragma unroll
-    for (i32 k = 0; k < G.top_k; ++k) {
-      local |= static_cast<Mask>(local_expert<T>(p, tok * G.top_k + k) != kNoExpert) << k;
-    }
-    float sum[kCombineColumns] = {};
-#pragma unroll 1
-    for (i32 k0 = 0; k0 < G.top_k; k0 += kSumBatch) {
-      uint4 x[kSumBatch];
-#pragma unroll
-      for (i32 j = 0; j < kSumBatch; ++j) {
-        const i32 k = k0 + j;
-        if (k < G.top_k && ((local >> k) & 1u)) {
-          const i64 row = static_cast<i64>(tok) * G.top_k + k;
-          x[j] = __ldcg(reinterpret_cast<const uint4*>(out2 + row * G.hidden + col));
-        }
-      }
-#pragma unroll
-      for (i32 j = 0; j < kSumBatch; ++j) {
-        const i32 k = k0 + j;
-        if (k < G.top_k && ((local >> k) & 1u)) {
-          const u32 w[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-#pragma unroll
-          for (i32 c = 0; c < 4; ++c) {
-            sum[2 * c] += ptx::bf16_lo(w[c]);
-            sum[2 * c + 1] += ptx::bf16_hi(w[c]);
-          }
-        }
-      }
-    }
-    uint4 packed;
-    packed.x = ptx::pack_bf16x2(sum[0], sum[1]);
-    packed.y = ptx::pack_bf16x2(sum[2], sum[3]);
-    packed.z = ptx::pack_bf16x2(sum[4], sum[5]);
-    packed.w = ptx::pack_bf16x2(sum[6], sum[7]);
-    *reinterpret_cast<uint4*>(p.out + static_cast<i64>(tok) * G.hidden + col) = packed;
-  }
-}
-
 // Shared control words (misc[], u32): routing scan sums, the producer's list of items in flight;
 // then kInFlight "item done" mbarriers (u64), one per item in flight: every consumer warp arrives
 // on its item's barrier, the publisher waits on them.
@@ -544,7 +444,6 @@ inline constexpr i32 kMiscScan = 0;             // [0, 10): block_exclusive_scan
 inline constexpr i32 kMiscRetired = 16;         // items the publisher has retired
 inline constexpr i32 kMiscInFlight = 32;        // [32, 64): items issued, not yet retired (ring)
 inline constexpr i32 kMiscIssuedFinal = 64;     // items the producer issued, once it is done
-inline constexpr i32 kMiscSumUnit = 72;         // [72, 74): the consumers' top-k sum unit, by parity
 inline constexpr i32 kMiscWords = 128;          // then the item barriers
 inline constexpr i32 kInFlight = 32;
 static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
@@ -601,12 +500,11 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
   u32* const queue = counters;
   u32* const fc1_done = counters + 1;
-  u32* const fc2_done = counters + G.counter_fc2_done();
   u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
   u16* const out2 = reinterpret_cast<u16*>(p.workspace + G.ws_out2());
 
-  // With no local position at all (nv = 0) there are no items: the producer ends the ring at
-  // once and the consumers' sum writes zeros.
+  // No local position at all: nothing to compute, and the combine writes zeros.
+  if (nv == 0) return;
   const i32 fc1_total = nv * G.fc1_items();
   const i32 total = fc1_total + nv * G.fc2_items();
   const u32 ring_base = ptx::smem_u32(ring);
@@ -641,16 +539,16 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       while (done - retired < kInFlight && done != final_count && item_finished(done, false)) {
         ++done;
       }
-      // One fence, then the counters: it orders every retired item's stores (FC1's
-      // intermediate rows, FC2's rows) before the counts that FC2 items and the sum wait on.
-      ptx::fence_acq_rel_gpu();
+      // One fence before the first FC1 counter: it orders every retired item's inter stores.
+      // Why none for FC2 items alone: their rows are read by the next grid, which the end of
+      // this one orders.
+      bool fenced = false;
       for (; retired < done; ++retired) {
         const i32 it = in_flight[retired % kInFlight];
-        if (it < fc1_total) {
-          atomicAdd(fc1_done + it / G.fc1_items(), 1u);
-        } else {
-          atomicAdd(fc2_done + (it - fc1_total) % G.fc2_items(), 1u);
-        }
+        if (it >= fc1_total) continue;
+        if (!fenced) ptx::fence_acq_rel_gpu();
+        fenced = true;
+        atomicAdd(fc1_done + it / G.fc1_items(), 1u);
       }
       pipe::store_release_cta(misc + kMiscRetired, retired);
     }
@@ -962,8 +860,6 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     if (lane == 0) pipe::arrive(ptx::smem_u32(item_done + items % kInFlight));
     ++items;
   }
-  // block_exclusive_scan left the routing's total (count << 16 | virtual experts) there.
-  sum_slices<T>(p, misc + kMiscScan + kThreads / 32, misc + kMiscSumUnit);
 }
 
 }  // namespace moejit::kern::moe::decode

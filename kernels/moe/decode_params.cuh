@@ -167,11 +167,8 @@ struct Geometry {
 
   // ---- global workspace (bytes; every region 256-byte aligned) ----
   // counters (zeroed by the reset kernel before every forward): [0] the work queue,
-  // [1 .. max_virtual] FC1 items done per virtual expert, then FC2 items done per H slice
-  // (fc2_items of them), then the queue of the top-k sum's units.
-  MOEJIT_HD constexpr i32 counter_fc2_done() const { return 1 + max_virtual(); }
-  MOEJIT_HD constexpr i32 counter_sum_queue() const { return counter_fc2_done() + fc2_items(); }
-  MOEJIT_HD constexpr i32 counter_words() const { return counter_sum_queue() + 1; }
+  // [1 .. max_virtual] FC1 items done per virtual expert.
+  MOEJIT_HD constexpr i32 counter_words() const { return 1 + max_virtual(); }
   MOEJIT_HD constexpr i64 ws_counters() const { return 0; }
   MOEJIT_HD constexpr i64 ws_inter() const { return align256(4LL * counter_words()); }
   // FC1 output, bf16 [max_virtual][BlockN][I]

@@ -124,9 +124,11 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   Runtime& runtime = Runtime::instance();
   const KernelSpec reset_spec = decode_moe_spec(decode_reset_params(main), device.arch);
   const KernelSpec main_spec = decode_moe_spec(main, device.arch);
+  const KernelSpec combine_spec = decode_moe_spec(decode_combine_params(main), device.arch);
   // Every kernel first, so a capture miss (or any build failure) launches nothing.
   const CUkernel reset_kernel = runtime.kernel(reset_spec, stream);
   const CUkernel main_kernel = runtime.kernel(main_spec, stream);
+  const CUkernel combine_kernel = runtime.kernel(combine_spec, stream);
   const int smem = static_cast<int>(decode_moe_smem_bytes(main));
   ensure_dynamic_smem(op, main_spec, main_kernel, device.ordinal, smem);
   const int sms = multiprocessor_count(device.ordinal);
@@ -148,6 +150,17 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   main_shape.block = static_cast<unsigned>(kDecodeThreads);
   main_shape.smem = static_cast<unsigned>(smem);
   launch_moe_kernel(op, main_spec, main_kernel, main_shape, true, stream, kernel_args);
+
+  // The top-k sum over the whole GPU: the main kernel lets it launch once every CTA of it runs,
+  // and it waits for that grid before it reads a row.
+  const long long combine_threads =
+      static_cast<long long>(args.num_tokens) * main.hidden / kern::moe::decode::kCombineColumns;
+  LaunchShape combine_shape;
+  combine_shape.grid_x =
+      static_cast<unsigned>((combine_threads + kern::moe::decode::kCombineThreads - 1) /
+                            kern::moe::decode::kCombineThreads);
+  combine_shape.block = static_cast<unsigned>(kern::moe::decode::kCombineThreads);
+  launch_moe_kernel(op, combine_spec, combine_kernel, combine_shape, true, stream, kernel_args);
 }
 
 void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
