@@ -491,12 +491,10 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   }
   const i32 nv = route<T>(p, ring, sorted, vinfo, misc + kMiscScan);  // ends with __syncthreads
 
+  // Counters were zeroed by decode_moe_reset, the previous grid in the stream.
+  ::moejit::kern::ptx::grid_dependency_wait();
   // The combine may be scheduled now: it waits for this whole grid before it reads a row.
   ::moejit::kern::ptx::launch_dependents();
-  // Counters were zeroed by decode_moe_reset, the previous grid in the stream: every thread that
-  // touches them waits for that grid first. The producer does so after its first chunk's copies
-  // (the weights, hidden and topk_ids it reads were all written before the reset's own wait).
-  if (warp != kProducerWarp) ::moejit::kern::ptx::grid_dependency_wait();
   u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
   u32* const queue = counters;
   u32* const fc1_done = counters + 1;
@@ -585,20 +583,15 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       }
     };
 
-    // Lane 0, before its first touch of a counter.
-    bool counters_ready = false;
-    const auto wait_for_counters = [&]() {
-      if (!counters_ready) ::moejit::kern::ptx::grid_dependency_wait();
-      counters_ready = true;
-    };
-    // A CTA's first item is its index, the rest come from the queue. Why: the first chunk's
-    // copies then go out before any counter is read, with no atomic (the whole grid's at once)
-    // between the routing and the first landing.
-    const auto claim = [&]() {
-      wait_for_counters();
-      return static_cast<i32>(atomicAdd(queue, 1u) + gridDim.x);
-    };
-    i32 item = static_cast<i32>(blockIdx.x);
+    // Every item, the first included, comes from the queue, FC1 items before FC2 items. Why: an
+    // FC2 item spins until its expert's FC1 items are counted, and claims in queue order mean
+    // each of those was claimed earlier by a CTA that is running, so the grid always makes
+    // progress, even when only part of it is resident (a kernel of another stream on some SMs)
+    // and whatever order CTAs are dispatched in. Handing CTA b item b saves the first claim's
+    // round trip but gives that up (tools/PERF_LOG.md "first-static taken back").
+    i32 item = 0;
+    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
+    item = __shfl_sync(0xffffffffu, item, 0);
     while (item < total) {
       const bool fc2 = item >= fc1_total;
       const i32 local = fc2 ? item - fc1_total : item;
@@ -606,10 +599,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       const i32 v = local / per_v;
       const i32 slice = local % per_v;
       u32 ready = 0;  // FC1 items of v done, loaded early (an FC2 item waits for all of them)
-      if (fc2 && lane == 0) {
-        wait_for_counters();
-        ready = ptx::load_relaxed(fc1_done + v);
-      }
+      if (fc2 && lane == 0) ready = ptx::load_relaxed(fc1_done + v);
       const u32 info = vinfo[v];
       const i32 e = virtual_expert(info);
       const i32 count = virtual_count(info);
@@ -709,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         const u32 seq0 = seq;
         for (; c < early; ++c) {
           issue_weights(c, open_chunk(c));
-          if (c == 0 && lane == 0) next = claim();
+          if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
         }
         if (lane == 0) {
           // Acquired either way: orders the FC1 rows before the copies below.
@@ -731,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         issue_weights(c, slot);
         issue_act(c, slot);
         close_chunk(slot);
-        if (c == 0 && lane == 0) next = claim();
+        if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
       }
       item = __shfl_sync(0xffffffffu, next, 0);
     }
