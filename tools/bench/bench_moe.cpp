@@ -34,6 +34,10 @@
 //     calls, median replay / N); the two graphs' replays alternate, so both see the same clocks;
 //   - experts touched, MXFP4 bytes touched, each path's fraction of the copy bandwidth, and the
 //     time ratio decode / marlin (below 1: decode_moe is faster);
+//   - the read floor (--no-floor skips it): a kernel that only reads the bytes the layer reads
+//     (every touched expert's nibbles and scales), once per layer call, as a graph of the same N
+//     calls replayed in the same alternation: what reading those bytes costs by itself under the
+//     layer's launch policy, so "% copy" of each path reads against it (see ReadFloor);
 //   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM, or
 //     "pair t<bucket>" for the two-launch tile of T <= 2), the planner's unless
 //     --decode-block-n 8|16|32 forces the persistent tile's block_n;
@@ -64,6 +68,7 @@
 #include <cudaTypedefs.h>
 #include <cxxabi.h>
 #include <dlfcn.h>
+#include <nvrtc.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -752,6 +757,131 @@ Graph layer_prefix(CUgraph layers, const GraphTopology& t, std::size_t per_layer
   return out;
 }
 
+// ---- the read floor -----------------------------------------------------------------------------
+
+// One kernel that reads a list of byte regions and nothing else: the floor under a decode layer,
+// whose weight reads are the same bytes. Each CTA reads one chunk of kFloorChunkPieces 16-byte
+// pieces of one region with every thread keeping 8 loads in flight (issued together, then folded,
+// so none waits for a later one); regions are found by a binary search over their first CTA. It
+// waits for the grid before it first (griddepcontrol.wait, as the layer's first kernel does) and
+// lets the next one launch, so a graph of N of them pays what N layer calls pay per boundary.
+// Compiled here by NVRTC: it is the benchmark's, not libmoejit's.
+constexpr unsigned kFloorThreads = 256;
+constexpr uint64_t kFloorChunkPieces = 4096;  // 64 KB per CTA
+const char* const kReadFloorSource = R"(
+struct Piece { unsigned x, y, z, w; };
+struct FloorRegion { const Piece* data; unsigned long long pieces; unsigned long long first_block; };
+extern "C" __global__ void __launch_bounds__(256)
+read_floor(const FloorRegion* regions, int count, unsigned* sink) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const unsigned long long block = blockIdx.x;
+  int lo = 0;
+  int hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (regions[mid].first_block <= block) lo = mid; else hi = mid - 1;
+  }
+  const Piece* const data = regions[lo].data;
+  const unsigned long long begin = (block - regions[lo].first_block) * 4096ull;
+  const unsigned long long end =
+      begin + 4096ull < regions[lo].pieces ? begin + 4096ull : regions[lo].pieces;
+  unsigned fold = 0;
+  for (unsigned long long j = begin + threadIdx.x; j < end; j += 8 * 256) {
+    Piece v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[k].x = v[k].y = v[k].z = v[k].w = 0u;
+      if (j + k * 256 < end) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                     : "l"(data + j + k * 256));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) fold ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  if (fold == 0x9E3779B9u) atomicAdd(sink, 1u);  // keeps the loads; the count is never read
+}
+)";
+
+struct FloorRegion {
+  const void* data;
+  uint64_t pieces;
+  uint64_t first_block;
+};
+static_assert(sizeof(FloorRegion) == 24, "read_floor's FloorRegion is three 8-byte fields");
+
+class ReadFloor {
+ public:
+  explicit ReadFloor(const moejit::Arch& arch) {
+    nvrtcProgram program = nullptr;
+    check_nvrtc(
+        nvrtcCreateProgram(&program, kReadFloorSource, "read_floor.cu", 0, nullptr, nullptr),
+        "nvrtcCreateProgram (read_floor)", nullptr);
+    const std::string arch_option = arch.nvrtc_option();
+    const char* options[] = {arch_option.c_str(), "--std=c++17"};
+    std::string cubin;
+    try {
+      check_nvrtc(nvrtcCompileProgram(program, 2, options), "nvrtcCompileProgram (read_floor)",
+                  program);
+      std::size_t size = 0;
+      check_nvrtc(nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize", program);
+      cubin.resize(size);
+      check_nvrtc(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN", program);
+    } catch (...) {
+      nvrtcDestroyProgram(&program);
+      throw;
+    }
+    nvrtcDestroyProgram(&program);
+    BENCH_CU(
+        cu().cuLibraryLoadData(&library_, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0));
+    BENCH_CU(cu().cuLibraryGetKernel(&kernel_, library_, "read_floor"));
+  }
+  ~ReadFloor() {
+    if (library_ != nullptr) cu().cuLibraryUnload(library_);
+  }
+  ReadFloor(const ReadFloor&) = delete;
+  ReadFloor& operator=(const ReadFloor&) = delete;
+
+  // One launch over `count` regions at `regions` (device FloorRegion[count]) spanning `blocks`
+  // CTAs in all.
+  void launch(const void* regions, int count, uint64_t blocks, void* sink, CUstream stream) const {
+    CUlaunchAttribute attribute{};
+    attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig config{};
+    config.gridDimX = static_cast<unsigned>(blocks);
+    config.gridDimY = 1;
+    config.gridDimZ = 1;
+    config.blockDimX = kFloorThreads;
+    config.blockDimY = 1;
+    config.blockDimZ = 1;
+    config.hStream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    void* params[] = {&regions, &count, &sink};
+    BENCH_CU(
+        cu().cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel_), params, nullptr));
+  }
+
+ private:
+  static void check_nvrtc(nvrtcResult result, const char* what, nvrtcProgram program) {
+    if (result == NVRTC_SUCCESS) return;
+    std::string log;
+    std::size_t size = 0;
+    if (program != nullptr && nvrtcGetProgramLogSize(program, &size) == NVRTC_SUCCESS && size > 1) {
+      log.resize(size);
+      nvrtcGetProgramLog(program, log.data());
+    }
+    throw std::runtime_error(std::string(what) + " failed: " + nvrtcGetErrorString(result) + "\n" +
+                             log);
+  }
+
+  CUlibrary library_ = nullptr;
+  CUkernel kernel_ = nullptr;
+};
+
 // ---- the models ---------------------------------------------------------------------------------
 
 constexpr std::size_t kAlign = 256;
@@ -914,6 +1044,7 @@ struct Options {
   double budget_gb = 48;  // device memory for rotated weight copies, per model
   int max_rotation = 16;
   bool dense = true;
+  bool floor = true;  // the decode section's read floor
   uint64_t seed = 20261130;
 };
 
@@ -1028,6 +1159,8 @@ struct DecodeRow {
   Telemetry::Stats marlin_clocks;
   double decode_copy_fraction = 0;
   double marlin_copy_fraction = 0;
+  double floor_us = 0;  // the read floor (0: not measured)
+  double floor_copy_fraction = 0;
   int rotation = 1;
   int decode_iterations = 0;
   int marlin_iterations = 0;
@@ -1045,14 +1178,16 @@ struct DecodeRow {
 class ModelBench {
  public:
   ModelBench(const moejit::ModelShape& shape, const Options& o, const Device& device,
-             CUstream stream, cublasHandle_t blas, double copy_gbs, Clock::time_point started)
+             CUstream stream, cublasHandle_t blas, double copy_gbs, Clock::time_point started,
+             const ReadFloor* floor)
       : s_(shape),
         o_(o),
         device_(device),
         stream_(stream),
         blas_(blas),
         copy_gbs_(copy_gbs),
-        started_(started) {}
+        started_(started),
+        floor_(floor) {}
 
   // Kernels and weight copies once for both sections (dense copies only for marlin rows).
   void prepare(const std::vector<int>& marlin_tokens, const std::vector<int>& decode_tokens) {
@@ -1179,7 +1314,7 @@ class ModelBench {
     json rows = json::array();
     if (!decode_problem_.empty()) {
       std::cout << "   decode section: skipped, " << decode_problem_ << std::endl;
-      table->push_back({s_.name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+      table->push_back({s_.name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                         "skipped: decode_moe can't serve this shape (see JSON)"});
       out["rows"] = rows;
       return out;
@@ -1213,7 +1348,7 @@ class ModelBench {
                                       std::to_string(row.touched), fixed(row.mxfp4_bytes / 1e6, 1),
                                       tile_text(row)};
     if (!row.error.empty()) {
-      cells.insert(cells.end(), {"-", "-", "-", "-", "-", "-", "-", row.error});
+      cells.insert(cells.end(), {"-", "-", "-", "-", "-", "-", "-", "-", row.error});
       return cells;
     }
     std::string check = "ok";
@@ -1227,6 +1362,9 @@ class ModelBench {
                  {fixed(row.decode_us, 1), fixed(100 * row.decode_copy_fraction, 1) + "%",
                   fixed(row.marlin_us, 1), fixed(100 * row.marlin_copy_fraction, 1) + "%",
                   fixed(row.decode_us / row.marlin_us, 2) + "x",
+                  row.floor_us > 0 ? fixed(row.floor_us, 1) + ", " +
+                                         fixed(100 * row.floor_copy_fraction, 1) + "%"
+                                   : "-",
                   mhz_text(row.decode_clocks) + " / " + mhz_text(row.marlin_clocks), rel, check});
     return cells;
   }
@@ -1730,14 +1868,31 @@ class ModelBench {
       const Graph marlin_graph = capture(stream_, [&] {
         for (int j = 0; j < row.marlin_iterations; ++j) forward(j % row.rotation, kMarlinPath);
       });
+      std::vector<const Graph*> graphs = {&decode_graph, &marlin_graph};
+      std::vector<int> per_replay = {row.decode_iterations, row.marlin_iterations};
+      // The read floor: the decode graph's N calls, each only reading its copy's bytes.
+      std::vector<FloorTable> tables;
+      Graph floor_graph;
+      Buffer sink(kAlign);
+      if (floor_ != nullptr) {
+        for (int c = 0; c < row.rotation; ++c) tables.push_back(floor_table(r, c));
+        floor_graph = capture(stream_, [&] {
+          for (int j = 0; j < row.decode_iterations; ++j) {
+            const FloorTable& t = tables[to_size(j % row.rotation)];
+            floor_->launch(t.regions.data(), t.count, t.blocks, sink.data(), stream_);
+          }
+        });
+        graphs.push_back(&floor_graph);
+        per_replay.push_back(row.decode_iterations);
+      }
       std::vector<Telemetry::Stats> clocks;
-      const std::vector<double> us = replay_alternating_us(
-          {&decode_graph, &marlin_graph}, {row.decode_iterations, row.marlin_iterations}, stream_,
-          o_.trials, events, o_.gap_ms, &clocks);
+      const std::vector<double> us =
+          replay_alternating_us(graphs, per_replay, stream_, o_.trials, events, o_.gap_ms, &clocks);
       row.decode_us = us[0];
       row.decode_clocks = clocks[0];
       row.marlin_clocks = clocks[1];
       row.marlin_us = us[1];
+      if (floor_ != nullptr) row.floor_us = us[2];
     } catch (const moejit::Error& e) {
       // Why these two end the run: after a driver error the context may be unusable, and an
       // internal error is a libmoejit bug; any other error (a refused path, a failed compile)
@@ -1748,7 +1903,55 @@ class ModelBench {
     }
     row.decode_copy_fraction = row.mxfp4_bytes / (row.decode_us * 1e-6) / (copy_gbs_ * 1e9);
     row.marlin_copy_fraction = row.mxfp4_bytes / (row.marlin_us * 1e-6) / (copy_gbs_ * 1e9);
+    if (row.floor_us > 0) {
+      row.floor_copy_fraction = row.mxfp4_bytes / (row.floor_us * 1e-6) / (copy_gbs_ * 1e9);
+    }
     return row;
+  }
+
+  // The read floor's regions for weight copy `copy`: each of the four weight arrays' touched
+  // experts, runs of consecutive experts merged, on the device.
+  struct FloorTable {
+    Buffer regions;
+    int count = 0;
+    uint64_t blocks = 0;
+  };
+  FloorTable floor_table(const Routing& r, int copy) const {
+    const moejit::MoeWeights& w = sets_[to_size(copy)].weights;
+    const int64_t e = s_.num_experts;
+    const std::pair<const void*, std::size_t> arrays[] = {{w.w13, sizes_.w13_bytes},
+                                                          {w.w13_scales, sizes_.w13_scale_bytes},
+                                                          {w.w2, sizes_.w2_bytes},
+                                                          {w.w2_scales, sizes_.w2_scale_bytes}};
+    std::vector<FloorRegion> regions;
+    uint64_t blocks = 0;
+    for (const auto& [base, bytes] : arrays) {
+      if (bytes % to_size(e) != 0 || bytes / to_size(e) % 16 != 0) {
+        throw std::runtime_error(
+            "read floor: a weight array's per-expert size is not a multiple "
+            "of 16 bytes");
+      }
+      const uint64_t per = bytes / to_size(e) / 16;  // pieces per expert
+      for (int64_t x = 0; x < e;) {
+        if (r.per_expert[to_size(x)] == 0) {
+          ++x;
+          continue;
+        }
+        int64_t y = x;
+        while (y < e && r.per_expert[to_size(y)] > 0) ++y;
+        const uint64_t pieces = per * static_cast<uint64_t>(y - x);
+        regions.push_back(
+            {static_cast<const uint8_t*>(base) + to_size(x) * per * 16, pieces, blocks});
+        blocks += (pieces + kFloorChunkPieces - 1) / kFloorChunkPieces;
+        x = y;
+      }
+    }
+    FloorTable t;
+    t.count = static_cast<int>(regions.size());
+    t.blocks = blocks;
+    t.regions = Buffer(std::max<std::size_t>(regions.size(), 1) * sizeof(FloorRegion));
+    if (!regions.empty()) upload(t.regions, 0, regions);
+    return t;
   }
 
   json decode_row_json(const DecodeRow& row) const {
@@ -1773,6 +1976,10 @@ class ModelBench {
     j["marlin_us"] = row.marlin_us;
     j["marlin_copy_bandwidth_fraction"] = row.marlin_copy_fraction;
     j["decode_over_marlin"] = row.decode_us / row.marlin_us;
+    if (row.floor_us > 0) {
+      j["read_floor_us"] = row.floor_us;
+      j["read_floor_copy_bandwidth_fraction"] = row.floor_copy_fraction;
+    }
     j["decode_clocks"] = clocks_json(row.decode_clocks);
     j["marlin_clocks"] = clocks_json(row.marlin_clocks);
     j["decode_graph_iterations"] = row.decode_iterations;
@@ -1795,6 +2002,7 @@ class ModelBench {
   cublasHandle_t blas_;
   double copy_gbs_;
   Clock::time_point started_;
+  const ReadFloor* floor_;      // null: no read floor
   std::string decode_problem_;  // moe_decode_problem, asked when the model has decode rows
   double compile_s_ = 0;
   int compiled_ = 0;
@@ -1979,6 +2187,9 @@ int run(const Options& o) {
               << " TFLOP/s" << std::endl;
   }
 
+  std::unique_ptr<ReadFloor> floor;
+  if (decode_section && o.floor) floor = std::make_unique<ReadFloor>(device.arch);
+
   json report = {{"library_version", moejit::kVersionString},
                  {"device", device.name},
                  {"arch", device.arch.name()},
@@ -1999,7 +2210,7 @@ int run(const Options& o) {
   std::vector<std::vector<std::string>> decode_table;
   for (const ModelPlan& p : plans) {
     if (!p.marlin && !p.decode) continue;
-    ModelBench bench(p.shape, o, device, stream, blas, copy_gbs, started);
+    ModelBench bench(p.shape, o, device, stream, blas, copy_gbs, started, floor.get());
     bench.prepare(p.marlin ? o.tokens : std::vector<int>{},
                   p.decode ? decode_tokens : std::vector<int>{});
     if (p.marlin) {
@@ -2041,7 +2252,7 @@ int run(const Options& o) {
         "CUDA graph replay (median per layer), alternating; copy bandwidth " +
             fixed(copy_gbs, 0) + " GB/s",
         {"model", "T", "experts", "MB", "tile", "decode us", "% copy", "marlin us", "% copy",
-         "decode/marlin", "MHz d / m", "rel L2", "output"},
+         "decode/marlin", "floor us, % copy", "MHz d / m", "rel L2", "output"},
         decode_table);
     std::cout
         << "\ntile: decode_moe's n block_n, s FC1/FC2 strips per item, d pipeline stages, x"
@@ -2051,7 +2262,8 @@ int run(const Options& o) {
            " during each path's replays (NVML; *: the power cap active in most samples).\nrel L2: "
            "||decode -"
            " marlin|| / ||marlin|| over one call's output. output: NaN/inf counts (decode /"
-           " marlin) of one checked call.\n";
+           " marlin) of one checked call.\nfloor: a kernel that only reads the same bytes, once per"
+           " call, same graph and alternation (ReadFloor in the source).\n";
   } else if (decode_section) {
     std::cout << "\ndecode section skipped: " << decode_skipped << "\n";
   }
@@ -2111,6 +2323,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-rotation", o.max_rotation, "Most weight copies to rotate through")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-dense{false}", o.dense, "Skip the cuBLAS bf16 baseline (marlin section)");
+  app.add_flag("--no-floor{false}", o.floor, "Skip the read floor (decode section)");
   app.add_option("--seed", o.seed, "Seed of the random weights, routing and inputs");
   CLI11_PARSE(app, argc, argv);
   try {
