@@ -36,8 +36,9 @@
 //     time ratio decode / marlin (below 1: decode_moe is faster);
 //   - the read floor (--no-floor skips it): a kernel that only reads the bytes the layer reads
 //     (every touched expert's nibbles and scales), once per layer call, as a graph of the same N
-//     calls replayed in the same alternation: what reading those bytes costs by itself under the
-//     layer's launch policy, so "% copy" of each path reads against it (see ReadFloor);
+//     calls replayed in the same alternation, the fastest of four chunk sizes: what reading
+//     those bytes costs by itself under the layer's launch policy (see ReadFloor). Read-only
+//     streams beat the copy figure (which reads and writes): the floor passes 100% of it;
 //   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM, or
 //     "pair t<bucket>" for the two-launch tile of T <= 2), the planner's unless
 //     --decode-block-n 8|16|32 forces the persistent tile's block_n;
@@ -760,19 +761,21 @@ Graph layer_prefix(CUgraph layers, const GraphTopology& t, std::size_t per_layer
 // ---- the read floor -----------------------------------------------------------------------------
 
 // One kernel that reads a list of byte regions and nothing else: the floor under a decode layer,
-// whose weight reads are the same bytes. Each CTA reads one chunk of kFloorChunkPieces 16-byte
-// pieces of one region with every thread keeping 8 loads in flight (issued together, then folded,
-// so none waits for a later one); regions are found by a binary search over their first CTA. It
-// waits for the grid before it first (griddepcontrol.wait, as the layer's first kernel does) and
-// lets the next one launch, so a graph of N of them pays what N layer calls pay per boundary.
-// Compiled here by NVRTC: it is the benchmark's, not libmoejit's.
+// whose weight reads are the same bytes. Each CTA reads one chunk of a region (a multiple of 2048
+// 16-byte pieces: 32 KB) with every thread keeping 8 loads in flight (issued together, then
+// folded, so none waits for a later one); regions are found by a binary search over their first
+// CTA. It waits for the grid before it first (griddepcontrol.wait, as the layer's first kernel
+// does) and lets the next one launch, so a graph of N of them pays what N layer calls pay per
+// boundary. Each row times every chunk of kFloorChunksKb and keeps the fastest: the floor is the
+// best plain read found, not a bound. Compiled here by NVRTC: it is the benchmark's, not
+// libmoejit's.
 constexpr unsigned kFloorThreads = 256;
-constexpr uint64_t kFloorChunkPieces = 4096;  // 64 KB per CTA
+constexpr int kFloorChunksKb[] = {32, 64, 128, 256};
 const char* const kReadFloorSource = R"(
 struct Piece { unsigned x, y, z, w; };
 struct FloorRegion { const Piece* data; unsigned long long pieces; unsigned long long first_block; };
 extern "C" __global__ void __launch_bounds__(256)
-read_floor(const FloorRegion* regions, int count, unsigned* sink) {
+read_floor(const FloorRegion* regions, int count, unsigned long long chunk, unsigned* sink) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const unsigned long long block = blockIdx.x;
@@ -783,9 +786,9 @@ read_floor(const FloorRegion* regions, int count, unsigned* sink) {
     if (regions[mid].first_block <= block) lo = mid; else hi = mid - 1;
   }
   const Piece* const data = regions[lo].data;
-  const unsigned long long begin = (block - regions[lo].first_block) * 4096ull;
+  const unsigned long long begin = (block - regions[lo].first_block) * chunk;
   const unsigned long long end =
-      begin + 4096ull < regions[lo].pieces ? begin + 4096ull : regions[lo].pieces;
+      begin + chunk < regions[lo].pieces ? begin + chunk : regions[lo].pieces;
   unsigned fold = 0;
   for (unsigned long long j = begin + threadIdx.x; j < end; j += 8 * 256) {
     Piece v[8];
@@ -845,8 +848,9 @@ class ReadFloor {
   ReadFloor& operator=(const ReadFloor&) = delete;
 
   // One launch over `count` regions at `regions` (device FloorRegion[count]) spanning `blocks`
-  // CTAs in all.
-  void launch(const void* regions, int count, uint64_t blocks, void* sink, CUstream stream) const {
+  // CTAs of `chunk` 16-byte pieces each.
+  void launch(const void* regions, int count, uint64_t chunk, uint64_t blocks, void* sink,
+              CUstream stream) const {
     CUlaunchAttribute attribute{};
     attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attribute.value.programmaticStreamSerializationAllowed = 1;
@@ -860,7 +864,7 @@ class ReadFloor {
     config.hStream = stream;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    void* params[] = {&regions, &count, &sink};
+    void* params[] = {&regions, &count, &chunk, &sink};
     BENCH_CU(
         cu().cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel_), params, nullptr));
   }
@@ -1159,8 +1163,9 @@ struct DecodeRow {
   Telemetry::Stats marlin_clocks;
   double decode_copy_fraction = 0;
   double marlin_copy_fraction = 0;
-  double floor_us = 0;  // the read floor (0: not measured)
+  double floor_us = 0;  // the read floor (0: not measured): the fastest chunk's
   double floor_copy_fraction = 0;
+  std::vector<double> floor_us_by_chunk;  // per kFloorChunksKb
   int rotation = 1;
   int decode_iterations = 0;
   int marlin_iterations = 0;
@@ -1870,20 +1875,27 @@ class ModelBench {
       });
       std::vector<const Graph*> graphs = {&decode_graph, &marlin_graph};
       std::vector<int> per_replay = {row.decode_iterations, row.marlin_iterations};
-      // The read floor: the decode graph's N calls, each only reading its copy's bytes.
+      // The read floor: the decode graph's N calls, each only reading its copy's bytes, once
+      // per chunk size.
       std::vector<FloorTable> tables;
-      Graph floor_graph;
+      std::vector<Graph> floor_graphs;
       Buffer sink(kAlign);
       if (floor_ != nullptr) {
-        for (int c = 0; c < row.rotation; ++c) tables.push_back(floor_table(r, c));
-        floor_graph = capture(stream_, [&] {
-          for (int j = 0; j < row.decode_iterations; ++j) {
-            const FloorTable& t = tables[to_size(j % row.rotation)];
-            floor_->launch(t.regions.data(), t.count, t.blocks, sink.data(), stream_);
-          }
-        });
-        graphs.push_back(&floor_graph);
-        per_replay.push_back(row.decode_iterations);
+        for (const int kb : kFloorChunksKb) {
+          const uint64_t chunk = static_cast<uint64_t>(kb) * 1024 / 16;
+          const std::size_t first = tables.size();
+          for (int c = 0; c < row.rotation; ++c) tables.push_back(floor_table(r, c, chunk));
+          floor_graphs.push_back(capture(stream_, [&] {
+            for (int j = 0; j < row.decode_iterations; ++j) {
+              const FloorTable& t = tables[first + to_size(j % row.rotation)];
+              floor_->launch(t.regions.data(), t.count, chunk, t.blocks, sink.data(), stream_);
+            }
+          }));
+        }
+        for (const Graph& g : floor_graphs) {
+          graphs.push_back(&g);
+          per_replay.push_back(row.decode_iterations);
+        }
       }
       std::vector<Telemetry::Stats> clocks;
       const std::vector<double> us =
@@ -1892,7 +1904,11 @@ class ModelBench {
       row.decode_clocks = clocks[0];
       row.marlin_clocks = clocks[1];
       row.marlin_us = us[1];
-      if (floor_ != nullptr) row.floor_us = us[2];
+      if (floor_ != nullptr) {
+        row.floor_us_by_chunk.assign(us.begin() + 2, us.end());
+        row.floor_us =
+            *std::min_element(row.floor_us_by_chunk.begin(), row.floor_us_by_chunk.end());
+      }
     } catch (const moejit::Error& e) {
       // Why these two end the run: after a driver error the context may be unusable, and an
       // internal error is a libmoejit bug; any other error (a refused path, a failed compile)
@@ -1916,7 +1932,7 @@ class ModelBench {
     int count = 0;
     uint64_t blocks = 0;
   };
-  FloorTable floor_table(const Routing& r, int copy) const {
+  FloorTable floor_table(const Routing& r, int copy, uint64_t chunk) const {
     const moejit::MoeWeights& w = sets_[to_size(copy)].weights;
     const int64_t e = s_.num_experts;
     const std::pair<const void*, std::size_t> arrays[] = {{w.w13, sizes_.w13_bytes},
@@ -1942,7 +1958,7 @@ class ModelBench {
         const uint64_t pieces = per * static_cast<uint64_t>(y - x);
         regions.push_back(
             {static_cast<const uint8_t*>(base) + to_size(x) * per * 16, pieces, blocks});
-        blocks += (pieces + kFloorChunkPieces - 1) / kFloorChunkPieces;
+        blocks += (pieces + chunk - 1) / chunk;
         x = y;
       }
     }
@@ -1979,6 +1995,11 @@ class ModelBench {
     if (row.floor_us > 0) {
       j["read_floor_us"] = row.floor_us;
       j["read_floor_copy_bandwidth_fraction"] = row.floor_copy_fraction;
+      json by_chunk = json::object();
+      for (std::size_t c = 0; c < row.floor_us_by_chunk.size(); ++c) {
+        by_chunk[std::to_string(kFloorChunksKb[c])] = row.floor_us_by_chunk[c];
+      }
+      j["read_floor_us_by_chunk_kb"] = by_chunk;
     }
     j["decode_clocks"] = clocks_json(row.decode_clocks);
     j["marlin_clocks"] = clocks_json(row.marlin_clocks);
