@@ -36,7 +36,7 @@
 //     time ratio decode / marlin (below 1: decode_moe is faster);
 //   - the read floor (--no-floor skips it): a kernel that only reads the bytes the layer reads
 //     (every touched expert's nibbles and scales), once per layer call, as a graph of the same N
-//     calls replayed in the same alternation, the fastest of four chunk sizes: what reading
+//     calls replayed in the same alternation, the fastest of seven read kernels: what reading
 //     those bytes costs by itself under the layer's launch policy (see ReadFloor). Read-only
 //     streams beat the copy figure (which reads and writes): the floor passes 100% of it;
 //   - decode_moe's tile (block_n, FC1/FC2 strips per item, pipeline stages, CTAs per SM, or
@@ -760,17 +760,28 @@ Graph layer_prefix(CUgraph layers, const GraphTopology& t, std::size_t per_layer
 
 // ---- the read floor -----------------------------------------------------------------------------
 
-// One kernel that reads a list of byte regions and nothing else: the floor under a decode layer,
+// Kernels that read a list of byte regions and nothing else: the floor under a decode layer,
 // whose weight reads are the same bytes. Each CTA reads one chunk of a region (a multiple of 2048
-// 16-byte pieces: 32 KB) with every thread keeping 8 loads in flight (issued together, then
-// folded, so none waits for a later one); regions are found by a binary search over their first
-// CTA. It waits for the grid before it first (griddepcontrol.wait, as the layer's first kernel
-// does) and lets the next one launch, so a graph of N of them pays what N layer calls pay per
-// boundary. Each row times every chunk of kFloorChunksKb and keeps the fastest: the floor is the
-// best plain read found, not a bound. Compiled here by NVRTC: it is the benchmark's, not
-// libmoejit's.
+// 16-byte pieces: 32 KB), either with every thread keeping 8 loads in flight (issued together,
+// then folded, so none waits for a later one) or by bulk copies into shared memory, 64 KB at a
+// time; regions are found by a binary search over their first CTA. It waits for the grid before it
+// first (griddepcontrol.wait, as the layer's first kernel does) and lets the next one launch, so a
+// graph of N of them pays what N layer calls pay per boundary. Each row times every variant of
+// kFloorVariants and keeps the fastest: the floor is the best plain read found, not a bound.
+// Compiled here by NVRTC: it is the benchmark's, not libmoejit's.
 constexpr unsigned kFloorThreads = 256;
-constexpr int kFloorChunksKb[] = {32, 64, 128, 256};
+constexpr unsigned kFloorBulkThreads = 32;
+constexpr int kFloorBulkSharedBytes = 64 * 1024;
+// The variants each row times: loads or bulk copies, KB a CTA.
+struct FloorVariant {
+  bool bulk;
+  int chunk_kb;
+};
+constexpr FloorVariant kFloorVariants[] = {{false, 32}, {false, 64}, {false, 128}, {false, 256},
+                                           {true, 64},  {true, 128}, {true, 256}};
+std::string floor_variant_name(const FloorVariant& v) {
+  return std::string(v.bulk ? "bulk" : "loads") + " " + std::to_string(v.chunk_kb) + " KB";
+}
 const char* const kReadFloorSource = R"(
 struct Piece { unsigned x, y, z, w; };
 struct FloorRegion { const Piece* data; unsigned long long pieces; unsigned long long first_block; };
@@ -806,6 +817,53 @@ read_floor(const FloorRegion* regions, int count, unsigned long long chunk, unsi
   }
   if (fold == 0x9E3779B9u) atomicAdd(sink, 1u);  // keeps the loads; the count is never read
 }
+
+// The same chunks landed by the copy engine: one thread per CTA asks for 64 KB of shared memory
+// at a time in bulk copies of 16 KB on one mbarrier, waits, and goes on; nothing reads them.
+extern "C" __global__ void __launch_bounds__(32)
+read_floor_bulk(const FloorRegion* regions, int count, unsigned long long chunk, unsigned* sink) {
+  extern __shared__ __align__(128) unsigned char landing[];
+  __shared__ __align__(8) unsigned long long bar;
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (threadIdx.x != 0) return;
+  const unsigned long long block = blockIdx.x;
+  int lo = 0;
+  int hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (regions[mid].first_block <= block) lo = mid; else hi = mid - 1;
+  }
+  const unsigned long long begin = (block - regions[lo].first_block) * chunk;
+  const unsigned long long end =
+      begin + chunk < regions[lo].pieces ? begin + chunk : regions[lo].pieces;
+  const char* const src = reinterpret_cast<const char*>(regions[lo].data + begin);
+  const unsigned long long bytes = (end - begin) * 16;
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(landing));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  unsigned phase = 0;
+  for (unsigned long long at = 0; at < bytes; at += 65536) {
+    const unsigned seg = bytes - at < 65536 ? static_cast<unsigned>(bytes - at) : 65536u;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(seg)
+                 : "memory");
+    for (unsigned p = 0; p < seg; p += 16384) {
+      const unsigned n = seg - p < 16384 ? seg - p : 16384u;
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+          ::"r"(dst + p), "l"(src + at + p), "r"(n), "r"(b) : "memory");
+    }
+    unsigned done = 0;
+    while (!done) {
+      asm volatile(
+          "{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; selp.u32 %0, 1, 0, "
+          "q; }" : "=r"(done) : "r"(b), "r"(phase) : "memory");
+    }
+    phase ^= 1u;
+  }
+  (void)sink;
+}
 )";
 
 struct FloorRegion {
@@ -840,6 +898,11 @@ class ReadFloor {
     BENCH_CU(
         cu().cuLibraryLoadData(&library_, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0));
     BENCH_CU(cu().cuLibraryGetKernel(&kernel_, library_, "read_floor"));
+    BENCH_CU(cu().cuLibraryGetKernel(&bulk_, library_, "read_floor_bulk"));
+    CUdevice device = 0;
+    BENCH_CU(cu().cuCtxGetDevice(&device));
+    BENCH_CU(cu().cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                       kFloorBulkSharedBytes, bulk_, device));
   }
   ~ReadFloor() {
     if (library_ != nullptr) cu().cuLibraryUnload(library_);
@@ -848,9 +911,9 @@ class ReadFloor {
   ReadFloor& operator=(const ReadFloor&) = delete;
 
   // One launch over `count` regions at `regions` (device FloorRegion[count]) spanning `blocks`
-  // CTAs of `chunk` 16-byte pieces each.
-  void launch(const void* regions, int count, uint64_t chunk, uint64_t blocks, void* sink,
-              CUstream stream) const {
+  // CTAs of `chunk` 16-byte pieces each, by loads or (`bulk`) bulk copies.
+  void launch(bool bulk, const void* regions, int count, uint64_t chunk, uint64_t blocks,
+              void* sink, CUstream stream) const {
     CUlaunchAttribute attribute{};
     attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attribute.value.programmaticStreamSerializationAllowed = 1;
@@ -858,15 +921,16 @@ class ReadFloor {
     config.gridDimX = static_cast<unsigned>(blocks);
     config.gridDimY = 1;
     config.gridDimZ = 1;
-    config.blockDimX = kFloorThreads;
+    config.blockDimX = bulk ? kFloorBulkThreads : kFloorThreads;
     config.blockDimY = 1;
     config.blockDimZ = 1;
+    config.sharedMemBytes = bulk ? kFloorBulkSharedBytes : 0;
     config.hStream = stream;
     config.attrs = &attribute;
     config.numAttrs = 1;
     void* params[] = {&regions, &count, &chunk, &sink};
-    BENCH_CU(
-        cu().cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel_), params, nullptr));
+    BENCH_CU(cu().cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(bulk ? bulk_ : kernel_),
+                                   params, nullptr));
   }
 
  private:
@@ -884,6 +948,7 @@ class ReadFloor {
 
   CUlibrary library_ = nullptr;
   CUkernel kernel_ = nullptr;
+  CUkernel bulk_ = nullptr;
 };
 
 // ---- the models ---------------------------------------------------------------------------------
@@ -1165,7 +1230,7 @@ struct DecodeRow {
   double marlin_copy_fraction = 0;
   double floor_us = 0;  // the read floor (0: not measured): the fastest chunk's
   double floor_copy_fraction = 0;
-  std::vector<double> floor_us_by_chunk;  // per kFloorChunksKb
+  std::vector<double> floor_us_by_variant;  // per kFloorVariants
   int rotation = 1;
   int decode_iterations = 0;
   int marlin_iterations = 0;
@@ -1881,14 +1946,15 @@ class ModelBench {
       std::vector<Graph> floor_graphs;
       Buffer sink(kAlign);
       if (floor_ != nullptr) {
-        for (const int kb : kFloorChunksKb) {
-          const uint64_t chunk = static_cast<uint64_t>(kb) * 1024 / 16;
+        for (const FloorVariant& v : kFloorVariants) {
+          const uint64_t chunk = static_cast<uint64_t>(v.chunk_kb) * 1024 / 16;
           const std::size_t first = tables.size();
           for (int c = 0; c < row.rotation; ++c) tables.push_back(floor_table(r, c, chunk));
           floor_graphs.push_back(capture(stream_, [&] {
             for (int j = 0; j < row.decode_iterations; ++j) {
               const FloorTable& t = tables[first + to_size(j % row.rotation)];
-              floor_->launch(t.regions.data(), t.count, chunk, t.blocks, sink.data(), stream_);
+              floor_->launch(v.bulk, t.regions.data(), t.count, chunk, t.blocks, sink.data(),
+                             stream_);
             }
           }));
         }
@@ -1905,9 +1971,9 @@ class ModelBench {
       row.marlin_clocks = clocks[1];
       row.marlin_us = us[1];
       if (floor_ != nullptr) {
-        row.floor_us_by_chunk.assign(us.begin() + 2, us.end());
+        row.floor_us_by_variant.assign(us.begin() + 2, us.end());
         row.floor_us =
-            *std::min_element(row.floor_us_by_chunk.begin(), row.floor_us_by_chunk.end());
+            *std::min_element(row.floor_us_by_variant.begin(), row.floor_us_by_variant.end());
       }
     } catch (const moejit::Error& e) {
       // Why these two end the run: after a driver error the context may be unusable, and an
@@ -1995,11 +2061,11 @@ class ModelBench {
     if (row.floor_us > 0) {
       j["read_floor_us"] = row.floor_us;
       j["read_floor_copy_bandwidth_fraction"] = row.floor_copy_fraction;
-      json by_chunk = json::object();
-      for (std::size_t c = 0; c < row.floor_us_by_chunk.size(); ++c) {
-        by_chunk[std::to_string(kFloorChunksKb[c])] = row.floor_us_by_chunk[c];
+      json by_variant = json::object();
+      for (std::size_t c = 0; c < row.floor_us_by_variant.size(); ++c) {
+        by_variant[floor_variant_name(kFloorVariants[c])] = row.floor_us_by_variant[c];
       }
-      j["read_floor_us_by_chunk_kb"] = by_chunk;
+      j["read_floor_us_by_variant"] = by_variant;
     }
     j["decode_clocks"] = clocks_json(row.decode_clocks);
     j["marlin_clocks"] = clocks_json(row.marlin_clocks);
