@@ -69,7 +69,6 @@
 #include <cudaTypedefs.h>
 #include <cxxabi.h>
 #include <dlfcn.h>
-#include <nvrtc.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -96,6 +95,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_nvrtc.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
@@ -785,10 +785,9 @@ std::string floor_variant_name(const FloorVariant& v) {
 const char* const kReadFloorSource = R"(
 struct Piece { unsigned x, y, z, w; };
 struct FloorRegion { const Piece* data; unsigned long long pieces; unsigned long long first_block; };
-extern "C" __global__ void __launch_bounds__(256)
-read_floor(const FloorRegion* regions, int count, unsigned long long chunk, unsigned* sink) {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+// This CTA's chunk: pieces [begin, end) of the region whose first CTA is the last at or below it.
+__device__ const Piece* my_chunk(const FloorRegion* regions, int count, unsigned long long chunk,
+                                 unsigned long long& begin, unsigned long long& end) {
   const unsigned long long block = blockIdx.x;
   int lo = 0;
   int hi = count - 1;
@@ -796,10 +795,18 @@ read_floor(const FloorRegion* regions, int count, unsigned long long chunk, unsi
     const int mid = (lo + hi + 1) / 2;
     if (regions[mid].first_block <= block) lo = mid; else hi = mid - 1;
   }
-  const Piece* const data = regions[lo].data;
-  const unsigned long long begin = (block - regions[lo].first_block) * chunk;
-  const unsigned long long end =
-      begin + chunk < regions[lo].pieces ? begin + chunk : regions[lo].pieces;
+  begin = (block - regions[lo].first_block) * chunk;
+  end = begin + chunk < regions[lo].pieces ? begin + chunk : regions[lo].pieces;
+  return regions[lo].data;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+read_floor(const FloorRegion* regions, int count, unsigned long long chunk, unsigned* sink) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  unsigned long long begin = 0;
+  unsigned long long end = 0;
+  const Piece* const data = my_chunk(regions, count, chunk, begin, end);
   unsigned fold = 0;
   for (unsigned long long j = begin + threadIdx.x; j < end; j += 8 * 256) {
     Piece v[8];
@@ -827,17 +834,10 @@ read_floor_bulk(const FloorRegion* regions, int count, unsigned long long chunk,
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (threadIdx.x != 0) return;
-  const unsigned long long block = blockIdx.x;
-  int lo = 0;
-  int hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (regions[mid].first_block <= block) lo = mid; else hi = mid - 1;
-  }
-  const unsigned long long begin = (block - regions[lo].first_block) * chunk;
-  const unsigned long long end =
-      begin + chunk < regions[lo].pieces ? begin + chunk : regions[lo].pieces;
-  const char* const src = reinterpret_cast<const char*>(regions[lo].data + begin);
+  unsigned long long begin = 0;
+  unsigned long long end = 0;
+  const char* const src =
+      reinterpret_cast<const char*>(my_chunk(regions, count, chunk, begin, end) + begin);
   const unsigned long long bytes = (end - begin) * 16;
   const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(landing));
@@ -876,25 +876,8 @@ static_assert(sizeof(FloorRegion) == 24, "read_floor's FloorRegion is three 8-by
 class ReadFloor {
  public:
   explicit ReadFloor(const moejit::Arch& arch) {
-    nvrtcProgram program = nullptr;
-    check_nvrtc(
-        nvrtcCreateProgram(&program, kReadFloorSource, "read_floor.cu", 0, nullptr, nullptr),
-        "nvrtcCreateProgram (read_floor)", nullptr);
-    const std::string arch_option = arch.nvrtc_option();
-    const char* options[] = {arch_option.c_str(), "--std=c++17"};
-    std::string cubin;
-    try {
-      check_nvrtc(nvrtcCompileProgram(program, 2, options), "nvrtcCompileProgram (read_floor)",
-                  program);
-      std::size_t size = 0;
-      check_nvrtc(nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize", program);
-      cubin.resize(size);
-      check_nvrtc(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN", program);
-    } catch (...) {
-      nvrtcDestroyProgram(&program);
-      throw;
-    }
-    nvrtcDestroyProgram(&program);
+    const std::string cubin = moejit::bench::compile_cubin(
+        kReadFloorSource, "read_floor.cu", {arch.nvrtc_option(), "--std=c++17"}, "read floor");
     BENCH_CU(
         cu().cuLibraryLoadData(&library_, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0));
     BENCH_CU(cu().cuLibraryGetKernel(&kernel_, library_, "read_floor"));
@@ -934,18 +917,6 @@ class ReadFloor {
   }
 
  private:
-  static void check_nvrtc(nvrtcResult result, const char* what, nvrtcProgram program) {
-    if (result == NVRTC_SUCCESS) return;
-    std::string log;
-    std::size_t size = 0;
-    if (program != nullptr && nvrtcGetProgramLogSize(program, &size) == NVRTC_SUCCESS && size > 1) {
-      log.resize(size);
-      nvrtcGetProgramLog(program, log.data());
-    }
-    throw std::runtime_error(std::string(what) + " failed: " + nvrtcGetErrorString(result) + "\n" +
-                             log);
-  }
-
   CUlibrary library_ = nullptr;
   CUkernel kernel_ = nullptr;
   CUkernel bulk_ = nullptr;

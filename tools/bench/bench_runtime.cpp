@@ -11,7 +11,6 @@
 //
 // Children: the program runs itself with --child MODE (one JSON line on stdout).
 #include <dlpack/dlpack.h>
-#include <nvrtc.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -32,6 +31,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_nvrtc.hpp"
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
 #include "driver/driver.hpp"
@@ -391,41 +391,13 @@ struct UnfusedKernels {
   }
 };
 
-void check_nvrtc(nvrtcResult result, const char* what, nvrtcProgram program) {
-  if (result == NVRTC_SUCCESS) return;
-  std::string log;
-  std::size_t size = 0;
-  if (program != nullptr && nvrtcGetProgramLogSize(program, &size) == NVRTC_SUCCESS && size > 1) {
-    log.resize(size);
-    nvrtcGetProgramLog(program, log.data());
-  }
-  throw std::runtime_error(std::string(what) + " failed: " + nvrtcGetErrorString(result) + "\n" +
-                           log);
-}
-
 void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
   const moejit::detail::ToolkitHeaders& toolkit =
       moejit::detail::toolkit_headers(moejit::config().cuda_include_dir);
-  nvrtcProgram program = nullptr;
-  check_nvrtc(nvrtcCreateProgram(&program, kUnfusedSource, "unfused.cu", 0, nullptr, nullptr),
-              "nvrtcCreateProgram", nullptr);
   std::vector<std::string> options = {arch.nvrtc_option(), "--std=c++17", "-default-device"};
   for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
-  std::vector<const char*> raw;
-  for (const std::string& o : options) raw.push_back(o.c_str());
-  std::string cubin;
-  try {
-    check_nvrtc(nvrtcCompileProgram(program, static_cast<int>(raw.size()), raw.data()),
-                "nvrtcCompileProgram (unfused kernels)", program);
-    std::size_t size = 0;
-    check_nvrtc(nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize", program);
-    cubin.resize(size);
-    check_nvrtc(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN", program);
-  } catch (...) {
-    nvrtcDestroyProgram(&program);
-    throw;
-  }
-  nvrtcDestroyProgram(&program);
+  const std::string cubin =
+      moejit::bench::compile_cubin(kUnfusedSource, "unfused.cu", options, "unfused kernels");
   check(
       g_api->cuLibraryLoadData(&k->library, cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
       "cuLibraryLoadData (unfused)");
