@@ -1199,7 +1199,7 @@ struct DecodeRow {
   Telemetry::Stats marlin_clocks;
   double decode_copy_fraction = 0;
   double marlin_copy_fraction = 0;
-  double floor_us = 0;  // the read floor (0: not measured): the fastest chunk's
+  double floor_us = 0;  // the read floor (0: not measured): the fastest variant's
   double floor_copy_fraction = 0;
   std::vector<double> floor_us_by_variant;  // per kFloorVariants
   int rotation = 1;
@@ -1912,11 +1912,11 @@ class ModelBench {
       std::vector<const Graph*> graphs = {&decode_graph, &marlin_graph};
       std::vector<int> per_replay = {row.decode_iterations, row.marlin_iterations};
       // The read floor: the decode graph's N calls, each only reading its copy's bytes, once
-      // per chunk size.
+      // per variant (none where the rank's experts get no entry: nothing to read).
       std::vector<FloorTable> tables;
       std::vector<Graph> floor_graphs;
       Buffer sink(kAlign);
-      if (floor_ != nullptr) {
+      if (floor_ != nullptr && r.touched > 0) {
         for (const FloorVariant& v : kFloorVariants) {
           const uint64_t chunk = static_cast<uint64_t>(v.chunk_kb) * 1024 / 16;
           const std::size_t first = tables.size();
@@ -1941,7 +1941,7 @@ class ModelBench {
       row.decode_clocks = clocks[0];
       row.marlin_clocks = clocks[1];
       row.marlin_us = us[1];
-      if (floor_ != nullptr) {
+      if (us.size() > 2) {
         row.floor_us_by_variant.assign(us.begin() + 2, us.end());
         row.floor_us =
             *std::min_element(row.floor_us_by_variant.begin(), row.floor_us_by_variant.end());
@@ -1980,9 +1980,9 @@ class ModelBench {
     uint64_t blocks = 0;
     for (const auto& [base, bytes] : arrays) {
       if (bytes % to_size(e) != 0 || bytes / to_size(e) % 16 != 0) {
-        throw std::runtime_error(
-            "read floor: a weight array's per-expert size is not a multiple "
-            "of 16 bytes");
+        throw std::runtime_error("read floor: a weight array's per-expert size (" +
+                                 std::to_string(bytes) + " bytes over " + std::to_string(e) +
+                                 " experts) is not a multiple of 16 bytes");
       }
       const uint64_t per = bytes / to_size(e) / 16;  // pieces per expert
       for (int64_t x = 0; x < e;) {
