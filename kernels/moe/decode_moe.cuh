@@ -184,6 +184,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   u32* sums = reinterpret_cast<u32*>(scratch + G.route_counts_bytes());
   // The local expert of each position, kNoExpert as 0xFFFF (E <= kMaxExperts < 2^16).
   u16* local = reinterpret_cast<u16*>(scratch + G.route_counts_bytes() + G.route_sums_bytes());
+  u16* rank16 = local + G.route_local_bytes() / 2;
 
   const i32 positions = p.num_tokens * G.top_k;
   // Whole 32-position steps per warp, warps in position order.
@@ -223,15 +224,21 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   };
   __syncthreads();
 
-  // Pass 1: each warp counts its run per expert.
+  // Pass 1: each warp counts its run per expert, and keeps every position's rank in its run.
   if (warp < kConsumerWarps) {
     u16* mine = counts + warp * E;
     for (i32 base = begin; base < end; base += 32) {
       const i32 pos = base + lane;
       const u32 e = pos < end ? local_of(pos) : kNoExpert;
       const u32 peers = expert_peers<T>(e);
+      u32 before = 0;
+      if (e != kNoExpert) {
+        before = mine[e];
+        rank16[pos] = static_cast<u16>(before + __popc(peers & pipe::lanemask_lt()));
+      }
+      __syncwarp();
       if (e != kNoExpert && lane == __ffs(peers) - 1) {
-        mine[e] = static_cast<u16>(mine[e] + __popc(peers));
+        mine[e] = static_cast<u16>(before + __popc(peers));
       }
       __syncwarp();
     }
@@ -251,24 +258,18 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   __syncthreads();
   const u32 grand = block_exclusive_scan<E>(sums, warp_sums);
 
-  // Pass 2: the same walk places every position at its expert's first index + its rank.
+  // Pass 2: every position goes to its expert's first index + its warp's base + its rank in the
+  // warp's run, pass 1's: no second round of ballots. Why: every CTA of the grid routes every
+  // position, three to an SM, before its first copy, and from T = 96 the routing outlasts the
+  // reset's grid (a trace: 6-14 us at kimi-k3.1-tp8 T = 96). Measured on the H200
+  // (tools/PERF_LOG.md "R alone (R0)"), decode us: kimi-k3.1-tp8 T = 256 -5.2 / -12.2 (two id
+  // draws), kimi-k3.1-tp4-ep2 T = 256 -5.7 / -4.5, kimi-k3.1-tp8 T = 96 -1.7 / -1.7; T <= 24
+  // unchanged.
   if (warp < kConsumerWarps) {
-    u16* mine = counts + warp * E;
-    for (i32 base = begin; base < end; base += 32) {
-      const i32 pos = base + lane;
-      const u32 e = pos < end ? local_of(pos) : kNoExpert;
-      const u32 peers = expert_peers<T>(e);
-      u32 before = 0;
-      if (e != kNoExpert) {
-        before = mine[e];
-        const u32 rank = (sums[e] >> 16) + before + __popc(peers & pipe::lanemask_lt());
-        sorted[rank] = static_cast<u16>(pos);
-      }
-      __syncwarp();
-      if (e != kNoExpert && lane == __ffs(peers) - 1) {
-        mine[e] = static_cast<u16>(before + __popc(peers));
-      }
-      __syncwarp();
+    const u16* mine = counts + warp * E;
+    for (i32 pos = begin + lane; pos < end; pos += 32) {
+      const u32 e = local_of(pos);
+      if (e != kNoExpert) sorted[(sums[e] >> 16) + mine[e] + rank16[pos]] = static_cast<u16>(pos);
     }
   }
   __syncthreads();

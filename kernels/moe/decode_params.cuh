@@ -145,14 +145,16 @@ struct Geometry {
   MOEJIT_HD static constexpr i32 misc_bytes() { return 768; }  // control words, item barriers
   MOEJIT_HD constexpr i32 control_bytes() const { return misc_bytes() + stages * 32; }
   // Routing scratch, aliased with the ring (the ring is not used before routing ends): per-warp
-  // expert counts u16 [8][E], packed per-expert sums u32 [E], and the local expert of every
-  // position u16 [positions] (past 8 x 32 positions, topk_ids are read into it once).
+  // expert counts u16 [8][E], packed per-expert sums u32 [E], the local expert of every position
+  // u16 [positions] (past 8 x 32 positions, topk_ids are read into it once), and every position's
+  // rank among its warp's positions on the same expert u16 [positions].
   MOEJIT_HD constexpr i32 route_counts_bytes() const {
     return align16(kConsumerWarps * experts * 2);
   }
   MOEJIT_HD constexpr i32 route_sums_bytes() const { return align16(experts * 4); }
+  MOEJIT_HD constexpr i32 route_local_bytes() const { return align16(positions() * 2); }
   MOEJIT_HD constexpr i32 route_scratch_bytes() const {
-    return route_counts_bytes() + route_sums_bytes() + align16(positions() * 2);
+    return route_counts_bytes() + route_sums_bytes() + 2 * route_local_bytes();
   }
   MOEJIT_HD constexpr i32 smem_bytes() const {
     return ring_bytes() + reduce_bytes() + sorted_bytes() + vinfo_bytes() + control_bytes();
