@@ -769,7 +769,7 @@ Graph layer_prefix(CUgraph layers, const GraphTopology& t, std::size_t per_layer
 // graph of N of them pays what N layer calls pay per boundary. Each row times every variant of
 // kFloorVariants and keeps the fastest: the floor is the best plain read found, not a bound.
 // Compiled here by NVRTC: it is the benchmark's, not libmoejit's.
-constexpr unsigned kFloorThreads = 256;
+constexpr unsigned kFloorThreads = 256;  // read_floor's __launch_bounds__ and stride
 constexpr unsigned kFloorBulkThreads = 32;
 constexpr int kFloorBulkSharedBytes = 64 * 1024;
 // The variants each row times: loads or bulk copies, KB a CTA.
@@ -897,20 +897,10 @@ class ReadFloor {
   // CTAs of `chunk` 16-byte pieces each, by loads or (`bulk`) bulk copies.
   void launch(bool bulk, const void* regions, int count, uint64_t chunk, uint64_t blocks,
               void* sink, CUstream stream) const {
-    CUlaunchAttribute attribute{};
-    attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attribute.value.programmaticStreamSerializationAllowed = 1;
-    CUlaunchConfig config{};
-    config.gridDimX = static_cast<unsigned>(blocks);
-    config.gridDimY = 1;
-    config.gridDimZ = 1;
-    config.blockDimX = bulk ? kFloorBulkThreads : kFloorThreads;
-    config.blockDimY = 1;
-    config.blockDimZ = 1;
-    config.sharedMemBytes = bulk ? kFloorBulkSharedBytes : 0;
-    config.hStream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    CUlaunchAttribute attribute;
+    const CUlaunchConfig config = moejit::bench::launch_config(
+        static_cast<unsigned>(blocks), bulk ? kFloorBulkThreads : kFloorThreads,
+        bulk ? kFloorBulkSharedBytes : 0, stream, true, attribute);
     void* params[] = {&regions, &count, &chunk, &sink};
     BENCH_CU(cu().cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(bulk ? bulk_ : kernel_),
                                    params, nullptr));

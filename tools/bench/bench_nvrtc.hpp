@@ -1,7 +1,8 @@
-// libmoejit benchmarks: a benchmark's own kernels (not libmoejit's, no cache) compiled by NVRTC
-// to a cubin. Both bench programs link NVRTC for it.
+// libmoejit benchmarks: a benchmark's own kernels (not libmoejit's, no cache), compiled by NVRTC
+// to a cubin and launched with cuLaunchKernelEx. Both bench programs link NVRTC for it.
 #pragma once
 
+#include <cuda.h>
 #include <nvrtc.h>
 
 #include <stdexcept>
@@ -38,6 +39,29 @@ inline std::string compile_cubin(const char* source, const char* file,
   check(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN");
   nvrtcDestroyProgram(&program);
   return cubin;
+}
+
+// The cuLaunchKernelEx config of a 1D launch of a benchmark kernel. With `pdl` the launch may
+// start while the grid before it drains (the kernel waits on griddepcontrol before it reads);
+// `attribute` holds that setting and must outlive the launch. Each program calls the driver
+// through its own loader.
+inline CUlaunchConfig launch_config(unsigned grid, unsigned block, unsigned shared_bytes,
+                                    CUstream stream, bool pdl, CUlaunchAttribute& attribute) {
+  attribute = CUlaunchAttribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = grid;
+  config.gridDimY = 1;
+  config.gridDimZ = 1;
+  config.blockDimX = block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = shared_bytes;
+  config.hStream = stream;
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  return config;
 }
 
 }  // namespace moejit::bench

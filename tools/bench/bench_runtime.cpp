@@ -413,20 +413,9 @@ void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
 // (only for kernels that wait on griddepcontrol before reading, like append_shared_kernel).
 void launch(CUkernel kernel, unsigned grid, unsigned block, CUstream stream, void** params,
             bool pdl = false) {
-  CUlaunchAttribute attribute{};
-  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attribute.value.programmaticStreamSerializationAllowed = 1;
-  CUlaunchConfig config{};
-  config.gridDimX = std::max(grid, 1u);
-  config.gridDimY = 1;
-  config.gridDimZ = 1;
-  config.blockDimX = block;
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.sharedMemBytes = 0;
-  config.hStream = stream;
-  config.attrs = pdl ? &attribute : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
+  CUlaunchAttribute attribute;
+  const CUlaunchConfig config =
+      moejit::bench::launch_config(std::max(grid, 1u), block, 0, stream, pdl, attribute);
   check(g_api->cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel), params, nullptr),
         "cuLaunchKernelEx");
 }
