@@ -12,7 +12,7 @@
 //   one producer warp streams weights and scales (2D tensor copies, evict-first: one each per
 //   chunk, or per 4 atoms of the 8- or 16-atom FC1 chunks of the block_n 8 tiles that serve
 //   small T) and activation rows (bulk copies) into a ring of `stages` chunks guarded by
-//   mbarriers, across item boundaries, and writes each chunk's header (item, chunk, virtual
+//   mbarriers, across item boundaries, and writes each chunk's header (item, positions, virtual
 //   expert, slice, flags) so consumers do no item arithmetic; one publisher warp retires
 //   finished items (it sleeps on per-item barriers, then a gpu-scope fence and the counters).
 //   Why a publisher: a gpu-scope fence waits for the issuing thread's outstanding memory
@@ -469,7 +469,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   u32* const vinfo = reinterpret_cast<u32*>(reinterpret_cast<u8*>(sorted) + G.sorted_bytes());
   u64* const full = reinterpret_cast<u64*>(reinterpret_cast<u8*>(vinfo) + G.vinfo_bytes());
   u64* const empty = full + kS;
-  // Chunk headers [kS][4]: item (>= 0) or -1 = end; then the chunk, virtual expert, slice.
+  // Chunk headers [kS][4]: item (>= 0) or -1 = end; then the virtual expert's positions, the
+  // virtual expert, the slice and flags.
   i32* const headers = reinterpret_cast<i32*>(empty + kS);
   u32* const misc = reinterpret_cast<u32*>(headers + 4 * kS);
 
@@ -678,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         const i32 slot = open_entry();
         if (lane == 0) {
           headers[4 * slot] = item;
-          headers[4 * slot + 1] = c;
+          headers[4 * slot + 1] = count;
           headers[4 * slot + 2] = v;
           headers[4 * slot + 3] =
               slice | (fc2 ? kHeaderFc2 : 0) | (c == chunks - 1 ? kHeaderLast : 0);
@@ -746,24 +747,26 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   // Zero at the start and after each item's epilogue (not per chunk: no select per chunk).
   float acc[kNT][4];
   zero(acc);
-  u32 seq = 0;
+  // Why the ring position as (slot, phase) and the barriers' shared addresses up front: the loop
+  // is issue-bound (a few instructions a chunk measured ~2% of the layer, tools/PERF_LOG.md
+  // "the activation rows in a ring of their own"), and the header carries the count so the
+  // chunk's first wait is not followed by a second dependent shared load.
+  const u32 full_base = ptx::smem_u32(full);
+  const u32 empty_base = ptx::smem_u32(empty);
+  i32 slot = 0;
+  u32 phase = 0;
   u32 items = 0;    // items finished by this warp
   u32 reduces = 0;  // items that went through the K-split reduction (red buffer parity)
   for (;;) {
-    const i32 slot = static_cast<i32>(seq % kS);
-    pipe::wait(ptx::smem_u32(full + slot), (seq / kS) & 1u);
-    ++seq;
+    pipe::wait(full_base + static_cast<u32>(slot * 8), phase);
     const int4 header = *reinterpret_cast<const int4*>(headers + 4 * slot);
     const i32 item = header.x;
-    const i32 c = header.y;
     if (item == -1) break;
+    const i32 count = header.y;
     const i32 v = header.z;
     const bool fc2 = (header.w & kHeaderFc2) != 0;
     const bool last = (header.w & kHeaderLast) != 0;
     const i32 slice = header.w & 0xFFFF;
-    const u32 info = vinfo[v];
-    const i32 count = virtual_count(info);
-    const i32 first = virtual_first(info);
     const i32 n_active = (count + 7) >> 3;
     // Why constexpr selects: wk is a power of two known per GEMM, so these are shifts and masks.
     constexpr i32 kWk1 = G.fc1_warps_k();
@@ -783,7 +786,11 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
                                                                      kslice, n_active, acc);
     }
     __syncwarp();
-    if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
+    if (lane == 0) pipe::arrive(empty_base + static_cast<u32>(slot * 8));
+    if (++slot == kS) {
+      slot = 0;
+      phase ^= 1u;
+    }
     if (!last) continue;
 
     // ---- the item's last chunk: fixed-order sum of the K split, then the epilogue ----
@@ -829,6 +836,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         }
       } else {
         const i32 row = (slice * G.fc2_strips + strip) * layout::kAtomRows + g;
+        const i32 first = virtual_first(vinfo[v]);
 #pragma unroll
         for (i32 nt = 0; nt < kNT; ++nt) {
 #pragma unroll
