@@ -294,22 +294,19 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
 // One chunk of one strip: this warp's atoms (every kWK-th of kChunkK, from kslice) into acc.
 // kActive n8 tiles of kNT hold positions (warp-uniform, a template argument so the MMAs carry
 // no per-tile branch). The chunk holds kStrips strips (slot_atom); activation rows are kActRow
-// bytes apart.
+// bytes apart. The addresses come with this lane's offsets in (see the consumers): the weights' and
+// scales' slot, and its ldmatrix row of the activation slot.
 template <i32 kStrips, i32 kChunkK, i32 kWK, i32 kActRow, i32 kNT, i32 kActive>
-__device__ __forceinline__ void mma_chunk(u32 w_base, u32 s_base, u32 a_base, i32 strip, i32 kslice,
+__device__ __forceinline__ void mma_chunk(u32 w_lane, u32 s_lane, u32 a_lane, i32 strip, i32 kslice,
                                           float (&acc)[kNT][4]) {
   static_assert(kActive >= 1 && kActive <= kNT, "active tiles within the accumulator");
-  const i32 lane = static_cast<i32>(threadIdx.x) & 31;
-  const i32 g = lane >> 2;
-  // ldmatrix row addresses: lanes 8q..8q+7 give matrix q = rows 0..7 of K block q (8 elements).
-  const u32 a_lane = a_base + static_cast<u32>((lane & 7) * kActRow + (lane >> 3) * 16);
 #pragma unroll
   for (i32 i = 0; i < kChunkK / kWK; ++i) {
     const i32 j = kslice + i * kWK;  // K atom inside the chunk
     const i32 atom = slot_atom(kStrips, kChunkK, strip, j);
     u32 w[4];
-    ptx::lds128(w_base + static_cast<u32>(atom * layout::kAtomBytes + lane * 16), w);
-    const u32 sw = ptx::lds32(s_base + static_cast<u32>(atom * layout::kAtomScaleBytes + g * 4));
+    ptx::lds128(w_lane + static_cast<u32>(atom * layout::kAtomBytes), w);
+    const u32 sw = ptx::lds32(s_lane + static_cast<u32>(atom * layout::kAtomScaleBytes));
     const u32 f[2] = {mxfp4::group_factors<0>(sw), mxfp4::group_factors<1>(sw)};
 #pragma unroll
     for (i32 st = 0; st < 4; st += 2) {
@@ -344,19 +341,19 @@ __device__ __forceinline__ void zero(float (&acc)[kNT][4]) {
 
 // mma_chunk for the chunk's active tile count (1 .. kNT).
 template <i32 kStrips, i32 kChunkK, i32 kWK, i32 kActRow, i32 kNT>
-__device__ __forceinline__ void mma_chunk_active(u32 w_base, u32 s_base, u32 a_base, i32 strip,
+__device__ __forceinline__ void mma_chunk_active(u32 w_lane, u32 s_lane, u32 a_lane, i32 strip,
                                                  i32 kslice, i32 n_active, float (&acc)[kNT][4]) {
   static_assert(kNT == 1 || kNT == 2 || kNT == 4, "block_n 8, 16 or 32");
   if (kNT == 1 || n_active == 1) {
-    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, 1>(w_base, s_base, a_base, strip, kslice, acc);
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, 1>(w_lane, s_lane, a_lane, strip, kslice, acc);
   } else if (kNT == 2 || n_active == 2) {
-    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, (kNT > 1 ? 2 : 1)>(w_base, s_base, a_base, strip,
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, (kNT > 1 ? 2 : 1)>(w_lane, s_lane, a_lane, strip,
                                                                       kslice, acc);
   } else if (n_active == 3) {
-    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, (kNT > 2 ? 3 : 1)>(w_base, s_base, a_base, strip,
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, (kNT > 2 ? 3 : 1)>(w_lane, s_lane, a_lane, strip,
                                                                       kslice, acc);
   } else {
-    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, kNT>(w_base, s_base, a_base, strip, kslice, acc);
+    mma_chunk<kStrips, kChunkK, kWK, kActRow, kNT, kNT>(w_lane, s_lane, a_lane, strip, kslice, acc);
   }
 }
 
@@ -753,6 +750,12 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   // chunk's first wait is not followed by a second dependent shared load.
   const u32 full_base = ptx::smem_u32(full);
   const u32 empty_base = ptx::smem_u32(empty);
+  // This lane's addresses in slot 0: its 16 bytes of an atom, its scale word, and its ldmatrix row
+  // (lanes 8q..8q+7 give matrix q = rows 0..7 of K block q, 8 elements).
+  const u32 lane_w = ring_base + static_cast<u32>(lane * 16);
+  const u32 lane_s = ring_base + static_cast<u32>(G.slot_weight_bytes() + (lane >> 2) * 4);
+  const u32 lane_a = ring_base + static_cast<u32>(G.slot_weight_bytes() + G.slot_scale_bytes() +
+                                                  (lane & 7) * kActRow + (lane >> 3) * 16);
   i32 slot = 0;
   u32 phase = 0;
   u32 items = 0;    // items finished by this warp
@@ -774,15 +777,16 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     const i32 wk = fc2 ? kWk2 : kWk1;
     const i32 strip = fc2 ? warp / kWk2 : warp / kWk1;
     const i32 kslice = fc2 ? warp % kWk2 : warp % kWk1;
-    const u32 w_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
-    const u32 s_base = w_base + static_cast<u32>(G.slot_weight_bytes());
-    const u32 a_base = s_base + static_cast<u32>(G.slot_scale_bytes());
+    const u32 slot_offset = static_cast<u32>(slot * G.slot_bytes());
+    const u32 w_lane = lane_w + slot_offset;
+    const u32 s_lane = lane_s + slot_offset;
+    const u32 a_lane = lane_a + slot_offset;
 
     if (fc2) {
-      mma_chunk_active<G.fc2_strips, kFc2ChunkK, kWk2, kActRow, kNT>(w_base, s_base, a_base, strip,
+      mma_chunk_active<G.fc2_strips, kFc2ChunkK, kWk2, kActRow, kNT>(w_lane, s_lane, a_lane, strip,
                                                                      kslice, n_active, acc);
     } else {
-      mma_chunk_active<G.fc1_strips, kFc1ChunkK, kWk1, kActRow, kNT>(w_base, s_base, a_base, strip,
+      mma_chunk_active<G.fc1_strips, kFc1ChunkK, kWk1, kActRow, kNT>(w_lane, s_lane, a_lane, strip,
                                                                      kslice, n_active, acc);
     }
     __syncwarp();
