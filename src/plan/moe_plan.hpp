@@ -54,7 +54,9 @@ inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe 
 // by at most 8%, and loses up to 18%. With the top-k sum as its own launch, kimi-k3.1's FC2 chunks
 // of 3 atoms and the routing's ids table (tools/PERF_LOG.md, thirty-third session) the
 // persistent tile still takes 1.02-1.16x at T = 3-6 and 1.02-1.14x at T = 24-256; after the
-// thirty-fifth session 1.06-1.16x at T = 6 and 1.02-1.14x at T = 24-256.
+// thirty-fifth session 1.06-1.16x at T = 6 and 1.02-1.14x at T = 24-256; in the thirty-ninth
+// (seeds 1 and 2, same call) 1.01-1.14x at T = 6 and 0.98-1.04x at T = 24-256 but qwen3-30b-a3b
+// T = 256 (1.09x): faster only on deepseek-v4-flash-tp4 T = 256, by 1-2%.
 inline constexpr int kDecodeAutoMaxTokens = 1;
 // Why the pair up to T = 2: in the harness (H200, tools/PERF_LOG.md "decode_moe pair") it took
 // 15.0 / 20.9 / 15.0 us at T = 1 (deepseek-v4-flash-tp4 / kimi-k3.1-tp8 / qwen3-30b-a3b) against
