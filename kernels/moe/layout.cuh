@@ -24,8 +24,12 @@
 //   ((w >> sign_shift) & SIGN), negative shift = left shift, MAG = 0x01C001C0 (bf16 bits 8..6
 //   of each half: exponent bits 1..0 and the top mantissa bit), SIGN = 0x80008000. A search
 //   over all shift pairs shows no layout where every register is one shift + one mask (the
-//   masks cannot tile 32 bits); this one costs 11 logic ops per word (two registers need both
-//   shifts equal), against 16 for the shift-by-4 nibble layout.
+//   masks cannot tile 32 bits). In this one register 2 is a mask, register 1 a shift and a mask,
+//   register 3 two shifts and two masks, and register 0 a mask, a multiply by 2^6 + 2^1 (both
+//   shifts at once: multiply_form) and a mask: 10 integer ops per word. Searching every layout of
+//   those four forms, none takes fewer (the previous layout took 11, the shift-by-4 nibble layout
+//   16). The layout is internal to a library build, not a storage format: weights repacked by
+//   one build are read by that build's kernels.
 // - FC1 rows: an atom holds gate rows 8a..8a+7 in its rows 0..7 and the matching up rows in its
 //   rows 8..15, so the accumulator a lane holds for row g (gate j) and row g+8 (up j) are in the
 //   same thread and the activation is fused with no data exchange. FC2 rows are plain.
@@ -62,15 +66,61 @@ static_assert(kAtomScaleBytes == kAtomRows * (kAtomK / kGroupK), "one scale per 
 // Shift (right if >= 0, left if < 0) that brings the magnitude bits of register `pair` to bf16
 // bits 8..6 (and 24..22), and the one that brings its sign bits to bits 15 and 31.
 MOEJIT_HD constexpr i32 mag_shift(i32 pair) {
-  return pair == 0 ? -6 : pair == 1 ? -3 : pair == 2 ? 0 : 5;
+  return pair == 0 ? -6 : pair == 1 ? -3 : pair == 2 ? 0 : 3;
 }
 MOEJIT_HD constexpr i32 sign_shift(i32 pair) {
-  return pair == 0 ? -6 : pair == 1 ? -5 : pair == 2 ? 0 : -1;
+  return pair == 0 ? -1 : pair == 1 ? -3 : pair == 2 ? 0 : -2;
 }
 // Word bit of the mantissa bit (the lowest of the three magnitude bits) of element `half`
 // (0: even k, low bf16; 1: odd k, high bf16) of register `pair`, and of its sign bit.
 MOEJIT_HD constexpr i32 mag_bit(i32 pair, i32 half) { return 6 + 16 * half + mag_shift(pair); }
 MOEJIT_HD constexpr i32 sign_bit(i32 pair, i32 half) { return 15 + 16 * half + sign_shift(pair); }
+
+// The bf16x2 bits a register's two codes end in: magnitudes at 8..6 and 24..22, signs at 15, 31.
+inline constexpr u32 kMagBits = 0x01C001C0u;
+inline constexpr u32 kSignBits = 0x80008000u;
+// The word bits register `pair` is made of (its two codes' magnitude and sign bits).
+MOEJIT_HD constexpr u32 pair_sources(i32 pair) {
+  u32 m = 0;
+  for (i32 half = 0; half < 2; ++half) {
+    m |= 7u << mag_bit(pair, half);
+    m |= 1u << sign_bit(pair, half);
+  }
+  return m;
+}
+// Whether the four registers take every bit of a word exactly once.
+MOEJIT_HD constexpr bool pairs_tile_word() {
+  u32 seen = 0;
+  for (i32 pair = 0; pair < kPairsPerStep; ++pair) {
+    for (i32 half = 0; half < 2; ++half) {
+      if (mag_bit(pair, half) < 0 || mag_bit(pair, half) + 2 > 31 || sign_bit(pair, half) < 0 ||
+          sign_bit(pair, half) > 31) {
+        return false;
+      }
+    }
+    if ((seen & pair_sources(pair)) != 0) return false;
+    seen |= pair_sources(pair);
+  }
+  return seen == 0xFFFFFFFFu;
+}
+static_assert(pairs_tile_word(), "the four registers' bits tile a 32-bit word");
+// Whether register `pair` comes from one multiply: both its shifts left and different, and
+// ((w & sources) * (2^-mag_shift + 2^-sign_shift)) holds the magnitudes at kMagBits and the signs
+// at kSignBits, with no carry between the two shifted copies and no bit of either copy on the
+// other's targets. One AND, one IMAD and one AND, where two shifts and two ANDs would do.
+MOEJIT_HD constexpr bool multiply_form(i32 pair) {
+  if (mag_shift(pair) >= 0 || sign_shift(pair) >= 0 || mag_shift(pair) == sign_shift(pair)) {
+    return false;
+  }
+  const u32 v = pair_sources(pair);
+  const u32 by_mag = v << -mag_shift(pair);
+  const u32 by_sign = v << -sign_shift(pair);
+  return (by_mag & by_sign) == 0 && (by_mag & (kMagBits | kSignBits)) == kMagBits &&
+         (by_sign & (kMagBits | kSignBits)) == kSignBits;
+}
+MOEJIT_HD constexpr u32 multiply_factor(i32 pair) {
+  return (1u << -mag_shift(pair)) + (1u << -sign_shift(pair));
+}
 
 // Places E2M1 code `nibble` (bit 3 sign, bits 2..1 exponent, bit 0 mantissa) into `word`.
 MOEJIT_HD constexpr u32 deposit_nibble(u32 word, i32 pair, i32 half, u32 nibble) {

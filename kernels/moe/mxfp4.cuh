@@ -8,8 +8,9 @@
 // E8M0 scale 2^(s-127) together. A single factor 2^(s-1) would overflow bf16 for s >= 129
 // (scales above 2^1), so the factor is 2^(s - kScaleBias) (bf16 bits (s + 63) << 7, finite for
 // s <= 191) and the fp32 accumulator is multiplied by 2^(kScaleBias - 1) = 2^63 in the epilogue,
-// which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 5 shifts (4 on the FMA pipe, 1 on
-// the ALU: see shift) + 4 bf16x2 multiplies; per two scale bytes a permute and a shift-add (each
+// which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 3 shifts (2 on the FMA pipe, 1 on
+// the ALU: see shift) + 1 IMAD (layout::multiply_form) + 4 bf16x2 multiplies; per two scale
+// bytes a permute and a shift-add (each
 // multiply takes its factor from one half of a register, which the multiply's operand selects for
 // free).
 #pragma once
@@ -70,12 +71,14 @@ __device__ __forceinline__ u32 shift(u32 w) {
 // Register `kPair` of a word, as a bf16x2 of value code * 2^-126.
 template <int kPair, bool kFmaShifts = false>
 __device__ __forceinline__ u32 extract_pair(u32 w) {
-  constexpr u32 kMag = 0x01C001C0u;
-  constexpr u32 kSign = 0x80008000u;
+  constexpr u32 kMag = layout::kMagBits;
+  constexpr u32 kSign = layout::kSignBits;
   constexpr int kMagShift = layout::mag_shift(kPair);
   constexpr int kSignShift = layout::sign_shift(kPair);
   if constexpr (kMagShift == kSignShift) {
     return shift<kMagShift, kFmaShifts>(w) & (kMag | kSign);
+  } else if constexpr (layout::multiply_form(kPair)) {
+    return ((w & layout::pair_sources(kPair)) * layout::multiply_factor(kPair)) & (kMag | kSign);
   } else {
     return (shift<kMagShift, kFmaShifts>(w) & kMag) | (shift<kSignShift, kFmaShifts>(w) & kSign);
   }

@@ -1233,6 +1233,48 @@ TEST_CASE("float_ratio: exact int ratios of activation constants", "[plan]") {
   }
 }
 
+// The host's model of mxfp4::extract_pair: register `pair` of word w, by the form layout.cuh gives
+// it (one shift and a mask, a multiply, or two shifts and two masks).
+uint32_t layout_register(uint32_t w, int pair) {
+  namespace layout = moejit::kern::moe::layout;
+  const auto shifted = [](uint32_t v, int s) { return s >= 0 ? v >> s : v << -s; };
+  const int mag = layout::mag_shift(pair);
+  const int sign = layout::sign_shift(pair);
+  const uint32_t both = layout::kMagBits | layout::kSignBits;
+  if (mag == sign) return shifted(w, mag) & both;
+  if (layout::multiply_form(pair)) {
+    return ((w & layout::pair_sources(pair)) * layout::multiply_factor(pair)) & both;
+  }
+  return (shifted(w, mag) & layout::kMagBits) | (shifted(w, sign) & layout::kSignBits);
+}
+
+TEST_CASE("kernel layout: each register's dequant form yields its two codes as bf16 bits",
+          "[plan]") {
+  namespace layout = moejit::kern::moe::layout;
+  // bf16 bits of code c (sign bit 3, magnitude bits 2..0): the sign at bit 15, the magnitude at
+  // bits 8..6 (the value c * 2^-126 that dequant's multiply scales).
+  const auto bf16_bits = [](uint32_t c) { return ((c >> 3) << 15) | ((c & 7u) << 6); };
+  std::mt19937 rng(2026);
+  int multiply_forms = 0;
+  for (int pair = 0; pair < layout::kPairsPerStep; ++pair) {
+    multiply_forms += layout::multiply_form(pair) ? 1 : 0;
+    for (uint32_t lo = 0; lo < 16; ++lo) {
+      for (uint32_t hi = 0; hi < 16; ++hi) {
+        // The other registers' bits random: a form must not let them through.
+        uint32_t w = static_cast<uint32_t>(rng()) & ~layout::pair_sources(pair);
+        w = layout::deposit_nibble(w, pair, 0, lo);
+        w = layout::deposit_nibble(w, pair, 1, hi);
+        REQUIRE(layout::extract_nibble(w, pair, 0) == lo);
+        REQUIRE(layout::extract_nibble(w, pair, 1) == hi);
+        INFO("register " << pair << ", codes " << lo << " / " << hi << ", word " << w);
+        REQUIRE(layout_register(w, pair) == (bf16_bits(lo) | (bf16_bits(hi) << 16)));
+      }
+    }
+  }
+  CHECK(layout::pairs_tile_word());
+  CHECK(multiply_forms == 1);  // the layout's one multiply (layout.cuh): 10 integer ops per word
+}
+
 TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
   const std::vector<ModelShape> shapes = reference_shapes();
   for (const ModelShape& shape : shapes) {
