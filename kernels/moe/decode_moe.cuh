@@ -37,9 +37,12 @@
 // Where the time goes (ncu on the H200, deepseek-v4-flash-tp4 T = 24): in v4 the producer warp
 // was the limit (per-strip bulk copies, ~250 instructions per 8 KB chunk; deeper rings changed
 // nothing), hence the tensor copies and 16 KB chunks of v6. Since v7 (0.19 instructions per
-// weight byte, DRAM ~60%) the consumers are: the dequant (15 instructions per 32-bit word) is
-// two thirds of the instructions, and with 16 consumer warps per SM no warp is eligible in 37%
-// of cycles, hence three CTAs per SM where the tile allows it.
+// weight byte, DRAM ~60%) the consumers are: the dequant (15 instructions per 32-bit word then,
+// 14 since layout.cuh's multiply form) is two thirds of the instructions, and with 16 consumer
+// warps per SM no warp is eligible in 37% of cycles, hence three CTAs per SM where the tile
+// allows it. Neither freeing issue slots nor more warps per scheduler helps any more (ncu and
+// A/B runs, tools/PERF_LOG.md "the publisher's polls"): each consumer warp's own instruction
+// stream sets the pace.
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>

@@ -44,6 +44,8 @@ __device__ __forceinline__ u32 group_factors(u32 scale_word) {
 // faster in every MXFP4 tile (marlin_moe gpt-oss-120b T = 96 479 -> 458 us, deepseek-v4-flash-tp4
 // T = 6 46.9 -> 44.0; decode_moe kimi-k3.1-tp8 T = 24 239 -> 233) and the tall FC1 tile needs 80
 // registers instead of 91; moving the left shifts by 3 and 5 to SHF as well lost half of that.
+// (Those runs read the layout before layout::multiply_form, with four left shifts a word; this
+// one has two and one IMAD, all on the FMA pipe.)
 // kFmaShifts: in the warpgroup tile ptxas put two of the four left shifts of a word on SHF anyway
 // (SASS: 6 LOP3 + 3 SHF on the ALU against 2 IMAD.SHL + 4 HMUL2 on the FMA pipe; ncu: 11% of its
 // warp samples throttled on a math pipe), so there each left shift is a multiply by a register
