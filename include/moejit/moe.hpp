@@ -33,7 +33,9 @@
 namespace moejit {
 
 // Bytes of each kernel-layout buffer of one rank's experts. The layout does not depend on T or
-// on the kernel configuration: one repack serves every call.
+// on the kernel configuration: one repack serves every call. It is this library build's, not a
+// storage format: weights repacked by one version are read by that version's kernels, so repack
+// again after an upgrade rather than saving the repacked buffers.
 struct MoeWeightLayout {
   std::size_t w13_bytes = 0;        // FC1 nibbles (gate and up rows fused)
   std::size_t w13_scale_bytes = 0;  // FC1 E8M0 scales
