@@ -10,9 +10,8 @@
 // s <= 191) and the fp32 accumulator is multiplied by 2^(kScaleBias - 1) = 2^63 in the epilogue,
 // which is exact. Cost per 32-bit word (8 weights): 6 LOP3 + 3 shifts (2 on the FMA pipe, 1 on
 // the ALU: see shift) + 1 IMAD (layout::multiply_form) + 4 bf16x2 multiplies; per two scale
-// bytes a permute and a shift-add (each
-// multiply takes its factor from one half of a register, which the multiply's operand selects for
-// free).
+// bytes a permute and a shift-add (each multiply takes its factor from one half of a register,
+// which the multiply's operand selects for free).
 #pragma once
 
 #include <moejit/kern/moe/layout.cuh>
@@ -44,8 +43,6 @@ __device__ __forceinline__ u32 group_factors(u32 scale_word) {
 // faster in every MXFP4 tile (marlin_moe gpt-oss-120b T = 96 479 -> 458 us, deepseek-v4-flash-tp4
 // T = 6 46.9 -> 44.0; decode_moe kimi-k3.1-tp8 T = 24 239 -> 233) and the tall FC1 tile needs 80
 // registers instead of 91; moving the left shifts by 3 and 5 to SHF as well lost half of that.
-// (Those runs read the layout before layout::multiply_form, with four left shifts a word; this
-// one has two and one IMAD, all on the FMA pipe.)
 // kFmaShifts: in the warpgroup tile ptxas put two of the four left shifts of a word on SHF anyway
 // (SASS: 6 LOP3 + 3 SHF on the ALU against 2 IMAD.SHL + 4 HMUL2 on the FMA pipe; ncu: 11% of its
 // warp samples throttled on a math pipe), so there each left shift is a multiply by a register
@@ -53,7 +50,8 @@ __device__ __forceinline__ u32 group_factors(u32 scale_word) {
 // CTA has 2 GB of shared memory (the same bits as the shift). Measured on the H200
 // (tools/PERF_LOG.md "the warpgroup tile's left shifts on the FMA pipe"), layer us: kimi-k3.1-tp8
 // T = 1024 872.8 -> 843.9, gpt-oss-120b T = 512 594.2 -> 586.0, qwen3-30b-a3b T = 256 137.6 ->
-// 135.8.
+// 135.8. (These runs read the layout before layout::multiply_form, four left shifts a word; the
+// present one has two, and the multiply is an IMAD, on the FMA pipe too.)
 template <int kShift, bool kFmaShifts = false>
 __device__ __forceinline__ u32 shift(u32 w) {
   static_assert(kShift > -32 && kShift < 32, "shift out of range");

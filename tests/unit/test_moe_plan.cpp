@@ -1233,6 +1233,8 @@ TEST_CASE("float_ratio: exact int ratios of activation constants", "[plan]") {
   }
 }
 
+namespace {
+
 // The host's model of mxfp4::extract_pair: register `pair` of word w, by the form layout.cuh gives
 // it (one shift and a mask, a multiply, or two shifts and two masks).
 uint32_t layout_register(uint32_t w, int pair) {
@@ -1247,6 +1249,8 @@ uint32_t layout_register(uint32_t w, int pair) {
   }
   return (shifted(w, mag) & layout::kMagBits) | (shifted(w, sign) & layout::kSignBits);
 }
+
+}  // namespace
 
 TEST_CASE("kernel layout: each register's dequant form yields its two codes as bf16 bits",
           "[plan]") {
