@@ -27,9 +27,9 @@
 //   masks cannot tile 32 bits). In this one register 2 is a mask, register 1 a shift and a mask,
 //   register 3 two shifts and two masks, and register 0 a mask, a multiply by 2^6 + 2^1 (both
 //   shifts at once: multiply_form) and a mask: 10 integer ops per word. Searching every layout of
-//   those four forms (tools/gen/layout_search.py), none takes fewer (the previous layout took 11, the shift-by-4 nibble layout
-//   16). The layout is internal to a library build, not a storage format: weights repacked by
-//   one build are read by that build's kernels.
+//   those four forms (tools/gen/layout_search.py), none takes fewer (the previous layout took 11,
+//   the shift-by-4 nibble layout 16). The layout is internal to a library build, not a storage
+//   format: weights repacked by one build are read by that build's kernels.
 // - FC1 rows: an atom holds gate rows 8a..8a+7 in its rows 0..7 and the matching up rows in its
 //   rows 8..15, so the accumulator a lane holds for row g (gate j) and row g+8 (up j) are in the
 //   same thread and the activation is fused with no data exchange. FC2 rows are plain.
