@@ -749,9 +749,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   zero(acc);
   // Why the ring position as (slot, phase), the barriers' and the lane's shared addresses up
   // front, and the count in the chunk header (no second, dependent shared load after the
-  // header's): the loop is issue-bound to the instruction. Measured on the H200 (tools/PERF_LOG.md
-  // "fewer instructions a chunk in decode_moe's consumer loop"): ~8 instructions and that load
-  // off each chunk made every decode cell 1.0-3.5% faster.
+  // header's): each warp's own instruction stream sets the loop's pace. Measured on the H200
+  // (tools/PERF_LOG.md "fewer instructions a chunk in decode_moe's consumer loop"): ~8
+  // instructions and that load off each chunk made every decode cell 1.0-3.5% faster.
   const u32 full_base = ptx::smem_u32(full);
   const u32 empty_base = ptx::smem_u32(empty);
   // This lane's addresses in slot 0: its 16 bytes of an atom, its scale word, and its ldmatrix row
