@@ -34,9 +34,10 @@ namespace moejit {
 
 // Bytes of each kernel-layout buffer of one rank's experts. The layout does not depend on T or
 // on the kernel configuration: one repack serves every call. It is this library build's, not a
-// storage format: weights repacked by one version are read by that version's kernels, so repack
-// again after an upgrade rather than saving the repacked buffers.
+// storage format: repack again after an upgrade, or, where repacked buffers are kept across runs,
+// keep `version` beside them and repack when the library's differs.
 struct MoeWeightLayout {
+  int version = 0;                  // moe_weight_layout_version() of the library that sized it
   std::size_t w13_bytes = 0;        // FC1 nibbles (gate and up rows fused)
   std::size_t w13_scale_bytes = 0;  // FC1 E8M0 scales
   std::size_t w2_bytes = 0;         // FC2 nibbles
@@ -48,6 +49,10 @@ struct MoeWeightLayout {
 // Throws Error{kInvalidDescriptor} when the shape breaks a rule, Error{kUnsupported} when no
 // kernel serves it (the message says which rule).
 MoeWeightLayout moe_weight_layout(const ModelShape& shape);
+
+// The version of the kernel layout this library's repack writes and its kernels read: buffers
+// repacked under another version must be repacked again (they would be misread, not refused).
+int moe_weight_layout_version();
 
 // The repacked weights moe_forward reads (sizes from moe_weight_layout, 256-byte aligned).
 struct MoeWeights {

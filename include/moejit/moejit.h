@@ -65,6 +65,10 @@ typedef struct moejit_moe_weight_layout {
 } moejit_moe_weight_layout;
 moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_weight_layout* out);
 
+/* The version of the kernel layout this library repacks into (moejit::moe_weight_layout_version):
+ * repacked buffers kept across runs must be repacked again when it differs from theirs. */
+int moejit_moe_weight_layout_version(void);
+
 /* Repacked weights (device pointers); b13 / b2: bf16 biases as the checkpoint stores them, null
  * when the shape has none. */
 typedef struct moejit_moe_weights {

@@ -754,6 +754,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   // instructions and that load off each chunk made every decode cell 1.0-3.5% faster.
   const u32 full_base = ptx::smem_u32(full);
   const u32 empty_base = ptx::smem_u32(empty);
+  constexpr u32 kBarrierBytes = sizeof(u64);  // slot s's barrier is at base + s * this
   // This lane's addresses in slot 0: its 16 bytes of an atom, its scale word, and its ldmatrix row
   // (lanes 8q..8q+7 give matrix q = rows 0..7 of K block q, 8 elements).
   const u32 lane_w = ring_base + static_cast<u32>(lane * 16);
@@ -765,7 +766,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   u32 items = 0;    // items finished by this warp
   u32 reduces = 0;  // items that went through the K-split reduction (red buffer parity)
   for (;;) {
-    pipe::wait(full_base + static_cast<u32>(slot * 8), phase);
+    pipe::wait(full_base + static_cast<u32>(slot) * kBarrierBytes, phase);
     const int4 header = *reinterpret_cast<const int4*>(headers + 4 * slot);
     const i32 item = header.x;
     if (item == -1) break;
@@ -794,7 +795,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
                                                                      kslice, n_active, acc);
     }
     __syncwarp();
-    if (lane == 0) pipe::arrive(empty_base + static_cast<u32>(slot * 8));
+    if (lane == 0) pipe::arrive(empty_base + static_cast<u32>(slot) * kBarrierBytes);
     if (++slot == kS) {
       slot = 0;
       phase ^= 1u;

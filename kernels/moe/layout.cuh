@@ -184,4 +184,10 @@ MOEJIT_HD constexpr RowSource row_source(bool gate_up, i32 m_atom, i32 row_in_at
                  : RowSource{0, kAtomRows * m_atom + row_in_atom};
 }
 
+// The layout's version (moejit::moe_weight_layout_version): bump it with any change above that
+// moves a checkpoint value in the repacked buffers (a code's bits, the lane order, the scale
+// bytes, the row order, atom order or padding). The unit tests keep each version's fingerprint
+// of these functions, so a change without a bump fails them.
+inline constexpr i32 kVersion = 1;
+
 }  // namespace moejit::kern::moe::layout

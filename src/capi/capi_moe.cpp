@@ -116,6 +116,8 @@ moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out) {
 
 void moejit_moe_destroy(moejit_moe* moe) { delete moe; }
 
+int moejit_moe_weight_layout_version(void) { return moejit::moe_weight_layout_version(); }
+
 moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_weight_layout* out) {
   return moejit::detail::capi_call([&] {
     const char* call = "moejit_moe_get_weight_layout";

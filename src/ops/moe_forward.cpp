@@ -9,12 +9,14 @@
 #include <climits>
 #include <cstdint>
 #include <moejit/kern/moe/decode_params.cuh>
+#include <moejit/kern/moe/layout.cuh>
 #include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 #include <string>
 
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
+#include "moejit/version.hpp"
 #include "ops/decode_forward.hpp"
 #include "ops/moe_launch.hpp"
 #include "ops/tensor_checks.hpp"
@@ -68,10 +70,16 @@ void check_options(const MoeForwardOptions& options) {
 
 }  // namespace
 
+static_assert(kMoeWeightLayoutVersion == kern::moe::layout::kVersion,
+              "version.hpp's kMoeWeightLayoutVersion is layout.cuh's kVersion");
+
+int moe_weight_layout_version() { return kern::moe::layout::kVersion; }
+
 MoeWeightLayout moe_weight_layout(const ModelShape& shape) {
   check_shape(kLayoutOp, shape);
   const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
   MoeWeightLayout layout;
+  layout.version = moe_weight_layout_version();
   layout.w13_bytes = sizes.w13;
   layout.w13_scale_bytes = sizes.w13_scales;
   layout.w2_bytes = sizes.w2;

@@ -27,6 +27,7 @@
 #include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
+#include "moejit/version.hpp"
 #include "plan/moe_plan.hpp"
 #include "support/support.hpp"
 
@@ -1277,6 +1278,84 @@ TEST_CASE("kernel layout: each register's dequant form yields its two codes as b
   }
   CHECK(layout::pairs_tile_word());
   CHECK(multiply_forms == 1);  // the layout's one multiply (layout.cuh): 10 integer ops per word
+}
+
+namespace {
+
+// FNV-1a over where the repack puts every checkpoint value: for each (row, k) of an atom its lane,
+// word, the bits of its code (all four, and the sign with the lowest magnitude bit, which fixes
+// their order) and its scale byte; the gate / up / FC2 rows of a strip; atom order, sizes, K and
+// row padding; the padding scale byte.
+uint64_t layout_fingerprint() {
+  namespace layout = moejit::kern::moe::layout;
+  uint64_t h = 14695981039346656037ull;
+  const auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xFFu;
+      h *= 1099511628211ull;
+    }
+  };
+  for (int row = 0; row < layout::kAtomRows; ++row) {
+    for (int k = 0; k < layout::kAtomK; ++k) {
+      const layout::AtomCoord c = layout::atom_coord(row, k);
+      mix(c.lane);
+      mix(c.step);
+      mix(layout::deposit_nibble(0, c.pair, c.half, 0xF));
+      mix(layout::deposit_nibble(0, c.pair, c.half, 0x9));
+      mix(layout::scale_byte(row, k));
+    }
+  }
+  for (int m_atom = 0; m_atom < 3; ++m_atom) {
+    for (int r = 0; r < layout::kAtomRows; ++r) {
+      for (const bool gate_up : {false, true}) {
+        const layout::RowSource src = layout::row_source(gate_up, m_atom, r);
+        mix(src.matrix);
+        mix(src.row);
+      }
+    }
+  }
+  const layout::Dims d{3, 5};
+  mix(layout::atom_index(d, 2, 1, 4));
+  mix(layout::weight_bytes(d, 2));
+  mix(layout::scale_bytes(d, 2));
+  for (const layout::Dims dims : {layout::fc1_dims(96, 2880), layout::fc2_dims(96, 2880),
+                                  layout::fc1_dims(2880, 100), layout::fc2_dims(2880, 100)}) {
+    mix(dims.m_atoms);
+    mix(dims.k_atoms);
+  }
+  mix(layout::kPadScale);
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("kernel layout: its version names one fingerprint, at every interface", "[plan]") {
+  namespace layout = moejit::kern::moe::layout;
+  // Every layout a version has named. A layout change fails here until layout::kVersion and
+  // version.hpp's kMoeWeightLayoutVersion are bumped and the new pair is added: weights kept
+  // under the old version must then be told to repack, not be misread.
+  struct Known {
+    int version;
+    uint64_t fingerprint;
+  };
+  constexpr Known kKnown[] = {{1, 0x088209037edc4240ull}};
+  const uint64_t now = layout_fingerprint();
+  INFO("layout fingerprint 0x" << std::hex << now << std::dec << ", layout::kVersion "
+                               << layout::kVersion);
+  const auto it = std::find_if(std::begin(kKnown), std::end(kKnown),
+                               [](const Known& k) { return k.version == layout::kVersion; });
+  REQUIRE(it != std::end(kKnown));
+  CHECK(it->fingerprint == now);
+  for (const Known& k : kKnown) {
+    if (k.version != layout::kVersion) CHECK(k.fingerprint != now);
+  }
+  CHECK(moejit::kMoeWeightLayoutVersion == layout::kVersion);
+  CHECK(moejit::moe_weight_layout_version() == layout::kVersion);
+  CHECK(moejit_moe_weight_layout_version() == layout::kVersion);
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    CHECK(moejit::moe_weight_layout(shape).version == layout::kVersion);
+  }
 }
 
 TEST_CASE("moe sizes: workspace and repacked weights", "[plan]") {
