@@ -203,7 +203,8 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   // per thread before the first store, and both passes read the table. Why: each step of the
   // passes below otherwise waits for its ids' round trip to L2, twice per step (kimi-k3.1-tp8
   // T = 96-256: -4 to -7 us, tools/PERF_LOG.md "routing from ids read once"); with one step per
-  // warp the table only adds a round trip and a barrier (+0.2-0.4 us at T = 3-6).
+  // warp the table only adds a round trip and a barrier (+0.2-0.4 us at T = 3-6), so there pass 1
+  // reads each id from global memory and writes the table for pass 2.
   const bool staged = positions > kConsumerWarps * 32;
   constexpr i32 kIdBatch = 8;
   for (i32 base = 0; staged && base < positions; base += kIdBatch * kThreads) {
@@ -220,11 +221,11 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     }
   }
   static_assert(kMaxExperts < 0xFFFF, "a local expert and kNoExpert fit 16 bits");
-  const auto local_of = [&](i32 pos) {
-    if (!staged) return local_expert<T>(p, pos);
+  const auto from_table = [&](i32 pos) {
     const u32 e = local[pos];
     return e == 0xFFFFu ? kNoExpert : e;
   };
+  const auto local_of = [&](i32 pos) { return staged ? from_table(pos) : local_expert<T>(p, pos); };
   __syncthreads();
 
   // Pass 1: each warp counts its run per expert, and keeps every position's rank in its run.
@@ -233,6 +234,8 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     for (i32 base = begin; base < end; base += 32) {
       const i32 pos = base + lane;
       const u32 e = pos < end ? local_of(pos) : kNoExpert;
+      // Unstaged, the id was read here once: pass 2 takes it from the table, not from L2 again.
+      if (!staged && pos < end) local[pos] = static_cast<u16>(e);
       const u32 peers = expert_peers<T>(e);
       u32 before = 0;
       if (e != kNoExpert) {
@@ -271,7 +274,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   if (warp < kConsumerWarps) {
     const u16* mine = counts + warp * E;
     for (i32 pos = begin + lane; pos < end; pos += 32) {
-      const u32 e = local_of(pos);
+      const u32 e = from_table(pos);
       if (e != kNoExpert) sorted[(sums[e] >> 16) + mine[e] + rank16[pos]] = static_cast<u16>(pos);
     }
   }
