@@ -37,13 +37,13 @@ namespace moejit {
 // storage format: repack again after an upgrade, or, where repacked buffers are kept across runs,
 // keep `version` beside them and repack when the library's differs.
 struct MoeWeightLayout {
-  int version = 0;                  // moe_weight_layout_version() of the library that sized it
   std::size_t w13_bytes = 0;        // FC1 nibbles (gate and up rows fused)
   std::size_t w13_scale_bytes = 0;  // FC1 E8M0 scales
   std::size_t w2_bytes = 0;         // FC2 nibbles
   std::size_t w2_scale_bytes = 0;   // FC2 E8M0 scales
   std::size_t b13_bytes = 0;        // FC1 bias, bf16 [E, 2I]; 0 when !shape.has_bias
   std::size_t b2_bytes = 0;         // FC2 bias, bf16 [E, H]; 0 when !shape.has_bias
+  int version = 0;                  // moe_weight_layout_version() of the library that sized it
 };
 
 // Throws Error{kInvalidDescriptor} when the shape breaks a rule, Error{kUnsupported} when no
