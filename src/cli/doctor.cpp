@@ -9,6 +9,7 @@
 #include "cli/cli.hpp"
 #include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
+#include "moejit/moe.hpp"
 #include "moejit/version.hpp"
 #include "runtime/runtime_impl.hpp"
 
@@ -29,8 +30,9 @@ std::string driver_version_text(int version) {
 
 int run_doctor() {
   std::vector<std::string> problems;
-  row("libmoejit",
-      std::string(kVersionString) + " (cache schema " + std::to_string(kCacheSchemaVersion) + ")");
+  row("libmoejit", std::string(kVersionString) + " (cache schema " +
+                       std::to_string(kCacheSchemaVersion) + ", weight layout " +
+                       std::to_string(moe_weight_layout_version()) + ")");
 
   DriverInfo driver = probe_driver();
   if (driver.loaded) {

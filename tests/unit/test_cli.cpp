@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "codegen/embedded.hpp"
+#include "moejit/moe.hpp"
 #include "moejit/shape.hpp"
 #include "support/support.hpp"
 
@@ -213,6 +214,8 @@ TEST_CASE("doctor runs without a GPU and says what it found", "[cli]") {
   INFO(out);
   CHECK(rc == 0);
   CHECK(out.find(std::string("libmoejit")) != std::string::npos);
+  CHECK(out.find("weight layout " + std::to_string(moejit::moe_weight_layout_version())) !=
+        std::string::npos);
   CHECK(out.find("NVRTC") != std::string::npos);
   CHECK(out.find("CUDA include") != std::string::npos);
   CHECK(out.find(cache.path()) != std::string::npos);
