@@ -1349,7 +1349,9 @@ TEST_CASE("kernel layout: its version names one fingerprint, at every interface"
   for (const Known& k : kKnown) {
     if (k.version != layout::kVersion) CHECK(k.fingerprint != now);
   }
-  CHECK(moejit::kMoeWeightLayoutVersion == layout::kVersion);
+  // The header's constant is tied at compile time (as in moe_forward.cpp): no run can differ.
+  static_assert(moejit::kMoeWeightLayoutVersion == layout::kVersion,
+                "version.hpp's kMoeWeightLayoutVersion is layout.cuh's kVersion");
   CHECK(moejit::moe_weight_layout_version() == layout::kVersion);
   CHECK(moejit_moe_weight_layout_version() == layout::kVersion);
   for (const ModelShape& shape : reference_shapes()) {
