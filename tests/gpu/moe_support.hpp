@@ -87,14 +87,22 @@ inline std::size_t to_size(int64_t n) { return static_cast<std::size_t>(n); }
 
 inline DLDataType dl_u8() { return DLDataType{kDLUInt, 8, 1}; }
 
-// A DLTensor over device memory it does not own (row-major, compact).
+// The ordinal of the current context's device.
+inline int current_device_ordinal() {
+  CUdevice device = 0;
+  MOEJIT_TEST_CU(cu().cuCtxGetDevice(&device));
+  return static_cast<int>(device);
+}
+
+// A DLTensor over device memory it does not own (row-major, compact), on the current context's
+// device (where the tests allocate).
 class TensorView {
  public:
   TensorView(const void* base, std::size_t byte_offset, std::vector<int64_t> shape,
              DLDataType dtype)
       : shape_(std::move(shape)) {
     tensor_.data = const_cast<void*>(base);
-    tensor_.device = DLDevice{kDLCUDA, 0};
+    tensor_.device = DLDevice{kDLCUDA, current_device_ordinal()};
     tensor_.ndim = static_cast<int32_t>(shape_.size());
     tensor_.dtype = dtype;
     tensor_.shape = shape_.data();

@@ -8,8 +8,9 @@
 // and of other ranks (int32 and int64), CUDA-graph capture and replay, the workspace size
 // contract, the repack round trip for both checkpoint layouts (unpacked on the CPU with
 // kernels/moe/layout.cuh), and the route arrays marlin_moe leaves in its workspace against the
-// CPU route model, bit for bit. decode_moe's own sweep (both block_n, T up to 256, real expert
-// counts) is test_decode_moe.cpp.
+// CPU route model, bit for bit, and (with two GPUs) a second device computing device 0's bits,
+// alone and from its own thread beside device 0's. decode_moe's own sweep (both block_n, T up to
+// 256, real expert counts) is test_decode_moe.cpp.
 //
 // Inputs: see gpu/moe_support.hpp. Fresh seeds every run (printed) so a failure can be replayed.
 //
@@ -41,6 +42,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu/gpu_support.hpp"
@@ -522,6 +524,186 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
       }
     }
   }
+}
+
+namespace {
+
+// One device's copy of the two-device case: its stream, the checkpoint repacked there, and the
+// inputs, output and workspace of each call, all in that device's primary context.
+struct DeviceRun {
+  CUcontext context = nullptr;
+  std::unique_ptr<TestStream> stream;
+  std::unique_ptr<DeviceModel> model;
+  std::vector<std::unique_ptr<ForwardIo>> io;  // one per call
+};
+
+std::unique_ptr<DeviceRun> device_run(CUcontext context, const ModelShape& shape,
+                                      const Checkpoint& ck, const std::vector<Tokens>& calls) {
+  MOEJIT_TEST_CU(cu().cuCtxSetCurrent(context));
+  auto run = std::make_unique<DeviceRun>();
+  run->context = context;
+  run->stream = std::make_unique<TestStream>();
+  {
+    const DeviceCheckpoint dck(ck);
+    run->model = repacked_model(shape, dck, 0, run->stream->get());
+  }
+  for (const Tokens& tk : calls) {
+    run->io.push_back(
+        std::make_unique<ForwardIo>(shape, tk, moejit::moe_workspace_bytes(shape, tk.count)));
+  }
+  return run;
+}
+
+// `rounds` x every (call, path) on `run`'s device from the calling thread, output and workspace
+// poisoned before each call, each output compared with `expected[call][path]`. No Catch2 macro
+// here (it may run beside another thread): "" when every output matched, else what went wrong.
+std::string forwards_match(const DeviceRun& run, const ModelShape& shape,
+                           const std::vector<MoeForwardOptions>& paths,
+                           const std::vector<std::vector<std::vector<uint16_t>>>& expected,
+                           int rounds) {
+  const moejit::detail::DriverApi& api = cu();
+  std::ostringstream problems;
+  auto check = [&](CUresult result, const char* what) {
+    if (result != CUDA_SUCCESS)
+      problems << what << ": " << moejit::detail::describe(result) << "; ";
+    return result == CUDA_SUCCESS;
+  };
+  if (!check(api.cuCtxSetCurrent(run.context), "cuCtxSetCurrent")) return problems.str();
+  const CUstream stream = run.stream->get();
+  int mismatches = 0;
+  for (int round = 0; round < rounds; ++round) {
+    for (std::size_t call = 0; call < run.io.size(); ++call) {
+      const ForwardIo& io = *run.io[call];
+      for (std::size_t path = 0; path < paths.size(); ++path) {
+        bool ok = check(api.cuMemsetD8Async(io.out.ptr(), 0xFF, io.out.bytes(), stream), "poison");
+        ok =
+            ok && check(api.cuMemsetD8Async(io.workspace.ptr(), 0xFF, io.workspace.bytes(), stream),
+                        "poison");
+        try {
+          if (ok) moejit::moe_forward(shape, io.args(*run.model), stream, paths[path]);
+        } catch (const Error& e) {
+          problems << "moe_forward: " << e.what() << "; ";
+          ok = false;
+        }
+        ok = ok && check(api.cuStreamSynchronize(stream), "cuStreamSynchronize");
+        const std::vector<uint16_t>& want = expected[call][path];
+        std::vector<uint16_t> got(want.size());
+        ok = ok && check(api.cuMemcpyDtoH(got.data(), io.out.ptr(), got.size() * 2), "download");
+        if (!ok) return problems.str();
+        mismatches += got == want ? 0 : 1;
+      }
+    }
+  }
+  if (mismatches > 0) {
+    problems << mismatches << " of " << rounds * run.io.size() * paths.size()
+             << " outputs differ from device 0's first run";
+  }
+  return problems.str();
+}
+
+}  // namespace
+
+// An engine that drives several GPUs from one process calls moe_forward in each device's
+// context, often from one thread per device. The kernels are loaded once per arch (CUkernel
+// handles serve every context), but a kernel's dynamic shared-memory opt-in and carveout are set
+// per device, so device 1's first calls must set their own. Device 0's outputs are checked
+// against the fp64 reference; device 1's repacked weights and outputs (marlin_moe and, where it
+// serves, decode_moe, at T = 7 and 256) must be device 0's bits; then both devices run every
+// call at once, one thread each, and every output is those bits again.
+TEST_CASE("moe_forward: a second device gives device 0's bits, alone and beside it", "[gpu][moe]") {
+  const GpuEnv& env = gpu();
+  if (env.device_count < 2) {
+    WARN("SKIPPED: only " << env.device_count
+                          << " CUDA device visible; the two-device case needs two");
+    return;
+  }
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
+  prewarm_shapes({shape});
+  const Checkpoint ck = make_checkpoint(shape, false, rng());
+  IdPlan plan;
+  plan.lo = 0;
+  plan.hi = shape.num_experts;
+  plan.drop = 0.05;
+  std::vector<Tokens> calls;
+  for (int tokens : {7, 256}) calls.push_back(make_tokens(shape, tokens, plan, rng));
+  std::vector<MoeForwardOptions> paths = {kMarlin};
+  if (decode_serves(shape, 7)) paths.push_back(kDecode);
+  REQUIRE(std::all_of(calls.begin(), calls.end(), [&](const Tokens& tk) {
+    return paths.size() == 1 || decode_serves(shape, tk.count);
+  }));
+
+  CUdevice second = 0;
+  MOEJIT_TEST_CU(cu().cuDeviceGet(&second, 1));
+  CUcontext second_context = nullptr;
+  MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRetain(&second_context, second));
+  std::unique_ptr<DeviceRun> runs[2];
+  runs[0] = device_run(env.context, shape, ck, calls);
+  runs[1] = device_run(second_context, shape, ck, calls);
+  CHECK(current_device_ordinal() == 1);
+
+  // The repacked weights: the same bytes on both devices.
+  std::vector<uint8_t> packed[2];
+  for (int d = 0; d < 2; ++d) {
+    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[d]->context));
+    packed[d] = runs[d]->model->w13.download<uint8_t>(runs[d]->model->w13.bytes());
+    const std::vector<uint8_t> w2 =
+        runs[d]->model->w2.download<uint8_t>(runs[d]->model->w2.bytes());
+    packed[d].insert(packed[d].end(), w2.begin(), w2.end());
+  }
+  CHECK(packed[0] == packed[1]);
+
+  // One after the other: device 0 against the reference, device 1 against device 0's bits.
+  const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
+  std::vector<std::vector<std::vector<uint16_t>>> expected(calls.size());
+  for (std::size_t call = 0; call < calls.size(); ++call) {
+    const Tokens& tk = calls[call];
+    const std::vector<int> which = all_tokens(tk.count);
+    const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
+    for (const MoeForwardOptions& options : paths) {
+      const std::string label =
+          "qwen3-30b-a3b" + path_suffix(options) + " T=" + std::to_string(tk.count);
+      INFO(label);
+      MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[0]->context));
+      const std::vector<uint16_t> first =
+          runs[0]->io[call]->run(*runs[0]->model, runs[0]->stream->get(), options);
+      check_score(label + " [device 0]", score(first, ref, which, shape.hidden), which.size(),
+                  tk.count);
+      CHECK(count_nonfinite(first) == 0);
+      MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[1]->context));
+      const std::vector<uint16_t> other =
+          runs[1]->io[call]->run(*runs[1]->model, runs[1]->stream->get(), options);
+      INFO("device 1's output is device 0's, bit for bit");
+      CHECK(same_bits(other, first));
+      expected[call].push_back(first);
+    }
+  }
+
+  // At once: one thread per device, each running every call and path several times.
+  constexpr int kRounds = 8;
+  std::string problems[2];
+  {
+    std::vector<std::thread> threads;
+    for (int d = 0; d < 2; ++d) {
+      threads.emplace_back(
+          [&, d] { problems[d] = forwards_match(*runs[d], shape, paths, expected, kRounds); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (int d = 0; d < 2; ++d) {
+    INFO("device " << d << ", " << kRounds << " rounds beside the other device's thread");
+    CHECK(problems[d].empty());
+    if (!problems[d].empty()) std::printf("device %d: %s\n", d, problems[d].c_str());
+  }
+  std::printf("moe_forward on two devices: %zu calls x %zu paths, %d rounds each at once\n",
+              calls.size(), paths.size(), kRounds);
+
+  // Device 1's buffers and stream go with its context current, then the context is released.
+  MOEJIT_TEST_CU(cu().cuCtxSetCurrent(second_context));
+  runs[1].reset();
+  MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
+  runs[0].reset();
+  MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRelease(second));
 }
 
 TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][moe]") {
