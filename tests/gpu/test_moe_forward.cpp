@@ -8,9 +8,9 @@
 // and of other ranks (int32 and int64), CUDA-graph capture and replay, the workspace size
 // contract, the repack round trip for both checkpoint layouts (unpacked on the CPU with
 // kernels/moe/layout.cuh), and the route arrays marlin_moe leaves in its workspace against the
-// CPU route model, bit for bit, and (with two GPUs) a second device computing device 0's bits,
-// alone and from its own thread beside device 0's. decode_moe's own sweep (both block_n, T up to
-// 256, real expert counts) is test_decode_moe.cpp.
+// CPU route model, bit for bit, and a second device (or, with one GPU, a second context)
+// computing device 0's bits, alone and from its own thread beside device 0's. decode_moe's own
+// sweep (both block_n, T up to 256, real expert counts) is test_decode_moe.cpp.
 //
 // Inputs: see gpu/moe_support.hpp. Fresh seeds every run (printed) so a failure can be replayed.
 //
@@ -528,19 +528,19 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
 
 namespace {
 
-// One device's copy of the two-device case: its stream, the checkpoint repacked there, and the
-// inputs, output and workspace of each call, all in that device's primary context.
-struct DeviceRun {
+// One context's copy of the two-context case: its stream, the checkpoint repacked there, and the
+// inputs, output and workspace of each call, all made in that context.
+struct ContextRun {
   CUcontext context = nullptr;
   std::unique_ptr<TestStream> stream;
   std::unique_ptr<DeviceModel> model;
   std::vector<std::unique_ptr<ForwardIo>> io;  // one per call
 };
 
-std::unique_ptr<DeviceRun> device_run(CUcontext context, const ModelShape& shape,
-                                      const Checkpoint& ck, const std::vector<Tokens>& calls) {
+std::unique_ptr<ContextRun> context_run(CUcontext context, const ModelShape& shape,
+                                        const Checkpoint& ck, const std::vector<Tokens>& calls) {
   MOEJIT_TEST_CU(cu().cuCtxSetCurrent(context));
-  auto run = std::make_unique<DeviceRun>();
+  auto run = std::make_unique<ContextRun>();
   run->context = context;
   run->stream = std::make_unique<TestStream>();
   {
@@ -554,10 +554,10 @@ std::unique_ptr<DeviceRun> device_run(CUcontext context, const ModelShape& shape
   return run;
 }
 
-// `rounds` x every (call, path) on `run`'s device from the calling thread, output and workspace
+// `rounds` x every (call, path) in `run`'s context from the calling thread, output and workspace
 // poisoned before each call, each output compared with `expected[call][path]`. No Catch2 macro
 // here (it may run beside another thread): "" when every output matched, else what went wrong.
-std::string forwards_match(const DeviceRun& run, const ModelShape& shape,
+std::string forwards_match(const ContextRun& run, const ModelShape& shape,
                            const std::vector<MoeForwardOptions>& paths,
                            const std::vector<std::vector<std::vector<uint16_t>>>& expected,
                            int rounds) {
@@ -596,7 +596,7 @@ std::string forwards_match(const DeviceRun& run, const ModelShape& shape,
   }
   if (mismatches > 0) {
     problems << mismatches << " of " << rounds * run.io.size() * paths.size()
-             << " outputs differ from device 0's first run";
+             << " outputs differ from context 0's first run";
   }
   return problems.str();
 }
@@ -606,16 +606,20 @@ std::string forwards_match(const DeviceRun& run, const ModelShape& shape,
 // An engine that drives several GPUs from one process calls moe_forward in each device's
 // context, often from one thread per device. The kernels are loaded once per arch (CUkernel
 // handles serve every context), but a kernel's dynamic shared-memory opt-in and carveout are set
-// per device, so device 1's first calls must set their own. Device 0's outputs are checked
-// against the fp64 reference; device 1's repacked weights and outputs (marlin_moe and, where it
-// serves, decode_moe, at T = 7 and 256) must be device 0's bits; then both devices run every
-// call at once, one thread each, and every output is those bits again.
-TEST_CASE("moe_forward: a second device gives device 0's bits, alone and beside it", "[gpu][moe]") {
+// per device, so device 1's first calls must set their own. The second context is device 1's
+// primary context where there are two GPUs, else a context created on device 0 (the same
+// handles and threads, without the per-device opt-ins: the test says which). Context 0's outputs
+// are checked against the fp64 reference; the second context's repacked weights and outputs
+// (marlin_moe and, where it serves, decode_moe, at T = 7 and 256) must be its bits; then both
+// contexts run every call at once, one thread each, and every output is those bits again.
+TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alone and beside it",
+          "[gpu][moe]") {
   const GpuEnv& env = gpu();
-  if (env.device_count < 2) {
-    WARN("SKIPPED: only " << env.device_count
-                          << " CUDA device visible; the two-device case needs two");
-    return;
+  const bool two_devices = env.device_count >= 2;
+  if (!two_devices) {
+    WARN("only " << env.device_count
+                 << " CUDA device visible: the second context is one created on device 0, so "
+                    "device 1's shared-memory opt-ins are not exercised");
   }
   MOEJIT_TEST_SEEDED_RNG(seed, rng);
   const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
@@ -634,15 +638,19 @@ TEST_CASE("moe_forward: a second device gives device 0's bits, alone and beside 
   }));
 
   CUdevice second = 0;
-  MOEJIT_TEST_CU(cu().cuDeviceGet(&second, 1));
   CUcontext second_context = nullptr;
-  MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRetain(&second_context, second));
-  std::unique_ptr<DeviceRun> runs[2];
-  runs[0] = device_run(env.context, shape, ck, calls);
-  runs[1] = device_run(second_context, shape, ck, calls);
-  CHECK(current_device_ordinal() == 1);
+  if (two_devices) {
+    MOEJIT_TEST_CU(cu().cuDeviceGet(&second, 1));
+    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRetain(&second_context, second));
+  } else {
+    MOEJIT_TEST_CU(cu().cuCtxCreate(&second_context, nullptr, 0, env.device));
+  }
+  std::unique_ptr<ContextRun> runs[2];
+  runs[0] = context_run(env.context, shape, ck, calls);
+  runs[1] = context_run(second_context, shape, ck, calls);
+  CHECK(current_device_ordinal() == (two_devices ? 1 : 0));
 
-  // The repacked weights: the same bytes on both devices.
+  // The repacked weights: the same bytes in both contexts.
   std::vector<uint8_t> packed[2];
   for (int d = 0; d < 2; ++d) {
     MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[d]->context));
@@ -653,7 +661,7 @@ TEST_CASE("moe_forward: a second device gives device 0's bits, alone and beside 
   }
   CHECK(packed[0] == packed[1]);
 
-  // One after the other: device 0 against the reference, device 1 against device 0's bits.
+  // One after the other: context 0 against the reference, the second against context 0's bits.
   const MoeWeightsF64 f64 = dequantize(ck, 0, shape.num_experts);
   std::vector<std::vector<std::vector<uint16_t>>> expected(calls.size());
   for (std::size_t call = 0; call < calls.size(); ++call) {
@@ -667,19 +675,19 @@ TEST_CASE("moe_forward: a second device gives device 0's bits, alone and beside 
       MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[0]->context));
       const std::vector<uint16_t> first =
           runs[0]->io[call]->run(*runs[0]->model, runs[0]->stream->get(), options);
-      check_score(label + " [device 0]", score(first, ref, which, shape.hidden), which.size(),
+      check_score(label + " [context 0]", score(first, ref, which, shape.hidden), which.size(),
                   tk.count);
       CHECK(count_nonfinite(first) == 0);
       MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[1]->context));
       const std::vector<uint16_t> other =
           runs[1]->io[call]->run(*runs[1]->model, runs[1]->stream->get(), options);
-      INFO("device 1's output is device 0's, bit for bit");
+      INFO("the second context's output is context 0's, bit for bit");
       CHECK(same_bits(other, first));
       expected[call].push_back(first);
     }
   }
 
-  // At once: one thread per device, each running every call and path several times.
+  // At once: one thread per context, each running every call and path several times.
   constexpr int kRounds = 8;
   std::string problems[2];
   {
@@ -691,19 +699,25 @@ TEST_CASE("moe_forward: a second device gives device 0's bits, alone and beside 
     for (std::thread& t : threads) t.join();
   }
   for (int d = 0; d < 2; ++d) {
-    INFO("device " << d << ", " << kRounds << " rounds beside the other device's thread");
+    INFO("context " << d << ", " << kRounds << " rounds beside the other context's thread");
     CHECK(problems[d].empty());
-    if (!problems[d].empty()) std::printf("device %d: %s\n", d, problems[d].c_str());
+    if (!problems[d].empty()) std::printf("context %d: %s\n", d, problems[d].c_str());
   }
-  std::printf("moe_forward on two devices: %zu calls x %zu paths, %d rounds each at once\n",
-              calls.size(), paths.size(), kRounds);
+  std::printf("moe_forward in two contexts (%s): %zu calls x %zu paths, %d rounds each at once\n",
+              two_devices ? "devices 0 and 1" : "both on device 0", calls.size(), paths.size(),
+              kRounds);
 
-  // Device 1's buffers and stream go with its context current, then the context is released.
+  // The second context's buffers and stream go with it current, then it is released.
   MOEJIT_TEST_CU(cu().cuCtxSetCurrent(second_context));
   runs[1].reset();
   MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
   runs[0].reset();
-  MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRelease(second));
+  if (two_devices) {
+    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRelease(second));
+  } else {
+    MOEJIT_TEST_CU(cu().cuCtxDestroy(second_context));
+    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
+  }
 }
 
 TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][moe]") {
