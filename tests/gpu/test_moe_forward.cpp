@@ -601,6 +601,28 @@ std::string forwards_match(const ContextRun& run, const ModelShape& shape,
   return problems.str();
 }
 
+// The two contexts of the case and what was made in each. However the test ends, the second
+// context's buffers and stream go with it current, then it is released (device 1's primary
+// context) or destroyed (one created on device 0), and device 0's primary context is current.
+struct TwoContexts {
+  CUcontext first = nullptr;
+  CUcontext second = nullptr;
+  CUdevice second_device = 0;
+  bool second_is_primary = false;
+  std::unique_ptr<ContextRun> runs[2];
+
+  ~TwoContexts() {
+    const moejit::detail::DriverApi& api = cu();
+    if (second != nullptr) api.cuCtxSetCurrent(second);
+    runs[1].reset();
+    api.cuCtxSetCurrent(first);
+    runs[0].reset();
+    if (second != nullptr && second_is_primary) api.cuDevicePrimaryCtxRelease(second_device);
+    if (second != nullptr && !second_is_primary) api.cuCtxDestroy(second);
+    api.cuCtxSetCurrent(first);
+  }
+};
+
 }  // namespace
 
 // An engine that drives several GPUs from one process calls moe_forward in each device's
@@ -637,17 +659,18 @@ TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alon
     return paths.size() == 1 || decode_serves(shape, tk.count);
   }));
 
-  CUdevice second = 0;
-  CUcontext second_context = nullptr;
+  TwoContexts contexts;
+  contexts.first = env.context;
+  contexts.second_is_primary = two_devices;
   if (two_devices) {
-    MOEJIT_TEST_CU(cu().cuDeviceGet(&second, 1));
-    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRetain(&second_context, second));
+    MOEJIT_TEST_CU(cu().cuDeviceGet(&contexts.second_device, 1));
+    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRetain(&contexts.second, contexts.second_device));
   } else {
-    MOEJIT_TEST_CU(cu().cuCtxCreate(&second_context, nullptr, 0, env.device));
+    MOEJIT_TEST_CU(cu().cuCtxCreate(&contexts.second, nullptr, 0, env.device));
   }
-  std::unique_ptr<ContextRun> runs[2];
+  std::unique_ptr<ContextRun>(&runs)[2] = contexts.runs;
   runs[0] = context_run(env.context, shape, ck, calls);
-  runs[1] = context_run(second_context, shape, ck, calls);
+  runs[1] = context_run(contexts.second, shape, ck, calls);
   CHECK(current_device_ordinal() == (two_devices ? 1 : 0));
 
   // The repacked weights: the same bytes in both contexts.
@@ -708,18 +731,6 @@ TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alon
   std::printf("moe_forward in two contexts (%s): %zu calls x %zu paths, %d rounds each at once\n",
               two_devices ? "devices 0 and 1" : "both on device 0", calls.size(), paths.size(),
               kRounds);
-
-  // The second context's buffers and stream go with it current, then it is released.
-  MOEJIT_TEST_CU(cu().cuCtxSetCurrent(second_context));
-  runs[1].reset();
-  MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
-  runs[0].reset();
-  if (two_devices) {
-    MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRelease(second));
-  } else {
-    MOEJIT_TEST_CU(cu().cuCtxDestroy(second_context));
-    MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
-  }
 }
 
 TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][moe]") {
