@@ -673,14 +673,15 @@ TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alon
   runs[1] = context_run(contexts.second, shape, ck, calls);
   CHECK(current_device_ordinal() == (two_devices ? 1 : 0));
 
-  // The repacked weights: the same bytes in both contexts.
+  // The repacked weights and scales: the same bytes in both contexts.
   std::vector<uint8_t> packed[2];
   for (int d = 0; d < 2; ++d) {
     MOEJIT_TEST_CU(cu().cuCtxSetCurrent(runs[d]->context));
-    packed[d] = runs[d]->model->w13.download<uint8_t>(runs[d]->model->w13.bytes());
-    const std::vector<uint8_t> w2 =
-        runs[d]->model->w2.download<uint8_t>(runs[d]->model->w2.bytes());
-    packed[d].insert(packed[d].end(), w2.begin(), w2.end());
+    const DeviceModel& m = *runs[d]->model;
+    for (const DeviceBuffer* b : {&m.w13, &m.w13_scales, &m.w2, &m.w2_scales}) {
+      const std::vector<uint8_t> bytes = b->download<uint8_t>(b->bytes());
+      packed[d].insert(packed[d].end(), bytes.begin(), bytes.end());
+    }
   }
   // Compared as one flag: Catch2 would print ~100 MB of bytes for the vectors.
   const bool same_packed = packed[0] == packed[1];
