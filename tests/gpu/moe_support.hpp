@@ -693,12 +693,37 @@ struct ForwardIo {
 
   // Output (NaN bf16) and workspace (0xFF) poisoned, one call, the output's bits.
   std::vector<uint16_t> run(const DeviceModel& model, CUstream stream,
-                            const MoeForwardOptions& options = {}) {
-    poison(out, stream);
-    poison(workspace, stream);
-    moejit::moe_forward(*shape, args(model), stream, options);
-    MOEJIT_TEST_CU(cu().cuStreamSynchronize(stream));
-    return output();
+                            const MoeForwardOptions& options = {}) const {
+    std::vector<uint16_t> bits;
+    const std::string problem = try_run(model, stream, options, bits);
+    if (!problem.empty()) FAIL(problem);
+    return bits;
+  }
+
+  // run() without Catch2, for threads beside the test's own (its macros are not thread-safe): ""
+  // when the call ran, else what failed; `bits` receives the output's bits.
+  std::string try_run(const DeviceModel& model, CUstream stream, const MoeForwardOptions& options,
+                      std::vector<uint16_t>& bits) const {
+    const detail::DriverApi& api = cu();
+    auto failed = [](const char* what, CUresult result) {
+      return std::string(what) + ": " + detail::describe(result);
+    };
+    for (const DeviceBuffer* buffer : {&out, &workspace}) {
+      if (buffer->bytes() == 0) continue;
+      const CUresult poisoned = api.cuMemsetD8Async(buffer->ptr(), 0xFF, buffer->bytes(), stream);
+      if (poisoned != CUDA_SUCCESS) return failed("poison", poisoned);
+    }
+    try {
+      moejit::moe_forward(*shape, args(model), stream, options);
+    } catch (const Error& e) {
+      return std::string("moe_forward: ") + e.what();
+    }
+    const CUresult synced = api.cuStreamSynchronize(stream);
+    if (synced != CUDA_SUCCESS) return failed("cuStreamSynchronize", synced);
+    bits.resize(to_size(static_cast<int64_t>(tokens) * shape->hidden));
+    const CUresult copied = api.cuMemcpyDtoH(bits.data(), out.ptr(), bits.size() * 2);
+    if (copied != CUDA_SUCCESS) return failed("download", copied);
+    return "";
   }
 
   // One call captured into a CUDA graph (the kernels must be built already: prewarm), then

@@ -555,49 +555,32 @@ std::unique_ptr<ContextRun> context_run(CUcontext context, const ModelShape& sha
 }
 
 // `rounds` x every (call, path) in `run`'s context from the calling thread, output and workspace
-// poisoned before each call, each output compared with `expected[call][path]`. No Catch2 macro
-// here (it may run beside another thread): "" when every output matched, else what went wrong.
-std::string forwards_match(const ContextRun& run, const ModelShape& shape,
-                           const std::vector<MoeForwardOptions>& paths,
+// poisoned before each call (ForwardIo::try_run), each output compared with
+// `expected[call][path]`. No Catch2 macro here (it runs beside another thread): "" when every
+// output matched, else what went wrong.
+std::string forwards_match(const ContextRun& run, const std::vector<MoeForwardOptions>& paths,
                            const std::vector<std::vector<std::vector<uint16_t>>>& expected,
                            int rounds) {
-  const moejit::detail::DriverApi& api = cu();
-  std::ostringstream problems;
-  auto check = [&](CUresult result, const char* what) {
-    if (result != CUDA_SUCCESS)
-      problems << what << ": " << moejit::detail::describe(result) << "; ";
-    return result == CUDA_SUCCESS;
-  };
-  if (!check(api.cuCtxSetCurrent(run.context), "cuCtxSetCurrent")) return problems.str();
-  const CUstream stream = run.stream->get();
+  const CUresult current = cu().cuCtxSetCurrent(run.context);
+  if (current != CUDA_SUCCESS) {
+    return std::string("cuCtxSetCurrent: ") + moejit::detail::describe(current);
+  }
   int mismatches = 0;
+  std::vector<uint16_t> got;
   for (int round = 0; round < rounds; ++round) {
     for (std::size_t call = 0; call < run.io.size(); ++call) {
-      const ForwardIo& io = *run.io[call];
       for (std::size_t path = 0; path < paths.size(); ++path) {
-        bool ok = check(api.cuMemsetD8Async(io.out.ptr(), 0xFF, io.out.bytes(), stream), "poison");
-        ok =
-            ok && check(api.cuMemsetD8Async(io.workspace.ptr(), 0xFF, io.workspace.bytes(), stream),
-                        "poison");
-        try {
-          if (ok) moejit::moe_forward(shape, io.args(*run.model), stream, paths[path]);
-        } catch (const Error& e) {
-          problems << "moe_forward: " << e.what() << "; ";
-          ok = false;
-        }
-        ok = ok && check(api.cuStreamSynchronize(stream), "cuStreamSynchronize");
-        const std::vector<uint16_t>& want = expected[call][path];
-        std::vector<uint16_t> got(want.size());
-        ok = ok && check(api.cuMemcpyDtoH(got.data(), io.out.ptr(), got.size() * 2), "download");
-        if (!ok) return problems.str();
-        mismatches += got == want ? 0 : 1;
+        const std::string problem =
+            run.io[call]->try_run(*run.model, run.stream->get(), paths[path], got);
+        if (!problem.empty()) return problem;
+        mismatches += got == expected[call][path] ? 0 : 1;
       }
     }
   }
-  if (mismatches > 0) {
-    problems << mismatches << " of " << rounds * run.io.size() * paths.size()
-             << " outputs differ from context 0's first run";
-  }
+  if (mismatches == 0) return "";
+  std::ostringstream problems;
+  problems << mismatches << " of " << rounds * run.io.size() * paths.size()
+           << " outputs differ from context 0's first run";
   return problems.str();
 }
 
@@ -720,7 +703,7 @@ TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alon
     std::vector<std::thread> threads;
     for (int d = 0; d < 2; ++d) {
       threads.emplace_back(
-          [&, d] { problems[d] = forwards_match(*runs[d], shape, paths, expected, kRounds); });
+          [&, d] { problems[d] = forwards_match(*runs[d], paths, expected, kRounds); });
     }
     for (std::thread& t : threads) t.join();
   }
