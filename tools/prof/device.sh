@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# The GPU runs behind tools/PERF_LOG.md: stage a build's binaries on the build machine, carry them
+# to the GPU machine, then run the GPU suite, the closing tables, A/B comparisons of staged builds
+# and ncu stall profiles there, each writing its logs under $OUT.
+#
+# On the build machine (no GPU needed):
+#   tools/prof/device.sh stage BUILD_DIR NAME
+#       Copies BUILD_DIR's moejit, moejit_bench_moe, moejit_bench_runtime and moejit_gpu_tests
+#       into .stage/NAME, and the shared libraries they need that a bare CUDA machine may lack
+#       (libfmt, libspdlog) into .stage/lib. .stage is git-ignored: carry it (".stage").
+#
+# On the GPU machine, from the repository root (OUT defaults to ./device-out):
+#   tools/prof/device.sh suite NAME [CATCH2_ARGS...]
+#       Prewarms tools/shapes/reference.json for sm_90a, then runs NAME's moejit_gpu_tests.
+#   tools/prof/device.sh tables NAME [SEED]
+#       The decode section (with the read floor), the marlin section (with the dense baseline)
+#       and moejit_bench_runtime: the closing tables of a session.
+#   tools/prof/device.sh ab "NAME1 NAME2 ..." SECTION [BENCH_ARGS...]
+#       moejit_bench_moe --section SECTION --gap-ms 5 for each build in turn, per seed in $SEEDS
+#       (default "1 2"), so builds alternate on the same machine state; BENCH_ARGS go to every
+#       run (e.g. --models qwen3-30b-a3b --tokens 256 --no-dense).
+#   tools/prof/device.sh stalls NAME KERNEL_REGEX LAUNCH_SKIP [BENCH_ARGS...]
+#       ncu of one launch (the LAUNCH_SKIP-th match of KERNEL_REGEX) inside moejit_bench_moe
+#       BENCH_ARGS: the warp stall metrics, then the per-instruction export read by
+#       tools/prof/ncu_loops.py (each SASS loop's samples against its instructions).
+#       E.g. the warpgroup FC1 of qwen3-30b-a3b T = 256:
+#       stalls X regex:moe_gemm_wg 4 --section marlin --models qwen3-30b-a3b --tokens 256
+#         --no-dense --gap-ms 5 --seed 1
+#
+# Every device command uses a kernel cache of its own per build (/tmp/moejit-cache-NAME), so
+# builds never share cubins.
+set -euo pipefail
+
+die() {
+  echo "device.sh: $*" >&2
+  exit 2
+}
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+stage_dir=$root/.stage
+out=${OUT:-$root/device-out}
+shapes=$root/tools/shapes/reference.json
+binaries=(moejit tools/bench/moejit_bench_moe tools/bench/moejit_bench_runtime
+  tests/moejit_gpu_tests)
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+build_of() {  # the staged build NAME, checked
+  local dir=$stage_dir/$1
+  [[ -x $dir/moejit && -x $dir/moejit_bench_moe && -x $dir/moejit_gpu_tests ]] ||
+    die "no staged build '$1' in $dir (run 'tools/prof/device.sh stage BUILD_DIR $1' first)"
+  echo "$dir"
+}
+
+device_env() {  # NAME: the environment the tests and benchmarks of a staged build read
+  export LD_LIBRARY_PATH=$stage_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export MOEJIT_CACHE_DIR=/tmp/moejit-cache-$1
+  export MOEJIT_TEST_SHAPES_DIR=$root/tools/shapes
+  export MOEJIT_TEST_SOURCE_DIR=$root
+  export MOEJIT_TEST_CLI=$stage_dir/$1/moejit
+}
+
+elapsed() { echo "$(($(date +%s) - t0)) s"; }
+
+prewarm() {  # NAME: every reference kernel into the build's cache
+  local dir
+  dir=$(build_of "$1")
+  (device_env "$1" && "$dir/moejit" prewarm --arch sm_90a "$shapes") >"$out/prewarm-$1.txt" 2>&1 ||
+    die "prewarm of build $1 failed: $out/prewarm-$1.txt"
+  echo "prewarm $1: $(tail -n 1 "$out/prewarm-$1.txt")"
+}
+
+model_rows() {  # FILE: the benchmark's table rows and headers, not its progress lines
+  grep -E '^ *(model|qwen3|gpt-oss|deepseek|kimi)|copy|TFLOP' "$1" | cut -c1-240 || true
+}
+
+cmd_stage() {
+  [[ $# -eq 2 ]] || usage
+  local build=$1 name=$2
+  [[ -d $build ]] || die "no build directory $build"
+  [[ $name =~ ^[A-Za-z0-9_.-]+$ && $name != lib ]] ||
+    die "stage name '$name': letters, digits, '.', '_' or '-', and not 'lib'"
+  mkdir -p "$stage_dir/$name" "$stage_dir/lib"
+  local b
+  for b in "${binaries[@]}"; do
+    [[ -x $build/$b ]] ||
+      die "$build/$b is missing: configure with -DMOEJIT_BUILD_TESTS=ON -DMOEJIT_BUILD_TOOLS=ON and build"
+    cp "$build/$b" "$stage_dir/$name/"
+  done
+  # The libraries a GPU machine without the build's -dev packages would miss: cp -L follows the
+  # soname link to the real file under the soname the binaries ask for.
+  local lib
+  while read -r lib; do
+    cp -L "$lib" "$stage_dir/lib/"
+  done < <(ldd "$build/moejit" "$build/tests/moejit_gpu_tests" |
+    awk '$1 ~ /^lib(fmt|spdlog)\.so/ && $3 ~ /^\// {print $3}' | sort -u)
+  du -sh "$stage_dir" | awk -v n="$name" '{print "staged " n "; .stage holds " $1 " (the carry limit is 64 MiB)"}'
+}
+
+cmd_suite() {
+  [[ $# -ge 1 ]] || usage
+  local name=$1 dir
+  shift
+  dir=$(build_of "$name")
+  prewarm "$name"
+  local rc=0
+  (device_env "$name" && "$dir/moejit_gpu_tests" "$@") >"$out/gpu-tests-$name.txt" 2>&1 || rc=$?
+  echo "gpu tests $name rc=$rc: $(grep -E '^(All tests passed|test cases:)' "$out/gpu-tests-$name.txt" | tail -n 1) ($(elapsed))"
+  grep -i -m 5 'skip' "$out/gpu-tests-$name.txt" || true
+  grep -B 3 -A 12 'FAILED' "$out/gpu-tests-$name.txt" | head -n 80 || true
+  return "$rc"
+}
+
+cmd_tables() {
+  [[ $# -ge 1 && $# -le 2 ]] || usage
+  local name=$1 seed=${2:-1} dir section
+  dir=$(build_of "$name")
+  prewarm "$name"
+  for section in decode marlin; do
+    (device_env "$name" &&
+      "$dir/moejit_bench_moe" --section "$section" --gap-ms 5 --seed "$seed" \
+        --json "$out/$section-$name.json") >"$out/$section-$name.txt" 2>&1 ||
+      die "the $section section failed: $out/$section-$name.txt"
+    echo "== $section section, build $name, seed $seed ($(elapsed))"
+    model_rows "$out/$section-$name.txt"
+  done
+  (device_env "$name" && "$dir/moejit_bench_runtime" --compile-reps 2 --children 5) \
+    >"$out/runtime-$name.txt" 2>&1 || die "moejit_bench_runtime failed: $out/runtime-$name.txt"
+  echo "== moejit_bench_runtime, build $name ($(elapsed))"
+  cat "$out/runtime-$name.txt"
+}
+
+cmd_ab() {
+  [[ $# -ge 2 ]] || usage
+  local names=$1 section=$2 name seed
+  shift 2
+  [[ $section == marlin || $section == decode ]] || die "section '$section': marlin or decode"
+  for name in $names; do build_of "$name" >/dev/null; done
+  for name in $names; do prewarm "$name" & done
+  wait
+  for seed in ${SEEDS:-1 2}; do
+    for name in $names; do
+      local log=$out/$section-$name-$seed.txt
+      (device_env "$name" &&
+        "$stage_dir/$name/moejit_bench_moe" --section "$section" --gap-ms 5 --seed "$seed" "$@") \
+        >"$log" 2>&1 || die "build $name, seed $seed failed: $log"
+      echo "== $section, build $name, seed $seed ($(elapsed))"
+      model_rows "$log"
+    done
+  done
+}
+
+cmd_stalls() {
+  [[ $# -ge 3 ]] || usage
+  local name=$1 regex=$2 skip=$3 dir ncu
+  shift 3
+  dir=$(build_of "$name")
+  ncu=$(command -v ncu) || ncu=""
+  if [[ -z $ncu ]]; then
+    local candidate
+    for candidate in /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu; do
+      [[ -x $candidate ]] && ncu=$candidate && break
+    done
+  fi
+  [[ -n $ncu ]] || die "ncu not found (PATH, /usr/local/cuda*/bin, /opt/nvidia/nsight-compute)"
+  prewarm "$name"
+  local report=$out/stalls-$name
+  (device_env "$name" &&
+    "$ncu" --clock-control none --kernel-name "$regex" --launch-skip "$skip" --launch-count 1 \
+      --section WarpStateStats --section SourceCounters --section SchedulerStats \
+      --section LaunchStats --section Occupancy --import-source no -o "$report" -f \
+      "$dir/moejit_bench_moe" "$@") >"$report.log" 2>&1 || die "ncu failed: $report.log"
+  "$ncu" --import "$report.ncu-rep" --page raw --csv >"$report.raw.csv"
+  # The stall reasons (cycles per issued instruction) and the issue figures, one per line.
+  python3 - "$report.raw.csv" >"$report.stalls.txt" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1], newline="")))
+# Row 0 names the metrics, row 1 gives their units, row 2 holds the launch's values.
+header = next((i for i, r in enumerate(rows) if r and r[0] == "ID"), 0)
+names, values = rows[header], rows[header + 2]
+for key, value in zip(names, values):
+    if any(s in key for s in ("stall", "issue", "Kernel Name", "warps_active", "gpu__time_duration",
+                              "occupancy", "launch__")):
+        print(key, value)
+PY
+  "$ncu" --import "$report.ncu-rep" --page source --csv --print-source sass >"$report.source.csv"
+  echo "== stalls of $regex (launch $skip), build $name ($(elapsed))"
+  grep -E 'stall|issue' "$report.stalls.txt" | head -n 80 || true
+  python3 "$root/tools/prof/ncu_loops.py" "$report.source.csv"
+}
+
+[[ $# -ge 1 ]] || usage
+command=$1
+shift
+t0=$(date +%s)
+case $command in
+  stage) cmd_stage "$@" ;;
+  suite | tables | ab | stalls)
+    mkdir -p "$out"
+    "cmd_$command" "$@"
+    ;;
+  -h | --help | help) usage ;;
+  *) die "unknown command '$command' (stage, suite, tables, ab, stalls; --help)" ;;
+esac
