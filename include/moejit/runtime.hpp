@@ -23,6 +23,10 @@ struct RuntimeConfig {
   CacheMode cache_mode = CacheMode::kReadWrite;
   std::string cuda_include_dir;   // "" = MOEJIT_CUDA_INCLUDE, CUDA_HOME/CUDA_PATH, the usual prefixes
   bool allow_compile_during_capture = false;  // a miss during stream capture compiles instead of throwing
+  // Kernels carry SASS-to-source line tables (NVRTC -lineinfo) for profilers. Off by default:
+  // the tables make the large kernels' cubins ~4x bigger (slower to read, verify and load) and
+  // change no instruction. A kernel built with them is a cache entry of its own.
+  bool line_info = false;
 
   // The configuration the environment asks for (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
   static RuntimeConfig from_environment();

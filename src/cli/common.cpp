@@ -21,7 +21,7 @@ std::string help_footer() {
          "  3  invalid shape file (missing, unreadable, or breaks a rule: file:line:column named)\n"
          "  4  environment problem (cache unusable as asked, CUDA toolkit headers not found)\n"
          "Environment: MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE=rw|ro|memory, MOEJIT_CUDA_INCLUDE,\n"
-         "  MOEJIT_LOG_LEVEL, XDG_CACHE_HOME, CUDA_HOME (see README.md)";
+         "  MOEJIT_LINEINFO=0|1, MOEJIT_LOG_LEVEL, XDG_CACHE_HOME, CUDA_HOME (see README.md)";
 }
 
 int exit_code_for(ErrorCode code) {

@@ -581,12 +581,17 @@ std::string nvrtc_version() {
   return std::to_string(major) + "." + std::to_string(minor);
 }
 
-std::vector<std::string> compile_options(const Arch& arch) {
-  // Why: no fast-math (the kernels' accuracy is argued from IEEE expf and division); -lineinfo
-  // maps SASS to source for profilers at no cost to the code; -Xptxas=-v puts the register and
-  // spill report in the log, kept with each cache entry; -default-device makes the kernels'
-  // unannotated helpers device functions.
-  return {arch.nvrtc_option(), "-std=c++17", "-default-device", "-lineinfo", "-Xptxas=-v"};
+std::vector<std::string> compile_options(const Arch& arch, bool line_info) {
+  // Why: no fast-math (the kernels' accuracy is argued from IEEE expf and division); -Xptxas=-v
+  // puts the register and spill report in the log, kept with each cache entry; -default-device
+  // makes the kernels' unannotated helpers device functions. -lineinfo only when asked for: it
+  // maps SASS to source for profilers without changing an instruction, but quadruples the
+  // warpgroup GEMMs' cubins (112 KB to 447 KB for one FC1), which every first request in a
+  // process reads, hashes and loads (tools/PERF_LOG.md "line tables on request").
+  std::vector<std::string> options{arch.nvrtc_option(), "-std=c++17", "-default-device",
+                                   "-Xptxas=-v"};
+  if (line_info) options.emplace_back("-lineinfo");
+  return options;
 }
 
 namespace {
@@ -640,9 +645,9 @@ CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
 }  // namespace
 
 CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const ToolkitHeaders& toolkit,
-                       const std::string& failure_dir) {
+                       const std::string& failure_dir, bool line_info) {
   const auto start = std::chrono::steady_clock::now();
-  std::vector<std::string> options = compile_options(arch);
+  std::vector<std::string> options = compile_options(arch, line_info);
   for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
 
   const std::vector<int>& archs = supported_archs();
@@ -655,7 +660,7 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const Toolk
   }
 
   CompiledKernel out = run_nvrtc(src, arch, options, failure_dir);
-  out.options = compile_options(arch);
+  out.options = compile_options(arch, line_info);
   // Why: a cubin whose copies fault must never reach the cache (cubin_check.hpp). Without the
   // hint ptxas has no cache-policy operand to encode, so the rebuilt kernel takes the plain form.
   const int faulting = count_faulting_hinted_copies(out.cubin);
@@ -667,7 +672,7 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const Toolk
         kernel_label(src), arch.name(), faulting, kNoL2CacheHintOption);
     options.emplace_back(kNoL2CacheHintOption);
     out = run_nvrtc(src, arch, options, failure_dir);
-    out.options = compile_options(arch);
+    out.options = compile_options(arch, line_info);
     out.options.emplace_back(kNoL2CacheHintOption);
     const int left = count_faulting_hinted_copies(out.cubin);
     if (left > 0) {

@@ -53,8 +53,9 @@ ToolkitHeaders locate_toolkit_headers(const std::string& configured, const std::
 std::string nvrtc_version();
 
 // The full option list for `arch`, the include path excluded (it is machine-specific and does
-// not go into the cache key; the toolkit header digest does).
-std::vector<std::string> compile_options(const Arch& arch);
+// not go into the cache key; the toolkit header digest does). `line_info` adds -lineinfo
+// (RuntimeConfig::line_info).
+std::vector<std::string> compile_options(const Arch& arch, bool line_info = false);
 
 // Defined for the compile that replaces a cubin holding the faulting cp.async form
 // (cubin_check.hpp): kernels/moe/ptx.cuh then issues its weight copies without the L2 cache hint.
@@ -75,6 +76,7 @@ struct CompiledKernel {
 // cubin holding the faulting cp.async form (cubin_check.hpp) is compiled again with
 // kNoL2CacheHintOption; if that one still holds it, CompileError.
 CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
-                       const ToolkitHeaders& toolkit, const std::string& failure_dir);
+                       const ToolkitHeaders& toolkit, const std::string& failure_dir,
+                       bool line_info = false);
 
 }  // namespace moejit::detail

@@ -178,11 +178,11 @@ Arch decode_arch(int code) {
 }  // namespace
 
 KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
-                          const ToolkitHeaders& toolkit) {
+                          const ToolkitHeaders& toolkit, bool line_info) {
   KeyInputs inputs;
   inputs.schema_version = kCacheSchemaVersion;
   inputs.nvrtc_version = nvrtc_version();
-  inputs.options = compile_options(arch);
+  inputs.options = compile_options(arch, line_info);
   inputs.arch = arch.name();
   inputs.program_name = source.file_name;
   inputs.source = source.source;
@@ -251,7 +251,7 @@ KeyInputs Runtime::key_inputs(const KernelSpec& spec) {
   RuntimeConfig config;
   std::shared_ptr<KernelStore> store = current_store(&config);
   const GeneratedSource source = render(spec);
-  return make_key_inputs(source, spec.arch, toolkit_for(config, store->disk()));
+  return make_key_inputs(source, spec.arch, toolkit_for(config, store->disk()), config.line_info);
 }
 
 std::string Runtime::cache_key(const KernelSpec& spec) { return compute_key(key_inputs(spec)); }
@@ -263,14 +263,16 @@ BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const En
   std::shared_ptr<KernelStore> store = current_store(&config);
   const GeneratedSource source = render(spec);
   const ToolkitHeaders& toolkit = toolkit_for(config, store->disk());
-  const std::string key = compute_key(make_key_inputs(source, spec.arch, toolkit));
+  const std::string key =
+      compute_key(make_key_inputs(source, spec.arch, toolkit, config.line_info));
   const std::string name = spec.display_name();
 
   bool compiled_here = false;
   auto compile_entry = [&]() -> Entry {
     compiled_here = true;
     log().debug("cache miss: {} (key {}): compiling", name, key);
-    CompiledKernel compiled = compile(source, spec.arch, toolkit, failure_dir_for(store->disk()));
+    CompiledKernel compiled =
+        compile(source, spec.arch, toolkit, failure_dir_for(store->disk()), config.line_info);
     Entry entry;
     Manifest& manifest = entry.manifest;
     manifest.key = key;
@@ -469,6 +471,9 @@ RuntimeConfig RuntimeConfig::from_environment() {
   if (auto allow = detail::env("MOEJIT_ALLOW_CAPTURE_COMPILE")) {
     config.allow_compile_during_capture =
         detail::parse_switch("MOEJIT_ALLOW_CAPTURE_COMPILE", *allow);
+  }
+  if (auto line_info = detail::env("MOEJIT_LINEINFO")) {
+    config.line_info = detail::parse_switch("MOEJIT_LINEINFO", *line_info);
   }
   return config;
 }

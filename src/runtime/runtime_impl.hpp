@@ -32,9 +32,10 @@ struct CurrentDevice {
   Arch arch;         // its compile target: sm_<major><minor>, "a" from sm_90 on
 };
 
-// The key inputs of a rendered kernel: what Runtime::cache_key hashes.
+// The key inputs of a rendered kernel: what Runtime::cache_key hashes. `line_info`: the
+// configuration's (RuntimeConfig::line_info), which the compile options carry.
 KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
-                          const ToolkitHeaders& toolkit);
+                          const ToolkitHeaders& toolkit, bool line_info = false);
 
 class Runtime {
  public:

@@ -424,6 +424,12 @@ TEST_CASE("compile options: arch first, C++17, ptxas report, never fast-math", "
   };
   CHECK(has("-std=c++17"));
   CHECK(has("-Xptxas=-v"));
+  // Line tables only on request (RuntimeConfig::line_info).
+  CHECK_FALSE(has("-lineinfo"));
+  const std::vector<std::string> with_lines =
+      moejit::detail::compile_options(Arch::parse("sm_90a"), true);
+  CHECK(std::count(with_lines.begin(), with_lines.end(), "-lineinfo") == 1);
+  CHECK(with_lines.size() == options.size() + 1);
   for (const std::string& o : options) {
     CHECK(!contains(o, "fast-math"));
     CHECK(!contains(o, "fast_math"));

@@ -514,7 +514,8 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
   };
   std::vector<Saved> saved;
   for (const char* name : {"MOEJIT_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "MOEJIT_CACHE_MODE",
-                           "MOEJIT_CUDA_INCLUDE", "MOEJIT_ALLOW_CAPTURE_COMPILE"}) {
+                           "MOEJIT_CUDA_INCLUDE", "MOEJIT_ALLOW_CAPTURE_COMPILE",
+                           "MOEJIT_LINEINFO"}) {
     const char* value = std::getenv(name);
     saved.push_back({name, value ? value : "", value != nullptr});
   }
@@ -524,19 +525,23 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
   ::setenv("MOEJIT_CACHE_MODE", "ro", 1);
   ::setenv("MOEJIT_CUDA_INCLUDE", "/opt/cuda/include", 1);
   ::setenv("MOEJIT_ALLOW_CAPTURE_COMPILE", "1", 1);
+  ::setenv("MOEJIT_LINEINFO", "1", 1);
   moejit::RuntimeConfig config = moejit::RuntimeConfig::from_environment();
   CHECK(config.cache_dir == "/srv/moejit-cache");
   CHECK(config.cache_mode == CacheMode::kReadOnly);
   CHECK(config.cuda_include_dir == "/opt/cuda/include");
   CHECK(config.allow_compile_during_capture);
+  CHECK(config.line_info);
 
   ::unsetenv("MOEJIT_CACHE_DIR");
   ::setenv("MOEJIT_CACHE_MODE", "memory", 1);
   ::setenv("MOEJIT_ALLOW_CAPTURE_COMPILE", "0", 1);
+  ::unsetenv("MOEJIT_LINEINFO");
   config = moejit::RuntimeConfig::from_environment();
   CHECK(config.cache_dir == "/xdg/moejit");
   CHECK(config.cache_mode == CacheMode::kMemoryOnly);
   CHECK_FALSE(config.allow_compile_during_capture);
+  CHECK_FALSE(config.line_info);  // the default
 
   ::unsetenv("XDG_CACHE_HOME");
   ::setenv("MOEJIT_CACHE_MODE", "rw", 1);
@@ -551,6 +556,15 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
   } catch (const moejit::Error& e) {
     CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
     CHECK(std::string(e.what()).find("sometimes") != std::string::npos);
+  }
+  ::setenv("MOEJIT_CACHE_MODE", "rw", 1);
+  ::setenv("MOEJIT_LINEINFO", "maybe", 1);
+  try {
+    moejit::RuntimeConfig::from_environment();
+    FAIL("a bad MOEJIT_LINEINFO was accepted");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+    CHECK(std::string(e.what()).find("MOEJIT_LINEINFO=maybe") != std::string::npos);
   }
 
   for (const Saved& s : saved) {

@@ -1,5 +1,6 @@
 // The cache key: every input counts, nothing else does, and nothing machine-specific goes in.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <functional>
@@ -188,4 +189,11 @@ TEST_CASE("key: the runtime's inputs hold no machine-specific path", "[key]") {
   CHECK(compute_key(moejit::detail::make_key_inputs(source, spec.arch, moved)) == compute_key(in));
   moved.digest = moejit::detail::hash_bytes("other toolkit content");
   CHECK(compute_key(moejit::detail::make_key_inputs(source, spec.arch, moved)) != compute_key(in));
+
+  // Line tables (RuntimeConfig::line_info) are an option of the compile, so a kernel built with
+  // them is another entry: neither setting is ever served the other's cubin.
+  const KeyInputs with_lines = moejit::detail::make_key_inputs(source, spec.arch, toolkit, true);
+  CHECK(std::count(in.options.begin(), in.options.end(), "-lineinfo") == 0);
+  CHECK(std::count(with_lines.options.begin(), with_lines.options.end(), "-lineinfo") == 1);
+  CHECK(compute_key(with_lines) != compute_key(in));
 }
