@@ -111,7 +111,7 @@ cmd_suite() {
   (device_env "$name" && "$dir/moejit_gpu_tests" "$@") >"$out/gpu-tests-$name.txt" 2>&1 || rc=$?
   echo "gpu tests $name rc=$rc: $(grep -E '^(All tests passed|test cases:)' "$out/gpu-tests-$name.txt" | tail -n 1) ($(elapsed))"
   grep -i -m 5 'skip' "$out/gpu-tests-$name.txt" || true
-  grep -B 3 -A 12 'FAILED' "$out/gpu-tests-$name.txt" | head -n 80 || true
+  grep -B 3 -A 12 ': FAILED:' "$out/gpu-tests-$name.txt" | head -n 80 || true
   return "$rc"
 }
 
