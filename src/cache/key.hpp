@@ -2,14 +2,17 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace moejit::detail {
 
-// One header the generated source can include, by the name it is included as.
+// One header the generated source can include, by the name it is included as. Views, not
+// copies: the runtime's point at embedded_headers(), which live as long as the process. Why:
+// copying the ~280 KB of kernel headers into every key's inputs cost more than hashing them.
 struct KeyHeader {
-  std::string path;     // include name, e.g. "moejit/kern/append_shared.cuh" (never a disk path)
-  std::string content;
+  std::string_view path;  // include name, e.g. "moejit/kern/append_shared.cuh" (never a disk path)
+  std::string_view content;
 };
 
 // Every input of a compile. Nothing machine- or time-specific belongs here: no absolute path,

@@ -219,6 +219,50 @@ std::optional<Probes::Seen> stat_file(const std::string& path) {
                       static_cast<int64_t>(st.st_ino)};
 }
 
+// What a stamp keeps of the absent include candidates. Why directories: a candidate can only
+// appear by an entry being created in (or renamed into) its deepest existing ancestor
+// directory, which changes that directory's mtime, and a directory replaced or a symlink on the
+// way retargeted changes the inode stat reports. So one stat of each guard directory (two for
+// CUDA 13's 62 candidates) stands for one probe per candidate. A guard directory modified in the
+// last few seconds is not trusted that way (a file created within the same timestamp tick would
+// not move its mtime): its candidates stay in the stamp one by one.
+struct AbsentGuards {
+  std::map<std::string, Probes::Seen> dirs;  // guard directory -> its stat (size unused)
+  std::vector<std::string> files;            // candidates probed one by one
+};
+
+std::optional<Probes::Seen> stat_dir(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return std::nullopt;
+  return Probes::Seen{path, 0,
+                      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
+                      static_cast<int64_t>(st.st_ino)};
+}
+
+AbsentGuards absent_guards(const std::set<std::string>& absent) {
+  constexpr int64_t kFreshNs = 5'000'000'000;  // younger guard directories are not trusted
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  AbsentGuards out;
+  for (const std::string& candidate : absent) {
+    std::optional<Probes::Seen> guard;
+    for (fs::path dir = fs::path(candidate).parent_path(); !guard && !dir.empty();
+         dir = dir.parent_path()) {
+      guard = stat_dir(dir.string());
+      if (dir == dir.root_path()) break;
+    }
+    // Why probed again after the guard's stat: a candidate created since fingerprint() looked
+    // must not be covered by a stat taken after its creation.
+    if (guard && now_ns - guard->mtime_ns > kFreshNs && ::access(candidate.c_str(), F_OK) != 0) {
+      out.dirs.emplace(guard->path, *guard);
+    } else {
+      out.files.push_back(candidate);
+    }
+  }
+  return out;
+}
+
 void fingerprint(ToolkitHeaders& toolkit, Probes* probes) {
   std::vector<std::pair<fs::path, IncludeRef>> pending;  // (including file's dir, reference)
   for (const EmbeddedHeader& header : embedded_headers()) {
@@ -319,6 +363,13 @@ std::optional<ToolkitHeaders> read_stamp(const fs::path& path,
         return std::nullopt;
       }
     }
+    for (const nlohmann::json& guard : stamp.at("absent_dirs")) {
+      std::optional<Probes::Seen> now = stat_dir(guard.at(0).get<std::string>());
+      if (!now || now->mtime_ns != guard.at(1).get<int64_t>() ||
+          now->inode != guard.at(2).get<int64_t>()) {
+        return std::nullopt;
+      }
+    }
     for (const nlohmann::json& absent : stamp.at("absent")) {
       if (::access(absent.get<std::string>().c_str(), F_OK) == 0) return std::nullopt;
     }
@@ -347,7 +398,13 @@ void write_stamp(const fs::path& path, const ToolkitHeaders& toolkit, const Prob
     read.push_back(nlohmann::json::array({seen.path, seen.size, seen.mtime_ns, seen.inode}));
   }
   stamp["read"] = std::move(read);
-  stamp["absent"] = probes.absent;
+  const AbsentGuards guards = absent_guards(probes.absent);
+  nlohmann::json dirs = nlohmann::json::array();
+  for (const auto& [dir, seen] : guards.dirs) {
+    dirs.push_back(nlohmann::json::array({dir, seen.mtime_ns, seen.inode}));
+  }
+  stamp["absent_dirs"] = std::move(dirs);
+  stamp["absent"] = guards.files;
   const std::string text = stamp.dump();
   const std::string temp = path.string() + "." + std::to_string(::getpid()) + ".tmp";
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);

@@ -190,7 +190,7 @@ KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
   const std::vector<EmbeddedHeader>& headers = embedded_headers();
   inputs.headers.reserve(headers.size());
   for (const EmbeddedHeader& header : headers) {
-    inputs.headers.push_back(KeyHeader{std::string(header.path), std::string(header.content)});
+    inputs.headers.push_back(KeyHeader{header.path, header.content});
   }
   inputs.toolkit_digest = toolkit.digest.hex();
   return inputs;

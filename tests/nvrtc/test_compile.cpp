@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -479,9 +481,37 @@ TEST_CASE("toolkit fingerprint: a stamp in the cache dir is reused only while it
     s["absent"].push_back(appeared);
   });
   CHECK(locate_toolkit_headers("", dir.path(), false).digest == reference.digest);
+  // Absent candidates are guarded by their deepest existing directory: the stamp holds while the
+  // directory's mtime and inode do, and an entry created there voids it. (The directory's mtime
+  // is set back first, so the new entry cannot fall in the same timestamp tick.)
+  {
+    std::ifstream in(stamps[0]);
+    const nlohmann::json written = nlohmann::json::parse(in);
+    REQUIRE(written.contains("absent_dirs"));
+    CHECK(written.at("absent_dirs").size() + written.at("absent").size() > 0);
+    for (const nlohmann::json& guard : written.at("absent_dirs")) {
+      CHECK(std::filesystem::is_directory(guard.at(0).get<std::string>()));
+    }
+  }
+  moejit::test::TempDir guarded;
+  std::filesystem::last_write_time(
+      guarded.path(), std::filesystem::file_time_type::clock::now() - std::chrono::hours(1));
+  struct stat guard_stat {};
+  REQUIRE(::stat(guarded.path().c_str(), &guard_stat) == 0);
+  const int64_t guard_mtime =
+      static_cast<int64_t>(guard_stat.st_mtim.tv_sec) * 1000000000 + guard_stat.st_mtim.tv_nsec;
+  rewrite([&](nlohmann::json& s) {
+    s["absent"].erase(s["absent"].size() - 1);
+    s["digest"] = std::string(32, 'c');
+    s["absent_dirs"].push_back(nlohmann::json::array(
+        {guarded.path(), guard_mtime, static_cast<int64_t>(guard_stat.st_ino)}));
+  });
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest.hex() == std::string(32, 'c'));
+  std::ofstream(guarded.path() + "/shadow.h") << "// new\n";
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest == reference.digest);
   // A stamp others can write is never trusted.
-  rewrite([&](nlohmann::json& s) { s["absent"].erase(s["absent"].size() - 1); });
-  CHECK(locate_toolkit_headers("", dir.path(), false).digest.hex() == std::string(32, 'b'));
+  rewrite([&](nlohmann::json& s) { s["absent_dirs"].erase(s["absent_dirs"].size() - 1); });
+  CHECK(locate_toolkit_headers("", dir.path(), false).digest.hex() == std::string(32, 'c'));
   std::filesystem::permissions(stamps[0], std::filesystem::perms::group_write,
                                std::filesystem::perm_options::add);
   CHECK(locate_toolkit_headers("", dir.path(), false).digest == reference.digest);

@@ -174,7 +174,7 @@ TEST_CASE("runtime: kernel_source and the key inputs hold no machine path", "[ru
   std::vector<std::string> texts = {in.nvrtc_version, in.arch, in.program_name, in.source,
                                     in.name_expression, in.toolkit_digest};
   texts.insert(texts.end(), in.options.begin(), in.options.end());
-  for (const auto& header : in.headers) texts.push_back(header.path);
+  for (const auto& header : in.headers) texts.emplace_back(header.path);
   for (const std::string& text : texts) {
     INFO("key input: " << text);
     for (const std::string& include : toolkit.include_dirs) {

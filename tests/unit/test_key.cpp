@@ -70,8 +70,19 @@ TEST_CASE("key: a change to any single input changes the key", "[key]") {
       {"generated source", [](KeyInputs& in) { in.source += " "; }},
       {"name expression", [](KeyInputs& in) { in.name_expression += " "; }},
       {"one byte of one embedded header",
-       [](KeyInputs& in) { in.headers[1].content[3] = static_cast<char>(in.headers[1].content[3] ^ 1); }},
-      {"an embedded header's path", [](KeyInputs& in) { in.headers[0].path += "x"; }},
+       [](KeyInputs& in) {
+         static const std::string flipped = [&] {
+           std::string s(in.headers[1].content);
+           s[3] = static_cast<char>(s[3] ^ 1);
+           return s;
+         }();
+         in.headers[1].content = flipped;
+       }},
+      {"an embedded header's path",
+       [](KeyInputs& in) {
+         static const std::string longer = std::string(in.headers[0].path) + "x";
+         in.headers[0].path = longer;
+       }},
       {"an embedded header added",
        [](KeyInputs& in) { in.headers.push_back(KeyHeader{"moejit/kern/new.cuh", ""}); }},
       {"an embedded header removed", [](KeyInputs& in) { in.headers.pop_back(); }},
@@ -157,7 +168,7 @@ TEST_CASE("key: the runtime's inputs hold no machine-specific path", "[key]") {
                                     in.name_expression, in.toolkit_digest};
   texts.insert(texts.end(), in.options.begin(), in.options.end());
   for (const KeyHeader& header : in.headers) {
-    texts.push_back(header.path);
+    texts.emplace_back(header.path);
     CHECK(header.path.rfind("moejit/kern/", 0) == 0);
   }
   std::vector<std::string> machine = {"/opt/some", "/usr/", "/tmp", "/home"};
