@@ -75,8 +75,7 @@ struct CompiledKernel {
 // lines of the log in the message and the source saved under `failure_dir` (if non-empty). A
 // cubin holding the faulting cp.async form (cubin_check.hpp) is compiled again with
 // kNoL2CacheHintOption; if that one still holds it, CompileError.
-CompiledKernel compile(const GeneratedSource& src, const Arch& arch,
-                       const ToolkitHeaders& toolkit, const std::string& failure_dir,
-                       bool line_info = false);
+CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const ToolkitHeaders& toolkit,
+                       const std::string& failure_dir, bool line_info = false);
 
 }  // namespace moejit::detail

@@ -513,9 +513,9 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
     bool set;
   };
   std::vector<Saved> saved;
-  for (const char* name : {"MOEJIT_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "MOEJIT_CACHE_MODE",
-                           "MOEJIT_CUDA_INCLUDE", "MOEJIT_ALLOW_CAPTURE_COMPILE",
-                           "MOEJIT_LINEINFO"}) {
+  for (const char* name :
+       {"MOEJIT_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "MOEJIT_CACHE_MODE", "MOEJIT_CUDA_INCLUDE",
+        "MOEJIT_ALLOW_CAPTURE_COMPILE", "MOEJIT_LINEINFO"}) {
     const char* value = std::getenv(name);
     saved.push_back({name, value ? value : "", value != nullptr});
   }

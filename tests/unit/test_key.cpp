@@ -1,6 +1,6 @@
 // The cache key: every input counts, nothing else does, and nothing machine-specific goes in.
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cctype>
 #include <cstdlib>
 #include <functional>
@@ -84,7 +84,9 @@ TEST_CASE("key: a change to any single input changes the key", "[key]") {
          in.headers[0].path = longer;
        }},
       {"an embedded header added",
-       [](KeyInputs& in) { in.headers.push_back(KeyHeader{"moejit/kern/new.cuh", ""}); }},
+       [](KeyInputs& in) {
+         in.headers.push_back(KeyHeader{"moejit/kern/new.cuh", ""});
+       }},
       {"an embedded header removed", [](KeyInputs& in) { in.headers.pop_back(); }},
       {"toolkit digest", [](KeyInputs& in) { in.toolkit_digest[31] = '0'; }},
   };
