@@ -223,9 +223,10 @@ std::optional<Probes::Seen> stat_file(const std::string& path) {
 // appear by an entry being created in (or renamed into) its deepest existing ancestor
 // directory, which changes that directory's mtime, and a directory replaced or a symlink on the
 // way retargeted changes the inode stat reports. So one stat of each guard directory (two for
-// CUDA 13's 62 candidates) stands for one probe per candidate. A guard directory modified in the
-// last few seconds is not trusted that way (a file created within the same timestamp tick would
-// not move its mtime): its candidates stay in the stamp one by one.
+// CUDA 13's 62 candidates) stands for one probe per candidate. Not trusted that way, so probed
+// one by one as before: a candidate under a dangling symlink (its target could appear without
+// any guard changing), and one whose guard was modified in the last few seconds (a file made
+// within the same timestamp tick would not move the mtime).
 struct AbsentGuards {
   std::map<std::string, Probes::Seen> dirs;  // guard directory -> its stat (size unused)
   std::vector<std::string> files;            // candidates probed one by one
@@ -244,14 +245,22 @@ AbsentGuards absent_guards(const std::set<std::string>& absent) {
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
                              .count();
-  AbsentGuards out;
-  for (const std::string& candidate : absent) {
-    std::optional<Probes::Seen> guard;
-    for (fs::path dir = fs::path(candidate).parent_path(); !guard && !dir.empty();
-         dir = dir.parent_path()) {
-      guard = stat_dir(dir.string());
+  // The deepest existing directory above `candidate` (through symlinks to directories), or
+  // nullopt where a symlink on the way leads nowhere.
+  auto guard_of = [](const std::string& candidate) -> std::optional<Probes::Seen> {
+    for (fs::path dir = fs::path(candidate).parent_path(); !dir.empty(); dir = dir.parent_path()) {
+      struct stat st {};
+      if (::lstat(dir.c_str(), &st) == 0) {
+        if (S_ISDIR(st.st_mode) || S_ISLNK(st.st_mode)) return stat_dir(dir.string());
+        // A file on the way: the candidate needs it replaced, an entry change one level up.
+      }
       if (dir == dir.root_path()) break;
     }
+    return std::nullopt;
+  };
+  AbsentGuards out;
+  for (const std::string& candidate : absent) {
+    const std::optional<Probes::Seen> guard = guard_of(candidate);
     // Why probed again after the guard's stat: a candidate created since fingerprint() looked
     // must not be covered by a stat taken after its creation.
     if (guard && now_ns - guard->mtime_ns > kFreshNs && ::access(candidate.c_str(), F_OK) != 0) {
