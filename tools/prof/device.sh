@@ -28,7 +28,8 @@
 #         --no-dense --gap-ms 5 --seed 1
 #
 # Every device command uses a kernel cache of its own per build (/tmp/moejit-cache-NAME), so
-# builds never share cubins.
+# builds never share cubins. The kernels carry no line tables unless MOEJIT_LINEINFO=1 is set
+# (then ncu's source page maps SASS to kernel source lines; ncu_loops.py needs only SASS).
 set -euo pipefail
 
 die() {
