@@ -9,7 +9,7 @@
 #       into .stage/NAME, and the shared libraries they need that a bare CUDA machine may lack
 #       (libfmt, libspdlog) into .stage/lib. .stage is git-ignored: carry it (".stage").
 #
-# On the GPU machine, from the repository root (OUT defaults to ./device-out):
+# On the GPU machine, from the repository root (logs go to $OUT, else .stage/out):
 #   tools/prof/device.sh suite NAME [CATCH2_ARGS...]
 #       Prewarms tools/shapes/reference.json for sm_90a, then runs NAME's moejit_gpu_tests
 #       (several test names go in one comma-separated argument); no test run is a failure.
@@ -41,14 +41,14 @@ die() {
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 stage_dir=$root/.stage
-out=${OUT:-$root/device-out}
+out=${OUT:-$stage_dir/out}
 shapes=$root/tools/shapes/reference.json
 binaries=(moejit tools/bench/moejit_bench_moe tools/bench/moejit_bench_runtime
   tests/moejit_gpu_tests)
 
-usage() {
+usage() {  # [EXIT_CODE]: 0 when asked for, 2 after a usage error
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-  exit 2
+  exit "${1:-2}"
 }
 
 build_of() {  # the staged build NAME, checked
@@ -137,7 +137,7 @@ cmd_tables() {
     echo "== $section section, build $name, seed $seed ($(elapsed))"
     model_rows "$out/$section-$name.txt"
   done
-  (device_env "$name" && "$dir/moejit_bench_runtime" --compile-reps 2 --children 5) \
+  (device_env "$name" && "$dir/moejit_bench_runtime" --compile-reps 2 --children 20) \
     >"$out/runtime-$name.txt" 2>&1 || die "moejit_bench_runtime failed: $out/runtime-$name.txt"
   echo "== moejit_bench_runtime, build $name ($(elapsed))"
   cat "$out/runtime-$name.txt"
@@ -212,6 +212,6 @@ case $command in
     mkdir -p "$out"
     "cmd_$command" "$@"
     ;;
-  -h | --help | help) usage ;;
+  -h | --help | help) usage 0 ;;
   *) die "unknown command '$command' (stage, suite, tables, ab, stalls; --help)" ;;
 esac
