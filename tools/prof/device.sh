@@ -111,16 +111,16 @@ cmd_suite() {
   prewarm "$name"
   local rc=0 log=$out/gpu-tests-$name.txt summary
   (device_env "$name" && "$dir/moejit_gpu_tests" "$@") >"$log" 2>&1 || rc=$?
-  summary=$(grep -E '^(All tests passed|test cases:)' "$log" | tail -n 1)
+  summary=$(grep -E '^(All tests passed|test cases:)' "$log" | tail -n 1) || true
   # Why: Catch2 exits 0 when its filter matches nothing (as Catch2 2.13 did for three names given
   # as separate arguments, which it joined into one; one comma-separated argument works).
   if [[ -z $summary ]]; then
-    summary="no test ran: $(grep -m 1 -E 'No test cases matched|No tests ran' "$log")"
+    summary="no test ran: $(grep -m 1 -E 'No test cases matched|No tests ran' "$log" || true)"
     [[ $rc -ne 0 ]] || rc=1
   fi
   echo "gpu tests $name rc=$rc: $summary ($(elapsed))"
-  grep -i -m 5 'skip' "$out/gpu-tests-$name.txt" || true
-  grep -B 3 -A 12 ': FAILED:' "$out/gpu-tests-$name.txt" | head -n 80 || true
+  grep -i -m 5 'skip' "$log" || true
+  grep -B 3 -A 12 ': FAILED:' "$log" | head -n 80 || true
   return "$rc"
 }
 
@@ -149,8 +149,14 @@ cmd_ab() {
   shift 2
   [[ $section == marlin || $section == decode ]] || die "section '$section': marlin or decode"
   for name in $names; do build_of "$name" >/dev/null; done
-  for name in $names; do prewarm "$name" & done
-  wait
+  # The builds' prewarms side by side; why a wait per pid: a bare `wait` returns 0 whatever
+  # its jobs did, so a failed prewarm would go on to time compiles.
+  local pids=() pid
+  for name in $names; do
+    prewarm "$name" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || die "a prewarm failed (logs: $out/prewarm-*.txt)"; done
   for seed in ${SEEDS:-1 2}; do
     for name in $names; do
       local log=$out/$section-$name-$seed.txt
