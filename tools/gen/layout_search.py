@@ -16,7 +16,17 @@ layouts (integer ops a word, then ALU-pipe ops: masks, and right shifts, which p
 left shifts and the multiply go to the FMA pipe as IMAD) and checks that layout.cuh's
 mag_shift / sign_shift table is one of them.
 
-Usage: tools/gen/layout_search.py [path/to/layout.cuh]
+With --fp8 it also prices each layout for the fp8 tensor core (wgmma .e4m3, A in registers): the
+same word then fills two registers of four e4m3 bytes, row g's (a0 and a2's codes) and row g + 8's
+(a1 and a3's), each code's magnitude at byte bits 4..2 and its sign at bit 7 (E2M1 placed in
+e4m3 is the value times 2^-6, subnormals included). Which byte takes which K is free (the
+activations in shared memory can be stored in the same K order), but the same for both rows. A
+register's cost is counted in the same forms, generalized: its codes' fields grouped by shift,
+one mask (fused with the OR) per group and one shift per non-zero shift, and any two or more
+left-shift groups merged into one multiply (3 ops) when their copies neither overlap nor reach
+each other's targets. It prints, per bf16 cost, the cheapest fp8 cost any such layout allows.
+
+Usage: tools/gen/layout_search.py [--fp8] [path/to/layout.cuh]
 """
 
 import itertools
@@ -95,9 +105,86 @@ def cheapest_tilings(all_forms):
     return found
 
 
-def read_layout():
+def read_layout(args):
     default = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "moe" / "layout.cuh"
-    return pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else default).read_text()
+    return pathlib.Path(args[0] if args else default).read_text()
+
+
+def field(pos, width):
+    return ((1 << width) - 1) << pos
+
+
+def register_ops(fields):
+    """Integer ops of a register made of `fields` [(target bit, width, left shift)]: one mask a
+    shift group and one op a non-zero shift, less what merging left-shift groups into one
+    multiply saves."""
+    groups = {}
+    for target, width, s in fields:
+        g = groups.setdefault(s, [0, 0])
+        g[0] |= field(target, width)
+        g[1] |= field(target - s, width)
+    plain = sum(1 + (s != 0) for s in groups)
+    best = plain
+    left = [s for s in groups if s >= 0]
+    for k in range(2, len(left) + 1):
+        for merged in itertools.combinations(left, k):
+            src = 0
+            targets = 0
+            for s in merged:
+                src |= groups[s][1]
+                targets |= groups[s][0]
+            seen = 0
+            ok = True
+            for s in merged:
+                copy = (src << s) & FULL
+                if copy & seen or copy & targets != groups[s][0]:
+                    ok = False
+                    break
+                seen |= copy
+            if ok:
+                best = min(best, plain - sum(1 + (s != 0) for s in merged) + 3)
+    return best
+
+
+def fp8_ops(left_shifts):
+    """Integer ops of a word's two e4m3 registers for a layout given as the four bf16 registers'
+    (magnitude, sign) left shifts in pair order a0..a3, at the best byte order."""
+    # Code (pair, half): its magnitude's lowest bit and its sign bit in the word.
+    code = {}
+    for pair, (a, b) in enumerate(left_shifts):
+        for half in range(2):
+            code[(pair, half)] = (MAG_TARGETS[3 * half] - a, SIGN_TARGETS[half] - b)
+    best = None
+    for order in itertools.permutations(range(4)):  # byte of K class (pair >> 1, half)
+        ops = 0
+        for row in range(2):
+            fields = []
+            for k_block in range(2):
+                for half in range(2):
+                    mag, sign = code[(row + 2 * k_block, half)]
+                    byte = order[2 * k_block + half]
+                    fields.append((8 * byte + 2, 3, 8 * byte + 2 - mag))
+                    fields.append((8 * byte + 7, 1, 8 * byte + 7 - sign))
+            ops += register_ops(fields)
+        best = ops if best is None else min(best, ops)
+    return best
+
+
+def fp8_frontier(tilings, least, ours):
+    print(f"fp8 (two e4m3 registers a word): layout.cuh's table takes {fp8_ops(ours)} ops")
+    cheapest = {}
+    for t in tilings:
+        ops = sum(f[1] for f in t)
+        if ops > least + 3:
+            break
+        for order in itertools.permutations(t):
+            f8 = fp8_ops([(f[4], f[5]) for f in order])
+            if ops not in cheapest or f8 < cheapest[ops][0]:
+                cheapest[ops] = (f8, order)
+    for ops in sorted(cheapest):
+        f8, order = cheapest[ops]
+        desc = ", ".join(f"{f[3]}({f[4]:+d},{f[5]:+d})" for f in order)
+        print(f"  bf16 {ops} ops: fp8 at best {f8} ops ({desc})")
 
 
 def negated_table(text, fn):
@@ -109,6 +196,9 @@ def negated_table(text, fn):
 
 
 def main():
+    args = sys.argv[1:]
+    fp8 = "--fp8" in args
+    args = [a for a in args if a != "--fp8"]
     tilings = cheapest_tilings(forms())
     least = sum(f[1] for f in tilings[0])
     print(f"{len(tilings)} layouts; fewest integer ops a word: {least}")
@@ -118,7 +208,7 @@ def main():
         desc = ", ".join(f"{f[3]}({f[4]:+d},{f[5]:+d})" for f in t)
         print(f"  {sum(f[1] for f in t)} ops, {sum(f[2] for f in t)} on the ALU: {desc}")
     # layout.cuh's table (its shifts are right shifts when positive, left when negative).
-    ours = list(zip(*(negated_table(read_layout(), fn) for fn in ("mag_shift", "sign_shift"))))
+    ours = list(zip(*(negated_table(read_layout(args), fn) for fn in ("mag_shift", "sign_shift"))))
     print(f"layout.cuh (left shifts, magnitude and sign per register): {ours}")
     ours_masks = sorted(sources(a, b) for a, b in ours)
     cheapest = [sorted(f[0] for f in t) for t in tilings if sum(f[1] for f in t) == least]
@@ -126,6 +216,8 @@ def main():
         print("layout.cuh's table is not among the cheapest layouts")
         return 1
     print("layout.cuh's table is among the cheapest layouts")
+    if fp8:
+        fp8_frontier(tilings, least, ours)
     return 0
 
 
