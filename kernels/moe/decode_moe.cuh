@@ -105,10 +105,19 @@ struct DecodeTraits {
 
 // ---- routing, in every CTA's shared memory ----------------------------------------------------
 
-// In-place exclusive scan of data[0, kN) by all kThreads threads; returns the total.
+// The routing runs on every warp but the producer's (the last), which meanwhile waits for the
+// previous grid and claims the CTA's first item; barrier 2 spans the routing warps only.
+inline constexpr i32 kRouteThreads = kThreads - 32;
+static_assert(kProducerWarp == kThreads / 32 - 1, "the routing warps are the first ones");
+__device__ __forceinline__ void route_sync() {
+  asm volatile("bar.sync 2, %0;" ::"n"(kRouteThreads) : "memory");
+}
+
+// In-place exclusive scan of data[0, kN) by the kRouteThreads routing threads; returns the total,
+// which stays in warp_sums[kRouteThreads / 32].
 template <i32 kN>
 __device__ __forceinline__ u32 block_exclusive_scan(u32* data, u32* warp_sums) {
-  constexpr i32 kPer = (kN + kThreads - 1) / kThreads;
+  constexpr i32 kPer = (kN + kRouteThreads - 1) / kRouteThreads;
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
   const i32 warp = tid >> 5;
@@ -128,25 +137,25 @@ __device__ __forceinline__ u32 block_exclusive_scan(u32* data, u32* warp_sums) {
     if (lane >= off) incl += y;
   }
   if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
+  route_sync();
   if (tid == 0) {
     u32 run = 0;
-    for (i32 w = 0; w < kThreads / 32; ++w) {
+    for (i32 w = 0; w < kRouteThreads / 32; ++w) {
       const u32 s = warp_sums[w];
       warp_sums[w] = run;
       run += s;
     }
-    warp_sums[kThreads / 32] = run;
+    warp_sums[kRouteThreads / 32] = run;
   }
-  __syncthreads();
+  route_sync();
   const u32 base = warp_sums[warp] + incl - sum;
 #pragma unroll
   for (i32 i = 0; i < kPer; ++i) {
     const i32 idx = tid * kPer + i;
     if (idx < kN) data[idx] = base + local[i];
   }
-  const u32 total = warp_sums[kThreads / 32];
-  __syncthreads();
+  const u32 total = warp_sums[kRouteThreads / 32];
+  route_sync();
   return total;
 }
 
@@ -174,9 +183,11 @@ __device__ __forceinline__ u32 expert_peers(u32 e) {
 }
 
 // Fills sorted[] (positions by (expert, token, slot)) and vinfo[] (pack_virtual per virtual
-// expert); returns the number of virtual experts. `scratch` is the (still unused) ring.
+// expert), and leaves in warp_sums[kRouteThreads / 32] the number of virtual experts (low 16
+// bits). `scratch` is the (still unused) ring. Run by the kRouteThreads routing threads only; the
+// caller's barrier after it publishes the tables.
 template <class T>
-__device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16* sorted, u32* vinfo,
+__device__ __forceinline__ void route(const DecodeMoeParams& p, u8* scratch, u16* sorted, u32* vinfo,
                                      u32* warp_sums) {
   constexpr Geometry G = T::kGeo;
   constexpr i32 E = G.experts;
@@ -195,7 +206,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   const i32 begin = warp * seg;
   const i32 end = min(positions, begin + seg);
 
-  for (i32 i = tid; i < kConsumerWarps * E / 2; i += kThreads) {
+  for (i32 i = tid; i < kConsumerWarps * E / 2; i += kRouteThreads) {
     reinterpret_cast<u32*>(counts)[i] = 0u;
   }
   if ((kConsumerWarps * E) % 2 != 0 && tid == 0) counts[kConsumerWarps * E - 1] = 0;
@@ -207,16 +218,16 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
   // reads each id from global memory and writes the table for pass 2.
   const bool staged = positions > kConsumerWarps * 32;
   constexpr i32 kIdBatch = 8;
-  for (i32 base = 0; staged && base < positions; base += kIdBatch * kThreads) {
+  for (i32 base = 0; staged && base < positions; base += kIdBatch * kRouteThreads) {
     u32 e[kIdBatch];
 #pragma unroll
     for (i32 j = 0; j < kIdBatch; ++j) {
-      const i32 pos = base + j * kThreads + tid;
+      const i32 pos = base + j * kRouteThreads + tid;
       e[j] = pos < positions ? local_expert<T>(p, pos) : kNoExpert;
     }
 #pragma unroll
     for (i32 j = 0; j < kIdBatch; ++j) {
-      const i32 pos = base + j * kThreads + tid;
+      const i32 pos = base + j * kRouteThreads + tid;
       if (pos < positions) local[pos] = static_cast<u16>(e[j]);
     }
   }
@@ -226,7 +237,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     return e == 0xFFFFu ? kNoExpert : e;
   };
   const auto local_of = [&](i32 pos) { return staged ? from_table(pos) : local_expert<T>(p, pos); };
-  __syncthreads();
+  route_sync();
 
   // Pass 1: each warp counts its run per expert, and keeps every position's rank in its run.
   if (warp < kConsumerWarps) {
@@ -249,9 +260,9 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
       __syncwarp();
     }
   }
-  __syncthreads();
+  route_sync();
   // Per expert: the warps' exclusive bases, and (total << 16 | virtual experts) to scan.
-  for (i32 e = tid; e < E; e += kThreads) {
+  for (i32 e = tid; e < E; e += kRouteThreads) {
     u32 run = 0;
 #pragma unroll
     for (i32 w = 0; w < kConsumerWarps; ++w) {
@@ -261,7 +272,7 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
     }
     sums[e] = (run << 16) | static_cast<u32>(ceil_div(static_cast<i32>(run), G.block_n));
   }
-  __syncthreads();
+  route_sync();
   const u32 grand = block_exclusive_scan<E>(sums, warp_sums);
 
   // Pass 2: every position goes to its expert's first index + its warp's base + its rank in the
@@ -278,8 +289,8 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
       if (e != kNoExpert) sorted[(sums[e] >> 16) + mine[e] + rank16[pos]] = static_cast<u16>(pos);
     }
   }
-  __syncthreads();
-  for (i32 e = tid; e < E; e += kThreads) {
+  route_sync();
+  for (i32 e = tid; e < E; e += kRouteThreads) {
     const u32 here = sums[e];
     const u32 next = e + 1 < E ? sums[e + 1] : grand;
     const i32 first = static_cast<i32>(here >> 16);
@@ -291,8 +302,6 @@ __device__ __forceinline__ i32 route(const DecodeMoeParams& p, u8* scratch, u16*
       vinfo[v0 + j] = pack_virtual(e, count, first + j * G.block_n);
     }
   }
-  __syncthreads();
-  return static_cast<i32>(grand & 0xFFFFu);
 }
 
 // ---- the consumers' math -----------------------------------------------------------------------
@@ -494,15 +503,26 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     misc[kMiscRetired] = 0u;
     misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
   }
-  const i32 nv = route<T>(p, ring, sorted, vinfo, misc + kMiscScan);  // ends with __syncthreads
-
-  // Counters were zeroed by decode_moe_reset, the previous grid in the stream.
-  ::moejit::kern::ptx::grid_dependency_wait();
-  // The combine may be scheduled now: it waits for this whole grid before it reads a row.
-  ::moejit::kern::ptx::launch_dependents();
   u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
   u32* const queue = counters;
   u32* const fc1_done = counters + 1;
+  // The producer's lane 0 claims the CTA's first item while the other warps route. The counters
+  // were zeroed by decode_moe_reset, the previous grid in the stream, whose completion the wait
+  // gives; at T <= 24 that completion came after the routing's end, and the claim's round trip
+  // after both (a trace: tools/PERF_LOG.md "the first claim during the routing").
+  i32 first_item = 0;
+  if (warp == kProducerWarp) {
+    ::moejit::kern::ptx::grid_dependency_wait();
+    if (lane == 0) first_item = static_cast<i32>(atomicAdd(queue, 1u));
+  } else {
+    route<T>(p, ring, sorted, vinfo, misc + kMiscScan);
+  }
+  __syncthreads();  // the routing's tables, the barriers' initialization
+  const i32 nv = static_cast<i32>(misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
+
+  ::moejit::kern::ptx::grid_dependency_wait();
+  // The combine may be scheduled now: it waits for this whole grid before it reads a row.
+  ::moejit::kern::ptx::launch_dependents();
   u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
   u16* const out2 = reinterpret_cast<u16*>(p.workspace + G.ws_out2());
 
@@ -594,9 +614,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     // progress, even when only part of it is resident (a kernel of another stream on some SMs)
     // and whatever order CTAs are dispatched in. Handing CTA b item b saves the first claim's
     // round trip but gives that up (tools/PERF_LOG.md "first-static taken back").
-    i32 item = 0;
-    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
-    item = __shfl_sync(0xffffffffu, item, 0);
+    i32 item = __shfl_sync(0xffffffffu, first_item, 0);
     while (item < total) {
       const bool fc2 = item >= fc1_total;
       const i32 local = fc2 ? item - fc1_total : item;

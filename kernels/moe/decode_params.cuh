@@ -22,8 +22,8 @@ namespace moejit::kern::moe::decode {
 
 inline constexpr i32 kMaxTokens = 256;                     // decode_moe serves T <= 256
 inline constexpr i32 kConsumerWarps = 8;                   // warps that dequantize and multiply
-inline constexpr i32 kProducerWarp = kConsumerWarps;       // streams the ring
-inline constexpr i32 kPublisherWarp = kConsumerWarps + 1;  // retires items (fences, counters)
+inline constexpr i32 kPublisherWarp = kConsumerWarps;      // retires items (fences, counters)
+inline constexpr i32 kProducerWarp = kConsumerWarps + 1;   // streams the ring (the last warp)
 inline constexpr i32 kThreads = 32 * (kConsumerWarps + 2);
 inline constexpr i32 kConsumerThreads = 32 * kConsumerWarps;
 inline constexpr i32 kFc1ChunkKMin = 4;        // FC1 chunk: 4 to 16 K atoms (fc1_chunk_k)
