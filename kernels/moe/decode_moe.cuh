@@ -457,7 +457,9 @@ inline constexpr i32 kMiscScan = 0;             // [0, 10): block_exclusive_scan
 inline constexpr i32 kMiscRetired = 16;         // items the publisher has retired
 inline constexpr i32 kMiscInFlight = 32;        // [32, 64): items issued, not yet retired (ring)
 inline constexpr i32 kMiscIssuedFinal = 64;     // items the producer issued, once it is done
+inline constexpr i32 kMiscEarlyTokens = 96;     // [96, 128): the first chunk's tokens (produce)
 inline constexpr i32 kMiscWords = 128;          // then the item barriers
+static_assert(kMiscEarlyTokens + 32 <= kMiscWords, "one word per position of a virtual expert");
 inline constexpr i32 kInFlight = 32;
 static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
               "control words and item barriers fit the shared memory reserved for them");
@@ -465,6 +467,370 @@ static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
 // item arithmetic).
 inline constexpr i32 kHeaderFc2 = 1 << 16;
 inline constexpr i32 kHeaderLast = 1 << 17;
+
+// decode_moe's shared-memory regions, as the kernel carves them.
+struct CtaShared {
+  u8* ring;
+  u16* sorted;
+  u32* vinfo;
+  u64* full;
+  u64* empty;
+  i32* headers;  // [stages][4]: item (>= 0) or -1 = end, positions, virtual expert, slice | flags
+  u32* misc;
+  u64* item_done;
+};
+
+// The end of the routing, for every warp: the routing warps after their tables, the producer
+// after its first claim (and, with Geometry::early_chunk, its first chunk).
+__device__ __forceinline__ void routing_done() {
+  asm volatile("bar.sync 3, %0;" ::"n"(kThreads) : "memory");
+}
+
+// The virtual expert of an item as the producer copies it: its expert, its positions, and this
+// lane's token (FC1: the hidden row lane < count copies).
+struct Virtual {
+  i32 expert;
+  i32 count;
+  i32 token;
+};
+
+// One item's copies, derived once per item.
+struct Unit {
+  i32 item;
+  bool fc2;
+  i32 v;       // virtual expert
+  i32 slice;   // item inside the virtual expert
+  i32 count;   // positions
+  i32 strips;  // strips per chunk
+  i32 chunk_k;
+  i32 chunks;
+  i32 row0;       // the tensor row of the item's first strip
+  u32 act_bytes;  // one activation row of a chunk
+  u32 tx;         // bytes the copies of one chunk deliver (FC2 activations come by cp.async)
+  const u16* act_src;  // FC1: this lane's activation row (lane < count), else null
+};
+
+// The producer warp. Lane 0 keeps the books and issues a chunk's two tensor copies (weights,
+// scales); lanes below the virtual expert's count copy its activation rows. It starts beside the
+// routing: it waits for the previous grid and claims the CTA's first item, and where the tile
+// leaves slot 0 out of the routing scratch (Geometry::early_chunk) it also finds that item's
+// virtual expert on its own and issues its first chunk, so the first bytes land while the
+// other warps route. Then it joins routing_done() and streams the rest from the routing's
+// tables.
+template <class T>
+__device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShared& s, i32 lane) {
+  constexpr Geometry G = T::kGeo;
+  constexpr i32 kS = G.stages;
+  constexpr i32 kActRow = G.act_row_bytes();
+  constexpr i32 kFc1ChunkK = G.fc1_chunk_k();
+  constexpr i32 kFc2ChunkK = G.fc2_chunk_k();
+  u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
+  u32* const queue = counters;
+  u32* const fc1_done = counters + 1;
+  const u16* const inter = reinterpret_cast<const u16*>(p.workspace + G.ws_inter());
+  i32* const in_flight = reinterpret_cast<i32*>(s.misc + kMiscInFlight);
+  const u32 ring_base = ptx::smem_u32(s.ring);
+
+  const u64 evict_first = ptx::policy_evict_first();
+  if (lane == 0) {
+    pipe::prefetch_map(p.w13);
+    pipe::prefetch_map(p.w13_scales);
+    pipe::prefetch_map(p.w2);
+    pipe::prefetch_map(p.w2_scales);
+  }
+  u32 seq = 0;  // ring entries produced (position and phase)
+  u32 issued = 0;
+
+  const auto open_entry = [&]() {
+    const i32 slot = static_cast<i32>(seq % kS);
+    pipe::wait(ptx::smem_u32(s.empty + slot), ((seq / kS) & 1u) ^ 1u);
+    ++seq;
+    return slot;
+  };
+  // Lane 0, before it issues item `issued`: at most kInFlight items between the publisher and
+  // the producer (the ring of item barriers and in_flight[]); the wait is reached only if the
+  // publisher falls far behind.
+  const auto wait_for_room = [&]() {
+    while (issued - pipe::load_acquire_cta(s.misc + kMiscRetired) >= kInFlight) {
+      ptx::sleep_ns(256);
+    }
+  };
+  // Item `item` of a queue whose FC1 items end at fc1_total; virtual_of(v, fc2) gives its
+  // virtual expert.
+  const auto make_unit = [&](i32 item, i32 fc1_total, const auto& virtual_of) {
+    Unit u;
+    u.item = item;
+    u.fc2 = item >= fc1_total;
+    const i32 local = u.fc2 ? item - fc1_total : item;
+    const i32 per_v = u.fc2 ? G.fc2_items() : G.fc1_items();
+    u.v = local / per_v;
+    u.slice = local % per_v;
+    const Virtual x = virtual_of(u.v, u.fc2);
+    u.count = x.count;
+    u.strips = u.fc2 ? G.fc2_strips : G.fc1_strips;
+    u.chunk_k = u.fc2 ? kFc2ChunkK : kFc1ChunkK;
+    u.chunks = u.fc2 ? G.fc2_chunks() : G.fc1_chunks();
+    u.row0 = x.expert * (u.fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) + u.slice * u.strips;
+    u.act_bytes = static_cast<u32>(u.chunk_k * layout::kAtomK * 2);
+    u.tx = static_cast<u32>(u.strips * u.chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
+           (u.fc2 ? 0u : static_cast<u32>(u.count) * u.act_bytes);
+    u.act_src = !u.fc2 && lane < u.count ? p.hidden + static_cast<i64>(x.token) * G.hidden : nullptr;
+    return u;
+  };
+  // One tensor copy per group of up to 4 atoms lands the chunk's strips (slot_atom's order), one
+  // more its scales.
+  const auto issue_weights = [&](const Unit& u, i32 c, i32 slot) {
+    if (lane == 0) {
+      const TensorMap& wmap = u.fc2 ? p.w2 : p.w13;
+      const TensorMap& smap = u.fc2 ? p.w2_scales : p.w13_scales;
+      const u32 bar = ptx::smem_u32(s.full + slot);
+      const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
+      const i32 gw = copy_group_atoms(u.chunk_k);
+      for (i32 q = 0; q < u.chunk_k / gw; ++q) {
+        const i32 atom0 = c * u.chunk_k + q * gw;  // the group's first K atom
+        const u32 first = static_cast<u32>(q * u.strips * gw);
+        pipe::copy_2d(slot_base + first * layout::kAtomBytes, wmap,
+                      atom0 * (layout::kAtomBytes / kMapElementBytes), u.row0, bar, evict_first);
+        pipe::copy_2d(
+            slot_base + static_cast<u32>(G.slot_weight_bytes()) + first * layout::kAtomScaleBytes,
+            smap, atom0 * (layout::kAtomScaleBytes / kMapElementBytes), u.row0, bar, evict_first);
+      }
+    }
+  };
+  // FC1 rows (hidden, written before this grid) come by bulk copy. FC2 rows were written in this
+  // grid by other CTAs' plain stores: they come by 16-byte cp.async (generic proxy, so no proxy
+  // fence, which would wait for every bulk copy this thread has in flight), each lane's copies
+  // tracked by the slot's barrier (pending count +1, arrive when landed).
+  const auto issue_act = [&](const Unit& u, i32 c, i32 slot) {
+    const u32 dst0 = ring_base + static_cast<u32>(slot * G.slot_bytes() + G.slot_weight_bytes() +
+                                                  G.slot_scale_bytes());
+    const u32 bar = ptx::smem_u32(s.full + slot);
+    if (!u.fc2) {
+      if (lane < u.count) {
+        pipe::copy(dst0 + static_cast<u32>(lane * kActRow),
+                   u.act_src + c * u.chunk_k * layout::kAtomK, u.act_bytes, bar);
+      }
+      return;
+    }
+    constexpr i32 kPieces = kFc2ChunkK * layout::kAtomK * 2 / 16;  // 16 or 32 per row
+    const u16* const rows =
+        inter + static_cast<i64>(u.v) * G.block_n * G.inter + c * kFc2ChunkK * layout::kAtomK;
+    for (i32 i = lane; i < u.count * kPieces; i += 32) {
+      const i32 n = i / kPieces;
+      const i32 piece = i % kPieces;
+      ptx::cp_async_16(dst0 + static_cast<u32>(n * kActRow + piece * 16),
+                       rows + static_cast<i64>(n) * G.inter + piece * 8, 16u);
+    }
+    if (lane < u.count * kPieces) pipe::arrive_on_copies(bar);
+  };
+  // The entry's single counted arrival, after every copy (and every cp.async arrive-on) of the
+  // chunk is registered, so the phase cannot complete early.
+  const auto close_chunk = [&](i32 slot) {
+    __syncwarp();
+    if (lane == 0) pipe::arrive(ptx::smem_u32(s.full + slot));
+    __syncwarp();
+  };
+  const auto open_chunk = [&](const Unit& u, i32 c) {
+    const i32 slot = open_entry();
+    if (lane == 0) {
+      s.headers[4 * slot] = u.item;
+      s.headers[4 * slot + 1] = u.count;
+      s.headers[4 * slot + 2] = u.v;
+      s.headers[4 * slot + 3] =
+          u.slice | (u.fc2 ? kHeaderFc2 : 0) | (c == u.chunks - 1 ? kHeaderLast : 0);
+      pipe::expect_tx(ptx::smem_u32(s.full + slot), u.tx);
+    }
+    __syncwarp();
+    return slot;
+  };
+  const auto begin_item = [&](const Unit& u) {
+    if (lane == 0) {
+      wait_for_room();
+      in_flight[issued % kInFlight] = u.item;
+    }
+    ++issued;
+  };
+  const auto full_chunk = [&](const Unit& u, i32 c) {
+    const i32 slot = open_chunk(u, c);
+    issue_weights(u, c, slot);
+    issue_act(u, c, slot);
+    close_chunk(slot);
+  };
+
+  // ---- beside the routing ----
+  // Every item, the first included, comes from the queue, FC1 items before FC2 items. Why: an FC2
+  // item spins until its expert's FC1 items are counted, and claims in queue order mean each of
+  // those was claimed earlier by a CTA that is running, so the grid always makes progress, even
+  // when only part of it is resident (a kernel of another stream on some SMs) and whatever order
+  // CTAs are dispatched in. Handing CTA b item b saves the first claim's round trip but gives
+  // that up (tools/PERF_LOG.md "first-static taken back").
+  i32 item = 0;    // lane 0: the CTA's first item
+  i32 next = 0;    // lane 0: the item after it, claimed once its first chunk is out
+  i32 resume = 0;  // chunks of the first item issued before the routing ended
+  if constexpr (G.early_chunk()) {
+    // The same virtual experts as the routing's (route): per expert ceil(positions / block_n),
+    // in expert order; block j of expert e holds its positions j * block_n .. in position order.
+    // Slot 0 holds the counts u32 [E] in its activation rows and the local experts u16
+    // [positions] in its weights until its copies go out.
+    constexpr i32 E = G.experts;
+    constexpr i32 kPer = ceil_div(E, 32);  // experts per lane in the scan
+    constexpr i32 kIdBatch = 8;
+    u16* const ids = reinterpret_cast<u16*>(s.ring);
+    u32* const hist = reinterpret_cast<u32*>(s.ring + G.slot_weight_bytes() + G.slot_scale_bytes());
+    const i32 positions = p.num_tokens * G.top_k;
+    for (i32 i = lane; i < E; i += 32) hist[i] = 0u;
+    __syncwarp();
+    for (i32 base = 0; base < positions; base += kIdBatch * 32) {
+      u32 e[kIdBatch];
+#pragma unroll
+      for (i32 k = 0; k < kIdBatch; ++k) {
+        const i32 pos = base + k * 32 + lane;
+        e[k] = pos < positions ? local_expert<T>(p, pos) : kNoExpert;
+      }
+#pragma unroll
+      for (i32 k = 0; k < kIdBatch; ++k) {
+        const i32 pos = base + k * 32 + lane;
+        if (pos < positions) ids[pos] = static_cast<u16>(e[k]);
+        if (e[k] != kNoExpert) atomicAdd(hist + e[k], 1u);
+      }
+    }
+    __syncwarp();
+    u32 mine = 0;  // virtual experts of this lane's experts
+#pragma unroll
+    for (i32 i = 0; i < kPer; ++i) {
+      const i32 e = lane * kPer + i;
+      if (e < E) mine += static_cast<u32>(ceil_div(static_cast<i32>(hist[e]), G.block_n));
+    }
+    u32 below = mine;  // inclusive scan over the lanes
+#pragma unroll
+    for (i32 off = 1; off < 32; off <<= 1) {
+      const u32 y = __shfl_up_sync(0xffffffffu, below, off);
+      if (lane >= off) below += y;
+    }
+    const i32 nv = static_cast<i32>(__shfl_sync(0xffffffffu, below, 31));
+    below -= mine;
+
+    ::moejit::kern::ptx::grid_dependency_wait();
+    ::moejit::kern::ptx::launch_dependents();
+    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
+    item = __shfl_sync(0xffffffffu, item, 0);
+    if (item < nv * G.fc1_items()) {
+      const u32 v = static_cast<u32>(item / G.fc1_items());
+      const i32 owner = __ffs(__ballot_sync(0xffffffffu, v >= below && v < below + mine)) - 1;
+      i32 expert = 0;
+      i32 block = 0;
+      if (lane == owner) {
+        u32 at = below;
+        for (i32 i = 0; i < kPer; ++i) {
+          const i32 e = lane * kPer + i;
+          const u32 n = static_cast<u32>(ceil_div(static_cast<i32>(hist[e]), G.block_n));
+          if (v < at + n) {
+            expert = e;
+            block = static_cast<i32>(v - at);
+            break;
+          }
+          at += n;
+        }
+      }
+      expert = __shfl_sync(0xffffffffu, expert, owner);
+      block = __shfl_sync(0xffffffffu, block, owner);
+      const i32 lo = block * G.block_n;
+      const i32 count = min(G.block_n, static_cast<i32>(hist[expert]) - lo);
+      // The tokens of the block's positions, in position order, to misc (one word each).
+      i32 seen = 0;
+      for (i32 base = 0; base < positions && seen < lo + count; base += 32) {
+        const i32 pos = base + lane;
+        const bool hit = pos < positions && ids[pos] == static_cast<u16>(expert);
+        const u32 ballot = __ballot_sync(0xffffffffu, hit);
+        const i32 rank = seen + __popc(ballot & pipe::lanemask_lt());
+        if (hit && rank >= lo && rank < lo + count) {
+          s.misc[kMiscEarlyTokens + rank - lo] = static_cast<u32>(pos / G.top_k);
+        }
+        seen += __popc(ballot);
+      }
+      __syncwarp();
+      const i32 token = lane < count ? static_cast<i32>(s.misc[kMiscEarlyTokens + lane]) : 0;
+      // The counts and ids were written with plain stores where the copies now land.
+      pipe::fence_proxy_async();
+      __syncwarp();
+      const Unit u = make_unit(item, nv * G.fc1_items(),
+                               [&](i32, bool) { return Virtual{expert, count, token}; });
+      begin_item(u);
+      full_chunk(u, 0);
+      if (lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
+      resume = 1;
+    }
+  } else {
+    ::moejit::kern::ptx::grid_dependency_wait();
+    ::moejit::kern::ptx::launch_dependents();
+    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
+  }
+  routing_done();
+
+  // ---- from the routing's tables ----
+  const i32 nv = static_cast<i32>(s.misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
+  if (nv == 0) return;  // no local position: nothing to compute (no chunk was issued early)
+  const i32 fc1_total = nv * G.fc1_items();
+  const i32 total = fc1_total + nv * G.fc2_items();
+  pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
+  const auto from_tables = [&](i32 v, bool fc2) {
+    const u32 info = s.vinfo[v];
+    const i32 count = virtual_count(info);
+    const i32 first = virtual_first(info);
+    return Virtual{virtual_expert(info), count,
+                   !fc2 && lane < count ? s.sorted[first + lane] / G.top_k : 0};
+  };
+  item = __shfl_sync(0xffffffffu, item, 0);
+  while (item < total) {
+    const Unit u = make_unit(item, fc1_total, from_tables);
+    u32 ready = 0;  // FC1 items of v done, loaded early (an FC2 item waits for all of them)
+    if (u.fc2 && lane == 0) ready = ptx::load_relaxed(fc1_done + u.v);
+    i32 c = resume;  // the first item's chunks issued beside the routing (its next claimed)
+    if (resume == 0) begin_item(u);
+    resume = 0;
+    if (u.fc2) {
+      // Weights of the first chunks before waiting for FC1 of this virtual expert.
+      const i32 early = min(u.chunks, kS);
+      const u32 seq0 = seq;
+      for (; c < early; ++c) {
+        issue_weights(u, c, open_chunk(u, c));
+        if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
+      }
+      if (lane == 0) {
+        // Acquired either way: orders the FC1 rows before the copies below.
+        if (ready < static_cast<u32>(G.fc1_items())) {
+          ptx::wait_at_least(fc1_done + u.v, static_cast<u32>(G.fc1_items()), kCounterWaitLimitNs);
+        } else {
+          ptx::load_acquire(fc1_done + u.v);
+        }
+      }
+      __syncwarp();
+      for (i32 k = 0; k < early; ++k) {
+        const i32 slot = static_cast<i32>((seq0 + k) % kS);
+        issue_act(u, k, slot);
+        close_chunk(slot);
+      }
+    }
+    for (; c < u.chunks; ++c) {
+      full_chunk(u, c);
+      if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
+    }
+    item = __shfl_sync(0xffffffffu, next, 0);
+  }
+  // Queue drained: tell the publisher where the items end, and stop the consumers (their last
+  // items still arrive on the item barriers the publisher waits on).
+  if (lane == 0) {
+    pipe::store_release_cta(s.misc + kMiscIssuedFinal, issued);
+    // Wakes the publisher: the barrier of item `issued` (never issued) completes at once.
+    wait_for_room();
+    pipe::arrive(ptx::smem_u32(s.item_done + issued % kInFlight), kConsumerWarps);
+  }
+  const i32 slot = open_entry();
+  if (lane == 0) {
+    s.headers[4 * slot] = -1;
+    pipe::arrive(ptx::smem_u32(s.full + slot));
+  }
+}
 
 template <class T>
 // Why __grid_constant__: the tensor copies name the maps in the parameter space by address.
@@ -503,34 +869,27 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     misc[kMiscRetired] = 0u;
     misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
   }
-  u32* const counters = reinterpret_cast<u32*>(p.workspace + G.ws_counters());
-  u32* const queue = counters;
-  u32* const fc1_done = counters + 1;
-  // The producer's lane 0 claims the CTA's first item while the other warps route. The counters
-  // were zeroed by decode_moe_reset, the previous grid in the stream, whose completion the wait
-  // gives (~2-2.5 us after the reset's own wait, in a trace); the claim's round trip used to
-  // follow the routing. Measured on the H200 (tools/PERF_LOG.md "the first claim during the
-  // routing"): -0.44 us a layer on average at T = 6-256, -1.8 us at kimi-k3.1-tp4-ep2 T = 256.
-  i32 first_item = 0;
+  // Barriers, item barriers and control words initialized before the producer starts (beside
+  // the routing).
+  __syncthreads();
   if (warp == kProducerWarp) {
-    ::moejit::kern::ptx::grid_dependency_wait();
-    if (lane == 0) first_item = static_cast<i32>(atomicAdd(queue, 1u));
-  } else {
-    route<T>(p, ring, sorted, vinfo, misc + kMiscScan);
+    produce<T>(p, CtaShared{ring, sorted, vinfo, full, empty, headers, misc, item_done}, lane);
+    return;
   }
-  __syncthreads();  // the routing's tables, the barriers' initialization
+  route<T>(p, ring + G.route_scratch_offset(), sorted, vinfo, misc + kMiscScan);
+  routing_done();
   const i32 nv = static_cast<i32>(misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
 
   ::moejit::kern::ptx::grid_dependency_wait();
   // The combine may be scheduled now: it waits for this whole grid before it reads a row.
   ::moejit::kern::ptx::launch_dependents();
-  u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
+  u32* const fc1_done = reinterpret_cast<u32*>(p.workspace + G.ws_counters()) + 1;
   u16* const out2 = reinterpret_cast<u16*>(p.workspace + G.ws_out2());
+  u16* const inter = reinterpret_cast<u16*>(p.workspace + G.ws_inter());
 
   // No local position at all: nothing to compute, and the combine writes zeros.
   if (nv == 0) return;
   const i32 fc1_total = nv * G.fc1_items();
-  const i32 total = fc1_total + nv * G.fc2_items();
   const u32 ring_base = ptx::smem_u32(ring);
   constexpr i32 kActRow = G.act_row_bytes();
   constexpr i32 kFc1ChunkK = G.fc1_chunk_k();
@@ -575,192 +934,6 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
         atomicAdd(fc1_done + it / G.fc1_items(), 1u);
       }
       pipe::store_release_cta(misc + kMiscRetired, retired);
-    }
-    return;
-  }
-
-  if (warp == kProducerWarp) {
-    // ============================== producer ==============================
-    // Lane 0 keeps the books and issues a chunk's two tensor copies (weights, scales); lanes
-    // below the virtual expert's count copy its activation rows.
-    const u64 evict_first = ptx::policy_evict_first();
-    if (lane == 0) {
-      pipe::prefetch_map(p.w13);
-      pipe::prefetch_map(p.w13_scales);
-      pipe::prefetch_map(p.w2);
-      pipe::prefetch_map(p.w2_scales);
-    }
-    pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
-    u32 seq = 0;                // ring entries produced (position and phase)
-    u32 issued = 0;
-
-    const auto open_entry = [&]() {
-      const i32 slot = static_cast<i32>(seq % kS);
-      pipe::wait(ptx::smem_u32(empty + slot), ((seq / kS) & 1u) ^ 1u);
-      ++seq;
-      return slot;
-    };
-    // Lane 0, before it issues item `issued`: at most kInFlight items between the publisher and
-    // the producer (the ring of item barriers and in_flight[]); the wait is reached only if the
-    // publisher falls far behind.
-    const auto wait_for_room = [&]() {
-      while (issued - pipe::load_acquire_cta(misc + kMiscRetired) >= kInFlight) {
-        ptx::sleep_ns(256);
-      }
-    };
-
-    // Every item, the first included, comes from the queue, FC1 items before FC2 items. Why: an
-    // FC2 item spins until its expert's FC1 items are counted, and claims in queue order mean
-    // each of those was claimed earlier by a CTA that is running, so the grid always makes
-    // progress, even when only part of it is resident (a kernel of another stream on some SMs)
-    // and whatever order CTAs are dispatched in. Handing CTA b item b saves the first claim's
-    // round trip but gives that up (tools/PERF_LOG.md "first-static taken back").
-    i32 item = __shfl_sync(0xffffffffu, first_item, 0);
-    while (item < total) {
-      const bool fc2 = item >= fc1_total;
-      const i32 local = fc2 ? item - fc1_total : item;
-      const i32 per_v = fc2 ? G.fc2_items() : G.fc1_items();
-      const i32 v = local / per_v;
-      const i32 slice = local % per_v;
-      u32 ready = 0;  // FC1 items of v done, loaded early (an FC2 item waits for all of them)
-      if (fc2 && lane == 0) ready = ptx::load_relaxed(fc1_done + v);
-      const u32 info = vinfo[v];
-      const i32 e = virtual_expert(info);
-      const i32 count = virtual_count(info);
-      const i32 first = virtual_first(info);
-      const i32 strips = fc2 ? G.fc2_strips : G.fc1_strips;
-      const i32 chunk_k = fc2 ? kFc2ChunkK : kFc1ChunkK;
-      const i32 chunks = fc2 ? G.fc2_chunks() : G.fc1_chunks();
-      const TensorMap& wmap = fc2 ? p.w2 : p.w13;
-      const TensorMap& smap = fc2 ? p.w2_scales : p.w13_scales;
-      // The tensor row of the item's first strip.
-      const i32 row0 = e * (fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) + slice * strips;
-      const u32 act_bytes = static_cast<u32>(chunk_k * layout::kAtomK * 2);
-      // Bytes the copies of one chunk deliver (FC2 activations come by cp.async).
-      const u32 tx =
-          static_cast<u32>(strips * chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
-          (fc2 ? 0u : static_cast<u32>(count) * act_bytes);
-      // FC1: this lane's activation row (lane < count), the hidden row of its token.
-      const u16* const act_src =
-          !fc2 && lane < count
-              ? p.hidden + static_cast<i64>(sorted[first + lane] / G.top_k) * G.hidden
-              : nullptr;
-      // One tensor copy per group of up to 4 atoms lands the chunk's strips (slot_atom's
-      // order), one more its scales.
-      const auto issue_weights = [&](i32 c, i32 slot) {
-        if (lane == 0) {
-          const u32 bar = ptx::smem_u32(full + slot);
-          const u32 slot_base = ring_base + static_cast<u32>(slot * G.slot_bytes());
-          const i32 gw = copy_group_atoms(chunk_k);
-          for (i32 q = 0; q < chunk_k / gw; ++q) {
-            const i32 atom0 = c * chunk_k + q * gw;  // the group's first K atom
-            const u32 first = static_cast<u32>(q * strips * gw);
-            pipe::copy_2d(slot_base + first * layout::kAtomBytes, wmap,
-                          atom0 * (layout::kAtomBytes / kMapElementBytes), row0, bar, evict_first);
-            pipe::copy_2d(slot_base + static_cast<u32>(G.slot_weight_bytes()) +
-                              first * layout::kAtomScaleBytes,
-                          smap, atom0 * (layout::kAtomScaleBytes / kMapElementBytes), row0, bar,
-                          evict_first);
-          }
-        }
-      };
-      // FC1 rows (hidden, written before this grid) come by bulk copy. FC2 rows were written in
-      // this grid by other CTAs' plain stores: they come by 16-byte cp.async (generic proxy, so
-      // no proxy fence, which would wait for every bulk copy this thread has in flight), each
-      // lane's copies tracked by the slot's barrier (pending count +1, arrive when landed).
-      const auto issue_act = [&](i32 c, i32 slot) {
-        const u32 dst0 = ring_base + static_cast<u32>(slot * G.slot_bytes() +
-                                                      G.slot_weight_bytes() + G.slot_scale_bytes());
-        const u32 bar = ptx::smem_u32(full + slot);
-        if (!fc2) {
-          if (lane < count) {
-            pipe::copy(dst0 + static_cast<u32>(lane * kActRow),
-                       act_src + c * chunk_k * layout::kAtomK, act_bytes, bar);
-          }
-          return;
-        }
-        constexpr i32 kPieces = kFc2ChunkK * layout::kAtomK * 2 / 16;  // 16 or 32 per row
-        const u16* const rows =
-            inter + static_cast<i64>(v) * G.block_n * G.inter + c * kFc2ChunkK * layout::kAtomK;
-        for (i32 i = lane; i < count * kPieces; i += 32) {
-          const i32 n = i / kPieces;
-          const i32 piece = i % kPieces;
-          ptx::cp_async_16(dst0 + static_cast<u32>(n * kActRow + piece * 16),
-                           rows + static_cast<i64>(n) * G.inter + piece * 8, 16u);
-        }
-        if (lane < count * kPieces) pipe::arrive_on_copies(bar);
-      };
-      // The entry's single counted arrival, after every copy (and every cp.async arrive-on) of
-      // the chunk is registered, so the phase cannot complete early.
-      const auto close_chunk = [&](i32 slot) {
-        __syncwarp();
-        if (lane == 0) pipe::arrive(ptx::smem_u32(full + slot));
-        __syncwarp();
-      };
-      const auto open_chunk = [&](i32 c) {
-        const i32 slot = open_entry();
-        if (lane == 0) {
-          headers[4 * slot] = item;
-          headers[4 * slot + 1] = count;
-          headers[4 * slot + 2] = v;
-          headers[4 * slot + 3] =
-              slice | (fc2 ? kHeaderFc2 : 0) | (c == chunks - 1 ? kHeaderLast : 0);
-          pipe::expect_tx(ptx::smem_u32(full + slot), tx);
-        }
-        __syncwarp();
-        return slot;
-      };
-      if (lane == 0) {
-        wait_for_room();
-        in_flight[issued % kInFlight] = item;
-      }
-      ++issued;
-      i32 next = 0;
-      i32 c = 0;
-      if (fc2) {
-        // Weights of the first chunks before waiting for FC1 of this virtual expert.
-        const i32 early = min(chunks, kS);
-        const u32 seq0 = seq;
-        for (; c < early; ++c) {
-          issue_weights(c, open_chunk(c));
-          if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
-        }
-        if (lane == 0) {
-          // Acquired either way: orders the FC1 rows before the copies below.
-          if (ready < static_cast<u32>(G.fc1_items())) {
-            ptx::wait_at_least(fc1_done + v, static_cast<u32>(G.fc1_items()), kCounterWaitLimitNs);
-          } else {
-            ptx::load_acquire(fc1_done + v);
-          }
-        }
-        __syncwarp();
-        for (i32 k = 0; k < early; ++k) {
-          const i32 slot = static_cast<i32>((seq0 + k) % kS);
-          issue_act(k, slot);
-          close_chunk(slot);
-        }
-      }
-      for (; c < chunks; ++c) {
-        const i32 slot = open_chunk(c);
-        issue_weights(c, slot);
-        issue_act(c, slot);
-        close_chunk(slot);
-        if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
-      }
-      item = __shfl_sync(0xffffffffu, next, 0);
-    }
-    // Queue drained: tell the publisher where the items end, and stop the consumers (their
-    // last items still arrive on the item barriers the publisher waits on).
-    if (lane == 0) {
-      pipe::store_release_cta(misc + kMiscIssuedFinal, issued);
-      // Wakes the publisher: the barrier of item `issued` (never issued) completes at once.
-      wait_for_room();
-      pipe::arrive(ptx::smem_u32(item_done + issued % kInFlight), kConsumerWarps);
-    }
-    const i32 slot = open_entry();
-    if (lane == 0) {
-      headers[4 * slot] = -1;
-      pipe::arrive(ptx::smem_u32(full + slot));
     }
     return;
   }
