@@ -457,9 +457,7 @@ inline constexpr i32 kMiscScan = 0;             // [0, 10): block_exclusive_scan
 inline constexpr i32 kMiscRetired = 16;         // items the publisher has retired
 inline constexpr i32 kMiscInFlight = 32;        // [32, 64): items issued, not yet retired (ring)
 inline constexpr i32 kMiscIssuedFinal = 64;     // items the producer issued, once it is done
-inline constexpr i32 kMiscEarlyTokens = 96;     // [96, 128): the first chunk's tokens (produce)
 inline constexpr i32 kMiscWords = 128;          // then the item barriers
-static_assert(kMiscEarlyTokens + 32 <= kMiscWords, "one word per position of a virtual expert");
 inline constexpr i32 kInFlight = 32;
 static_assert(kMiscWords * 4 + kInFlight * 8 <= Geometry::misc_bytes(),
               "control words and item barriers fit the shared memory reserved for them");
@@ -481,18 +479,10 @@ struct CtaShared {
 };
 
 // The end of the routing, for every warp: the routing warps after their tables, the producer
-// after its first claim (and, with Geometry::early_chunk, its first chunk).
+// after its first claim.
 __device__ __forceinline__ void routing_done() {
   asm volatile("bar.sync 3, %0;" ::"n"(kThreads) : "memory");
 }
-
-// The virtual expert of an item as the producer copies it: its expert, its positions, and this
-// lane's token (FC1: the hidden row lane < count copies).
-struct Virtual {
-  i32 expert;
-  i32 count;
-  i32 token;
-};
 
 // One item's copies, derived once per item.
 struct Unit {
@@ -512,11 +502,13 @@ struct Unit {
 
 // The producer warp. Lane 0 keeps the books and issues a chunk's two tensor copies (weights,
 // scales); lanes below the virtual expert's count copy its activation rows. It starts beside the
-// routing: it waits for the previous grid and claims the CTA's first item, and where the tile
-// leaves slot 0 out of the routing scratch (Geometry::early_chunk) it also finds that item's
-// virtual expert on its own and issues its first chunk, so the first bytes land while the
-// other warps route. Then it joins routing_done() and streams the rest from the routing's
-// tables.
+// routing: it asks for the tensor maps' descriptors, waits for the previous grid and claims the
+// CTA's first item, then joins routing_done() and streams from the routing's tables. Why the
+// descriptors and the claim before the routing's end: after it, each was a round trip on the way
+// to the first copy. Measured on the H200 (tools/PERF_LOG.md "the first claim during the
+// routing", and the first-chunk entry after it, whose kimi-k3.1-tp8 rows ran this path):
+// -0.44 us a layer on average for the claim alone, -1.1 to -2.9 us more at kimi-k3.1-tp8
+// T = 24-256 with the descriptors.
 template <class T>
 __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShared& s, i32 lane) {
   constexpr Geometry G = T::kGeo;
@@ -555,9 +547,8 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
       ptx::sleep_ns(256);
     }
   };
-  // Item `item` of a queue whose FC1 items end at fc1_total; virtual_of(v, fc2) gives its
-  // virtual expert.
-  const auto make_unit = [&](i32 item, i32 fc1_total, const auto& virtual_of) {
+  // Item `item` of a queue whose FC1 items end at fc1_total, from the routing's tables.
+  const auto make_unit = [&](i32 item, i32 fc1_total) {
     Unit u;
     u.item = item;
     u.fc2 = item >= fc1_total;
@@ -565,16 +556,21 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
     const i32 per_v = u.fc2 ? G.fc2_items() : G.fc1_items();
     u.v = local / per_v;
     u.slice = local % per_v;
-    const Virtual x = virtual_of(u.v, u.fc2);
-    u.count = x.count;
+    const u32 info = s.vinfo[u.v];
+    u.count = virtual_count(info);
     u.strips = u.fc2 ? G.fc2_strips : G.fc1_strips;
     u.chunk_k = u.fc2 ? kFc2ChunkK : kFc1ChunkK;
     u.chunks = u.fc2 ? G.fc2_chunks() : G.fc1_chunks();
-    u.row0 = x.expert * (u.fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) + u.slice * u.strips;
+    u.row0 = virtual_expert(info) * (u.fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) +
+             u.slice * u.strips;
     u.act_bytes = static_cast<u32>(u.chunk_k * layout::kAtomK * 2);
     u.tx = static_cast<u32>(u.strips * u.chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
            (u.fc2 ? 0u : static_cast<u32>(u.count) * u.act_bytes);
-    u.act_src = !u.fc2 && lane < u.count ? p.hidden + static_cast<i64>(x.token) * G.hidden : nullptr;
+    // FC1: this lane's activation row, the hidden row of its position's token.
+    u.act_src = !u.fc2 && lane < u.count
+                    ? p.hidden + static_cast<i64>(s.sorted[virtual_first(info) + lane] / G.top_k) *
+                                     G.hidden
+                    : nullptr;
     return u;
   };
   // One tensor copy per group of up to 4 atoms lands the chunk's strips (slot_atom's order), one
@@ -643,19 +639,6 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
     __syncwarp();
     return slot;
   };
-  const auto begin_item = [&](const Unit& u) {
-    if (lane == 0) {
-      wait_for_room();
-      in_flight[issued % kInFlight] = u.item;
-    }
-    ++issued;
-  };
-  const auto full_chunk = [&](const Unit& u, i32 c) {
-    const i32 slot = open_chunk(u, c);
-    issue_weights(u, c, slot);
-    issue_act(u, c, slot);
-    close_chunk(slot);
-  };
 
   // ---- beside the routing ----
   // Every item, the first included, comes from the queue, FC1 items before FC2 items. Why: an FC2
@@ -664,130 +647,30 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
   // when only part of it is resident (a kernel of another stream on some SMs) and whatever order
   // CTAs are dispatched in. Handing CTA b item b saves the first claim's round trip but gives
   // that up (tools/PERF_LOG.md "first-static taken back").
-  i32 item = 0;    // lane 0: the CTA's first item
-  i32 next = 0;    // lane 0: the item after it, claimed once its first chunk is out
-  i32 resume = 0;  // chunks of the first item issued before the routing ended
-  if constexpr (G.early_chunk()) {
-    // The same virtual experts as the routing's (route): per expert ceil(positions / block_n),
-    // in expert order; block j of expert e holds its positions j * block_n .. in position order.
-    // Slot 0 holds the counts u32 [E] in its activation rows and the local experts u16
-    // [positions] in its weights until its copies go out.
-    constexpr i32 E = G.experts;
-    constexpr i32 kPer = ceil_div(E, 32);  // experts per lane in the scan
-    constexpr i32 kIdBatch = 8;
-    u16* const ids = reinterpret_cast<u16*>(s.ring);
-    u32* const hist = reinterpret_cast<u32*>(s.ring + G.slot_weight_bytes() + G.slot_scale_bytes());
-    const i32 positions = p.num_tokens * G.top_k;
-    for (i32 i = lane; i < E; i += 32) hist[i] = 0u;
-    __syncwarp();
-    for (i32 base = 0; base < positions; base += kIdBatch * 32) {
-      u32 e[kIdBatch];
-#pragma unroll
-      for (i32 k = 0; k < kIdBatch; ++k) {
-        const i32 pos = base + k * 32 + lane;
-        e[k] = pos < positions ? local_expert<T>(p, pos) : kNoExpert;
-      }
-#pragma unroll
-      for (i32 k = 0; k < kIdBatch; ++k) {
-        const i32 pos = base + k * 32 + lane;
-        if (pos < positions) ids[pos] = static_cast<u16>(e[k]);
-        if (e[k] != kNoExpert) atomicAdd(hist + e[k], 1u);
-      }
-    }
-    __syncwarp();
-    u32 mine = 0;  // virtual experts of this lane's experts
-#pragma unroll
-    for (i32 i = 0; i < kPer; ++i) {
-      const i32 e = lane * kPer + i;
-      if (e < E) mine += static_cast<u32>(ceil_div(static_cast<i32>(hist[e]), G.block_n));
-    }
-    u32 below = mine;  // inclusive scan over the lanes
-#pragma unroll
-    for (i32 off = 1; off < 32; off <<= 1) {
-      const u32 y = __shfl_up_sync(0xffffffffu, below, off);
-      if (lane >= off) below += y;
-    }
-    const i32 nv = static_cast<i32>(__shfl_sync(0xffffffffu, below, 31));
-    below -= mine;
-
-    ::moejit::kern::ptx::grid_dependency_wait();
-    ::moejit::kern::ptx::launch_dependents();
-    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
-    item = __shfl_sync(0xffffffffu, item, 0);
-    if (item < nv * G.fc1_items()) {
-      const u32 v = static_cast<u32>(item / G.fc1_items());
-      const i32 owner = __ffs(__ballot_sync(0xffffffffu, v >= below && v < below + mine)) - 1;
-      i32 expert = 0;
-      i32 block = 0;
-      if (lane == owner) {
-        u32 at = below;
-        for (i32 i = 0; i < kPer; ++i) {
-          const i32 e = lane * kPer + i;
-          const u32 n = static_cast<u32>(ceil_div(static_cast<i32>(hist[e]), G.block_n));
-          if (v < at + n) {
-            expert = e;
-            block = static_cast<i32>(v - at);
-            break;
-          }
-          at += n;
-        }
-      }
-      expert = __shfl_sync(0xffffffffu, expert, owner);
-      block = __shfl_sync(0xffffffffu, block, owner);
-      const i32 lo = block * G.block_n;
-      const i32 count = min(G.block_n, static_cast<i32>(hist[expert]) - lo);
-      // The tokens of the block's positions, in position order, to misc (one word each).
-      i32 seen = 0;
-      for (i32 base = 0; base < positions && seen < lo + count; base += 32) {
-        const i32 pos = base + lane;
-        const bool hit = pos < positions && ids[pos] == static_cast<u16>(expert);
-        const u32 ballot = __ballot_sync(0xffffffffu, hit);
-        const i32 rank = seen + __popc(ballot & pipe::lanemask_lt());
-        if (hit && rank >= lo && rank < lo + count) {
-          s.misc[kMiscEarlyTokens + rank - lo] = static_cast<u32>(pos / G.top_k);
-        }
-        seen += __popc(ballot);
-      }
-      __syncwarp();
-      const i32 token = lane < count ? static_cast<i32>(s.misc[kMiscEarlyTokens + lane]) : 0;
-      // The counts and ids were written with plain stores where the copies now land.
-      pipe::fence_proxy_async();
-      __syncwarp();
-      const Unit u = make_unit(item, nv * G.fc1_items(),
-                               [&](i32, bool) { return Virtual{expert, count, token}; });
-      begin_item(u);
-      full_chunk(u, 0);
-      if (lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
-      resume = 1;
-    }
-  } else {
-    ::moejit::kern::ptx::grid_dependency_wait();
-    ::moejit::kern::ptx::launch_dependents();
-    if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
-  }
+  i32 item = 0;  // lane 0: the CTA's first item
+  i32 next = 0;  // lane 0: the item after the current one
+  ::moejit::kern::ptx::grid_dependency_wait();
+  ::moejit::kern::ptx::launch_dependents();
+  if (lane == 0) item = static_cast<i32>(atomicAdd(queue, 1u));
   routing_done();
 
   // ---- from the routing's tables ----
   const i32 nv = static_cast<i32>(s.misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
-  if (nv == 0) return;  // no local position: nothing to compute (no chunk was issued early)
+  if (nv == 0) return;  // no local position: nothing to compute
   const i32 fc1_total = nv * G.fc1_items();
   const i32 total = fc1_total + nv * G.fc2_items();
   pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
-  const auto from_tables = [&](i32 v, bool fc2) {
-    const u32 info = s.vinfo[v];
-    const i32 count = virtual_count(info);
-    const i32 first = virtual_first(info);
-    return Virtual{virtual_expert(info), count,
-                   !fc2 && lane < count ? s.sorted[first + lane] / G.top_k : 0};
-  };
   item = __shfl_sync(0xffffffffu, item, 0);
   while (item < total) {
-    const Unit u = make_unit(item, fc1_total, from_tables);
+    const Unit u = make_unit(item, fc1_total);
     u32 ready = 0;  // FC1 items of v done, loaded early (an FC2 item waits for all of them)
     if (u.fc2 && lane == 0) ready = ptx::load_relaxed(fc1_done + u.v);
-    i32 c = resume;  // the first item's chunks issued beside the routing (its next claimed)
-    if (resume == 0) begin_item(u);
-    resume = 0;
+    if (lane == 0) {
+      wait_for_room();
+      in_flight[issued % kInFlight] = u.item;
+    }
+    ++issued;
+    i32 c = 0;
     if (u.fc2) {
       // Weights of the first chunks before waiting for FC1 of this virtual expert.
       const i32 early = min(u.chunks, kS);
@@ -812,7 +695,10 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
       }
     }
     for (; c < u.chunks; ++c) {
-      full_chunk(u, c);
+      const i32 slot = open_chunk(u, c);
+      issue_weights(u, c, slot);
+      issue_act(u, c, slot);
+      close_chunk(slot);
       if (c == 0 && lane == 0) next = static_cast<i32>(atomicAdd(queue, 1u));
     }
     item = __shfl_sync(0xffffffffu, next, 0);
@@ -876,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     produce<T>(p, CtaShared{ring, sorted, vinfo, full, empty, headers, misc, item_done}, lane);
     return;
   }
-  route<T>(p, ring + G.route_scratch_offset(), sorted, vinfo, misc + kMiscScan);
+  route<T>(p, ring, sorted, vinfo, misc + kMiscScan);
   routing_done();
   const i32 nv = static_cast<i32>(misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
 

@@ -144,8 +144,7 @@ struct Geometry {
   // pending combines and the per-item "done" barriers.
   MOEJIT_HD static constexpr i32 misc_bytes() { return 768; }  // control words, item barriers
   MOEJIT_HD constexpr i32 control_bytes() const { return misc_bytes() + stages * 32; }
-  // Routing scratch, aliased with the ring (from slot 1 where early_chunk(), else from slot 0; the
-  // ring's copies into it start after the routing ends): per-warp
+  // Routing scratch, aliased with the ring (the ring is not used before routing ends): per-warp
   // expert counts u16 [8][E], packed per-expert sums u32 [E], the local expert of every position
   // u16 [positions] (past 8 x 32 positions, topk_ids are read into it once), and every position's
   // rank among its warp's positions on the same expert u16 [positions].
@@ -157,15 +156,6 @@ struct Geometry {
   MOEJIT_HD constexpr i32 route_scratch_bytes() const {
     return route_counts_bytes() + route_sums_bytes() + 2 * route_local_bytes();
   }
-  // Whether the producer issues the CTA's first chunk while the other warps route (decode_moe.cuh
-  // produce): the routing scratch must then leave slot 0 free, and slot 0 hold the producer's
-  // own expert counts (u32 [E], in its activation rows) and local experts (u16 [positions], in
-  // its weights) until that chunk's copies go out.
-  MOEJIT_HD constexpr bool early_chunk() const {
-    return route_scratch_bytes() <= ring_bytes() - slot_bytes() &&
-           experts * 4 <= slot_act_bytes() && positions() * 2 <= slot_weight_bytes();
-  }
-  MOEJIT_HD constexpr i32 route_scratch_offset() const { return early_chunk() ? slot_bytes() : 0; }
   MOEJIT_HD constexpr i32 smem_bytes() const {
     return ring_bytes() + reduce_bytes() + sorted_bytes() + vinfo_bytes() + control_bytes();
   }
