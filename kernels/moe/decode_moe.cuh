@@ -494,9 +494,9 @@ struct Unit {
   i32 strips;  // strips per chunk
   i32 chunk_k;
   i32 chunks;
-  i32 row0;       // the tensor row of the item's first strip
-  u32 act_bytes;  // one activation row of a chunk
-  u32 tx;         // bytes the copies of one chunk deliver (FC2 activations come by cp.async)
+  i32 row0;            // the tensor row of the item's first strip
+  u32 act_bytes;       // one activation row of a chunk
+  u32 tx;              // bytes the copies of one chunk deliver (FC2 activations come by cp.async)
   const u16* act_src;  // FC1: this lane's activation row (lane < count), else null
 };
 
@@ -561,16 +561,16 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
     u.strips = u.fc2 ? G.fc2_strips : G.fc1_strips;
     u.chunk_k = u.fc2 ? kFc2ChunkK : kFc1ChunkK;
     u.chunks = u.fc2 ? G.fc2_chunks() : G.fc1_chunks();
-    u.row0 = virtual_expert(info) * (u.fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) +
-             u.slice * u.strips;
+    u.row0 =
+        virtual_expert(info) * (u.fc2 ? G.fc2_m_atoms() : G.fc1_m_atoms()) + u.slice * u.strips;
     u.act_bytes = static_cast<u32>(u.chunk_k * layout::kAtomK * 2);
     u.tx = static_cast<u32>(u.strips * u.chunk_k * (layout::kAtomBytes + layout::kAtomScaleBytes)) +
            (u.fc2 ? 0u : static_cast<u32>(u.count) * u.act_bytes);
     // FC1: this lane's activation row, the hidden row of its position's token.
-    u.act_src = !u.fc2 && lane < u.count
-                    ? p.hidden + static_cast<i64>(s.sorted[virtual_first(info) + lane] / G.top_k) *
-                                     G.hidden
-                    : nullptr;
+    u.act_src =
+        !u.fc2 && lane < u.count
+            ? p.hidden + static_cast<i64>(s.sorted[virtual_first(info) + lane] / G.top_k) * G.hidden
+            : nullptr;
     return u;
   };
   // One tensor copy per group of up to 4 atoms lands the chunk's strips (slot_atom's order), one
