@@ -755,9 +755,8 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
     misc[kMiscRetired] = 0u;
     misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
   }
-  // Barriers, item barriers and control words initialized before the producer starts (beside
-  // the routing).
-  __syncthreads();
+  // The producer starts beside the routing; it touches the barriers and control words initialized
+  // above only after routing_done().
   if (warp == kProducerWarp) {
     produce<T>(p, CtaShared{ring, sorted, vinfo, full, empty, headers, misc, item_done}, lane);
     return;
