@@ -506,9 +506,9 @@ struct Unit {
 // CTA's first item, then joins routing_done() and streams from the routing's tables. Why the
 // descriptors and the claim before the routing's end: after it, each was a round trip on the way
 // to the first copy. Measured on the H200 (tools/PERF_LOG.md "the first claim during the
-// routing", and the first-chunk entry after it, whose kimi-k3.1-tp8 rows ran this path):
-// -0.44 us a layer on average for the claim alone, -1.1 to -2.9 us more at kimi-k3.1-tp8
-// T = 24-256 with the descriptors.
+// routing" and "E3"): -0.44 us a layer on average for the claim alone; this function on top of
+// it -1.1 to -3.5 us at kimi-k3.1-tp8 T = 6-256, within +-1.7 us elsewhere. (Issuing the first
+// chunk from the producer's own routing of the ids, before the routing's end, lost 0.3-16 us.)
 template <class T>
 __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShared& s, i32 lane) {
   constexpr Geometry G = T::kGeo;
