@@ -484,6 +484,11 @@ __device__ __forceinline__ void routing_done() {
   asm volatile("bar.sync 3, %0;" ::"n"(kThreads) : "memory");
 }
 
+// The routing's count of virtual experts (route()'s scan total, low 16 bits), after routing_done().
+__device__ __forceinline__ i32 virtual_experts(const u32* misc) {
+  return static_cast<i32>(misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
+}
+
 // One item's copies, derived once per item.
 struct Unit {
   i32 item;
@@ -655,7 +660,7 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
   routing_done();
 
   // ---- from the routing's tables ----
-  const i32 nv = static_cast<i32>(s.misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
+  const i32 nv = virtual_experts(s.misc);
   if (nv == 0) return;  // no local position: nothing to compute
   const i32 fc1_total = nv * G.fc1_items();
   const i32 total = fc1_total + nv * G.fc2_items();
@@ -763,7 +768,7 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   }
   route<T>(p, ring, sorted, vinfo, misc + kMiscScan);
   routing_done();
-  const i32 nv = static_cast<i32>(misc[kMiscScan + kRouteThreads / 32] & 0xFFFFu);
+  const i32 nv = virtual_experts(misc);
 
   ::moejit::kern::ptx::grid_dependency_wait();
   // The combine may be scheduled now: it waits for this whole grid before it reads a row.
