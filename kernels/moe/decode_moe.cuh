@@ -542,7 +542,7 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
     s.misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
   }
   pipe::mbar_init(ptx::smem_u32(s.item_done + lane), kConsumerWarps);
-  pipe::fence_proxy_async_shared();
+  pipe::fence_mbar_init();
 
   const u64 evict_first = ptx::policy_evict_first();
   if (lane == 0) {

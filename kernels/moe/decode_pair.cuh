@@ -245,7 +245,7 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
       pipe::mbar_init(ptx::smem_u32(empty + s), 1);
     }
-    pipe::fence_proxy_async_shared();
+    pipe::fence_mbar_init();
   }
   // The hidden rows, whole, while the routing runs.
   {
@@ -389,7 +389,7 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
       pipe::mbar_init(ptx::smem_u32(empty + s), 1);
     }
-    pipe::fence_proxy_async_shared();
+    pipe::fence_mbar_init();
   }
   const i32 strip0 = static_cast<i32>(static_cast<i64>(blockIdx.x) * kHStrips / gridDim.x);
   const i32 strips =

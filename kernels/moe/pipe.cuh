@@ -13,6 +13,9 @@ namespace pipe {
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
 __device__ __forceinline__ void arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -88,11 +91,7 @@ __device__ __forceinline__ void prefetch_map(const TensorMap& map) {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async;" ::: "memory");
 }
-// The same for this CTA's shared memory only. Also what makes mbarrier.init visible to the async
-// proxy (the tensor and bulk copies that complete transactions on the barrier); the CTA barrier
-// after it does so for the threads. Why not fence.mbarrier_init.release.cluster: its release at
-// cluster scope took ~1.3 us of the thread that ran it (a trace on the H200, tools/PERF_LOG.md
-// "the mbarrier init beside the routing"), and these kernels run without clusters.
+// The same for shared memory only (this CTA's).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
