@@ -528,6 +528,22 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
   i32* const in_flight = reinterpret_cast<i32*>(s.misc + kMiscInFlight);
   const u32 ring_base = ptx::smem_u32(s.ring);
 
+  // The ring's barriers, the item barriers (a lane each) and the publisher's control words. Why
+  // here and not in a routing thread: the init fence took ~1 us of the thread that ran it, which
+  // the routing's first barrier then waited for (a trace, tools/PERF_LOG.md "the mbarrier init
+  // beside the routing").
+  static_assert(kInFlight == 32, "one item barrier per lane");
+  if (lane == 0) {
+    for (i32 i = 0; i < kS; ++i) {
+      pipe::mbar_init(ptx::smem_u32(s.full + i), 1);
+      pipe::mbar_init(ptx::smem_u32(s.empty + i), kConsumerWarps);
+    }
+    s.misc[kMiscRetired] = 0u;
+    s.misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
+  }
+  pipe::mbar_init(ptx::smem_u32(s.item_done + lane), kConsumerWarps);
+  pipe::fence_mbar_init();
+
   const u64 evict_first = ptx::policy_evict_first();
   if (lane == 0) {
     pipe::prefetch_map(p.w13);
@@ -664,7 +680,8 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
   if (nv == 0) return;  // no local position: nothing to compute
   const i32 fc1_total = nv * G.fc1_items();
   const i32 total = fc1_total + nv * G.fc2_items();
-  pipe::fence_proxy_async();  // the routing scratch in the ring was written by plain stores
+  // The routing scratch in the ring was written by plain stores; only shared memory is at stake.
+  pipe::fence_proxy_async_shared();
   item = __shfl_sync(0xffffffffu, item, 0);
   while (item < total) {
     const Unit u = make_unit(item, fc1_total);
@@ -747,21 +764,9 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
   const i32 lane = tid & 31;
   const i32 warp = tid >> 5;
 
-  if (tid == 0) {
-    for (i32 s = 0; s < kS; ++s) {
-      pipe::mbar_init(ptx::smem_u32(full + s), 1);
-      pipe::mbar_init(ptx::smem_u32(empty + s), kConsumerWarps);
-    }
-    pipe::fence_mbar_init();
-  }
   u64* const item_done = reinterpret_cast<u64*>(misc + kMiscWords);
-  if (tid < kInFlight) pipe::mbar_init(ptx::smem_u32(item_done + tid), kConsumerWarps);
-  if (tid == 0) {
-    misc[kMiscRetired] = 0u;
-    misc[kMiscIssuedFinal] = 0xFFFFFFFFu;
-  }
-  // The producer starts beside the routing; it touches the barriers and control words initialized
-  // above only after routing_done().
+  // The producer starts beside the routing and initializes the barriers and control words there;
+  // every other warp touches them only after routing_done().
   if (warp == kProducerWarp) {
     produce<T>(p, CtaShared{ring, sorted, vinfo, full, empty, headers, misc, item_done}, lane);
     return;

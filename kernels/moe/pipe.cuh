@@ -91,6 +91,10 @@ __device__ __forceinline__ void prefetch_map(const TensorMap& map) {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async;" ::: "memory");
 }
+// The same for shared memory only (this CTA's).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 // Arrives on `bar` once this thread's earlier cp.async copies have landed; raises the barrier's
 // pending count first, so the phase waits for it.
 __device__ __forceinline__ void arrive_on_copies(u32 bar) {
