@@ -509,12 +509,12 @@ struct Unit {
 // scales); lanes below the virtual expert's count copy its activation rows. It starts beside the
 // routing: it initializes the CTA's barriers, asks for the tensor maps' descriptors, waits for the
 // previous grid and claims the CTA's first item, then joins routing_done() and streams from the
-// routing's tables. Why the
-// descriptors and the claim before the routing's end: after it, each was a round trip on the way
-// to the first copy. Measured on the H200 (tools/PERF_LOG.md "the first claim during the
-// routing" and "E3"): -0.44 us a layer on average for the claim alone; this function on top of
-// it -1.1 to -3.5 us at kimi-k3.1-tp8 T = 6-256, within +-1.7 us elsewhere. (Issuing the first
-// chunk from the producer's own routing of the ids, before the routing's end, lost 0.3-16 us.)
+// routing's tables. Why the descriptors and the claim before the routing's end: after it, each
+// was a round trip on the way to the first copy. Measured on the H200 (tools/PERF_LOG.md "the
+// first claim during the routing" and "E3"): -0.44 us a layer on average for the claim alone;
+// this function on top of it -1.1 to -3.5 us at kimi-k3.1-tp8 T = 6-256, within +-1.7 us
+// elsewhere. (Issuing the first chunk from the producer's own routing of the ids, before the
+// routing's end, lost 0.3-16 us.)
 template <class T>
 __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShared& s, i32 lane) {
   constexpr Geometry G = T::kGeo;
@@ -531,8 +531,8 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
 
   // The ring's barriers, the item barriers (a lane each) and the publisher's control words. Why
   // here and not in a routing thread: the init and its fence take 1.3-2 us of the thread that
-  // runs them (with fence.proxy.async.shared::cta as much), and the routing's first barrier waited
-  // for that thread. Measured on the H200 (tools/PERF_LOG.md "the mbarrier init in the producer
+  // runs them (as much with fence.proxy.async.shared::cta in place of the init fence), and the
+  // routing's first barrier waited for that thread. Measured on the H200 (tools/PERF_LOG.md "the mbarrier init in the producer
   // warp"): every decode cell from T = 6 0.4-4.8 us faster, most by 1-1.5 us.
   static_assert(kInFlight == 32, "one item barrier per lane");
   if (lane == 0) {
