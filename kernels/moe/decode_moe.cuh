@@ -532,8 +532,9 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
   // The ring's barriers, the item barriers (a lane each) and the publisher's control words. Why
   // here and not in a routing thread: the init and its fence take 1.3-2 us of the thread that
   // runs them (as much with fence.proxy.async.shared::cta in place of the init fence), and the
-  // routing's first barrier waited for that thread. Measured on the H200 (tools/PERF_LOG.md "the mbarrier init in the producer
-  // warp"): every decode cell from T = 6 0.4-4.8 us faster, most by 1-1.5 us.
+  // routing's first barrier waited for that thread. Measured on the H200 (tools/PERF_LOG.md "the
+  // mbarrier init in the producer warp"): every decode cell from T = 6 0.4-4.8 us faster, most by
+  // 1-1.5 us.
   static_assert(kInFlight == 32, "one item barrier per lane");
   if (lane == 0) {
     for (i32 i = 0; i < kS; ++i) {
