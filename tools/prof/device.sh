@@ -28,6 +28,13 @@
 #       stalls X regex:moe_gemm_wg 4 --section marlin --models qwen3-30b-a3b --tokens 256
 #         --no-dense --gap-ms 5 --seed 1
 #
+# decode_moe's start, by timestamps: stage a build of the tree with tools/prof/decode_trace.patch
+# applied (git apply; never committed), then
+#   MOEJIT_TRACE=1 tools/prof/device.sh ab NAME decode --no-dense --no-floor --tokens 6,24
+# prints, per persistent-tile row of the decode log, `trace` lines: each stamp's median, min,
+# max over the CTAs of the last forward, in us from the reset kernel's wait end. The stamps cost
+# the layer 10-25%, so they order a forward's events; they do not time its loop.
+#
 # Every device command uses a kernel cache of its own per build (/tmp/moejit-cache-NAME), so
 # builds never share cubins. The kernels carry no line tables unless MOEJIT_LINEINFO=1 is set
 # (then ncu's source page maps SASS to kernel source lines; ncu_loops.py needs only SASS).
