@@ -258,21 +258,36 @@ std::string Runtime::cache_key(const KernelSpec& spec) { return compute_key(key_
 
 BuildResult Runtime::build(const KernelSpec& spec) { return build_impl(spec, nullptr); }
 
+std::string Runtime::memoized_key(const KernelSpec& spec, const ToolkitHeaders& toolkit,
+                                  bool line_info, std::optional<GeneratedSource>* source) {
+  KeyMemo memo{spec, &toolkit, line_info};
+  {
+    std::lock_guard<std::mutex> lock(keys_mutex_);
+    auto it = keys_.find(memo);
+    if (it != keys_.end()) return it->second;
+  }
+  // Outside the lock: two threads may compute the same key, and both get the same string.
+  *source = render(spec);
+  std::string key = compute_key(make_key_inputs(**source, spec.arch, toolkit, line_info));
+  std::lock_guard<std::mutex> lock(keys_mutex_);
+  return keys_.emplace(std::move(memo), std::move(key)).first->second;
+}
+
 BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const Entry>* entry_out) {
   RuntimeConfig config;
   std::shared_ptr<KernelStore> store = current_store(&config);
-  const GeneratedSource source = render(spec);
   const ToolkitHeaders& toolkit = toolkit_for(config, store->disk());
-  const std::string key =
-      compute_key(make_key_inputs(source, spec.arch, toolkit, config.line_info));
+  std::optional<GeneratedSource> source;  // rendered only for a new key or a compile
+  const std::string key = memoized_key(spec, toolkit, config.line_info, &source);
   const std::string name = spec.display_name();
 
   bool compiled_here = false;
   auto compile_entry = [&]() -> Entry {
     compiled_here = true;
     log().debug("cache miss: {} (key {}): compiling", name, key);
+    if (!source) source = render(spec);
     CompiledKernel compiled =
-        compile(source, spec.arch, toolkit, failure_dir_for(store->disk()), config.line_info);
+        compile(*source, spec.arch, toolkit, failure_dir_for(store->disk()), config.line_info);
     Entry entry;
     Manifest& manifest = entry.manifest;
     manifest.key = key;

@@ -161,6 +161,36 @@ TEST_CASE("runtime: compile, then memory hit, then disk hit in a fresh store", "
   CHECK(moejit::config().cache_mode == CacheMode::kReadWrite);
 }
 
+// The runtime computes a spec's key once per process (Runtime::memoized_key); a later build under
+// another configuration must still get that configuration's key, the one cache_key() derives
+// afresh.
+TEST_CASE("runtime: a build's key follows line_info as cache_key() derives it", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  const KernelSpec spec = spec_of(6, 1);
+  auto build_with = [&](bool line_info) {
+    moejit::RuntimeConfig config;
+    config.cache_dir = cache;
+    config.cache_mode = CacheMode::kReadWrite;
+    config.line_info = line_info;
+    moejit::configure(config);
+    const BuildResult result = moejit::build_kernel(spec);
+    CHECK(result.key == moejit::detail::Runtime::instance().cache_key(spec));
+    return result;
+  };
+  const BuildResult plain = build_with(false);
+  const BuildResult lines = build_with(true);
+  CHECK(lines.key != plain.key);
+  CHECK(lines.outcome == CacheOutcome::kCompiled);
+  const BuildResult again = build_with(false);  // a fresh store: the entry comes from disk
+  CHECK(again.key == plain.key);
+  CHECK(again.outcome == CacheOutcome::kDiskHit);
+  const BuildResult hit = moejit::build_kernel(spec);
+  CHECK(hit.key == plain.key);
+  CHECK(hit.outcome == CacheOutcome::kMemoryHit);
+  use_cache(cache, CacheMode::kReadWrite);  // line_info back to its default for later cases
+}
+
 TEST_CASE("runtime: kernel_source and the key inputs hold no machine path", "[runtime]") {
   moejit::test::TempDir dir;
   use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
