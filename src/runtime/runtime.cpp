@@ -276,7 +276,14 @@ std::string Runtime::memoized_key(const KernelSpec& spec, const ToolkitHeaders& 
 BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const Entry>* entry_out) {
   RuntimeConfig config;
   std::shared_ptr<KernelStore> store = current_store(&config);
-  const ToolkitHeaders& toolkit = toolkit_for(config, store->disk());
+  const ToolkitHeaders& toolkit = [&]() -> const ToolkitHeaders& {
+    try {
+      return toolkit_for(config, store->disk());
+    } catch (...) {
+      render(spec);  // an unsupported spec is reported first, toolkit or not
+      throw;
+    }
+  }();
   std::optional<GeneratedSource> source;  // rendered only for a new key or a compile
   const std::string key = memoized_key(spec, toolkit, config.line_info, &source);
   const std::string name = spec.display_name();

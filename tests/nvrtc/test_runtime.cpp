@@ -229,6 +229,27 @@ TEST_CASE("runtime: unsupported specs are refused before any compile", "[runtime
     CHECK(e.code() == moejit::ErrorCode::kUnsupported);
     CHECK(std::string(e.what()).find("top_k") != std::string::npos);
   }
+
+  // Where no toolkit headers are found, the unsupported spec is still what is reported; a
+  // supported one gets the missing headers.
+  moejit::RuntimeConfig config;
+  config.cache_dir = dir.path() + "/cache";
+  config.cuda_include_dir = dir.path() + "/no-such-include";
+  moejit::configure(config);
+  try {
+    moejit::build_kernel(spec);
+    FAIL("an unsupported spec was built");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kUnsupported);
+  }
+  try {
+    moejit::build_kernel(spec_of(6, 1));
+    FAIL("a kernel was built without toolkit headers");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kCompileFailed);
+    CHECK(std::string(e.what()).find("no-such-include") != std::string::npos);
+  }
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);  // the default toolkit for later cases
 }
 
 // Run by the test below in each child process (hidden: selected only by its tag).
