@@ -21,7 +21,8 @@ using Stream = CUstream_st*;
 //   kGiven: shared_logits[t, s] (fp32 weights)               (scale unused)
 // Shapes: topk_ids, topk_weights [T, K]; shared_logits [T, S]; out_ids, out_weights [T, K + S].
 // ids are int32 or int64 (out_ids has the same type), weights fp32; every tensor contiguous on the
-// device of the current CUDA context. S comes from out_ids.shape[1] - K.
+// device of the current CUDA context. S comes from out_ids.shape[1] - K. The outputs share no
+// byte with each other or with the inputs (refused otherwise); shared_base >= 0; scale finite.
 struct AppendSharedArgs {
   const DLTensor* topk_ids = nullptr;
   const DLTensor* topk_weights = nullptr;

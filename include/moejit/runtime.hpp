@@ -44,7 +44,8 @@ std::vector<std::string> register_shapes(const std::string& text, const std::str
 ModelShape registered_shape(const std::string& name);  // throws Error{kInvalidArgument}
 std::vector<std::string> registered_shape_names();
 
-// The kernels a shape needs on `arch`, each with a reason when unsupported.
+// The kernels a shape needs on `arch`, each with a reason when unsupported. Throws
+// Error{kInvalidDescriptor} for a shape no op can serve (moe_shape_problem's rules).
 std::vector<KernelSpec> plan_kernels(const ModelShape& shape, const Arch& arch);
 
 // How a kernel request was satisfied.

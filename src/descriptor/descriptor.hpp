@@ -12,6 +12,11 @@ namespace moejit::detail {
 
 // Beyond these a size is a typo, not a model.
 inline constexpr int kMaxLocalExperts = 4096;
+// The most local experts the route kernel serves: its rank phase keeps per-expert tables in 48 KB
+// of static shared memory, which at its fewest threads (one warp) hold 3509 experts (plan/
+// moe_plan.cpp static_asserts it against route_rank_shared_bytes). A rank with more takes fewer
+// of the model's experts (expert_offset, global_experts).
+inline constexpr int kMaxRoutedLocalExperts = 3509;
 inline constexpr int kMaxGlobalExperts = 65536;
 inline constexpr int kMaxTopK = 64;
 inline constexpr int kMaxDim = 65536;           // hidden, intermediate
@@ -33,6 +38,18 @@ struct ShapeViolation {
   std::string hint;      // how to fix it; may be empty
   bool found_is_value = true;  // `found` is the field's value (a file may show its own spelling)
 };
+
+// A float constant as an exact ratio of ints: float(num) / float(den) == value (a correctly
+// rounded division, as kernels/moe/activation.cuh evaluates it). Tries decimal denominators
+// first (1.702 -> 1702 / 1000, readable in the source), then the continued fraction's
+// convergents, then the float's own binary fraction. Empty when none fits an int (|value|
+// beyond 2^31, or so small that no num / den with den < 2^31 rounds to it). An activation
+// constant without one is refused by the shape rules: the kernels take constants in this form.
+struct FloatRatio {
+  int num = 0;
+  int den = 1;
+};
+std::optional<FloatRatio> float_ratio(float value);
 
 // The first rule `shape` breaks, in field order, or nothing. The same rules parse_shapes applies
 // after decoding; shapes built in code can be checked with them too.

@@ -1,5 +1,6 @@
 // The rules every ModelShape obeys, whether it came from a file or was built in code.
 #include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -104,9 +105,18 @@ std::optional<ShapeViolation> check_constant(const char* name, float value, bool
     v.expected = std::string("no ") + name + " (0)";
     return v;
   }
-  if (std::isfinite(value) && value >= FLT_MIN) return std::nullopt;
-  v.what = std::string("activation constant ") + name + " must be finite and positive";
-  v.expected = "a finite number > 0";
+  if (!(std::isfinite(value) && value >= FLT_MIN)) {
+    v.what = std::string("activation constant ") + name + " must be finite and positive";
+    v.expected = "a finite number > 0";
+    return v;
+  }
+  // Why: the kernels take each constant as a template argument num / den (float_ratio).
+  if (float_ratio(value)) return std::nullopt;
+  v.what = std::string("activation constant ") + name +
+           " has no exact int ratio num / den, the form the kernels take it in";
+  v.expected =
+      "a number that some num / den with |num|, den < 2^31 rounds to (magnitudes from "
+      "about 1e-9 to 2e9)";
   return v;
 }
 
@@ -133,10 +143,81 @@ std::optional<ShapeViolation> check_name(const std::string& name) {
 
 }  // namespace
 
+std::optional<FloatRatio> float_ratio(float value) {
+  if (!std::isfinite(value)) return std::nullopt;
+  if (value == 0.f) return FloatRatio{0, 1};
+  const auto exact = [value](long long num, long long den) {
+    return static_cast<float>(num) / static_cast<float>(den) == value;
+  };
+  for (long long den = 1; den <= 1000000000LL; den *= 10) {
+    const double scaled = std::nearbyint(static_cast<double>(value) * static_cast<double>(den));
+    if (std::fabs(scaled) > static_cast<double>(INT_MAX)) break;
+    const long long num = static_cast<long long>(scaled);
+    if (exact(num, den)) return FloatRatio{static_cast<int>(num), static_cast<int>(den)};
+  }
+  // The convergents of the continued fraction: the best approximations num / den; the first
+  // whose float quotient rounds to `value` will do.
+  {
+    const double x0 = std::fabs(static_cast<double>(value));
+    const long long sign = value < 0.f ? -1 : 1;
+    long long h_prev = 1, h_prev2 = 0, k_prev = 0, k_prev2 = 1;
+    double x = x0;
+    for (int iteration = 0; iteration < 64; ++iteration) {
+      const double a = std::floor(x);
+      if (a > static_cast<double>(INT_MAX)) break;
+      const long long ai = static_cast<long long>(a);
+      const long long h = ai * h_prev + h_prev2;
+      const long long k = ai * k_prev + k_prev2;
+      if (h > INT_MAX || k > INT_MAX) break;
+      if (k > 0 && exact(sign * h, k)) {
+        return FloatRatio{static_cast<int>(sign * h), static_cast<int>(k)};
+      }
+      h_prev2 = h_prev;
+      h_prev = h;
+      k_prev2 = k_prev;
+      k_prev = k;
+      const double fraction = x - a;
+      if (fraction <= 0.0) break;
+      x = 1.0 / fraction;
+    }
+  }
+  // value = mantissa * 2^exponent with an integer mantissa of at most 24 bits.
+  int exponent = 0;
+  const double fraction = std::frexp(static_cast<double>(value), &exponent);
+  long long mantissa = static_cast<long long>(std::ldexp(fraction, 24));
+  exponent -= 24;
+  while (mantissa % 2 == 0 && exponent < 0) {
+    mantissa /= 2;
+    ++exponent;
+  }
+  if (exponent >= 0) {
+    if (exponent > 30) return std::nullopt;
+    const long long num = mantissa * (1LL << exponent);
+    if (num > INT_MAX || num < -static_cast<long long>(INT_MAX)) return std::nullopt;
+    if (exact(num, 1)) return FloatRatio{static_cast<int>(num), 1};
+    return std::nullopt;
+  }
+  if (-exponent > 30) return std::nullopt;
+  const long long den = 1LL << -exponent;
+  if (exact(mantissa, den)) return FloatRatio{static_cast<int>(mantissa), static_cast<int>(den)};
+  return std::nullopt;
+}
+
 std::optional<ShapeViolation> find_shape_violation(const ModelShape& s) {
   if (auto v = check_name(s.name)) return v;
   if (auto v = check_range("/num_experts", "num_experts", s.num_experts, 1, kMaxLocalExperts))
     return v;
+  if (s.num_experts > kMaxRoutedLocalExperts) {
+    ShapeViolation v;
+    v.field = "/num_experts";
+    v.what =
+        "num_experts is more local experts than the route kernel serves (its per-expert "
+        "tables fill 48 KB of shared memory)";
+    v.expected = "at most " + std::to_string(kMaxRoutedLocalExperts);
+    v.found = std::to_string(s.num_experts);
+    v.hint = "split the experts over ranks: expert_offset and global_experts";
+    return v;
+  }
   if (auto v = check_range("/top_k", "top_k", s.top_k, 1, kMaxTopK)) return v;
   if (auto v = check_range("/hidden", "hidden", s.hidden, 1, kMaxDim)) return v;
   if (auto v = check_block("/hidden", "hidden", "FC1", s.hidden)) return v;

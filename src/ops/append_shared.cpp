@@ -3,6 +3,7 @@
 // shared lock.
 #include <cuda.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <sstream>
@@ -128,6 +129,10 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
                              "value " + std::to_string(static_cast<int>(args.gate)));
   }
 
+  if (!std::isfinite(args.scale)) {
+    detail::throw_argument(kOp, "scale", "a finite number (it multiplies every shared weight)",
+                           std::to_string(args.scale));
+  }
   if (tokens > std::numeric_limits<int>::max()) {
     detail::throw_argument(kOp, "topk_ids", "at most 2^31 - 1 tokens (rows)",
                            std::to_string(tokens) + " rows");
@@ -137,18 +142,33 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
                                              ", S = " + std::to_string(num_shared) +
                                              ": no kernel serves rows this wide");
   }
-  const bool ids_fit = ids.dtype == DType::kI32
-                           ? args.shared_base >= std::numeric_limits<int32_t>::min() &&
-                                 args.shared_base <=
-                                     std::numeric_limits<int32_t>::max() - (num_shared - 1)
-                           : args.shared_base <= std::numeric_limits<int64_t>::max() - num_shared;
+  // Why >= 0: a negative id means "no expert" to moe_forward, which would drop the shared
+  // experts without a word.
+  const bool ids_fit =
+      args.shared_base >= 0 &&
+      (ids.dtype == DType::kI32
+           ? args.shared_base <= std::numeric_limits<int32_t>::max() - (num_shared - 1)
+           : args.shared_base <= std::numeric_limits<int64_t>::max() - (num_shared - 1));
   if (!ids_fit) {
-    detail::throw_argument(kOp, "shared_base",
-                           "shared ids shared_base .. shared_base + S - 1 representable in the id "
-                           "dtype (" + std::string(ids.dtype == DType::kI32 ? "int32" : "int64") +
-                               ")",
-                           std::to_string(args.shared_base) + " with S = " +
-                               std::to_string(num_shared));
+    detail::throw_argument(
+        kOp, "shared_base",
+        "shared ids shared_base .. shared_base + S - 1 non-negative and "
+        "representable in the id dtype (" +
+            std::string(ids.dtype == DType::kI32 ? "int32" : "int64") + ")",
+        std::to_string(args.shared_base) + " with S = " + std::to_string(num_shared));
+  }
+  {
+    const detail::Span outputs[] = {detail::span_of("out_ids", out_ids),
+                                    detail::span_of("out_weights", out_weights)};
+    const detail::Span inputs[] = {
+        detail::span_of("topk_ids", ids), detail::span_of("topk_weights", weights),
+        detail::Span{
+            "shared_logits", logits,
+            logits != nullptr ? tokens * num_shared * detail::dtype_size(logit_dtype) : 0}};
+    detail::check_disjoint(kOp, outputs[0], outputs[1]);
+    for (const detail::Span& o : outputs) {
+      for (const detail::Span& i : inputs) detail::check_disjoint(kOp, o, i);
+    }
   }
   if (tokens == 0) return;
 

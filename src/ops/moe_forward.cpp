@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <limits>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
 #include <moejit/kern/moe/params.cuh>
@@ -199,6 +200,20 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   detail::check_device_pointer(kOp, "hidden (data + byte_offset)", hidden.data, 16);
   detail::check_device_pointer(kOp, "out (data + byte_offset)", out.data, 16);
   detail::check_device_pointer(kOp, "workspace", args.workspace, 256);
+  {
+    const detail::Span scratch{"workspace", args.workspace,
+                               static_cast<int64_t>(std::min<std::size_t>(
+                                   args.workspace_bytes, std::numeric_limits<int64_t>::max()))};
+    const detail::Span output = detail::span_of("out", out);
+    const detail::Span inputs[] = {detail::span_of("hidden", hidden),
+                                   detail::span_of("topk_ids", ids),
+                                   detail::span_of("topk_weights", weights)};
+    detail::check_disjoint(kOp, scratch, output);
+    for (const detail::Span& i : inputs) {
+      detail::check_disjoint(kOp, scratch, i);
+      detail::check_disjoint(kOp, output, i);
+    }
+  }
 
   const int t = static_cast<int>(tokens);
   const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);

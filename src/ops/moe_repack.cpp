@@ -66,8 +66,10 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
 
 void check_experts(const char* op, const ModelShape& shape, const MoeRepackTarget& target,
                    int64_t count) {
-  if (target.first_expert < 0 ||
-      static_cast<int64_t>(target.first_expert) + count > shape.num_experts) {
+  // Why count against the room left, not first_expert + count: count is the caller's tensor
+  // dimension and the sum could overflow.
+  if (target.first_expert < 0 || target.first_expert > shape.num_experts || count < 0 ||
+      count > static_cast<int64_t>(shape.num_experts) - target.first_expert) {
     detail::throw_argument(
         op, "target.first_expert",
         "[first_expert, first_expert + n) inside the shape's local experts [0, " +

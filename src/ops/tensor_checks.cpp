@@ -78,6 +78,17 @@ void throw_argument(const char* op, const char* arg, const std::string& expected
               std::string(op) + ": " + arg + ": expected " + expected + ", found " + found);
 }
 
+void throw_overlap(const char* op, const Span& a, const Span& b) {
+  const auto range = [](const Span& s) {
+    std::ostringstream text;
+    text << "[" << s.data << ", +" << s.bytes << " bytes)";
+    return text.str();
+  };
+  throw_argument(op, a.arg,
+                 std::string("a buffer that shares no byte with ") + b.arg + " " + range(b),
+                 range(a) + ", which overlaps it");
+}
+
 void throw_dtype(const char* op, const char* arg, const char* expected, const DLTensor& tensor) {
   throw_argument(op, arg, std::string("dtype ") + expected,
                  "dtype " + dlpack_dtype_name(tensor.dtype));

@@ -62,6 +62,28 @@ std::string shape_text(const DLTensor& tensor);
 // elements. Throws Error{kInvalidArgument} "<op>: <arg>: expected ..., found ...".
 Matrix check_matrix(const char* op, const char* arg, const DLTensor* tensor, int device);
 
+// A buffer an op reads or writes: its argument name and its bytes.
+struct Span {
+  const char* arg;
+  const void* data;
+  int64_t bytes;
+};
+inline Span span_of(const char* arg, const Matrix& m) {
+  return Span{arg, m.data, m.rows * m.cols * dtype_size(m.dtype)};
+}
+[[noreturn]] void throw_overlap(const char* op, const Span& a, const Span& b);
+// Why: the kernels read their inputs while they write their outputs (and take every pointer as
+// __restrict__), so buffers that share a byte give wrong results, silently. Empty spans overlap
+// nothing. Two comparisons on the valid path.
+inline void check_disjoint(const char* op, const Span& a, const Span& b) {
+  const auto lo_a = reinterpret_cast<uintptr_t>(a.data);
+  const auto lo_b = reinterpret_cast<uintptr_t>(b.data);
+  if (a.bytes > 0 && b.bytes > 0 && lo_a < lo_b + static_cast<uint64_t>(b.bytes) &&
+      lo_b < lo_a + static_cast<uint64_t>(a.bytes)) {
+    throw_overlap(op, a, b);
+  }
+}
+
 // The throwers the ops call when a comparison fails (cold; they format the message).
 [[noreturn]] void throw_argument(const char* op, const char* arg, const std::string& expected,
                                  const std::string& found);

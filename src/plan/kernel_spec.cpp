@@ -48,6 +48,47 @@ const char* gate_short_name(SharedGate gate) noexcept {
   return "unknown";
 }
 
+namespace {
+
+// The reason an activation constant can't be a kernel's template argument, or "".
+std::string constant_problem(const char* name, float value, bool taken) {
+  std::ostringstream os;
+  if (!taken) {
+    if (value != 0.f) {
+      os << "activation constant " << name << " = " << value
+         << " is not taken by this activation; allowed: 0";
+    }
+    return os.str();
+  }
+  if (!std::isfinite(value) || value <= 0.f) {
+    os << "activation constant " << name << " = " << value << "; allowed: finite and > 0";
+  } else if (!detail::float_ratio(value)) {
+    os << "activation constant " << name << " = " << value
+       << " has no exact int ratio num / den (the kernel's template form); allowed: a value "
+          "that some num / den with |num|, den < 2^31 rounds to (magnitudes from about 1e-9 to "
+          "2e9)";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+std::string activation_problem(const Activation& a) {
+  const bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
+  const bool situ = a.kind == ActivationKind::kSiTU;
+  if (a.kind != ActivationKind::kSwiGLU && !clamps && !situ) {
+    return "activation kind " + std::to_string(static_cast<int>(a.kind)) +
+           " is unknown; allowed: swiglu, clamped_swiglu, gpt_oss, situ";
+  }
+  std::string reason = constant_problem("limit", a.limit, clamps);
+  if (reason.empty()) {
+    reason = constant_problem("alpha", a.alpha, a.kind == ActivationKind::kGptOss);
+  }
+  if (reason.empty()) reason = constant_problem("beta", a.beta, situ);
+  if (reason.empty()) reason = constant_problem("linear_beta", a.linear_beta, situ);
+  return reason;
+}
+
 }  // namespace detail
 
 namespace {
@@ -153,41 +194,6 @@ std::string repack_problem(const MoeRepackParams& p) {
        << " is not allowed; allowed: a multiple of 32 in 32..1024";
   }
   return os.str();
-}
-
-// The reason an activation constant can't be a kernel's template argument, or "".
-std::string constant_problem(const char* name, float value, bool taken) {
-  std::ostringstream os;
-  if (!taken) {
-    if (value != 0.f) os << "activation constant " << name << " = " << value
-                         << " is not taken by this activation; allowed: 0";
-    return os.str();
-  }
-  if (!std::isfinite(value) || value <= 0.f) {
-    os << "activation constant " << name << " = " << value << "; allowed: finite and > 0";
-  } else if (!detail::float_ratio(value)) {
-    os << "activation constant " << name << " = " << value
-       << " has no exact int ratio num / den (the kernel's template form); allowed: a value "
-          "that some num / den with |num|, den < 2^31 rounds to (magnitudes from about 1e-9 to "
-          "2e9)";
-  }
-  return os.str();
-}
-
-std::string activation_problem(const Activation& a) {
-  const bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
-  const bool situ = a.kind == ActivationKind::kSiTU;
-  if (a.kind != ActivationKind::kSwiGLU && !clamps && !situ) {
-    return "activation kind " + std::to_string(static_cast<int>(a.kind)) +
-           " is unknown; allowed: swiglu, clamped_swiglu, gpt_oss, situ";
-  }
-  std::string reason = constant_problem("limit", a.limit, clamps);
-  if (reason.empty()) {
-    reason = constant_problem("alpha", a.alpha, a.kind == ActivationKind::kGptOss);
-  }
-  if (reason.empty()) reason = constant_problem("beta", a.beta, situ);
-  if (reason.empty()) reason = constant_problem("linear_beta", a.linear_beta, situ);
-  return reason;
 }
 
 bool is_default_activation(const Activation& a) {
@@ -296,7 +302,7 @@ std::string marlin_stage_problem(const MarlinMoeParams& p) {
        << " with stage fc2 (FC2 applies none); allowed: the default activation (swiglu, no "
           "constants)";
   } else if (fc1) {
-    os << activation_problem(p.activation);
+    os << detail::activation_problem(p.activation);
   }
   return os.str();
 }
@@ -343,7 +349,7 @@ std::string decode_problem(const MoeDecodeParams& p) {
        << " is not an id type; allowed: i32, i64 (decode_moe reads topk_ids directly)";
     return os.str();
   }
-  return activation_problem(p.activation);
+  return detail::activation_problem(p.activation);
 }
 
 // Arch rules per family (after the arch itself is valid).

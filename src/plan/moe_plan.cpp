@@ -581,66 +581,6 @@ std::size_t align_up(std::size_t bytes) {
 
 }  // namespace
 
-std::optional<FloatRatio> float_ratio(float value) {
-  if (!std::isfinite(value)) return std::nullopt;
-  if (value == 0.f) return FloatRatio{0, 1};
-  const auto exact = [value](long long num, long long den) {
-    return static_cast<float>(num) / static_cast<float>(den) == value;
-  };
-  for (long long den = 1; den <= 1000000000LL; den *= 10) {
-    const double scaled = std::nearbyint(static_cast<double>(value) * static_cast<double>(den));
-    if (std::fabs(scaled) > static_cast<double>(INT_MAX)) break;
-    const long long num = static_cast<long long>(scaled);
-    if (exact(num, den)) return FloatRatio{static_cast<int>(num), static_cast<int>(den)};
-  }
-  // The convergents of the continued fraction: the best approximations num / den; the first
-  // whose float quotient rounds to `value` will do.
-  {
-    const double x0 = std::fabs(static_cast<double>(value));
-    const long long sign = value < 0.f ? -1 : 1;
-    long long h_prev = 1, h_prev2 = 0, k_prev = 0, k_prev2 = 1;
-    double x = x0;
-    for (int iteration = 0; iteration < 64; ++iteration) {
-      const double a = std::floor(x);
-      if (a > static_cast<double>(INT_MAX)) break;
-      const long long ai = static_cast<long long>(a);
-      const long long h = ai * h_prev + h_prev2;
-      const long long k = ai * k_prev + k_prev2;
-      if (h > INT_MAX || k > INT_MAX) break;
-      if (k > 0 && exact(sign * h, k)) {
-        return FloatRatio{static_cast<int>(sign * h), static_cast<int>(k)};
-      }
-      h_prev2 = h_prev;
-      h_prev = h;
-      k_prev2 = k_prev;
-      k_prev = k;
-      const double fraction = x - a;
-      if (fraction <= 0.0) break;
-      x = 1.0 / fraction;
-    }
-  }
-  // value = mantissa * 2^exponent with an integer mantissa of at most 24 bits.
-  int exponent = 0;
-  const double fraction = std::frexp(static_cast<double>(value), &exponent);
-  long long mantissa = static_cast<long long>(std::ldexp(fraction, 24));
-  exponent -= 24;
-  while (mantissa % 2 == 0 && exponent < 0) {
-    mantissa /= 2;
-    ++exponent;
-  }
-  if (exponent >= 0) {
-    if (exponent > 30) return std::nullopt;
-    const long long num = mantissa * (1LL << exponent);
-    if (num > INT_MAX || num < -static_cast<long long>(INT_MAX)) return std::nullopt;
-    if (exact(num, 1)) return FloatRatio{static_cast<int>(num), 1};
-    return std::nullopt;
-  }
-  if (-exponent > 30) return std::nullopt;
-  const long long den = 1LL << -exponent;
-  if (exact(mantissa, den)) return FloatRatio{static_cast<int>(mantissa), static_cast<int>(den)};
-  return std::nullopt;
-}
-
 int marlin_moe_threads(const MarlinMoeParams& p) { return 32 * p.warps_m * p.warps_n * p.warps_k; }
 
 int marlin_moe_m_tiles(const MarlinMoeParams& p, int m_atoms) {
@@ -686,14 +626,9 @@ long long marlin_moe_smem_bytes(const MarlinMoeParams& p) {
   return pipe + 3LL * p.block_n * 4;  // + ids, input rows, FC2's top-k weights
 }
 
-long long route_rank_shared_bytes(int num_experts, int block_threads) {
-  const long long e = num_experts;
-  const long long warps = block_threads / 32;
-  // route.cuh's RouteTraits::kRankSharedBytes: counters, counts, block and group starts, the
-  // scan (64-bit at most) and its alignment (the group starts counted whether or not the route has
-  // them).
-  return (warps * e * 2 + 3) / 4 * 4 + e * 4 + 2 * (e + 1) * 4 + warps * 8 + 8;
-}
+static_assert(route_rank_shared_bytes(kMaxRoutedLocalExperts, 32) <= kRouteStaticSharedLimit &&
+                  route_rank_shared_bytes(kMaxRoutedLocalExperts + 1, 32) > kRouteStaticSharedLimit,
+              "kMaxRoutedLocalExperts is the most local experts the route's rank tables serve");
 
 long long max_dynamic_smem_bytes(const Arch& arch) {
   switch (arch.sm) {
@@ -1329,7 +1264,11 @@ std::string moe_shape_problem(const ModelShape& shape) {
     return "shape \"" + shape.name + "\": " + name + " = " + std::to_string(value) +
            "; the MoE kernels need " + allowed;
   };
-  if (shape.num_experts < 1) return field("num_experts", shape.num_experts, ">= 1");
+  if (shape.num_experts < 1 || shape.num_experts > kMaxRoutedLocalExperts) {
+    return field("num_experts", shape.num_experts,
+                 "1.." + std::to_string(kMaxRoutedLocalExperts) +
+                     " (the route's per-expert tables fill 48 KB of shared memory)");
+  }
   if (shape.top_k < 1 || shape.top_k > 64) return field("top_k", shape.top_k, "1..64");
   if (shape.hidden < 32 || shape.hidden % 32 != 0 || shape.hidden > 65536) {
     return field("hidden", shape.hidden,
@@ -1359,6 +1298,8 @@ std::string moe_shape_problem(const ModelShape& shape) {
   if (shape.weight_format != WeightFormat::kMXFP4) {
     return "shape \"" + shape.name + "\": the MoE kernels take MXFP4 weights only";
   }
+  const std::string activation = activation_problem(shape.activation);
+  if (!activation.empty()) return "shape \"" + shape.name + "\": " + activation;
   return "";
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "descriptor/descriptor.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/shape.hpp"
 
@@ -17,24 +18,19 @@ namespace moejit::detail {
 
 // ---- facts shared by supports(), codegen and the ops ------------------------------------------
 
-// A float constant as an exact ratio of ints: float(num) / float(den) == value (a correctly
-// rounded division, as kernels/moe/activation.cuh evaluates it). Tries decimal denominators
-// first (1.702 -> 1702 / 1000, readable in the source), then the continued fraction's
-// convergents, then the float's own binary fraction. Empty when none fits an int (|value|
-// beyond 2^31, or so small that no num / den with den < 2^31 rounds to it).
-struct FloatRatio {
-  int num = 0;
-  int den = 1;
-};
-std::optional<FloatRatio> float_ratio(float value);
-
 // moe_gemm.cuh's MoeGemmTraits: threads per CTA and dynamic shared memory (kSmemBytes).
 int marlin_moe_threads(const MarlinMoeParams& p);
 // The M tiles (the GEMM grid's x) of a matrix of `m_atoms` 16-row atoms under p.block_m.
 int marlin_moe_m_tiles(const MarlinMoeParams& p, int m_atoms);
 long long marlin_moe_smem_bytes(const MarlinMoeParams& p);
-// route.cuh's RouteTraits::kRankSharedBytes (static shared memory of the rank phase).
-long long route_rank_shared_bytes(int num_experts, int block_threads);
+// route.cuh's RouteTraits::kRankSharedBytes (static shared memory of the rank phase): counters,
+// counts, block and group starts, the scan (64-bit at most) and its alignment (the group starts
+// counted whether or not the route has them).
+constexpr long long route_rank_shared_bytes(int num_experts, int block_threads) {
+  const long long e = num_experts;
+  const long long warps = block_threads / 32;
+  return (warps * e * 2 + 3) / 4 * 4 + e * 4 + 2 * (e + 1) * 4 + warps * 8 + 8;
+}
 inline constexpr long long kRouteStaticSharedLimit = 48 * 1024;
 // The most dynamic shared memory one CTA may opt into on `arch` (the CUDA programming guide's
 // per-arch table; the op still learns the device's own limit when it sets the attribute).
@@ -259,7 +255,11 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
                           const MarlinMoeParams& fc1, const MoeWeightSizes& sizes,
                           long long max_blocks, int sms, const Arch& arch);
 
-// The first reason the op can't serve `shape` (sizes the kernels' arguments can't hold), or "".
+// Why an activation's kind or constants can't be a kernel's template arguments, or "".
+std::string activation_problem(const Activation& activation);
+
+// The first reason the op can't serve `shape` (sizes the kernels' arguments can't hold, more
+// local experts than the route serves, activation constants the kernels can't take), or "".
 // Kernel-level reasons come from supports() on the planned specs.
 std::string moe_shape_problem(const ModelShape& shape);
 

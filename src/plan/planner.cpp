@@ -2,8 +2,10 @@
 // Each family contributes one planning function; plan_kernels runs them all in a fixed order,
 // so a new family is one more function and one more table row.
 #include <algorithm>
+#include <string>
 #include <vector>
 
+#include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
@@ -76,6 +78,10 @@ constexpr FamilyPlanner kPlanners[] = {
 }  // namespace
 
 std::vector<KernelSpec> plan_kernels(const ModelShape& shape, const Arch& arch) {
+  // Why here: a shape built in code reaches the planner without the shape-file rules, and a plan
+  // of kernels for sizes no op can take would let prewarm report success for nothing.
+  const std::string problem = detail::moe_shape_problem(shape);
+  if (!problem.empty()) throw Error(ErrorCode::kInvalidDescriptor, "plan_kernels: " + problem);
   std::vector<KernelSpec> specs;
   for (FamilyPlanner planner : kPlanners) planner(shape, arch, specs);
   return specs;

@@ -385,6 +385,10 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
   const bool capturing = stream_capturing(api, stream);
   const std::string capture_context = "stream " + stream_text(stream) + " is capturing a CUDA graph";
   if (capturing) {
+    // Why first: a spec no kernel serves fails whatever was prewarmed, so the capture error's
+    // advice (prewarm first) would send the caller the wrong way.
+    const std::string unsupported = supports(spec);
+    if (!unsupported.empty()) throw Error(ErrorCode::kUnsupported, unsupported);
     bool allowed = false;
     {
       std::lock_guard<std::mutex> lock(setup_mutex_);

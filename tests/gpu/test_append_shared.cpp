@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -460,6 +461,26 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
     AppendSharedArgs args = data->args();
     args.shared_base = int64_t{1} << 31;
     expect_refused({"shared_base past int32", {"shared_base", "int32"}}, args);
+    args.shared_base = -1;
+    expect_refused({"a negative shared_base", {"shared_base", "non-negative", "found -1"}}, args);
+  }
+  {  // a scale that is not finite
+    AppendSharedArgs args = data->args();
+    args.scale = std::numeric_limits<float>::infinity();
+    expect_refused({"an infinite scale", {"scale", "finite", "inf"}}, args);
+  }
+  {  // buffers that share bytes: in place over the inputs, and the two outputs on one buffer
+    AppendSharedArgs args = data->args();
+    DLTensor in_place = *data->out_ids->dl();
+    in_place.data = data->topk_ids->dl()->data;
+    args.out_ids = &in_place;
+    expect_refused({"out_ids over topk_ids", {"out_ids", "shares no byte with topk_ids"}}, args);
+    args = data->args();
+    DLTensor weights_on_ids = *data->out_weights->dl();
+    weights_on_ids.data = data->out_ids->dl()->data;
+    args.out_weights = &weights_on_ids;
+    expect_refused({"out_weights over out_ids", {"out_ids", "shares no byte with out_weights"}},
+                   args);
   }
 
   // Through the C ABI: a status, this thread's message, then "" after a success.

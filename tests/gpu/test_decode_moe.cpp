@@ -676,6 +676,23 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
         INFO("path " << path_name(options.path) << ", block_n " << options.decode_block_n);
         expect_refused(io, io.args(*model), stream.get(), options, ErrorCode::kInvalidArgument);
       }
+      // Buffers that share bytes: refused naming both, and nothing is written.
+      {
+        moejit::MoeForwardArgs a = io.args(*model);
+        a.workspace = io.hidden.data();
+        const std::string message =
+            expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+        CHECK(contains(message, "workspace"));
+        CHECK(contains(message, "shares no byte with hidden"));
+        TensorView out_on_hidden(io.hidden.data(), 0, {7, shape.hidden}, dl_bf16());
+        a = io.args(*model);
+        a.out = out_on_hidden.dl();
+        CHECK(contains(
+            expect_refused(io, a, stream.get(), forced_decode(0), ErrorCode::kInvalidArgument),
+            "out"));
+        CHECK(
+            same_bits(download_at<uint16_t>(io.hidden, 0, tk.hidden_bits.size()), tk.hidden_bits));
+      }
       // T = 257: forced decode is refused naming its limit; the automatic path is marlin_moe.
       const Tokens many = decode_tokens(shape, 257, rng);
       ForwardIo io_many(shape, many, moejit::moe_workspace_bytes(shape, 257));

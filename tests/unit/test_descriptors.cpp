@@ -406,6 +406,13 @@ TEST_CASE("zero, negative and absurd sizes are refused", "[descriptor]") {
   expect_value_refusal("\"num_experts\": 64", "\"num_experts\": 5000", "5000",
                        "/shapes/0/num_experts",
                        {"larger than any model", "1..4096", "found 5000", "typo"});
+  expect_value_refusal("\"num_experts\": 64", "\"num_experts\": 3510", "3510",
+                       "/shapes/0/num_experts",
+                       {"more local experts than the route kernel serves", "at most 3509",
+                        "found 3510", "expert_offset and global_experts"});
+  CHECK(parse_shapes(base_with("\"num_experts\": 64", "\"num_experts\": 3509"), "ok.json")
+            .at(0)
+            .num_experts == 3509);
   expect_value_refusal("\"top_k\": 8", "\"top_k\": 65", "65", "/shapes/0/top_k",
                        {"top_k is larger than any model", "1..64"});
   expect_value_refusal("\"hidden\": 2048", "\"hidden\": 131072", "131072", "/shapes/0/hidden",
@@ -441,10 +448,12 @@ TEST_CASE("global_experts must cover the rank's experts", "[descriptor]") {
                        {"does not cover this rank's experts", "[64, 128)",
                         "at least expert_offset + num_experts = 128", "found 100"});
   // The default of an absent global_experts can break the range; the message says so.
-  std::string text = base_with("\"num_experts\": 64", "\"num_experts\": 4096, \"expert_offset\": 65000");
+  std::string text =
+      base_with("\"num_experts\": 64", "\"num_experts\": 3000, \"expert_offset\": 65000");
   expect_refusal(text, position_of(text, "{\n      \"name\""), "/shapes/0/global_experts",
-                 {"global_experts is larger than any model", "defaults to expert_offset + "
-                  "num_experts = 69096"});
+                 {"global_experts is larger than any model",
+                  "defaults to expert_offset + "
+                  "num_experts = 68000"});
 }
 
 TEST_CASE("sizes that break the MXFP4 block invariant are refused", "[descriptor]") {
@@ -508,6 +517,11 @@ TEST_CASE("non-finite and non-positive constants are refused", "[descriptor]") {
                        {"limit must be finite and positive", "found -7.5"});
   expect_value_refusal(act, "{\"kind\": \"gpt_oss\", \"limit\": 7, \"alpha\": 0.0}", "0.0",
                        "/shapes/0/activation/alpha", {"alpha must be finite and positive"});
+  // Finite and positive, but no int ratio num / den (the kernels' template form) rounds to it.
+  expect_value_refusal(act, limit("1e10"), "1e10", ptr,
+                       {"limit has no exact int ratio", "about 1e-9 to 2e9", "found 1e10"});
+  expect_value_refusal(act, limit("1e-20"), "1e-20", ptr, {"limit has no exact int ratio"});
+  CHECK(parse_shapes(base_with(act, limit("1e9")), "ok.json").at(0).activation.limit == 1e9f);
   expect_value_refusal(act, "{\"kind\": \"swiglu\"}, \"shared_experts\": {\"count\": 1, "
                        "\"intermediate\": 64, \"scale\": 1e400}", "1e400",
                        "/shapes/0/shared_experts/scale", {"scale is not finite"});

@@ -1025,19 +1025,51 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
 }
 
 TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compile", "[plan]") {
+  // More local experts than the route's shared tables hold: refused by the planner itself, and by
+  // every op that takes the shape, at the route's exact limit.
   ModelShape shape = find_shape(reference_shapes(), "qwen3-30b-a3b");
   shape.name = "too-many-experts";
-  shape.num_experts = 40000;
-  shape.global_experts = 40000;
-  bool refused = false;
+  shape.num_experts = moejit::detail::kMaxRoutedLocalExperts + 1;
+  shape.global_experts = shape.num_experts;
+  const std::string count = "num_experts = " + std::to_string(shape.num_experts);
+  try {
+    moejit::plan_kernels(shape, Arch::parse("sm_90a"));
+    FAIL("plan_kernels planned a shape with more experts than the route serves");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidDescriptor);
+    CHECK(contains(e.what(), count));
+    CHECK(contains(e.what(), "1..3509"));
+  }
+  CHECK_THROWS_WITH(moejit::moe_weight_layout(shape), Catch::Contains(count));
+  CHECK_THROWS_WITH(moejit::moe_workspace_bytes(shape, 1), Catch::Contains(count));
+  --shape.num_experts;
+  --shape.global_experts;
   for (const KernelSpec& spec : moejit::plan_kernels(shape, Arch::parse("sm_90a"))) {
     if (spec.family != Family::kRoute) continue;
-    const std::string reason = moejit::supports(spec);
     INFO(spec.display_name());
-    CHECK(contains(reason, "num_experts = 40000"));
-    refused = refused || !reason.empty();
+    CHECK(moejit::supports(spec).empty());
   }
-  CHECK(refused);
+
+  // Sizes and constants a shape built in code can hold but no kernel takes: refused by the
+  // planner (prewarm plans through it) and by the ops, naming the field.
+  ModelShape empty = find_shape(reference_shapes(), "qwen3-30b-a3b");
+  empty.intermediate = 0;
+  CHECK_THROWS_WITH(moejit::plan_kernels(empty, Arch::parse("sm_90a")),
+                    Catch::Contains("intermediate = 0"));
+  ModelShape no_tokens = find_shape(reference_shapes(), "qwen3-30b-a3b");
+  no_tokens.max_tokens = -1;
+  CHECK_THROWS_WITH(moejit::prewarm({no_tokens}, {Arch::parse("sm_90a")}, 1),
+                    Catch::Contains("max_tokens = -1"));
+  ModelShape nan_limit = find_shape(reference_shapes(), "deepseek-v4-flash-tp4");
+  REQUIRE(nan_limit.activation.kind == moejit::ActivationKind::kClampedSwiGLU);
+  nan_limit.activation.limit = std::nanf("");
+  CHECK_THROWS_WITH(moejit::moe_weight_layout(nan_limit), Catch::Contains("limit"));
+  CHECK_THROWS_WITH(moejit::plan_kernels(nan_limit, Arch::parse("sm_90a")),
+                    Catch::Contains("finite and > 0"));
+  ModelShape huge_limit = nan_limit;
+  huge_limit.activation.limit = 1e10f;
+  CHECK_THROWS_WITH(moejit::moe_workspace_bytes(huge_limit, 1),
+                    Catch::Contains("no exact int ratio"));
 
   ModelShape odd = find_shape(reference_shapes(), "qwen3-30b-a3b");
   odd.hidden = 48;
