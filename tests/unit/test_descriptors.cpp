@@ -290,6 +290,9 @@ TEST_CASE("the schema lists exactly the fields the parser accepts", "[descriptor
     kinds.insert(branch.at("properties").at("kind").at("const").get<std::string>());
   }
   CHECK(kinds == std::set<std::string>{"swiglu", "clamped_swiglu", "gpt_oss", "situ"});
+  // The bound a file is refused past, not the parser's wider typo guard.
+  CHECK(schema.at("$defs").at("shape").at("properties").at("num_experts").at("maximum") ==
+        moejit::detail::kMaxRoutedLocalExperts);
   nlohmann::json reference = nlohmann::json::parse(read_file(dir + "/reference.json"));
   CHECK(reference.at("$schema") == "./schema.json");
 }
