@@ -3,21 +3,21 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <system_error>
+#include <thread>
 #include <utility>
 
+#include "cache/file_io.hpp"
 #include "common/check.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
@@ -33,10 +33,6 @@ constexpr std::size_t kKeyLength = 32;
 constexpr const char* kEntrySuffix = ".mjc";
 constexpr const char* kTempSuffix = ".tmp";
 
-std::string errno_text(int error) {
-  return std::error_code(error, std::generic_category()).message();
-}
-
 int64_t now_unix() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -51,29 +47,6 @@ const char* mode_name(CacheMode mode) {
   }
   return "unknown";
 }
-
-// Owns one file descriptor.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  bool ok() const { return fd_ >= 0; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_;
-};
 
 int open_file(const std::string& path, int flags, mode_t mode = 0) {
   int fd = -1;
@@ -96,35 +69,6 @@ int pread_all(int fd, char* data, std::size_t size, uint64_t offset) {
     done += static_cast<std::size_t>(n);
   }
   return 0;
-}
-
-// 0 when all bytes were written; else errno.
-int write_all(int fd, const char* data, std::size_t size) {
-  std::size_t done = 0;
-  while (done < size) {
-    ssize_t n = ::write(fd, data + done, size - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  return 0;
-}
-
-std::string random_hex() {
-  uint64_t value = 0;
-  if (::getrandom(&value, sizeof(value), GRND_NONBLOCK) != static_cast<ssize_t>(sizeof(value))) {
-    // Why: getrandom can only fail this early in boot; names must still differ between
-    // processes and threads, and O_EXCL catches any collision that remains.
-    static std::atomic<uint64_t> counter{0};
-    value = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-            (static_cast<uint64_t>(::getpid()) << 40) ^
-            (counter.fetch_add(1) * 0x9e3779b97f4a7c15ull);
-  }
-  char text[17];
-  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
-  return text;
 }
 
 bool is_lower_hex(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); }
@@ -662,13 +606,15 @@ bool DiskCache::store(const Entry& entry) const {
                errno_text(error));
     return false;
   };
-  if (int e = write_all(fd.get(), reinterpret_cast<const char*>(header), kHeaderSize); e != 0) {
+  if (int e =
+          write_all(fd.get(), std::string_view(reinterpret_cast<const char*>(header), kHeaderSize));
+      e != 0) {
     return fail("writing", e);
   }
-  if (int e = write_all(fd.get(), manifest_text.data(), manifest_text.size()); e != 0) {
+  if (int e = write_all(fd.get(), manifest_text); e != 0) {
     return fail("writing", e);
   }
-  if (int e = write_all(fd.get(), entry.cubin.data(), entry.cubin.size()); e != 0) {
+  if (int e = write_all(fd.get(), entry.cubin); e != 0) {
     return fail("writing", e);
   }
   if (::fsync(fd.get()) != 0) return fail("fsync of", errno);
@@ -692,21 +638,38 @@ bool DiskCache::store(const Entry& entry) const {
 
 // ---- Lock ----
 
+DiskCache::Lock::Lock(int fd) : fd_(fd), owner_pid_(::getpid()) {}
+
+DiskCache::Lock::Lock(Lock&& other) noexcept : fd_(other.fd_), owner_pid_(other.owner_pid_) {
+  other.fd_ = -1;
+}
+
 DiskCache::Lock& DiskCache::Lock::operator=(Lock&& other) noexcept {
   if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
+    release();
     fd_ = other.fd_;
+    owner_pid_ = other.owner_pid_;
     other.fd_ = -1;
   }
   return *this;
 }
 
-DiskCache::Lock::~Lock() {
-  // Why: closing the last descriptor of the open file releases the flock.
-  if (fd_ >= 0) ::close(fd_);
+DiskCache::Lock::~Lock() { release(); }
+
+void DiskCache::Lock::release() noexcept {
+  if (fd_ < 0) return;
+  // Why LOCK_UN before close: a flock belongs to the open file description, which a child forked
+  // without exec shares; closing only our descriptor would leave the lock held for as long as
+  // that child lives. Only the taker unlocks, so such a child closing its copy takes nothing away
+  // from the parent.
+  if (::getpid() == owner_pid_) ::flock(fd_, LOCK_UN);
+  ::close(fd_);
+  fd_ = -1;
 }
 
-DiskCache::Lock DiskCache::lock(const std::string& key) const {
+DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* published,
+                                std::chrono::milliseconds max_wait) const {
+  using Clock = std::chrono::steady_clock;
   MOEJIT_CHECK(is_cache_key(key), ErrorCode::kInvalidArgument,
                "malformed cache key '" << key << "': expected 32 lowercase hex digits");
   if (mode_ != CacheMode::kReadWrite) return Lock();
@@ -717,6 +680,26 @@ DiskCache::Lock DiskCache::lock(const std::string& key) const {
                key, dir_, errno_text(e));
     return Lock();
   }
+  const std::string path = entry_path(key);
+  const Clock::time_point deadline = Clock::now() + max_wait;
+  std::chrono::milliseconds pause(1);
+  // The entry file load() last rejected (device, inode, mtime), so a bad file is not loaded (and
+  // logged) again on every poll.
+  struct stat rejected {};
+  // Whether the holder has published the entry; loads it into *published if so.
+  auto take_published = [&]() {
+    struct stat st {};
+    if (published == nullptr || ::lstat(path.c_str(), &st) != 0) return false;
+    if (st.st_dev == rejected.st_dev && st.st_ino == rejected.st_ino &&
+        st.st_mtim.tv_sec == rejected.st_mtim.tv_sec &&
+        st.st_mtim.tv_nsec == rejected.st_mtim.tv_nsec) {
+      return false;
+    }
+    *published = load(key);
+    if (!published->has_value()) rejected = st;
+    return published->has_value();
+  };
+
   // Why: gc may unlink an idle lock file; a lock taken on the unlinked inode would exclude no
   // one, so after flock the path must still name the locked file, else try again.
   for (int attempt = 0; attempt < 100; ++attempt) {
@@ -726,14 +709,33 @@ DiskCache::Lock DiskCache::lock(const std::string& key) const {
                  lock_path, errno_text(errno));
       return Lock();
     }
-    int rc = 0;
-    do {
-      rc = ::flock(fd.get(), LOCK_EX);
-    } while (rc != 0 && errno == EINTR);
-    if (rc != 0) {
-      log().warn("cannot lock {}: {}; compiling without the inter-process lock", lock_path,
-                 errno_text(errno));
-      return Lock();
+    // Why not a blocking flock: a holder that never releases (stopped, hung, or a forked child
+    // that inherited the lock) would block every later process forever, even once the entry it
+    // was building is on disk.
+    while (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      if (error == EINTR) continue;
+      if (error != EWOULDBLOCK) {
+        log().warn("cannot lock {}: {}; compiling without the inter-process lock", lock_path,
+                   errno_text(error));
+        return Lock();
+      }
+      if (take_published()) {
+        log().debug("cache entry {} published by the lock holder while waiting for {}", path,
+                    lock_path);
+        return Lock();
+      }
+      const Clock::time_point now = Clock::now();
+      if (now >= deadline) {
+        log().warn(
+            "waited {} ms for {}, still held by another process (stopped or hung, or a "
+            "child forked while it was held); compiling {} without the inter-process "
+            "lock (a second compile of it is harmless: publishing is atomic)",
+            max_wait.count(), lock_path, key);
+        return Lock();
+      }
+      std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
     struct stat held {}, at_path {};
     if (::fstat(fd.get(), &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&

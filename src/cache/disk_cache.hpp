@@ -22,6 +22,7 @@
 // All methods are const and safe to call from many threads and processes at once.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -103,14 +104,13 @@ class DiskCache {
   // the caller still has its cubin). Throws Error{kInvalidArgument} for a malformed key.
   bool store(const Entry& entry) const;
 
-  // Inter-process lock for compiling `key` (flock on locks/<key>.lock). Returns a held lock, or
-  // an empty one when the cache is not writable (or the lock file can't be opened: logged).
-  // Released by the destructor.
+  // Inter-process lock for compiling `key` (flock on locks/<key>.lock). Released by the
+  // destructor, also for a child forked (without exec) while it was held.
   class Lock {
    public:
     Lock() = default;
-    explicit Lock(int fd) : fd_(fd) {}
-    Lock(Lock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+    explicit Lock(int fd);
+    Lock(Lock&& other) noexcept;
     Lock& operator=(Lock&& other) noexcept;
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
@@ -118,9 +118,29 @@ class DiskCache {
     bool held() const { return fd_ >= 0; }
 
    private:
+    void release() noexcept;
     int fd_ = -1;
+    int owner_pid_ = -1;  // the process that took the lock: only it unlocks, others just close
   };
-  Lock lock(const std::string& key) const;
+
+  // How long lock() waits for another holder before compiling without the lock. Why 120 s: the
+  // slowest compile measured is 6.1 s (tools/PERF_LOG.md), so a live holder publishes long
+  // before, even on a machine slowed many times over by parallel prewarms; a holder that never
+  // releases (a stopped process, a hung build) costs each waiter at most this. Well below
+  // kStaleTempSeconds, the age after which a writer is taken for dead.
+  static constexpr int64_t kLockWaitSeconds = 120;
+
+  // Takes the lock, polling (1 ms between tries, growing to 50 ms) rather than blocking, so that
+  // while another process holds it:
+  //  - with `published`, an entry for `key` that appears on disk (the holder published it) is
+  //    loaded into *published and an empty lock is returned at once, without waiting for the
+  //    holder to release (it may be stopped, or be a forked child that inherited the lock);
+  //  - after `max_wait` an empty lock is returned (logged at warn): the caller compiles without
+  //    it, at worst a duplicate compile, since store() publishes atomically.
+  // Also empty when the cache is not writable, or the lock file can't be opened (logged).
+  // Throws Error{kInvalidArgument} for a malformed key.
+  Lock lock(const std::string& key, std::optional<Entry>* published = nullptr,
+            std::chrono::milliseconds max_wait = std::chrono::seconds(kLockWaitSeconds)) const;
 
   // Entries of this schema version, sorted by path. With `verify`, each is fully checked (cubin
   // hash included) and a bad one is quarantined as load() would; without, only the header and

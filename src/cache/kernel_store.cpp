@@ -3,6 +3,7 @@
 #include <chrono>
 #include <exception>
 #include <future>
+#include <optional>
 #include <utility>
 
 #include "common/check.hpp"
@@ -34,8 +35,15 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
             ms_since(start)};
   }
   // Why: held across build and store, so another process that waits here finds the entry on
-  // disk once it gets the lock, instead of compiling it again.
-  DiskCache::Lock lock = disk.lock(key);
+  // disk once it gets the lock (or sees it published while waiting), instead of compiling it
+  // again.
+  start = Clock::now();
+  std::optional<Entry> published;
+  DiskCache::Lock lock = disk.lock(key, &published);
+  if (published) {
+    return {std::make_shared<const Entry>(std::move(*published)), CacheOutcome::kDiskHit,
+            ms_since(start)};
+  }
   if (lock.held()) {
     start = Clock::now();
     if (std::optional<Entry> hit = disk.load(key)) {

@@ -21,17 +21,21 @@ class KernelStore {
   struct Result {
     std::shared_ptr<const Entry> entry;
     CacheOutcome outcome = CacheOutcome::kMemoryHit;
-    double milliseconds = 0;  // the memory lookup, the disk load, or build() alone
+    // The memory lookup, the disk load (with the wait for the lock when another process
+    // published the entry meanwhile), or build() alone.
+    double milliseconds = 0;
   };
 
   // The entry for `key`: memory, else (once per key at a time in this process) disk, else, under
   // the inter-process lock, disk again (another process may have published it meanwhile), else
-  // `build()` and publish. No mutex is held while the disk is read or `build` runs. Callers that
-  // arrive while a key is in flight wait and get the leader's Result (same entry, outcome and
-  // time), or the leader's exception rethrown; a failed key is tried again on the next call.
-  // The entry `build` returns gets manifest.key = `key` when empty (another key is an
-  // Error{kInternal}); cubin_size, cubin_hash, created_unix and (when 0) compile_ms are filled.
-  // Throws Error{kInvalidArgument} for a malformed key, and whatever `build` throws.
+  // `build()` and publish. An entry published while waiting for the lock is taken at once; a
+  // lock still held after DiskCache::kLockWaitSeconds is given up and `build()` runs without it. No
+  // mutex is held while the disk is read or `build` runs. Callers that arrive while a key is in
+  // flight wait and get the leader's Result (same entry, outcome and time), or the leader's
+  // exception rethrown; a failed key is tried again on the next call. The entry `build` returns
+  // gets manifest.key = `key` when empty (another key is an Error{kInternal}); cubin_size,
+  // cubin_hash, created_unix and (when 0) compile_ms are filled. Throws Error{kInvalidArgument} for
+  // a malformed key, and whatever `build` throws.
   Result get(const std::string& key, const std::function<Entry()>& build);
 
   const DiskCache& disk() const { return *disk_; }

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +26,7 @@
 #include <system_error>
 #include <utility>
 
+#include "cache/file_io.hpp"
 #include "codegen/embedded.hpp"
 #include "common/check.hpp"
 #include "common/env.hpp"
@@ -66,6 +69,18 @@ bool is_dir(const fs::path& path) {
   return fs::is_directory(path, ec);
 }
 
+// "" when `path` is of type `want` (symlinks followed), else what it is instead. Why the
+// error_code overload: a candidate that can't be examined (EACCES on a parent, a symlink loop)
+// must be reported as that candidate's problem, not end the whole search with an exception.
+std::string type_problem(const fs::path& path, fs::file_type want) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (status.type() == want) return "";
+  if (status.type() == fs::file_type::not_found) return "does not exist";
+  if (ec) return "cannot be examined (" + ec.message() + ")";
+  return want == fs::file_type::directory ? "is not a directory" : "is not a regular file";
+}
+
 // Why: symlinked prefixes (/usr/local/cuda -> cuda-13.0) must not make one file two files.
 fs::path canonical_or_self(const fs::path& path) {
   std::error_code ec;
@@ -91,36 +106,41 @@ struct Probe {
 Probe probe(const std::string& dir) {
   Probe out;
   const fs::path root(dir);
-  if (!fs::exists(root)) {
-    out.problem = "does not exist";
-    return out;
-  }
-  if (!is_dir(root)) {
-    out.problem = "is not a directory";
-    return out;
-  }
-  if (!is_file(root / kProbeHeader)) {
+  out.problem = type_problem(root, fs::file_type::directory);
+  if (!out.problem.empty()) return out;
+  const fs::path header = root / kProbeHeader;
+  out.problem = type_problem(header, fs::file_type::regular);
+  if (out.problem == "does not exist") {
     out.problem = std::string("has no ") + kProbeHeader;
     return out;
   }
-  const fs::path base = canonical_or_self(root);
-  out.include_dirs.push_back(base.string());
-  if (is_file(base / kProbeCccl)) return out;
-  if (is_file(base / "cccl" / kProbeCccl)) {
-    out.include_dirs.push_back((base / "cccl").string());
+  if (!out.problem.empty()) {
+    out.problem = header.string() + " " + out.problem;
     return out;
   }
-  out.include_dirs.clear();
+  const fs::path base = canonical_or_self(root);
+  std::string unusable;  // CCCL candidates that exist but could not be used, and why
+  for (const fs::path& cccl_dir : {base, base / "cccl"}) {
+    const fs::path cccl = cccl_dir / kProbeCccl;
+    const std::string problem = type_problem(cccl, fs::file_type::regular);
+    if (problem.empty()) {
+      out.include_dirs.push_back(base.string());
+      if (cccl_dir != base) out.include_dirs.push_back(cccl_dir.string());
+      return out;
+    }
+    if (problem != "does not exist") unusable += "; " + cccl.string() + " " + problem;
+  }
   out.problem = std::string("has ") + kProbeHeader + " but no " + kProbeCccl + " (looked in " +
-                base.string() + " and " + (base / "cccl").string() + ")";
+                base.string() + " and " + (base / "cccl").string() + ")" + unusable;
   return out;
 }
 
-// Every /usr/local/cuda-<version>/include, newest version first.
-std::vector<std::string> versioned_prefixes() {
+}  // namespace
+
+std::vector<std::string> versioned_toolkit_includes(const std::string& parent) {
   std::vector<std::pair<std::vector<int>, std::string>> found;
   std::error_code ec;
-  for (fs::directory_iterator it("/usr/local", ec), end; !ec && it != end; it.increment(ec)) {
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.rfind("cuda-", 0) != 0) continue;
     std::vector<int> version;
@@ -132,7 +152,14 @@ std::vector<std::string> versioned_prefixes() {
         numeric = false;
         break;
       }
-      version.push_back(std::stoi(part));
+      int number = 0;
+      const auto [stop, error] = std::from_chars(part.data(), part.data() + part.size(), number);
+      // Why skipped, not thrown: a name like cuda-99999999999 is no toolkit worth failing for.
+      if (error != std::errc() || stop != part.data() + part.size()) {
+        numeric = false;
+        break;
+      }
+      version.push_back(number);
     }
     if (!numeric || version.empty()) continue;
     found.emplace_back(std::move(version), (it->path() / "include").string());
@@ -144,6 +171,8 @@ std::vector<std::string> versioned_prefixes() {
   for (auto& entry : found) out.push_back(std::move(entry.second));
   return out;
 }
+
+namespace {
 
 // One `#include` directive found in a file.
 struct IncludeRef {
@@ -415,12 +444,29 @@ void write_stamp(const fs::path& path, const ToolkitHeaders& toolkit, const Prob
   stamp["absent_dirs"] = std::move(dirs);
   stamp["absent"] = guards.files;
   const std::string text = stamp.dump();
-  const std::string temp = path.string() + "." + std::to_string(::getpid()) + ".tmp";
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return;
-  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  const bool closed = ::close(fd) == 0;
-  if (!written || !closed || ::rename(temp.c_str(), path.c_str()) != 0) ::unlink(temp.c_str());
+  // Why the random part: a writer killed mid-write leaves its temp file behind, and a later
+  // process with the same pid (common in containers) would then never get past O_EXCL.
+  const std::string temp =
+      path.string() + "." + std::to_string(::getpid()) + "." + random_hex() + ".tmp";
+  Fd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!fd.ok()) {
+    log().debug("toolkit stamp {} not written: cannot create {}: {}", path.string(), temp,
+                errno_text(errno));
+    return;
+  }
+  std::string failed;
+  if (int e = write_all(fd.get(), text); e != 0) {
+    failed = "writing " + temp + " failed: " + errno_text(e);
+  } else if (int c = fd.reset(); c != 0) {
+    failed = "closing " + temp + " failed: " + errno_text(c);
+  } else if (::rename(temp.c_str(), path.c_str()) != 0) {
+    failed = "renaming " + temp + " failed: " + errno_text(errno);
+  }
+  if (!failed.empty()) {
+    fd.reset();
+    ::unlink(temp.c_str());
+    log().debug("toolkit stamp {} not written: {}", path.string(), failed);
+  }
 }
 
 ToolkitHeaders locate(const std::string& configured, const std::string& stamp_dir,
@@ -469,7 +515,7 @@ ToolkitHeaders locate(const std::string& configured, const std::string& stamp_di
   if (auto path = env("CUDA_PATH"))
     candidates.emplace_back(*path + "/include", "$CUDA_PATH/include");
   candidates.emplace_back("/usr/local/cuda/include", "default prefix");
-  for (std::string& dir : versioned_prefixes())
+  for (std::string& dir : versioned_toolkit_includes("/usr/local"))
     candidates.emplace_back(std::move(dir), "default prefix");
   candidates.emplace_back("/opt/cuda/include", "default prefix");
   candidates.emplace_back("/usr/include", "default prefix");
@@ -540,31 +586,6 @@ std::string make_private_dirs(const fs::path& dir) {
   return is_dir(dir) ? "" : dir.string() + " is not a directory";
 }
 
-// Save the failed source; returns its path, or "" with `why` set.
-std::string save_source(const GeneratedSource& src, const std::string& failure_dir,
-                        std::string& why) {
-  if (failure_dir.empty()) {
-    why = "no failure directory configured";
-    return "";
-  }
-  why = make_private_dirs(failure_dir);
-  if (!why.empty()) return "";
-  const fs::path path = fs::path(failure_dir) / src.file_name;
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out << src.source;
-    out.flush();
-    if (!out) {
-      why = "cannot write " + path.string();
-      return "";
-    }
-  }
-  std::error_code ec;
-  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write, fs::perm_options::replace,
-                  ec);
-  return path.string();
-}
-
 std::string join(const std::vector<std::string>& parts) {
   std::string out;
   for (const std::string& part : parts) {
@@ -583,7 +604,7 @@ std::string kernel_label(const GeneratedSource& src) {
                                       const std::vector<std::string>& options,
                                       const std::string& log, const std::string& failure_dir) {
   std::string why_not_saved;
-  const std::string saved = save_source(src, failure_dir, why_not_saved);
+  const std::string saved = save_failed_source(src, failure_dir, &why_not_saved);
   std::ostringstream os;
   os << "NVRTC " << nvrtc_version() << " could not compile kernel " << kernel_label(src) << " ("
      << src.name_expression << "): " << what << "\n  options: " << join(options);
@@ -616,6 +637,86 @@ std::string kernel_label(const GeneratedSource& src) {
 }
 
 }  // namespace
+
+std::string save_failed_source(const GeneratedSource& src, const std::string& failure_dir,
+                               std::string* why) {
+  why->clear();
+  if (failure_dir.empty()) {
+    *why = "no failure directory configured";
+    return "";
+  }
+  const std::string& name = src.file_name;
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos) {
+    *why = "the source's file name '" + name + "' is not a plain file name";
+    return "";
+  }
+  *why = make_private_dirs(failure_dir);
+  if (!why->empty()) return "";
+  // Why: the directory may sit in shared space (/tmp) where another local user can create it
+  // first, or plant a symlink in it, to have this user's process overwrite a file of their
+  // choosing. So it is opened without following a symlink and used only when it is ours and
+  // no one else can add or replace entries in it; every step after that is relative to the
+  // opened directory, so the directory checked is the one written in. (O_PATH: openat, renameat
+  // and fstat need no read permission on the directory.)
+  Fd dir(::open(failure_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir.ok()) {
+    const int error = errno;
+    struct stat at_path {};
+    if (::lstat(failure_dir.c_str(), &at_path) == 0 && S_ISLNK(at_path.st_mode)) {
+      *why = failure_dir + " is a symbolic link; not following it (remove it)";
+    } else {
+      *why = "cannot open " + failure_dir + ": " + errno_text(error);
+    }
+    return "";
+  }
+  struct stat st {};
+  if (::fstat(dir.get(), &st) != 0) {
+    *why = "cannot inspect " + failure_dir + ": " + errno_text(errno);
+    return "";
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    *why = failure_dir + " is not a directory (a symbolic link is not followed; remove it)";
+    return "";
+  }
+  if (st.st_uid != ::geteuid()) {
+    *why = failure_dir + " is owned by uid " + std::to_string(st.st_uid) +
+           ", not by this user (uid " + std::to_string(::geteuid()) +
+           "); its owner could redirect what is written there (remove it; it is then "
+           "created again, private to this user)";
+    return "";
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    *why = failure_dir + " is writable by group or others (mode " + mode +
+           "), who could plant a link where the source would go (fix: chmod go-w it)";
+    return "";
+  }
+  const std::string path = (fs::path(failure_dir) / name).string();
+  const std::string temp =
+      "." + name + "." + std::to_string(::getpid()) + "." + random_hex() + ".tmp";
+  Fd out(::openat(dir.get(), temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  0600));
+  if (!out.ok()) {
+    *why = "cannot create " + failure_dir + "/" + temp + ": " + errno_text(errno);
+    return "";
+  }
+  // Why rename: it replaces whatever is at `name` (a planted symlink included) without
+  // following it, and a reader never sees a half-written file.
+  if (int e = write_all(out.get(), src.source); e != 0) {
+    *why = "cannot write " + failure_dir + "/" + temp + ": " + errno_text(e);
+  } else if (int c = out.reset(); c != 0) {
+    *why = "cannot close " + failure_dir + "/" + temp + ": " + errno_text(c);
+  } else if (::renameat(dir.get(), temp.c_str(), dir.get(), name.c_str()) != 0) {
+    *why = "cannot rename " + failure_dir + "/" + temp + " to " + path + ": " + errno_text(errno);
+  }
+  if (!why->empty()) {
+    out.reset();
+    ::unlinkat(dir.get(), temp.c_str(), 0);
+    return "";
+  }
+  return path;
+}
 
 ToolkitHeaders locate_toolkit_headers(const std::string& configured, const std::string& stamp_dir,
                                       bool stamp_writable) {

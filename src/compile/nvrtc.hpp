@@ -49,6 +49,11 @@ const ToolkitHeaders& toolkit_headers(const std::string& configured,
 ToolkitHeaders locate_toolkit_headers(const std::string& configured, const std::string& stamp_dir,
                                       bool stamp_writable);
 
+// The search's /usr/local/cuda-<version>/include candidates, with `parent` in place of
+// /usr/local (for tests), newest version first. A name whose version is not dot-separated
+// numbers that each fit an int (cuda-x, cuda-99999999999) is skipped.
+std::vector<std::string> versioned_toolkit_includes(const std::string& parent);
+
 // "13.0" (nvrtcVersion).
 std::string nvrtc_version();
 
@@ -70,6 +75,16 @@ struct CompiledKernel {
   std::vector<std::string> options;
   double compile_ms = 0;
 };
+
+// Saves `src` (a source that failed to compile) as `failure_dir`/src.file_name; returns that
+// path, or "" with *why saying what went wrong and where. Creates `failure_dir` and its missing
+// parents with mode 0700, and writes only when the directory itself is not a symbolic link, is
+// owned by this user and is not group- or world-writable (it may be a per-user directory under
+// /tmp that another user created first). The file (mode 0600) is written under a temp name and
+// renamed into place, so a symlink planted at the name is replaced, never followed. Never throws
+// for a filesystem problem: a compile error must not be lost to a failed save.
+std::string save_failed_source(const GeneratedSource& src, const std::string& failure_dir,
+                               std::string* why);
 
 // Compile `src`. On failure throws CompileError naming the kernel and options, with the first
 // lines of the log in the message and the source saved under `failure_dir` (if non-empty). A

@@ -1,6 +1,8 @@
 // NVRTC compiles of every append_shared variant, compile-failure reports, the traits' asserts
-// under NVRTC, and the toolkit header search and digest. Needs the CUDA toolkit, no GPU.
+// under NVRTC, and the toolkit header search (unusable candidates, versioned prefixes) and
+// digest. Needs the CUDA toolkit, no GPU.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -10,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -366,6 +369,83 @@ TEST_CASE("toolkit headers: MOEJIT_CUDA_INCLUDE is used as given", "[nvrtc]") {
   ScopedEnv env("MOEJIT_CUDA_INCLUDE", (dir.path() + "/fake").c_str());
   const auto& found = moejit::detail::toolkit_headers("");
   CHECK(found.include_dir == fs::weakly_canonical(dir.path() + "/fake").string());
+}
+
+TEST_CASE("toolkit headers: a candidate that cannot be examined is reported and skipped",
+          "[nvrtc]") {
+  using moejit::detail::locate_toolkit_headers;
+  moejit::test::TempDir dir;
+  // A symlink to itself: stat fails with ELOOP, for root too.
+  const std::string loop = dir.path() + "/loop";
+  REQUIRE(::symlink(loop.c_str(), loop.c_str()) == 0);
+  const std::string loop_include = loop + "/include";
+
+  // An explicit setting is reported with the system's reason.
+  const Error configured =
+      expect_throw<Error>([&] { locate_toolkit_headers(loop_include, "", false); });
+  INFO(configured.what());
+  CHECK(configured.code() == ErrorCode::kCompileFailed);
+  CHECK(contains(configured.what(), loop_include + " cannot be examined (Too many levels of "
+                                                   "symbolic links)"));
+
+  // A probe header that can't be examined is named, not reported as missing.
+  const fs::path looped_header = fs::path(dir.path()) / "tk";
+  fs::create_directories(looped_header);
+  REQUIRE(::symlink((looped_header / "cuda_bf16.h").c_str(),
+                    (looped_header / "cuda_bf16.h").c_str()) == 0);
+  const Error header =
+      expect_throw<Error>([&] { locate_toolkit_headers(looped_header.string(), "", false); });
+  CHECK(contains(header.what(), (looped_header / "cuda_bf16.h").string() + " cannot be examined"));
+
+  // From CUDA_HOME the search reports that candidate and goes on to the default prefixes.
+  ScopedEnv no_include("MOEJIT_CUDA_INCLUDE", nullptr);
+  ScopedEnv no_path("CUDA_PATH", nullptr);
+  std::string by_default;  // what the default prefixes give, "" when none qualifies
+  {
+    ScopedEnv no_home("CUDA_HOME", nullptr);
+    try {
+      by_default = locate_toolkit_headers("", "", false).include_dir;
+    } catch (const Error&) {
+    }
+  }
+  ScopedEnv home("CUDA_HOME", loop.c_str());
+  if (!by_default.empty()) {
+    CHECK(locate_toolkit_headers("", "", false).include_dir == by_default);
+  } else {
+    const Error none = expect_throw<Error>([&] { locate_toolkit_headers("", "", false); });
+    INFO(none.what());
+    CHECK(contains(none.what(), loop_include + " ($CUDA_HOME/include): cannot be examined"));
+    CHECK(contains(none.what(), "/usr/local/cuda/include"));
+  }
+
+  // An unreadable parent (EACCES) only fails for a user that permissions apply to.
+  if (::geteuid() == 0) {
+    std::cout << "SKIPPED: toolkit candidate under a mode-000 directory: running as root, which "
+                 "ignores directory permissions (the symlink loop above covers the path)"
+              << std::endl;
+    return;
+  }
+  const fs::path locked = fs::path(dir.path()) / "locked";
+  write_fake_toolkit(locked / "include", "int inner;\n");
+  fs::permissions(locked, fs::perms::none);
+  const Error denied = expect_throw<Error>(
+      [&] { locate_toolkit_headers((locked / "include").string(), "", false); });
+  fs::permissions(locked, fs::perms::owner_all);
+  CHECK(contains(denied.what(), "cannot be examined (Permission denied)"));
+}
+
+TEST_CASE("toolkit headers: versioned prefixes sort newest first and skip other names", "[nvrtc]") {
+  moejit::test::TempDir dir;
+  for (const char* name :
+       {"cuda-12.4", "cuda-13.0", "cuda-13.0.1", "cuda-9.2", "cuda-99999999999",
+        "cuda-13.99999999999", "cuda-x", "cuda-", "cuda-13.a", "cuda-12..1", "cudnn-9.1", "cuda"}) {
+    fs::create_directories(fs::path(dir.path()) / name);
+  }
+  const std::string root = dir.path();
+  CHECK(moejit::detail::versioned_toolkit_includes(root) ==
+        std::vector<std::string>{root + "/cuda-13.0.1/include", root + "/cuda-13.0/include",
+                                 root + "/cuda-12.4/include", root + "/cuda-9.2/include"});
+  CHECK(moejit::detail::versioned_toolkit_includes(root + "/absent").empty());
 }
 
 TEST_CASE("toolkit headers: the digest follows includes and ignores where the toolkit lives",

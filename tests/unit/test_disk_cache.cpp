@@ -1,9 +1,10 @@
 // DiskCache: entry format, atomic publish under SIGKILL, verification and quarantine, trust,
-// modes, LRU gc, locks.
+// modes, LRU gc, locks (bounded waits, entries published while waiting, forked holders).
 #include <catch2/catch.hpp>
 #include <fcntl.h>
 #include <signal.h>
 #include <spdlog/sinks/base_sink.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -11,8 +12,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -779,4 +781,122 @@ TEST_CASE("lock(key) excludes other holders until released", "[cache]") {
   DiskCache::Lock b(std::move(a));
   CHECK_FALSE(a.held());
   CHECK(b.held());
+}
+
+namespace {
+
+// Holds the flock on `key`'s lock file through an open file description of its own, as another
+// process (or a forked child that inherited the lock) would: flock locks taken through
+// different open file descriptions conflict even within one process.
+class ForeignHolder {
+ public:
+  ForeignHolder(const std::string& cache_dir, const std::string& key)
+      : fd_(::open((cache_dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC,
+                   0600)) {
+    REQUIRE(fd_ >= 0);
+    REQUIRE(::flock(fd_, LOCK_EX | LOCK_NB) == 0);
+  }
+  ~ForeignHolder() { ::close(fd_); }
+  ForeignHolder(const ForeignHolder&) = delete;
+  ForeignHolder& operator=(const ForeignHolder&) = delete;
+
+ private:
+  int fd_;
+};
+
+// Whether some open file description holds the lock of `key` (probed through a new one).
+bool lock_is_held(const std::string& cache_dir, const std::string& key) {
+  const int fd = ::open((cache_dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CLOEXEC, 0600);
+  REQUIRE(fd >= 0);
+  const bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return held;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+TEST_CASE("lock(key) returns an entry published while it waits, the holder still holding",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("published while waiting");
+  const Entry entry = make_entry(key, 4096, 7);
+  ForeignHolder holder(dir, key);
+  // The holder publishes, then keeps the lock (stopped, hung, or a forked child holding it).
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    DiskCache other(dir, CacheMode::kReadWrite);
+    CHECK(other.store(entry));
+  });
+
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<Entry> published;
+  DiskCache::Lock lock = cache.lock(key, &published);
+  const double waited = seconds_since(start);
+  publisher.join();
+  CHECK_FALSE(lock.held());
+  REQUIRE(published.has_value());
+  CHECK(published->cubin == entry.cubin);
+  CHECK(published->manifest.key == key);
+  // Returned within the poll interval of the publish, not after any wait bound.
+  CHECK(waited >= 0.1);
+  CHECK(waited < 10.0);
+  CHECK(lock_is_held(dir, key));
+}
+
+TEST_CASE("lock(key) gives up on a holder that never releases after the wait bound", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("held forever");
+  ForeignHolder holder(dir, key);
+  LogCapture capture;
+
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<Entry> published;
+  DiskCache::Lock lock = cache.lock(key, &published, std::chrono::milliseconds(300));
+  const double waited = seconds_since(start);
+  CHECK_FALSE(lock.held());
+  CHECK_FALSE(published.has_value());
+  CHECK(waited >= 0.3);
+  CHECK(waited < 10.0);
+  INFO(capture.all());
+  CHECK(capture.warned(
+      {"waited 300 ms for", dir + "/locks/" + key + ".lock", "without the inter-process lock"}));
+  // The bound is generous by default: minutes, far beyond the slowest compile.
+  CHECK(DiskCache::kLockWaitSeconds >= 60);
+  CHECK(DiskCache::kLockWaitSeconds < DiskCache::kStaleTempSeconds);
+
+  // Uncontended, the lock is taken at once.
+  const std::string free_key = key_for("free");
+  const auto free_start = std::chrono::steady_clock::now();
+  CHECK(cache.lock(free_key, &published, std::chrono::milliseconds(0)).held());
+  CHECK(seconds_since(free_start) < 1.0);
+}
+
+TEST_CASE("a dropped lock is released even when a forked child shares its descriptor", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("forked");
+  DiskCache::Lock lock = cache.lock(key);
+  REQUIRE(lock.held());
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // Forked without exec: it inherits the lock's open file description and just lives on.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    while (true) ::pause();
+  }
+  ChildGuard guard(child);
+  lock = DiskCache::Lock();
+  CHECK_FALSE(lock_is_held(dir, key));
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(cache.lock(key, nullptr, std::chrono::seconds(5)).held());
+  CHECK(seconds_since(start) < 1.0);
 }

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spdlog/sinks/base_sink.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -457,4 +458,35 @@ TEST_CASE("memory-only store never touches the disk", "[store]") {
   CHECK(builds == 1);
   CHECK(snapshot(tmp.path()) == before);
   CHECK_FALSE(fs::exists(tmp.path() + "/cache"));
+}
+
+TEST_CASE("a key published while another process still holds its lock is a disk hit", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string key = key_for("published under a held lock");
+  KernelStore store(open_disk(dir, CacheMode::kReadWrite));
+  // The other process: takes the lock through its own open file description, publishes, and
+  // then never releases (stopped, hung, or a child it forked still holds the descriptor).
+  const int holder =
+      ::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  REQUIRE(holder >= 0);
+  REQUIRE(::flock(holder, LOCK_EX | LOCK_NB) == 0);
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    CHECK(open_disk(dir, CacheMode::kReadWrite)->store(built_entry(key, "their cubin")));
+  });
+  int builds = 0;
+  const auto start = std::chrono::steady_clock::now();
+  KernelStore::Result result = store.get(key, [&] {
+    ++builds;
+    return built_entry(key, "our cubin");
+  });
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  publisher.join();
+  ::close(holder);
+  CHECK(builds == 0);
+  CHECK(result.outcome == CacheOutcome::kDiskHit);
+  CHECK(result.entry->cubin == "their cubin");
+  CHECK(waited < 10.0);  // well before the lock wait bound
 }
