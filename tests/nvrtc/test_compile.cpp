@@ -36,6 +36,8 @@ using moejit::Error;
 using moejit::ErrorCode;
 using moejit::KernelSpec;
 using moejit::SharedGate;
+using moejit::test::read_text;
+using moejit::test::write_text;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -86,19 +88,6 @@ E expect_throw(const std::function<void()>& body) {
   }
   FAIL("expected an exception that was not thrown");
   throw std::logic_error("unreachable");
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  fs::create_directories(path.parent_path());
-  std::ofstream out(path, std::ios::binary);
-  out << text;
 }
 
 // A minimal fake toolkit: the probe files plus one header reached only transitively.

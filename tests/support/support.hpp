@@ -37,6 +37,12 @@ inline const char* const kRingHintedCopy =
     "asm volatile(\"cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;\""
     " :: \"r\"(dst), \"l\"(from), \"l\"(pol) : \"memory\");";
 
+// A whole file's bytes ("" when it can't be read).
+std::string read_text(const std::string& path);
+// Writes `text` as the whole file, creating its parent directories; throws std::runtime_error
+// naming the path when it can't.
+void write_text(const std::string& path, const std::string& text);
+
 // Whether a CUDA device can be used (driver loads, at least one device); else why not.
 bool gpu_available(std::string* why);
 

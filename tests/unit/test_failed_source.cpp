@@ -24,6 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 using moejit::detail::GeneratedSource;
 using moejit::detail::save_failed_source;
+using moejit::test::read_text;
+using moejit::test::write_text;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -35,19 +37,6 @@ GeneratedSource failed_source() {
   src.source = "// generated\nmoejit_not_a_type broken_declaration = ;\n";
   src.name_expression = "&moejit::kern::append_shared<6>";
   return src;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  REQUIRE(out.good());
 }
 
 // The names in `dir`, sorted.
