@@ -685,12 +685,22 @@ std::string read_shapes_text(const std::string& path) {
     throw Error(ErrorCode::kIo, "cannot read shape file \"" + path + "\": " +
                                     std::strerror(errno));
   }
-  std::ostringstream text;
-  text << in.rdbuf();
+  // Why a cap and a chunked read: a path such as /dev/zero or a mistaken multi-GB file would
+  // otherwise be read until memory runs out.
+  std::string text;
+  char chunk[64 * 1024];
+  while (in.read(chunk, sizeof(chunk)) || in.gcount() > 0) {
+    text.append(chunk, static_cast<std::size_t>(in.gcount()));
+    if (text.size() > static_cast<std::size_t>(kMaxShapeFileBytes)) {
+      throw Error(ErrorCode::kIo, "cannot read shape file \"" + path + "\": larger than " +
+                                      std::to_string(kMaxShapeFileBytes >> 20) +
+                                      " MiB (a shape is a few hundred bytes); is it a shape file?");
+    }
+  }
   if (in.bad()) {
     throw Error(ErrorCode::kIo, "cannot read shape file \"" + path + "\": read failed");
   }
-  return text.str();
+  return text;
 }
 
 }  // namespace detail

@@ -26,6 +26,8 @@ inline constexpr int kDefaultMaxTokens = 16384;
 inline constexpr int kMaxNameLength = 128;
 // MXFP4 keeps one E8M0 scale per 32 weights along K, so every K is whole blocks.
 inline constexpr int kMxfp4BlockK = 32;
+// The largest shape file read: thousands of shapes (a few hundred bytes each) fit many times over.
+inline constexpr long long kMaxShapeFileBytes = 16LL << 20;
 // A shape file needs 3 levels below the root ({"shapes": [{"activation": {...}}]}).
 inline constexpr int kMaxJsonDepth = 16;
 

@@ -647,6 +647,20 @@ TEST_CASE("load_shapes_file reports unreadable files as I/O errors", "[descripto
     CHECK(e.code() == moejit::ErrorCode::kIo);
     CHECK(std::string(e.what()).find("directory") != std::string::npos);
   }
+  // An endless device, and a file past the cap: refused, not read until memory runs out.
+  for (const std::string& huge : {std::string("/dev/zero"), dir.path() + "/huge.json"}) {
+    if (huge != "/dev/zero") {
+      std::ofstream(huge) << std::string(
+          static_cast<std::size_t>(moejit::detail::kMaxShapeFileBytes) + 1, ' ');
+    }
+    try {
+      moejit::load_shapes_file(huge);
+      FAIL("an oversized file was read: " << huge);
+    } catch (const moejit::Error& e) {
+      CHECK(e.code() == moejit::ErrorCode::kIo);
+      CHECK(std::string(e.what()).find("larger than 16 MiB") != std::string::npos);
+    }
+  }
   std::string path = dir.path() + "/bad.json";
   std::ofstream(path) << base_with("2048", "2047");
   try {
