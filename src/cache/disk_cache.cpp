@@ -535,6 +535,17 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
                path, reason, dest, errno_text(errno));
     return "";
   }
+  // Why check again: a good entry published between the check above and the rename is what the
+  // rename moved. It goes back unless yet another one has taken its place.
+  struct stat moved {};
+  if (::lstat(dest.c_str(), &moved) == 0 &&
+      (moved.st_dev != checked.st_dev || moved.st_ino != checked.st_ino)) {
+    if (::renameat2(AT_FDCWD, dest.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
+      ::unlink(dest.c_str());
+    }
+    log().warn("cache entry {} failed verification ({}); it had just been replaced", path, reason);
+    return "";
+  }
   // Why: gc ages quarantined files from when they were quarantined, not from their last use.
   ::futimens(fd, nullptr);
   log().warn("cache entry {} failed verification ({}); moved to {}, it will be rebuilt", path,
@@ -859,7 +870,14 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       continue;
     }
     Fd fd(open_file(file.path, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
-    if (fd.ok() && ::flock(fd.get(), LOCK_EX | LOCK_NB) == 0) ::unlink(file.path.c_str());
+    if (!fd.ok() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    // Why check the path still names the locked file: another gc may have unlinked it after
+    // this one opened it, and a process may have locked a new file at the path since.
+    struct stat held {}, at_path {};
+    if (::fstat(fd.get(), &held) == 0 && ::lstat(file.path.c_str(), &at_path) == 0 &&
+        held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
+      ::unlink(file.path.c_str());
+    }
   }
 
   uint64_t total = 0;
