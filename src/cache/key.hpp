@@ -19,7 +19,7 @@ struct KeyHeader {
 // no host name, no time, so two machines with the same toolkit share keys and nothing is missed.
 struct KeyInputs {
   int schema_version = 0;            // kCacheSchemaVersion
-  std::string nvrtc_version;         // "13.0"
+  std::string nvrtc_version;         // nvrtc_identity(): "13.0 libnvrtc.so.13 109338064"
   std::vector<std::string> options;  // compile_options(arch), include path excluded
   std::string arch;                  // "sm_90a"
   std::string program_name;          // GeneratedSource::file_name (NVRTC's name for the program)

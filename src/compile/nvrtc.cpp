@@ -1,6 +1,7 @@
 // NVRTC: find the toolkit headers, fingerprint them, and compile one generated source to a cubin.
 #include "compile/nvrtc.hpp"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <nvrtc.h>
 #include <sys/stat.h>
@@ -746,6 +747,24 @@ std::string nvrtc_version() {
   int minor = 0;
   MOEJIT_NVRTC_CHECK(nvrtcVersion(&major, &minor));
   return std::to_string(major) + "." + std::to_string(minor);
+}
+
+const std::string& nvrtc_identity() {
+  static const std::string identity = [] {
+    std::string out = nvrtc_version();
+    Dl_info info{};
+    // Why nvrtcVersion's address: it lies in whichever NVRTC library this process loaded.
+    if (::dladdr(reinterpret_cast<void*>(&nvrtcVersion), &info) == 0 || info.dli_fname == nullptr) {
+      return out;
+    }
+    std::error_code ec;
+    const fs::path file = fs::canonical(info.dli_fname, ec);
+    if (ec) return out;
+    const std::uintmax_t size = fs::file_size(file, ec);
+    if (ec) return out;
+    return out + " " + file.filename().string() + " " + std::to_string(size);
+  }();
+  return identity;
 }
 
 std::vector<std::string> compile_options(const Arch& arch, bool line_info) {

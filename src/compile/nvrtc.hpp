@@ -57,6 +57,14 @@ std::vector<std::string> versioned_toolkit_includes(const std::string& parent);
 // "13.0" (nvrtcVersion).
 std::string nvrtc_version();
 
+// nvrtc_version() and the loaded NVRTC library's file name and size ("13.0 libnvrtc.so.13
+// 109338064"), computed once per process: the cache key's NVRTC field. Why more than the
+// version: nvrtcVersion reports major.minor only, and a patch release (a ptxas fix among them)
+// must not reuse cubins its predecessor built. The name and size carry no path, so machines with
+// the same toolkit still share keys. Just the version where the library can't be located (a
+// static link).
+const std::string& nvrtc_identity();
+
 // The full option list for `arch`, the include path excluded (it is machine-specific and does
 // not go into the cache key; the toolkit header digest does). `line_info` adds -lineinfo
 // (RuntimeConfig::line_info).

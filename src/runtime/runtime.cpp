@@ -181,7 +181,7 @@ KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
                           const ToolkitHeaders& toolkit, bool line_info) {
   KeyInputs inputs;
   inputs.schema_version = kCacheSchemaVersion;
-  inputs.nvrtc_version = nvrtc_version();
+  inputs.nvrtc_version = nvrtc_identity();
   inputs.options = compile_options(arch, line_info);
   inputs.arch = arch.name();
   inputs.program_name = source.file_name;

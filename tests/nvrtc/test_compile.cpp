@@ -483,6 +483,18 @@ TEST_CASE("toolkit headers: the installed toolkit's digest is stable and covers 
   CHECK(explicit_dir.files == first.files);
 }
 
+TEST_CASE("the key's NVRTC field names the loaded library's patch build, never a path", "[nvrtc]") {
+  const std::string& identity = moejit::detail::nvrtc_identity();
+  INFO(identity);
+  // This build links libnvrtc dynamically: the version, then the file's name and size.
+  CHECK(identity.rfind(moejit::detail::nvrtc_version() + " libnvrtc", 0) == 0);
+  CHECK(identity.find('/') == std::string::npos);
+  const std::string size = identity.substr(identity.rfind(' ') + 1);
+  CHECK(std::all_of(size.begin(), size.end(), [](char c) { return c >= '0' && c <= '9'; }));
+  CHECK(std::stoull(size) > 1000000);
+  CHECK(&moejit::detail::nvrtc_identity() == &identity);  // computed once
+}
+
 TEST_CASE("compile options: arch first, C++17, ptxas report, never fast-math", "[nvrtc]") {
   const std::vector<std::string> options = moejit::detail::compile_options(Arch::parse("sm_90a"));
   REQUIRE(!options.empty());
