@@ -102,7 +102,8 @@ moejit_status moejit_moe_workspace_bytes(const moejit_moe* moe, int max_tokens, 
  * int64 when the shape says) and topk_weights [T, K] fp32. No allocation, no host sync, CUDA-graph
  * capturable after a prewarm. The workspace is the call's scratch until the stream has run its
  * kernels (its bytes may hold anything between calls); two calls in flight at once need two
- * workspaces (moejit::MoeForwardArgs::workspace). */
+ * workspaces (moejit::MoeForwardArgs::workspace). out and the workspace share no byte with the
+ * inputs or each other (MOEJIT_ERROR_INVALID_ARGUMENT otherwise). */
 moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const DLTensor* topk_ids, const DLTensor* topk_weights,
                                  const moejit_moe_weights* weights, void* workspace,

@@ -74,7 +74,7 @@ inline Span span_of(const char* arg, const Matrix& m) {
 [[noreturn]] void throw_overlap(const char* op, const Span& a, const Span& b);
 // Why: the kernels read their inputs while they write their outputs (and take every pointer as
 // __restrict__), so buffers that share a byte give wrong results, silently. Empty spans overlap
-// nothing. Two comparisons on the valid path.
+// nothing. A few comparisons on the valid path.
 inline void check_disjoint(const char* op, const Span& a, const Span& b) {
   const auto lo_a = reinterpret_cast<uintptr_t>(a.data);
   const auto lo_b = reinterpret_cast<uintptr_t>(b.data);
