@@ -13,9 +13,9 @@ namespace moejit::detail {
 // Beyond these a size is a typo, not a model.
 inline constexpr int kMaxLocalExperts = 4096;
 // The most local experts the route kernel serves: its rank phase keeps per-expert tables in 48 KB
-// of static shared memory, which at its fewest threads (one warp) hold 3509 experts (plan/
-// moe_plan.cpp static_asserts it against route_rank_shared_bytes). A rank with more takes fewer
-// of the model's experts (expert_offset, global_experts).
+// of static shared memory, which at its fewest threads (one warp) hold 3509 experts
+// (src/plan/moe_plan.cpp static_asserts it against route_rank_shared_bytes). A rank with more
+// takes fewer of the model's experts (expert_offset, global_experts).
 inline constexpr int kMaxRoutedLocalExperts = 3509;
 inline constexpr int kMaxGlobalExperts = 65536;
 inline constexpr int kMaxTopK = 64;
