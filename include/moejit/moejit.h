@@ -25,10 +25,15 @@ typedef enum moejit_status {
   MOEJIT_ERROR_INTERNAL = 10,
 } moejit_status;
 
+/* The *_RANGE_MIN_ and *_RANGE_MAX_ members name no choice: they make the enum's range every int
+ * (in C++ an enum holds only the values its members span), so a wrong value passed from C reaches
+ * the library's check and its error instead of undefined behaviour. */
 typedef enum moejit_shared_gate {
   MOEJIT_SHARED_SIGMOID = 0,
   MOEJIT_SHARED_CONSTANT = 1,
   MOEJIT_SHARED_GIVEN = 2,
+  MOEJIT_SHARED_GATE_RANGE_MIN_ = -2147483647 - 1,
+  MOEJIT_SHARED_GATE_RANGE_MAX_ = 2147483647
 } moejit_shared_gate;
 
 /* This thread's last error message ("" after a success). Valid until the thread's next call. */
@@ -113,7 +118,9 @@ moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
 typedef enum moejit_moe_path {
   MOEJIT_MOE_PATH_AUTO = 0,   /* the faster path (moejit::MoePath::kAuto) */
   MOEJIT_MOE_PATH_MARLIN = 1, /* route -> FC1 -> FC2 -> combine, every shape and T */
-  MOEJIT_MOE_PATH_DECODE = 2  /* decode_moe; MOEJIT_ERROR_UNSUPPORTED where it can't serve */
+  MOEJIT_MOE_PATH_DECODE = 2, /* decode_moe; MOEJIT_ERROR_UNSUPPORTED where it can't serve */
+  MOEJIT_MOE_PATH_RANGE_MIN_ = -2147483647 - 1, /* not a path: see moejit_shared_gate */
+  MOEJIT_MOE_PATH_RANGE_MAX_ = 2147483647
 } moejit_moe_path;
 
 /* moejit_moe_forward with moejit::MoeForwardOptions: `path`, and decode_block_n (0 = the

@@ -66,6 +66,8 @@ moejit::MoePath path_of(const char* call, moejit_moe_path path) {
       return moejit::MoePath::kMarlin;
     case MOEJIT_MOE_PATH_DECODE:
       return moejit::MoePath::kDecode;
+    default:
+      break;
   }
   throw Error(ErrorCode::kInvalidArgument,
               std::string(call) +

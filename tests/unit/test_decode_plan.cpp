@@ -347,7 +347,7 @@ TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's
   // deepseek-v4-flash-tp4 at T = 16..20: 592-773 expected FC1 items, under two per CTA of three
   // per SM, so two CTAs (T = 16: 82.7 us against 95.2 with three); T = 21 on, three.
   {
-    const ModelShape& ds = find_shape(reference_shapes(), "deepseek-v4-flash-tp4");
+    const ModelShape ds = find_shape(reference_shapes(), "deepseek-v4-flash-tp4");
     for (int t : {16, 20, 21, 24}) {
       INFO("deepseek T = " << t);
       const MoeDecodeParams p = detail::choose_decode_config(ds, t, 0);
@@ -891,7 +891,7 @@ TEST_CASE("decode_moe pair: the planner's choice, its rules, names and the SM it
 TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, every block_n",
           "[plan][decode]") {
   for (const std::string& name : kServed) {
-    const ModelShape& shape = find_shape(reference_shapes(), name);
+    const ModelShape shape = find_shape(reference_shapes(), name);
     INFO(name);
     for (int max_tokens : {1, 8, 9, 100, 256, 300, shape.max_tokens}) {
       INFO("max_tokens " << max_tokens);
@@ -919,7 +919,7 @@ TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, e
   }
   // The decode workspace does not depend on T itself: the counters, the FC1 output and the FC2
   // rows are sized for 256 tokens.
-  const ModelShape& kimi = find_shape(reference_shapes(), "kimi-k3.1-tp8");
+  const ModelShape kimi = find_shape(reference_shapes(), "kimi-k3.1-tp8");
   const MoeDecodeParams p = detail::choose_decode_config(kimi, 1, 16);
   const decode::Geometry g = geometry_of(p);
   CHECK(g.workspace_bytes() ==
@@ -927,7 +927,7 @@ TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, e
             decode::Geometry::align256(static_cast<long long>(g.max_virtual()) * 16 * 384 * 2) +
             decode::Geometry::align256(256LL * 16 * 3584 * 2));
   // A shape decode_moe refuses sizes marlin only.
-  const ModelShape& gpt = find_shape(reference_shapes(), "gpt-oss-120b");
+  const ModelShape gpt = find_shape(reference_shapes(), "gpt-oss-120b");
   const detail::MoeWorkspaceLayout w =
       detail::moe_workspace_layout(gpt, detail::choose_moe_config(gpt, 1));
   CHECK(w.decode_bytes == 0);
