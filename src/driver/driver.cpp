@@ -78,6 +78,15 @@ bool resolve(GetProcAddress get_proc, const char* symbol, int version, int drive
     std::memcpy(slot, &address, sizeof(address));
     return true;
   }
+  if (result == CUDA_ERROR_STUB_LIBRARY) {
+    // Why its own message: "update the driver" would send the user the wrong way.
+    *why = std::string(
+               "the libcuda.so.1 found is the CUDA toolkit's stub (for linking only), not a "
+               "driver: no NVIDIA driver is installed, or a stubs directory comes first on "
+               "LD_LIBRARY_PATH.") +
+           kNoDriverAdvice;
+    return false;
+  }
   *why = std::string("the NVIDIA driver's libcuda.so.1 (") +
          (driver_version > 0 ? "CUDA " + version_text(driver_version) : "version unknown") +
          ") does not provide " + symbol + " with the CUDA " + version_text(version) +

@@ -229,6 +229,37 @@ TEST_CASE("doctor runs without a GPU and says what it found", "[cli]") {
   }
 }
 
+TEST_CASE("doctor names the toolkit's driver stub as a stub, not an old driver", "[cli]") {
+  // The stub libcuda.so (for linking only) first on the library path, as a misconfigured
+  // container has it.
+  std::string stub;
+  for (const char* root : {static_cast<const char*>(std::getenv("CUDA_HOME")), "/usr/local/cuda"}) {
+    if (root == nullptr) continue;
+    for (const char* lib : {"lib64", "lib", "targets/x86_64-linux/lib"}) {
+      const std::string path = std::string(root) + "/" + lib + "/stubs/libcuda.so";
+      if (stub.empty() && std::ifstream(path).good()) stub = path;
+    }
+  }
+  if (stub.empty()) {
+    WARN(
+        "SKIPPED: no CUDA toolkit driver stub (stubs/libcuda.so) under $CUDA_HOME or "
+        "/usr/local/cuda");
+    return;
+  }
+  TempDir dir;
+  std::string out;
+  REQUIRE(run_command("ln -s " + quote(stub) + " " + quote(dir.path() + "/libcuda.so.1"), &out) ==
+          0);
+  const int rc = run_command("env LD_LIBRARY_PATH=" + quote(dir.path()) + " MOEJIT_CACHE_DIR=" +
+                                 quote(dir.path() + "/cache") + " " + quote(cli_path()) + " doctor",
+                             &out);
+  INFO(out);
+  CHECK(rc == 0);
+  CHECK(out.find("the CUDA toolkit's stub") != std::string::npos);
+  CHECK(out.find("update the NVIDIA driver") == std::string::npos);
+  CHECK(out.find("--arch") != std::string::npos);
+}
+
 TEST_CASE("README's shape example is a valid shape file", "[cli]") {
   std::string readme = read_file(source_dir() + "/README.md");
   const std::string open = "```json\n";
