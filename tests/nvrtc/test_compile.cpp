@@ -492,7 +492,6 @@ TEST_CASE("the key's NVRTC field names the loaded library's patch build, never a
   const std::string size = identity.substr(identity.rfind(' ') + 1);
   CHECK(std::all_of(size.begin(), size.end(), [](char c) { return c >= '0' && c <= '9'; }));
   CHECK(std::stoull(size) > 1000000);
-  CHECK(&moejit::detail::nvrtc_identity() == &identity);  // computed once
 }
 
 TEST_CASE("compile options: arch first, C++17, ptxas report, never fast-math", "[nvrtc]") {
