@@ -384,6 +384,7 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   // for this whole grid before it reads or writes anything, and it launches only once every CTA
   // of this one has run to here, so it never holds an SM this grid still needs.
   ::moejit::kern::ptx::launch_dependents();
+  const u64 entry_ns = ptx::globaltimer();
   if (tid == 0) {
     for (i32 s = 0; s < kS; ++s) {
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
@@ -404,6 +405,16 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   if (warp == kPairConsumerWarps) {
     // ============================== producer ==============================
     if (lane == 0) {
+      // Why hold the prefetch back: asked for at once, this CTA's weights (a third of the
+      // layer's bytes over the grid) queue in DRAM beside fc1's first units, which then land
+      // only once about those have too. Held until fc1's bytes could have streamed at the peak
+      // rate, they still land long before fc1 ends (fc1 takes 2-3x that), and fc1 starts alone.
+      // Measured on the H200 (tools/PERF_LOG.md "the pair's fc2 prefetch held back").
+      if (p.dram_bytes_per_us != 0) {
+        const u64 fc1_bytes = static_cast<u64>(nv) * G.fc1_strips() * G.fc1_unit_bytes();
+        const u64 hold_ns = fc1_bytes * 1000u / p.dram_bytes_per_us;
+        while (ptx::globaltimer() - entry_ns < hold_ns) ptx::sleep_ns(128);
+      }
       const u64 evict_first = ptx::policy_evict_first();
       for (i32 u = 0; u < units; ++u) {
         const i32 slot = u % kS;
