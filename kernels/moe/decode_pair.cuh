@@ -338,10 +338,7 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
     // The slot's next bulk copy (async proxy) comes after these plain stores and loads.
     pipe::fence_proxy_async();
     __syncwarp();
-    if (lane == 0) {
-      pipe::arrive(ptx::smem_u32(empty + slot));
-      ptx::red_add_relaxed(p.progress, 1u);
-    }
+    if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
     // Rows g (gate of pair g) and g + 8 (its up), columns 2 t4 and 2 t4 + 1.
     const i32 pair_index = strip * layout::kGateUpRows + g;
 #pragma unroll
@@ -388,9 +385,6 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   // of this one has run to here, so it never holds an SM this grid still needs.
   ::moejit::kern::ptx::launch_dependents();
   const u64 entry_ns = ptx::globaltimer();
-  // fc1's count before its first unit is done: its CTAs route and land a unit first (us), and
-  // they let this grid start before that.
-  const u32 progress0 = warp == kPairConsumerWarps ? ptx::load_relaxed(p.progress) : 0u;
   if (tid == 0) {
     for (i32 s = 0; s < kS; ++s) {
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
@@ -413,19 +407,15 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
     if (lane == 0) {
       // Why hold the prefetch back: asked for at once, this CTA's weights (a third of the
       // layer's bytes over the grid) queue in DRAM beside fc1's first units, which then land
-      // only once about those have too. Held until fc1 has done a unit per CTA, fc1 starts
-      // alone; at most until fc1's bytes could have streamed at the peak rate, so the prefetch
-      // still lands before fc1 ends. Measured on the H200 (tools/PERF_LOG.md "the pair's fc2
-      // prefetch held back").
+      // only once about those have too. Held until fc1's bytes could have streamed at the
+      // device's peak rate, they still land before fc1 ends (fc1 runs 2-4x that long at T <= 2).
+      // Measured on the H200 (tools/PERF_LOG.md "the pair's fc2 prefetch held for fc1's bytes"):
+      // qwen3-30b-a3b -0.8 us at T = 1 and -1.2 at T = 2 (6%), the other shapes within ±0.3 us
+      // at T = 1; a hold that ended on fc1's first wave instead was no better anywhere.
       if (p.dram_bytes_per_us != 0) {
-        const i32 fc1_units = nv * G.fc1_strips();
-        const u32 first_wave = static_cast<u32>(fc1_units < p.fc1_grid ? fc1_units : p.fc1_grid);
-        const u64 hold_ns = static_cast<u64>(fc1_units) * G.fc1_unit_bytes() * 1000u /
-                            p.dram_bytes_per_us;
-        while (ptx::load_relaxed(p.progress) - progress0 < first_wave &&
-               ptx::globaltimer() - entry_ns < hold_ns) {
-          ptx::sleep_ns(128);
-        }
+        const u64 fc1_bytes = static_cast<u64>(nv) * G.fc1_strips() * G.fc1_unit_bytes();
+        const u64 hold_ns = fc1_bytes * 1000u / p.dram_bytes_per_us;
+        while (ptx::globaltimer() - entry_ns < hold_ns) ptx::sleep_ns(128);
       }
       const u64 evict_first = ptx::policy_evict_first();
       for (i32 u = 0; u < units; ++u) {

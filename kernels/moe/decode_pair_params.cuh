@@ -132,11 +132,10 @@ struct PairGeometry {
     return by_sms > least ? by_sms : least;
   }
 
-  // ---- global workspace: fc1's output, bf16 [positions][I], then fc1's progress counter ----
-  MOEJIT_HD constexpr i64 progress_offset() const {
+  // ---- global workspace: fc1's output, bf16 [positions][I] ----
+  MOEJIT_HD constexpr i64 workspace_bytes() const {
     return (static_cast<i64>(positions()) * inter * 2 + 255) / 256 * 256;
   }
-  MOEJIT_HD constexpr i64 workspace_bytes() const { return progress_offset() + 256; }
 
   MOEJIT_HD constexpr PairRule rule() const {
     if (experts < 1 || experts > 4096) return PairRule::kExperts;
@@ -165,15 +164,11 @@ struct DecodePairParams {
   const float* topk_weights;  // [T][K]
   u16* out;                   // bf16 [T][H]
   u16* inter;                 // workspace: fc1's output, bf16 [T * K][I]
-  // workspace + PairGeometry::progress_offset(): fc1's units done, counted up from whatever it
-  // holds (only differences are read, so it is never reset)
-  u32* progress;
-  i32 num_tokens;     // T, 1 .. max_tokens
-  i32 expert_offset;  // global id of local expert 0
-  i32 fc1_grid;       // fc1's CTAs
+  i32 num_tokens;             // T, 1 .. max_tokens
+  i32 expert_offset;          // global id of local expert 0
   // The device's peak DRAM rate, bytes per microsecond; 0 if unknown. fc2 holds its weight
-  // prefetch back until fc1 has done a unit per CTA, at most as long as fc1's bytes take at that
-  // rate (decode_pair.cuh says why); 0 prefetches at once.
+  // prefetch back until its CTA has run as long as fc1's bytes take at that rate (decode_pair.cuh
+  // says why); 0 prefetches at once.
   u32 dram_bytes_per_us;
 };
 

@@ -161,10 +161,6 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
 __device__ __forceinline__ void red_add_release(u32* p, u32 v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// A count with no ordering: for progress that only paces work, never guards data.
-__device__ __forceinline__ void red_add_relaxed(u32* p, u32 v) {
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
 __device__ __forceinline__ u64 globaltimer() {
   u64 t;

@@ -200,9 +200,6 @@ void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const Curren
   const int sms = multiprocessor_count(device.ordinal);
 
   kern::moe::decode::DecodePairParams params = args;
-  params.progress = reinterpret_cast<std::uint32_t*>(reinterpret_cast<char*>(args.inter) +
-                                                     decode_pair_geometry(fc1).progress_offset());
-  params.fc1_grid = sms;
   params.dram_bytes_per_us = dram_bytes_per_us(device.ordinal);
   void* kernel_args[] = {&params};
   // Why PDL for fc1, as for the route that heads the marlin chain: it is scheduled while the

@@ -50,7 +50,7 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
 // each kernel shares an SM). fc1: one CTA per multiprocessor, 544 threads; fc2:
 // PairGeometry::fc2_grid CTAs of 288 threads; both under programmatic dependent launch (each
 // waits for the grid before it). args.inter at least PairGeometry::workspace_bytes() bytes
-// (checked by the caller); args.progress, fc1_grid and dram_bytes_per_us are set here.
+// (checked by the caller); args.dram_bytes_per_us is set here (dram_bytes_per_us).
 void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
                         const kern::moe::decode::DecodePairParams& args, CUstream stream);
 
