@@ -12,8 +12,9 @@
 // - no work queue and no counters: each kernel splits its units (strip x virtual expert)
 //   evenly over its grid, so nothing needs a reset kernel and every SM streams from the start;
 // - fc2 is launched as fc1's dependent and fc1 lets it start at once, so fc2's CTAs (one per
-//   SM beside fc1's) route and load every FC2 weight they own into shared memory while fc1
-//   runs; only then do they wait for fc1's grid, read the few intermediate rows and multiply;
+//   SM beside fc1's) route and, once fc1's bytes could have streamed at the peak DRAM rate, load
+//   every FC2 weight they own into shared memory while fc1 runs; only then do they wait for
+//   fc1's grid, read the few intermediate rows and multiply;
 // - fc2 owns whole 16-row strips of H for every virtual expert, so the top-k sum is done in the
 //   CTA, in slot order, with no atomics and no extra pass.
 // The math is the persistent tile's: mxfp4::dequant_step into mma.sync m16n8k16, weight rows in
