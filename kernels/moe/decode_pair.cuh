@@ -12,8 +12,9 @@
 // - no work queue and no counters: each kernel splits its units (strip x virtual expert)
 //   evenly over its grid, so nothing needs a reset kernel and every SM streams from the start;
 // - fc2 is launched as fc1's dependent and fc1 lets it start at once, so fc2's CTAs (one per
-//   SM beside fc1's) route and load every FC2 weight they own into shared memory while fc1
-//   runs; only then do they wait for fc1's grid, read the few intermediate rows and multiply;
+//   SM beside fc1's) route and, once fc1's bytes could have streamed at the peak DRAM rate, load
+//   every FC2 weight they own into shared memory while fc1 runs; only then do they wait for
+//   fc1's grid, read the few intermediate rows and multiply;
 // - fc2 owns whole 16-row strips of H for every virtual expert, so the top-k sum is done in the
 //   CTA, in slot order, with no atomics and no extra pass.
 // The math is the persistent tile's: mxfp4::dequant_step into mma.sync m16n8k16, weight rows in
@@ -384,6 +385,7 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   // for this whole grid before it reads or writes anything, and it launches only once every CTA
   // of this one has run to here, so it never holds an SM this grid still needs.
   ::moejit::kern::ptx::launch_dependents();
+  const u64 entry_ns = ptx::globaltimer();
   if (tid == 0) {
     for (i32 s = 0; s < kS; ++s) {
       pipe::mbar_init(ptx::smem_u32(full + s), 1);
@@ -404,6 +406,18 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
   if (warp == kPairConsumerWarps) {
     // ============================== producer ==============================
     if (lane == 0) {
+      // Why hold the prefetch back: asked for at once, this CTA's weights (a third of the
+      // layer's bytes over the grid) queue in DRAM beside fc1's first units, which then land
+      // only once about those have too. Held until fc1's bytes could have streamed at the
+      // device's peak rate, they still land before fc1 ends (fc1 runs 2-4x that long at T <= 2).
+      // Measured on the H200 (tools/PERF_LOG.md "the pair's fc2 prefetch held for fc1's bytes"):
+      // qwen3-30b-a3b -0.8 us at T = 1 and -1.2 at T = 2 (6%), the other shapes within ±0.3 us
+      // at T = 1; a hold that ended on fc1's first wave instead was no better anywhere.
+      if (p.dram_bytes_per_us != 0) {
+        const u64 fc1_bytes = static_cast<u64>(nv) * G.fc1_strips() * G.fc1_unit_bytes();
+        const u64 hold_ns = fc1_bytes * 1000u / p.dram_bytes_per_us;
+        while (ptx::globaltimer() - entry_ns < hold_ns) ptx::sleep_ns(128);
+      }
       const u64 evict_first = ptx::policy_evict_first();
       for (i32 u = 0; u < units; ++u) {
         const i32 slot = u % kS;

@@ -166,6 +166,10 @@ struct DecodePairParams {
   u16* inter;                 // workspace: fc1's output, bf16 [T * K][I]
   i32 num_tokens;             // T, 1 .. max_tokens
   i32 expert_offset;          // global id of local expert 0
+  // The device's peak DRAM rate, bytes per microsecond; 0 if unknown. fc2 holds its weight
+  // prefetch back until its CTA has run as long as fc1's bytes take at that rate (decode_pair.cuh
+  // says why); 0 prefetches at once.
+  u32 dram_bytes_per_us;
 };
 
 }  // namespace moejit::kern::moe::decode

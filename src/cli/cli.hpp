@@ -52,6 +52,7 @@ struct GpuInfo {
   std::string name;
   Arch arch;
   uint64_t memory_bytes = 0;
+  long long dram_bytes_per_second = 0;  // peak; 0 when the driver does not report it
 };
 struct DriverInfo {
   bool loaded = false;

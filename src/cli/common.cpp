@@ -179,6 +179,7 @@ DriverInfo probe_driver() {
     gpu.arch = arch_for_compute_capability(major, minor);
     std::size_t bytes = 0;
     if (api->cuDeviceTotalMem(&bytes, device) == CUDA_SUCCESS) gpu.memory_bytes = bytes;
+    gpu.dram_bytes_per_second = detail::peak_dram_bytes_per_second(*api, device);
     info.gpus.push_back(gpu);
   }
   return info;

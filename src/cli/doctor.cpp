@@ -1,6 +1,7 @@
 // `moejit doctor`: everything that decides whether kernels can be built, cached and launched.
 #include <unistd.h>
 
+#include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -45,8 +46,15 @@ int run_doctor() {
                               : std::string("none visible (no driver); prewarm needs --arch"));
   } else {
     for (const GpuInfo& gpu : driver.gpus) {
-      row("GPU", std::to_string(gpu.ordinal) + ": " + gpu.name + "  " + gpu.arch.name() + "  " +
-                     format_bytes(gpu.memory_bytes));
+      std::string line = std::to_string(gpu.ordinal) + ": " + gpu.name + "  " +
+                         gpu.arch.name() + "  " + format_bytes(gpu.memory_bytes);
+      if (gpu.dram_bytes_per_second > 0) {
+        char rate[48];
+        std::snprintf(rate, sizeof(rate), "  %.2f TB/s peak DRAM",
+                      static_cast<double>(gpu.dram_bytes_per_second) * 1e-12);
+        line += rate;
+      }
+      row("GPU", line);
     }
   }
 

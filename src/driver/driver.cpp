@@ -183,6 +183,19 @@ const DriverApi& driver() {
 
 std::string describe(CUresult result) { return describe_with(loaded().api, result); }
 
+long long peak_dram_bytes_per_second(const DriverApi& api, CUdevice device) {
+  int clock_khz = 0;
+  int bus_bits = 0;
+  if (api.cuDeviceGetAttribute(&clock_khz, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, device) !=
+          CUDA_SUCCESS ||
+      api.cuDeviceGetAttribute(&bus_bits, CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, device) !=
+          CUDA_SUCCESS ||
+      clock_khz <= 0 || bus_bits <= 0) {
+    return 0;
+  }
+  return 2LL * clock_khz * 1000 * (bus_bits / 8);
+}
+
 void throw_driver_error(CUresult result, const char* call, const char* file, int line) {
   std::string message = std::string("CUDA driver call ") + call + " failed at " + short_path(file) +
                         ":" + std::to_string(line) + ": " + describe(result);

@@ -25,6 +25,11 @@ const DriverApi* try_driver(std::string* why = nullptr);
 // The loaded driver; throws Error{kDriver} saying why when there is none.
 const DriverApi& driver();
 
+// Peak DRAM rate of `device` in bytes per second: twice the memory clock (double data rate)
+// times the bus width, from CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE and _GLOBAL_MEMORY_BUS_WIDTH.
+// 0 when the driver does not report both.
+long long peak_dram_bytes_per_second(const DriverApi& api, CUdevice device);
+
 // "CUDA_ERROR_INVALID_VALUE (invalid argument)"; works even when cuInit failed.
 std::string describe(CUresult result);
 

@@ -1,9 +1,12 @@
 #include "ops/decode_forward.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "driver/driver.hpp"
@@ -16,18 +19,20 @@ namespace moejit::detail {
 
 namespace {
 
-// Multiprocessor counts by device ordinal; 0 = not queried yet. Why atomics and no lock: the
-// value never changes for a device, so two threads that race both store the same number.
-class MultiprocessorCounts {
+// Facts of each device by ordinal, each queried once: the multiprocessor count, and the peak
+// DRAM rate (stored plus one, so an unknown rate, 0, is remembered too); 0 = not queried yet. Why
+// atomics and no lock: a fact never changes for a device, so two threads that race both store
+// the same number.
+class DeviceFacts {
  public:
-  static MultiprocessorCounts& instance() {
-    static MultiprocessorCounts table;
+  static DeviceFacts& instance() {
+    static DeviceFacts table;
     return table;
   }
-  int get(int ordinal) {
+  int multiprocessors(int ordinal) {
     const bool cached = ordinal >= 0 && ordinal < kDevices;
     if (cached) {
-      const int count = counts_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
+      const int count = sms_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
       if (count > 0) return count;
     }
     int count = 0;
@@ -39,15 +44,27 @@ class MultiprocessorCounts {
          << " failed: " << (result != CUDA_SUCCESS ? describe(result) : "the driver returned 0");
       throw Error(ErrorCode::kDriver, os.str());
     }
-    if (cached) {
-      counts_[static_cast<std::size_t>(ordinal)].store(count, std::memory_order_release);
-    }
+    if (cached) sms_[static_cast<std::size_t>(ordinal)].store(count, std::memory_order_release);
     return count;
+  }
+  std::uint32_t dram_bytes_per_us(int ordinal) {
+    const bool cached = ordinal >= 0 && ordinal < kDevices;
+    if (cached) {
+      const std::uint32_t stored =
+          dram_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
+      if (stored > 0) return stored - 1;
+    }
+    const long long per_us = peak_dram_bytes_per_second(driver(), ordinal) / 1000000;
+    const auto rate = static_cast<std::uint32_t>(
+        std::clamp<long long>(per_us, 0, std::numeric_limits<std::uint32_t>::max() - 1));
+    if (cached) dram_[static_cast<std::size_t>(ordinal)].store(rate + 1, std::memory_order_release);
+    return rate;
   }
 
  private:
   static constexpr int kDevices = 64;
-  std::array<std::atomic<int>, kDevices> counts_{};
+  std::array<std::atomic<int>, kDevices> sms_{};
+  std::array<std::atomic<std::uint32_t>, kDevices> dram_{};
 };
 
 // One tensor map, encoded once per (thread, role) until its inputs change. Why a per-thread
@@ -117,7 +134,11 @@ void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, cons
              args.w2_scales);
 }
 
-int multiprocessor_count(int ordinal) { return MultiprocessorCounts::instance().get(ordinal); }
+int multiprocessor_count(int ordinal) { return DeviceFacts::instance().multiprocessors(ordinal); }
+
+std::uint32_t dram_bytes_per_us(int ordinal) {
+  return DeviceFacts::instance().dram_bytes_per_us(ordinal);
+}
 
 void launch_decode_moe(const char* op, const MoeDecodeParams& main, const CurrentDevice& device,
                        const kern::moe::decode::DecodeMoeParams& args, CUstream stream) {
@@ -179,6 +200,7 @@ void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const Curren
   const int sms = multiprocessor_count(device.ordinal);
 
   kern::moe::decode::DecodePairParams params = args;
+  params.dram_bytes_per_us = dram_bytes_per_us(device.ordinal);
   void* kernel_args[] = {&params};
   // Why PDL for fc1, as for the route that heads the marlin chain: it is scheduled while the
   // kernel before it drains, and its first instruction waits for that kernel's grid

@@ -1,11 +1,14 @@
 // The decode path of moe_forward: decode_moe's launches (counter reset, the persistent fused
 // layer and the top-k sum under programmatic dependent launch, or the pair's FC1 then FC2) and
-// the device fact its grid needs (the multiprocessor count, queried once per device).
+// the device facts they need (the multiprocessor count and the peak DRAM rate, queried once per
+// device).
 // moe_forward.cpp checks the arguments and fills the kernel arguments; this unit looks the
 // kernels up and launches them.
 #pragma once
 
 #include <cuda.h>
+
+#include <cstdint>
 
 #include <moejit/kern/moe/decode_pair_params.cuh>
 #include <moejit/kern/moe/decode_params.cuh>
@@ -18,6 +21,10 @@ namespace moejit::detail {
 // Multiprocessors of device `ordinal` (CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT): a driver call
 // the first time per device, a table read after. Throws Error{kDriver} when the query fails.
 int multiprocessor_count(int ordinal);
+// Peak DRAM rate of device `ordinal` in bytes per microsecond (peak_dram_bytes_per_second), 0
+// where the driver does not report it: a driver call the first time per device, a table read
+// after.
+std::uint32_t dram_bytes_per_us(int ordinal);
 
 // The four weight tensor maps of `main`'s tile (decode_params.cuh: fc1_map_shape and
 // fc2_map_shape over the kernel layout) for the weights at w13, w13_scales, w2, w2_scales (device
@@ -43,7 +50,7 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
 // each kernel shares an SM). fc1: one CTA per multiprocessor, 544 threads; fc2:
 // PairGeometry::fc2_grid CTAs of 288 threads; both under programmatic dependent launch (each
 // waits for the grid before it). args.inter at least PairGeometry::workspace_bytes() bytes
-// (checked by the caller).
+// (checked by the caller); args.dram_bytes_per_us is set here (dram_bytes_per_us).
 void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
                         const kern::moe::decode::DecodePairParams& args, CUstream stream);
 

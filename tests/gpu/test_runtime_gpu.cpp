@@ -15,6 +15,7 @@
 #include "moejit/ops.hpp"
 #include "moejit/runtime.hpp"
 #include "ops/append_shared_spec.hpp"
+#include "ops/decode_forward.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace {
@@ -77,6 +78,31 @@ TEST_CASE("runtime gpu: the arch is the current device's", "[gpu]") {
   if (major == 9 && minor == 0) CHECK(device.arch.name() == "sm_90a");
   // Memoized: the same answer again.
   CHECK(Runtime::instance().current_arch() == device.arch);
+}
+
+TEST_CASE("runtime gpu: the device facts the decode launches read", "[gpu]") {
+  const moejit::test::GpuEnv& env = gpu();
+  int sms = 0;
+  int clock_khz = 0;
+  int bus_bits = 0;
+  MOEJIT_TEST_CU(cu().cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, env.device));
+  MOEJIT_TEST_CU(
+      cu().cuDeviceGetAttribute(&clock_khz, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, env.device));
+  MOEJIT_TEST_CU(
+      cu().cuDeviceGetAttribute(&bus_bits, CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, env.device));
+  CHECK(moejit::detail::multiprocessor_count(0) == sms);
+  // Double data rate over the whole bus, in bytes per microsecond (an H200: ~4.8e6).
+  const long long expected = 2LL * clock_khz * 1000 * (bus_bits / 8) / 1000000;
+  const long long rate = moejit::detail::dram_bytes_per_us(0);
+  INFO("memory clock " << clock_khz << " kHz, bus " << bus_bits << " bits");
+  if (clock_khz > 0 && bus_bits > 0) {
+    CHECK(rate == expected);
+    CHECK(rate >= 100000);  // at least 100 GB/s: any GPU these kernels run on
+  } else {
+    CHECK(rate == 0);  // the driver does not say: the pair prefetches at once
+  }
+  // Memoized: the same answer again.
+  CHECK(moejit::detail::dram_bytes_per_us(0) == rate);
 }
 
 TEST_CASE("runtime gpu: a thread without a current context gets a clear error", "[gpu]") {
