@@ -831,7 +831,11 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
   };
 
   for (const DirEntry& version : read_dir_or_throw(dir_)) {
-    if (!S_ISDIR(version.st.st_mode) || !is_version_name(version.name)) continue;
+    if (!S_ISDIR(version.st.st_mode)) {
+      remove_stale_temp(version);  // the toolkit stamp's (compile/nvrtc.cpp) live here
+      continue;
+    }
+    if (!is_version_name(version.name)) continue;
     for (const DirEntry& shard : read_dir_or_throw(version.path)) {
       if (!S_ISDIR(shard.st.st_mode)) {
         remove_stale_temp(shard);  // the writability probe lives here

@@ -65,7 +65,7 @@ struct GcReport {
   uint64_t bytes_before = 0;  // entries (every schema version) + quarantined files
   uint64_t bytes_after = 0;
   int removed = 0;            // entries and quarantined files removed (stale temp files excluded)
-  int stale_temp_removed = 0; // leftovers of writers killed mid-publish
+  int stale_temp_removed = 0; // leftovers of writers killed mid-publish (entries, toolkit stamps)
 };
 
 // The JSON text stored in an entry (stable field order), e.g. for `moejit cache list --json`.
@@ -148,7 +148,8 @@ class DiskCache {
   std::vector<EntryInfo> list(bool verify) const;
 
   // Removes least recently used entries (all schema versions; quarantined files first) until the
-  // total is <= max_bytes; also removes temp files older than kStaleTempSeconds and quarantined
+  // total is <= max_bytes; also removes temp files older than kStaleTempSeconds (the shards' and
+  // the cache root's, where the toolkit stamp is written) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed. Throws
   // Error{kCache} unless the cache is writable.
   GcReport gc(uint64_t max_bytes) const;

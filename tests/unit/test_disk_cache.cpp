@@ -690,6 +690,14 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   write_file(fresh, "partial");
   write_file(stale, "partial");
   set_mtime(stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  // A toolkit stamp's temp (compile/nvrtc.cpp) left in the cache root by a killed writer, and
+  // the stamp itself, which is no temp.
+  const std::string stamp = dir + "/toolkit-0123.json";
+  const std::string stale_stamp_temp = dir + "/.toolkit-0123.json.7.cccc.tmp";
+  write_file(stamp, "{}");
+  write_file(stale_stamp_temp, "{\"part");
+  set_mtime(stamp, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  set_mtime(stale_stamp_temp, now_unix() - DiskCache::kStaleTempSeconds - 60);
 
   // Temp files are never entries.
   REQUIRE(cache.list(true).size() == 1);
@@ -705,10 +713,12 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   set_mtime(held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
 
   auto report = cache.gc(UINT64_MAX);
-  CHECK(report.stale_temp_removed == 1);
+  CHECK(report.stale_temp_removed == 2);
   CHECK(report.removed == 0);
   CHECK(fs::exists(fresh));
   CHECK_FALSE(fs::exists(stale));
+  CHECK_FALSE(fs::exists(stale_stamp_temp));
+  CHECK(fs::exists(stamp));
   CHECK_FALSE(fs::exists(idle_lock));
   CHECK(fs::exists(held_lock));
   CHECK(cache.load(key).has_value());
