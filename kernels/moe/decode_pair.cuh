@@ -409,7 +409,8 @@ __global__ void __maxnreg__(kPairFc2MaxRegisters) decode_pair_fc2(const DecodePa
       // Why hold the prefetch back: asked for at once, this CTA's weights (a third of the
       // layer's bytes over the grid) queue in DRAM beside fc1's first units, which then land
       // only once about those have too. Held until fc1's bytes could have streamed at the
-      // device's peak rate, they still land before fc1 ends (fc1 runs 2-4x that long at T <= 2).
+      // device's peak rate, they still land before fc1 ends: at T <= 2 fc1 streams at well under
+      // that rate (ncu, twenty-second session: 11.65 us for 13.4 MB, ~4x the hold).
       // Measured on the H200 (tools/PERF_LOG.md "the pair's fc2 prefetch held for fc1's bytes"):
       // qwen3-30b-a3b -0.8 us at T = 1 and -1.2 at T = 2 (6%), the other shapes within ±0.3 us
       // at T = 1; a hold that ended on fc1's first wave instead was no better anywhere.
