@@ -53,6 +53,11 @@ struct FloatRatio {
 };
 std::optional<FloatRatio> float_ratio(float value);
 
+// The first rule an activation's constants break, or nothing: each constant the kind takes is
+// finite, positive and has a float_ratio; each it does not take is 0. One of find_shape_violation's
+// rules, which the planner applies to kernel params too (detail::activation_problem).
+std::optional<ShapeViolation> activation_violation(const Activation& activation);
+
 // The first rule `shape` breaks, in field order, or nothing. The same rules parse_shapes applies
 // after decoding; shapes built in code can be checked with them too.
 std::optional<ShapeViolation> find_shape_violation(const ModelShape& shape);

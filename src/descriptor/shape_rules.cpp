@@ -143,6 +143,17 @@ std::optional<ShapeViolation> check_name(const std::string& name) {
 
 }  // namespace
 
+std::optional<ShapeViolation> activation_violation(const Activation& a) {
+  const bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
+  const bool situ = a.kind == ActivationKind::kSiTU;
+  if (auto v = check_constant("limit", a.limit, clamps, a.kind)) return v;
+  if (auto v = check_constant("alpha", a.alpha, a.kind == ActivationKind::kGptOss, a.kind)) {
+    return v;
+  }
+  if (auto v = check_constant("beta", a.beta, situ, a.kind)) return v;
+  return check_constant("linear_beta", a.linear_beta, situ, a.kind);
+}
+
 std::optional<FloatRatio> float_ratio(float value) {
   if (!std::isfinite(value)) return std::nullopt;
   if (value == 0.f) return FloatRatio{0, 1};
@@ -251,14 +262,7 @@ std::optional<ShapeViolation> find_shape_violation(const ModelShape& s) {
     return v;
   }
 
-  const Activation& a = s.activation;
-  bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
-  bool situ = a.kind == ActivationKind::kSiTU;
-  if (auto v = check_constant("limit", a.limit, clamps, a.kind)) return v;
-  if (auto v = check_constant("alpha", a.alpha, a.kind == ActivationKind::kGptOss, a.kind))
-    return v;
-  if (auto v = check_constant("beta", a.beta, situ, a.kind)) return v;
-  if (auto v = check_constant("linear_beta", a.linear_beta, situ, a.kind)) return v;
+  if (auto v = activation_violation(s.activation)) return v;
 
   const SharedExperts& sh = s.shared;
   if (auto v = check_range("/shared_experts/count", "shared_experts.count", sh.count, 0,

@@ -48,31 +48,6 @@ const char* gate_short_name(SharedGate gate) noexcept {
   return "unknown";
 }
 
-namespace {
-
-// The reason an activation constant can't be a kernel's template argument, or "".
-std::string constant_problem(const char* name, float value, bool taken) {
-  std::ostringstream os;
-  if (!taken) {
-    if (value != 0.f) {
-      os << "activation constant " << name << " = " << value
-         << " is not taken by this activation; allowed: 0";
-    }
-    return os.str();
-  }
-  if (!std::isfinite(value) || value <= 0.f) {
-    os << "activation constant " << name << " = " << value << "; allowed: finite and > 0";
-  } else if (!detail::float_ratio(value)) {
-    os << "activation constant " << name << " = " << value
-       << " has no exact int ratio num / den (the kernel's template form); allowed: a value "
-          "that some num / den with |num|, den < 2^31 rounds to (magnitudes from about 1e-9 to "
-          "2e9)";
-  }
-  return os.str();
-}
-
-}  // namespace
-
 std::string activation_problem(const Activation& a) {
   const bool clamps = a.kind == ActivationKind::kClampedSwiGLU || a.kind == ActivationKind::kGptOss;
   const bool situ = a.kind == ActivationKind::kSiTU;
@@ -80,13 +55,13 @@ std::string activation_problem(const Activation& a) {
     return "activation kind " + std::to_string(static_cast<int>(a.kind)) +
            " is unknown; allowed: swiglu, clamped_swiglu, gpt_oss, situ";
   }
-  std::string reason = constant_problem("limit", a.limit, clamps);
-  if (reason.empty()) {
-    reason = constant_problem("alpha", a.alpha, a.kind == ActivationKind::kGptOss);
-  }
-  if (reason.empty()) reason = constant_problem("beta", a.beta, situ);
-  if (reason.empty()) reason = constant_problem("linear_beta", a.linear_beta, situ);
-  return reason;
+  // The shape rules' check (descriptor/shape_rules.cpp), in this layer's "name = value" form.
+  const std::optional<ShapeViolation> v = activation_violation(a);
+  if (!v) return "";
+  const std::string prefix = "/activation/";
+  const std::string name =
+      v->field.compare(0, prefix.size(), prefix) == 0 ? v->field.substr(prefix.size()) : v->field;
+  return "activation." + name + " = " + v->found + ": " + v->what + "; allowed: " + v->expected;
 }
 
 }  // namespace detail

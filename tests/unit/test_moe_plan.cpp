@@ -894,7 +894,7 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
        {"out_dtype = f32", "bf16"},
        "sm_90a"},
       {[](MarlinMoeParams& p) { p.activation.limit = -1.f; },
-       {"limit = -1", "finite and > 0"},
+       {"limit = -1", "finite and positive"},
        "sm_90a"},
       {[](MarlinMoeParams& p) { p.activation.alpha = std::nanf(""); },
        {"alpha", "finite"},
@@ -902,7 +902,7 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
       {[](MarlinMoeParams& p) { p.activation.limit = 1e-20f; },
        {"limit", "exact int ratio"},
        "sm_90a"},
-      {[](MarlinMoeParams& p) { p.activation.beta = 4.f; }, {"beta = 4", "not taken"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.beta = 4.f; }, {"beta = 4", "takes no beta"}, "sm_90a"},
   };
   for (const GemmCase& c : gemm_cases) {
     MarlinMoeParams p = good_fc1();
@@ -1065,7 +1065,7 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
   nan_limit.activation.limit = std::nanf("");
   CHECK_THROWS_WITH(moejit::moe_weight_layout(nan_limit), Catch::Contains("limit"));
   CHECK_THROWS_WITH(moejit::plan_kernels(nan_limit, Arch::parse("sm_90a")),
-                    Catch::Contains("finite and > 0"));
+                    Catch::Contains("finite and positive"));
   ModelShape huge_limit = nan_limit;
   huge_limit.activation.limit = 1e10f;
   CHECK_THROWS_WITH(moejit::moe_workspace_bytes(huge_limit, 1),
