@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -193,7 +194,12 @@ long long peak_dram_bytes_per_second(const DriverApi& api, CUdevice device) {
       clock_khz <= 0 || bus_bits <= 0) {
     return 0;
   }
-  return 2LL * clock_khz * 1000 * (bus_bits / 8);
+  const long long hz = 1000LL * clock_khz;
+  const long long bytes_per_clock = 2LL * (bus_bits / 8);  // double data rate
+  if (bytes_per_clock > std::numeric_limits<long long>::max() / hz) {
+    return std::numeric_limits<long long>::max();  // no real bus; saturated, not wrapped
+  }
+  return hz * bytes_per_clock;
 }
 
 void throw_driver_error(CUresult result, const char* call, const char* file, int line) {
