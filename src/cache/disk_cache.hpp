@@ -65,7 +65,7 @@ struct GcReport {
   uint64_t bytes_before = 0;  // entries (every schema version) + quarantined files
   uint64_t bytes_after = 0;
   int removed = 0;            // entries and quarantined files removed (stale temp files excluded)
-  int stale_temp_removed = 0; // leftovers of writers killed mid-publish (entries, toolkit stamps)
+  int stale_temp_removed = 0;  // leftovers of writers killed mid-publish (entries, toolkit stamps)
 };
 
 // The JSON text stored in an entry (stable field order), e.g. for `moejit cache list --json`.

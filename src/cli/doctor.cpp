@@ -46,8 +46,8 @@ int run_doctor() {
                               : std::string("none visible (no driver); prewarm needs --arch"));
   } else {
     for (const GpuInfo& gpu : driver.gpus) {
-      std::string line = std::to_string(gpu.ordinal) + ": " + gpu.name + "  " +
-                         gpu.arch.name() + "  " + format_bytes(gpu.memory_bytes);
+      std::string line = std::to_string(gpu.ordinal) + ": " + gpu.name + "  " + gpu.arch.name() +
+                         "  " + format_bytes(gpu.memory_bytes);
       if (gpu.dram_bytes_per_second > 0) {
         char rate[48];
         std::snprintf(rate, sizeof(rate), "  %.2f TB/s peak DRAM",

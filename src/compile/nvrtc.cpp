@@ -448,10 +448,10 @@ void write_stamp(const fs::path& path, const ToolkitHeaders& toolkit, const Prob
   // Why the random part: a writer killed mid-write leaves its temp file behind, and a later
   // process with the same pid (common in containers) would then never get past O_EXCL. Why a
   // leading dot and ".tmp": the cache's temp-file form, which `moejit gc` removes once stale.
-  const std::string temp = (path.parent_path() / ("." + path.filename().string() + "." +
-                                                  std::to_string(::getpid()) + "." +
-                                                  random_hex() + ".tmp"))
-                               .string();
+  const std::string temp =
+      (path.parent_path() / ("." + path.filename().string() + "." + std::to_string(::getpid()) +
+                             "." + random_hex() + ".tmp"))
+          .string();
   Fd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (!fd.ok()) {
     log().debug("toolkit stamp {} not written: cannot create {}: {}", path.string(), temp,

@@ -9,7 +9,6 @@
 #include <cuda.h>
 
 #include <cstdint>
-
 #include <moejit/kern/moe/decode_pair_params.cuh>
 #include <moejit/kern/moe/decode_params.cuh>
 

@@ -85,11 +85,12 @@ TEST_CASE("runtime gpu: the device facts the decode launches read", "[gpu]") {
   int sms = 0;
   int clock_khz = 0;
   int bus_bits = 0;
-  MOEJIT_TEST_CU(cu().cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, env.device));
+  MOEJIT_TEST_CU(
+      cu().cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, env.device));
   MOEJIT_TEST_CU(
       cu().cuDeviceGetAttribute(&clock_khz, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, env.device));
-  MOEJIT_TEST_CU(
-      cu().cuDeviceGetAttribute(&bus_bits, CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, env.device));
+  MOEJIT_TEST_CU(cu().cuDeviceGetAttribute(&bus_bits, CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+                                           env.device));
   CHECK(moejit::detail::multiprocessor_count(0) == sms);
   // Double data rate over the whole bus, in bytes per microsecond (an H200: ~4.8e6).
   const long long expected = 2LL * clock_khz * 1000 * (bus_bits / 8) / 1000000;

@@ -902,7 +902,9 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
       {[](MarlinMoeParams& p) { p.activation.limit = 1e-20f; },
        {"limit", "exact int ratio"},
        "sm_90a"},
-      {[](MarlinMoeParams& p) { p.activation.beta = 4.f; }, {"beta = 4", "takes no beta"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.activation.beta = 4.f; },
+       {"beta = 4", "takes no beta"},
+       "sm_90a"},
   };
   for (const GemmCase& c : gemm_cases) {
     MarlinMoeParams p = good_fc1();
