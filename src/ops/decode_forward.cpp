@@ -54,15 +54,19 @@ class DeviceFacts {
           dram_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
       if (stored > 0) return stored - 1;
     }
-    const long long per_us = peak_dram_bytes_per_second(driver(), ordinal) / 1000000;
+    long long per_us = peak_dram_bytes_per_second(driver(), ordinal) / 1000000;
+    // Why: below 100 GB/s the attributes are wrong (no GPU these kernels serve is that slow),
+    // and the pair's hold, which divides by the rate, would grow to milliseconds.
+    if (per_us < kLeastPlausibleBytesPerUs) per_us = 0;
     const auto rate = static_cast<std::uint32_t>(
-        std::clamp<long long>(per_us, 0, std::numeric_limits<std::uint32_t>::max() - 1));
+        std::min<long long>(per_us, std::numeric_limits<std::uint32_t>::max() - 1));
     if (cached) dram_[static_cast<std::size_t>(ordinal)].store(rate + 1, std::memory_order_release);
     return rate;
   }
 
  private:
   static constexpr int kDevices = 64;
+  static constexpr long long kLeastPlausibleBytesPerUs = 100000;  // 100 GB/s
   std::array<std::atomic<int>, kDevices> sms_{};
   std::array<std::atomic<std::uint32_t>, kDevices> dram_{};
 };

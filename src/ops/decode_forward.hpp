@@ -21,8 +21,8 @@ namespace moejit::detail {
 // the first time per device, a table read after. Throws Error{kDriver} when the query fails.
 int multiprocessor_count(int ordinal);
 // Peak DRAM rate of device `ordinal` in bytes per microsecond (peak_dram_bytes_per_second), 0
-// where the driver does not report it: a driver call the first time per device, a table read
-// after.
+// where the driver does not report it or reports under 100 GB/s: a driver call the first time
+// per device, a table read after.
 std::uint32_t dram_bytes_per_us(int ordinal);
 
 // The four weight tensor maps of `main`'s tile (decode_params.cuh: fc1_map_shape and

@@ -96,11 +96,10 @@ TEST_CASE("runtime gpu: the device facts the decode launches read", "[gpu]") {
   const long long expected = 2LL * clock_khz * 1000 * (bus_bits / 8) / 1000000;
   const long long rate = moejit::detail::dram_bytes_per_us(0);
   INFO("memory clock " << clock_khz << " kHz, bus " << bus_bits << " bits");
-  if (clock_khz > 0 && bus_bits > 0) {
+  if (expected >= 100000) {  // at least 100 GB/s: any GPU these kernels run on
     CHECK(rate == expected);
-    CHECK(rate >= 100000);  // at least 100 GB/s: any GPU these kernels run on
   } else {
-    CHECK(rate == 0);  // the driver does not say: the pair prefetches at once
+    CHECK(rate == 0);  // not said, or implausible: the pair prefetches at once
   }
   // Memoized: the same answer again.
   CHECK(moejit::detail::dram_bytes_per_us(0) == rate);
