@@ -118,13 +118,6 @@ void write_file(const std::string& path, const std::string& text) {
   fs::rename(temp, path);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // The spec the multi-process test races on (no other test builds it).
 KernelSpec race_spec() { return spec_of(7, 3, DType::kI64, SharedGate::kSigmoid, DType::kF16); }
 
@@ -333,7 +326,7 @@ TEST_CASE("runtime: 8 threads in each of 3 processes compile a cold kernel once"
   for (std::size_t p = 0; p < children.size(); ++p) {
     int status = 0;
     REQUIRE(::waitpid(children[p], &status, 0) == children[p]);
-    INFO("child " << p << " output:\n" << read_file(outputs[p] + ".log"));
+    INFO("child " << p << " output:\n" << moejit::test::read_text(outputs[p] + ".log"));
     CHECK(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 0);
   }
@@ -341,7 +334,7 @@ TEST_CASE("runtime: 8 threads in each of 3 processes compile a cold kernel once"
 
   std::map<std::string, int> counts;
   for (const std::string& output : outputs) {
-    std::istringstream lines(read_file(output));
+    std::istringstream lines(moejit::test::read_text(output));
     std::string line;
     int n = 0;
     while (std::getline(lines, line)) {

@@ -51,14 +51,6 @@ void write_file(const std::string& path, const std::string& text) {
   REQUIRE(file.good());
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream file(path);
-  REQUIRE(file.good());
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
 std::string reference_shapes() { return moejit::test::shapes_dir() + "/reference.json"; }
 
 }  // namespace
@@ -261,7 +253,8 @@ TEST_CASE("doctor names the toolkit's driver stub as a stub, not an old driver",
 }
 
 TEST_CASE("README's shape example is a valid shape file", "[cli]") {
-  std::string readme = read_file(source_dir() + "/README.md");
+  std::string readme = moejit::test::read_text(source_dir() + "/README.md");
+  REQUIRE_FALSE(readme.empty());
   const std::string open = "```json\n";
   std::size_t begin = readme.find(open);
   REQUIRE(begin != std::string::npos);

@@ -132,14 +132,6 @@ void expect_value_refusal(const std::string& from, const std::string& to,
   expect_refusal(text, position_of(text, needle), pointer, words);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in.good());
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 }  // namespace
 
 TEST_CASE("a valid file parses to the expected values", "[descriptor]") {
@@ -263,7 +255,9 @@ TEST_CASE("the bundled reference shapes parse", "[descriptor]") {
 
 TEST_CASE("the schema lists exactly the fields the parser accepts", "[descriptor]") {
   std::string dir = moejit::test::shapes_dir();
-  nlohmann::json schema = nlohmann::json::parse(read_file(dir + "/schema.json"));
+  const std::string schema_text = moejit::test::read_text(dir + "/schema.json");
+  REQUIRE_FALSE(schema_text.empty());
+  nlohmann::json schema = nlohmann::json::parse(schema_text);
   CHECK(schema.at("$schema") == "https://json-schema.org/draft/2020-12/schema");
   auto keys = [&](const char* def) {
     std::set<std::string> out;
@@ -293,7 +287,9 @@ TEST_CASE("the schema lists exactly the fields the parser accepts", "[descriptor
   // The bound a file is refused past, not the parser's wider typo guard.
   CHECK(schema.at("$defs").at("shape").at("properties").at("num_experts").at("maximum") ==
         moejit::detail::kMaxRoutedLocalExperts);
-  nlohmann::json reference = nlohmann::json::parse(read_file(dir + "/reference.json"));
+  const std::string reference_text = moejit::test::read_text(dir + "/reference.json");
+  REQUIRE_FALSE(reference_text.empty());
+  nlohmann::json reference = nlohmann::json::parse(reference_text);
   CHECK(reference.at("$schema") == "./schema.json");
 }
 
@@ -718,7 +714,8 @@ TEST_CASE("enum names match the file spellings", "[descriptor]") {
 
 TEST_CASE("damaged files are refused with a DescriptorError, never anything else",
           "[descriptor]") {
-  std::string text = read_file(moejit::test::shapes_dir() + "/reference.json");
+  std::string text = moejit::test::read_text(moejit::test::shapes_dir() + "/reference.json");
+  REQUIRE_FALSE(text.empty());
   // Every prefix of a valid file is invalid JSON.
   for (std::size_t n = 0; n < text.size(); n += 7) {
     INFO("prefix length " << n);

@@ -78,11 +78,6 @@ Entry make_entry(const std::string& key, std::size_t cubin_size, uint64_t seed) 
   return e;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 void write_file(const std::string& path, const std::string& bytes) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   REQUIRE(fd >= 0);
@@ -91,7 +86,7 @@ void write_file(const std::string& path, const std::string& bytes) {
 }
 
 void flip_bit(const std::string& path, uint64_t offset) {
-  std::string bytes = read_file(path);
+  std::string bytes = moejit::test::read_text(path);
   REQUIRE(offset < bytes.size());
   bytes[offset] = static_cast<char>(bytes[offset] ^ 0x10);
   write_file(path, bytes);
@@ -295,14 +290,14 @@ TEST_CASE("corrupt entries are detected, logged, quarantined and reported as mis
        [](const std::string& p, const std::string&) { flip_bit(p, fs::file_size(p) - 5000); }},
       {"extended by garbage", "file size",
        [](const std::string& p, const std::string&) {
-         std::string bytes = read_file(p);
+         std::string bytes = moejit::test::read_text(p);
          write_file(p, bytes + "garbage");
        }},
       {"another key's entry copied over it", "expected",
        [&](const std::string& p, const std::string& key) {
          const std::string other = key_for("donor-" + key);
          REQUIRE(cache.store(make_entry(other, 9000, 3)));
-         write_file(p, read_file(cache.entry_path(other)));
+         write_file(p, moejit::test::read_text(cache.entry_path(other)));
        }},
   };
 

@@ -57,11 +57,6 @@ Entry built_entry(const std::string& key, const std::string& cubin) {
   return e;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 void write_file(const std::string& path, const std::string& bytes) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   REQUIRE(fd >= 0);
@@ -238,7 +233,7 @@ TEST_CASE("24 callers in 3 processes on one cold key compile it exactly once", "
     CHECK(WEXITSTATUS(status) == 0);
   }
 
-  CHECK(read_file(counter) == "b");  // exactly one build, machine-wide
+  CHECK(moejit::test::read_text(counter) == "b");  // exactly one build, machine-wide
 
   const std::string compiled = std::to_string(static_cast<int>(CacheOutcome::kCompiled));
   const std::string disk_hit = std::to_string(static_cast<int>(CacheOutcome::kDiskHit));
@@ -374,7 +369,7 @@ TEST_CASE("corrupt entries are logged, quarantined, rebuilt and republished", "[
   });
   CHECK(count_files(dir + "/quarantine") == 1);
   damage_and_heal("bit flipped", [&] {
-    std::string bytes = read_file(path);
+    std::string bytes = moejit::test::read_text(path);
     bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x01);
     write_file(path, bytes);
   });
