@@ -772,6 +772,7 @@ std::vector<EntryInfo> DiskCache::list(bool verify) const {
       if (!is_entry_name(file.name, &key) || key.compare(0, 2, shard.name) != 0) continue;
       EntryInfo info;
       info.path = file.path;
+      info.key = key;
       info.file_size = static_cast<uint64_t>(file.st.st_size);
       info.last_used_unix = static_cast<int64_t>(file.st.st_mtim.tv_sec);
       Fd fd(open_file(file.path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK));
@@ -793,8 +794,8 @@ std::vector<EntryInfo> DiskCache::list(bool verify) const {
         info.manifest = std::move(entry.manifest);
         info.problem = result.problem;
         if (!result.problem.empty() && verify && !result.io_error) {
-          std::string dest = quarantine(file.path, fd.get(), result.problem);
-          if (!dest.empty()) info.problem += "; moved to " + dest;
+          info.quarantined_to = quarantine(file.path, fd.get(), result.problem);
+          if (!info.quarantined_to.empty()) info.problem += "; moved to " + info.quarantined_to;
         }
       }
       out.push_back(std::move(info));
@@ -910,18 +911,19 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
   return report;
 }
 
-int DiskCache::clear() const {
+ClearReport DiskCache::clear() const {
   MOEJIT_CHECK(mode_ == CacheMode::kReadWrite, ErrorCode::kCache,
                "cannot clear the cache at " << dir_ << ": it is " << mode_name(mode_)
                                             << (mode_reason_.empty() ? "" : " (") << mode_reason_
                                             << (mode_reason_.empty() ? "" : ")"));
   const uid_t me = ::geteuid();
-  int removed = 0;
+  ClearReport report;
   auto remove = [&](const DirEntry& file) {
     if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
     if (::unlink(file.path.c_str()) == 0) {
-      ++removed;
+      ++report.removed;
     } else if (errno != ENOENT) {
+      ++report.not_removed;
       log().warn("cache clear: cannot remove {}: {}", file.path, errno_text(errno));
     }
   };
@@ -936,7 +938,7 @@ int DiskCache::clear() const {
     }
   }
   for (const DirEntry& file : read_dir_or_throw(dir_ + "/quarantine")) remove(file);
-  return removed;
+  return report;
 }
 
 }  // namespace moejit::detail

@@ -55,10 +55,12 @@ struct Entry {
 
 struct EntryInfo {
   std::string path;
+  std::string key;            // from the file name (known even when the file can't be read)
   Manifest manifest;          // as far as it could be read (empty when the header is bad)
   uint64_t file_size = 0;
   int64_t last_used_unix = 0; // mtime: load() touches it
   std::string problem;        // non-empty when verification failed or the entry is untrusted
+  std::string quarantined_to;  // where list(true) moved a bad entry; empty when it stayed
 };
 
 struct GcReport {
@@ -66,6 +68,11 @@ struct GcReport {
   uint64_t bytes_after = 0;
   int removed = 0;            // entries and quarantined files removed (stale temp files excluded)
   int stale_temp_removed = 0;  // leftovers of writers killed mid-publish (entries, toolkit stamps)
+};
+
+struct ClearReport {
+  int removed = 0;      // entries and quarantined files removed
+  int not_removed = 0;  // this user's files that could not be removed (each logged at warn)
 };
 
 // The JSON text stored in an entry (stable field order), e.g. for `moejit cache list --json`.
@@ -153,9 +160,10 @@ class DiskCache {
   // files older than kQuarantineKeepSeconds. Files of other users are never removed. Throws
   // Error{kCache} unless the cache is writable.
   GcReport gc(uint64_t max_bytes) const;
-  // Removes every entry (all schema versions) and every quarantined file; returns how many.
-  // Throws Error{kCache} unless the cache is writable.
-  int clear() const;
+  // Removes every entry (all schema versions) and every quarantined file of this user; reports
+  // how many, and how many could not be removed. Throws Error{kCache} unless the cache is
+  // writable.
+  ClearReport clear() const;
 
   static constexpr int64_t kStaleTempSeconds = 10 * 60;
   static constexpr int64_t kQuarantineKeepSeconds = 7 * 24 * 3600;

@@ -79,16 +79,27 @@ int run_list() {
   std::snprintf(line, sizeof(line), "%-*s  %-8s %10s  %-19s  %10s  %s\n", kw, "KERNEL", "ARCH",
                 "SIZE", "LAST USED", "COMPILE", "KEY");
   std::cout << line;
+  int unreadable = 0;
   for (const detail::EntryInfo& e : entries) {
+    // The key from the file name: an entry whose header can't be read still names its file.
     std::snprintf(line, sizeof(line), "%-*s  %-8s %10s  %-19s  %10s  %s\n", kw,
                   kernel_of(e.manifest).c_str(), arch_of(e.manifest).c_str(),
                   format_bytes(e.file_size).c_str(), format_time(e.last_used_unix).c_str(),
-                  format_ms(e.manifest.compile_ms).c_str(), e.manifest.key.c_str());
+                  format_ms(e.manifest.compile_ms).c_str(), e.key.c_str());
     std::cout << line;
+    if (!e.problem.empty()) {
+      ++unreadable;
+      std::cout << "  ^ " << e.problem << "\n";
+    }
   }
   std::cout << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies") << ", "
             << format_bytes(total_size(entries)) << " in " << disk.dir() << " ("
-            << cache_mode_name(disk.effective_mode()) << ")\n";
+            << cache_mode_name(disk.effective_mode()) << ")";
+  if (unreadable > 0) {
+    std::cout << "; " << unreadable << " with a problem (never loaded; `moejit verify` checks "
+              << "every entry)";
+  }
+  std::cout << "\n";
   return kExitOk;
 }
 
@@ -96,20 +107,25 @@ int run_verify() {
   const detail::DiskCache& disk = open_cache("verify", false);
   std::vector<detail::EntryInfo> entries = disk.list(true);
   int bad = 0;
+  int moved = 0;
   for (const detail::EntryInfo& e : entries) {
     if (e.problem.empty()) continue;
     ++bad;
-    std::cout << "BAD  " << (e.manifest.kernel.empty() ? "(unreadable entry)" : e.manifest.kernel)
-              << "  " << e.path << ": " << e.problem << "\n";
+    if (!e.quarantined_to.empty()) ++moved;
+    std::cout << "BAD  "
+              << (e.manifest.kernel.empty() ? "(entry " + e.key + ")" : e.manifest.kernel) << "  "
+              << e.path << ": " << e.problem << "\n";
   }
   std::cout << "verify: " << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies")
             << ", " << bad << " bad";
-  if (bad > 0) {
-    std::cout << (disk.effective_mode() == CacheMode::kReadWrite
-                      ? " (quarantined under " + disk.dir() +
-                            "/quarantine; the next use rebuilds "
-                            "them)"
-                      : std::string(" (read-only cache: left in place, never loaded)"));
+  if (moved > 0) {
+    std::cout << "; " << moved << " quarantined under " << disk.dir()
+              << "/quarantine (the next use rebuilds them)";
+  }
+  if (bad > moved) {
+    // Untrusted, unreadable or unmovable entries, and any in a cache that is not writable.
+    std::cout << "; " << bad - moved << " left in place and never loaded (each line above says "
+              << "why; fix or remove them)";
   }
   std::cout << "\n";
   return bad > 0 ? kExitWorkFailed : kExitOk;
@@ -131,14 +147,24 @@ int run_gc(const std::string& max_size) {
   std::cout << ", " << format_bytes(report.bytes_before) << " -> "
             << format_bytes(report.bytes_after) << " (limit " << format_bytes(*limit) << ") in "
             << disk.dir() << "\n";
+  if (report.bytes_after > *limit) {
+    std::cout << "gc: the cache is still over the limit: some files could not be removed (each "
+                 "is logged above)\n";
+    return kExitWorkFailed;
+  }
   return kExitOk;
 }
 
 int run_clear() {
   const detail::DiskCache& disk = open_cache("clear", true);
-  int removed = disk.clear();
-  std::cout << "clear: removed " << removed << " file(s) (entries and quarantined) from "
+  const detail::ClearReport report = disk.clear();
+  std::cout << "clear: removed " << report.removed << " file(s) (entries and quarantined) from "
             << disk.dir() << "\n";
+  if (report.not_removed > 0) {
+    std::cout << "clear: " << report.not_removed
+              << " file(s) could not be removed (each is logged above)\n";
+    return kExitWorkFailed;
+  }
   return kExitOk;
 }
 

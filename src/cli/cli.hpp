@@ -18,10 +18,12 @@ namespace moejit::cli {
 // The exit codes, documented in `moejit --help` and README.md.
 enum ExitCode : int {
   kExitOk = 0,           // success
-  kExitWorkFailed = 1,   // some work failed: a kernel did not compile, a corrupt entry was found
+  kExitWorkFailed = 1,   // some work failed: a kernel did not compile, a bad entry was found,
+                         // gc or clear could not remove a file
   kExitUsage = 2,        // bad flags, unknown shape or family, no GPU to take --arch from
   kExitShapeFile = 3,    // a shape file is missing, unreadable or invalid
-  kExitEnvironment = 4,  // the cache can't be used as asked, toolkit headers not found
+  kExitEnvironment = 4,  // the cache can't be used as asked (prewarm's kernels not stored),
+                         // toolkit headers not found
 };
 
 // The footer of every --help: the exit codes and the environment switches.

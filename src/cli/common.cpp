@@ -15,11 +15,13 @@ namespace moejit::cli {
 std::string help_footer() {
   return "Exit codes:\n"
          "  0  success\n"
-         "  1  some work failed (a kernel failed to compile, corrupt cache entries were found)\n"
+         "  1  some work failed (a kernel failed to compile, bad cache entries were found, gc or\n"
+         "     clear could not remove files)\n"
          "  2  usage error (bad flags, unknown shape or kernel family, no GPU to take the default\n"
          "     --arch from: pass --arch sm_90a)\n"
          "  3  invalid shape file (missing, unreadable, or breaks a rule: file:line:column named)\n"
-         "  4  environment problem (cache unusable as asked, CUDA toolkit headers not found)\n"
+         "  4  environment problem (cache unusable as asked, e.g. prewarm's kernels not stored;\n"
+         "     CUDA toolkit headers not found)\n"
          "Environment: MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE=rw|ro|memory, MOEJIT_CUDA_INCLUDE,\n"
          "  MOEJIT_LINEINFO=0|1, MOEJIT_LOG_LEVEL, XDG_CACHE_HOME, CUDA_HOME (see README.md)";
 }
@@ -101,8 +103,10 @@ std::optional<uint64_t> parse_size(const std::string& text) {
   } catch (const std::exception&) {
     return std::nullopt;
   }
-  if (!std::isfinite(value) || value < 0 || value >= 1.8e19) return std::nullopt;
-  return static_cast<uint64_t>(std::llround(value));
+  // Why 2^64 and std::round: llround's long long overflows from 2^63, and every double below 2^64
+  // converts to uint64_t exactly once rounded.
+  if (!std::isfinite(value) || value < 0 || value >= 18446744073709551616.0) return std::nullopt;
+  return static_cast<uint64_t>(std::round(value));
 }
 
 std::string format_bytes(uint64_t bytes) {

@@ -71,6 +71,7 @@ int run_doctor() {
   } catch (const Failure& f) {
     configured = false;
     problems.push_back(f.message);
+    configure(RuntimeConfig{});  // the rest of the report: the defaults
   }
   detail::Runtime& runtime = detail::Runtime::instance();
   try {

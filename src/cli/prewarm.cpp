@@ -156,9 +156,10 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
   print_row("already cached", cached);
   print_row("failed", failed);
   std::cout << "prewarm: " << results.size() << " kernel(s) for " << arch_list << ": "
-            << compiled.size() + not_stored.size() << " compiled, " << cached.size()
-            << " already cached, " << failed.size() << " failed in " << format_ms(wall_ms)
-            << " (cache " << disk.dir() << ")\n";
+            << compiled.size() << " compiled, ";
+  if (!not_stored.empty()) std::cout << not_stored.size() << " compiled but not stored, ";
+  std::cout << cached.size() << " already cached, " << failed.size() << " failed in "
+            << format_ms(wall_ms) << " (cache " << disk.dir() << ")\n";
   if (!failed.empty()) {
     std::cout << "\nfailures:\n";
     for (const BuildResult& r : results) {
@@ -172,6 +173,15 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
       std::cout << indented << "\n";
     }
     return kExitWorkFailed;
+  }
+  if (!not_stored.empty()) {
+    // Why a failure: filling the cache is what prewarm is for, and these kernels would be
+    // compiled again by the next process that needs them.
+    std::cout << "\nprewarm: " << not_stored.size()
+              << " kernel(s) compiled but not stored: the cache at " << disk.dir()
+              << " refused them (why is logged above); the next process that needs them "
+                 "compiles them again\n";
+    return kExitEnvironment;
   }
   return kExitOk;
 }

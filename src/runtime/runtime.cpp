@@ -203,7 +203,14 @@ Runtime& Runtime::instance() {
   return *runtime;
 }
 
-Runtime::Runtime() : config_(resolved(RuntimeConfig::from_environment())) {}
+Runtime::Runtime() {
+  try {
+    config_ = resolved(RuntimeConfig::from_environment());
+  } catch (const Error& e) {
+    config_ = resolved(RuntimeConfig{});
+    environment_error_ = e;
+  }
+}
 
 void Runtime::configure(const RuntimeConfig& config) {
   RuntimeConfig next = resolved(config);
@@ -215,6 +222,7 @@ void Runtime::configure(const RuntimeConfig& config) {
                     "); configure the runtime once, before the first op or kernel load");
   }
   config_ = std::move(next);
+  environment_error_.reset();
   if (store_) retired_stores_.push_back(std::move(store_));
   store_.reset();
   log().debug("runtime configured: cache {} ({})", config_.cache_dir,
@@ -237,6 +245,7 @@ const ToolkitHeaders& toolkit_for(const RuntimeConfig& config, const DiskCache& 
 
 std::shared_ptr<KernelStore> Runtime::current_store(RuntimeConfig* config_out) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
+  if (environment_error_) throw *environment_error_;
   if (!store_) {
     auto disk = std::make_shared<const DiskCache>(config_.cache_dir, config_.cache_mode);
     store_ = std::make_shared<KernelStore>(std::move(disk));

@@ -18,6 +18,7 @@
 #include "cache/key.hpp"
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
+#include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
 
@@ -44,8 +45,8 @@ class Runtime {
 
   // Not synchronized with configure(): read it from one thread while nothing reconfigures.
   const RuntimeConfig& config() const { return config_; }
-  // Replaces the configuration (empty cache_dir = the environment's). Throws
-  // Error{kInvalidArgument} once a kernel has been loaded on a GPU.
+  // Replaces the configuration (empty cache_dir = the environment's), and with it a bad
+  // environment's error. Throws Error{kInvalidArgument} once a kernel has been loaded on a GPU.
   void configure(const RuntimeConfig& config);
 
   // Build (memory / disk / compile) one kernel; never loads it on a GPU. Throws on failure.
@@ -97,7 +98,11 @@ class Runtime {
   CurrentDevice query_device(int ordinal);
 
   RuntimeConfig config_;
-  std::mutex setup_mutex_;                           // config_, store_, retired_stores_
+  // Why kept, not thrown from the constructor: a bad MOEJIT_* variable must not stop
+  // configure() from replacing the environment's settings. Until configure() is called, the
+  // first use of the configuration (current_store) throws it.
+  std::optional<moejit::Error> environment_error_;
+  std::mutex setup_mutex_;  // config_, environment_error_, store_, retired_stores_
   std::shared_ptr<KernelStore> store_;
   std::vector<std::shared_ptr<KernelStore>> retired_stores_;  // keeps store() refs valid
   std::atomic<bool> gpu_loaded_{false};

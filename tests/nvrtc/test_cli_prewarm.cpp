@@ -1,10 +1,14 @@
 // `moejit prewarm` and the cache subcommands end to end, on a CPU-only machine: compile the
 // reference shapes for two archs into a private cache, then list, verify, heal, gc and clear it.
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <regex>
 #include <string>
@@ -14,6 +18,7 @@
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
+#include "moejit/version.hpp"
 #include "support/support.hpp"
 
 namespace {
@@ -258,4 +263,89 @@ TEST_CASE("prewarm refuses a cache it can't write, with exit 4", "[cli]") {
   INFO(out);
   CHECK(rc == 4);
   CHECK(out.find("writable") != std::string::npos);
+}
+
+TEST_CASE("the cache commands never report work they did not do", "[cli]") {
+  namespace fs = std::filesystem;
+  TempDir root;
+  // One small shape: a handful of kernels, compiled in about a second.
+  const std::string shapes = root.path() + "/tiny.json";
+  std::ofstream(shapes) << R"({"shapes": [{"name": "tiny", "num_experts": 8, "top_k": 2,
+    "hidden": 512, "intermediate": 256, "activation": {"kind": "swiglu"}, "max_tokens": 1}]})";
+  const std::string prewarm = "prewarm " + quote(shapes) + " --arch sm_90a -j 2";
+  std::string out;
+
+  SECTION("prewarm whose kernels the cache can't take exits 4 and counts them apart") {
+    // Every shard name taken by a regular file: the cache is writable, but no entry can be
+    // published (root included).
+    const std::string cache = root.path() + "/cache";
+    fs::create_directories(cache + "/v" + std::to_string(moejit::kCacheSchemaVersion));
+    fs::permissions(cache, fs::perms::owner_all, fs::perm_options::replace);
+    for (int i = 0; i < 256; ++i) {
+      char shard[3];
+      std::snprintf(shard, sizeof(shard), "%02x", i);
+      std::ofstream(cache + "/v" + std::to_string(moejit::kCacheSchemaVersion) + "/" + shard);
+    }
+    const int rc = cli(cache, prewarm, &out);
+    INFO(out);
+    CHECK(rc == 4);
+    CHECK(std::regex_search(out, std::regex(R"(0 compiled, \d+ compiled but not stored)")));
+    CHECK(out.find("the next process that needs them compiles them again") != std::string::npos);
+    CHECK(entries(cache).empty());
+  }
+
+  SECTION("verify leaves an untrusted entry in place and says so; list names it") {
+    const std::string cache = root.path() + "/cache";
+    REQUIRE(cli(cache, prewarm, &out) == 0);
+    std::vector<moejit::detail::EntryInfo> listed = entries(cache);
+    REQUIRE(listed.size() >= 2);
+    // Group-writable: another user could have written it, so it is never loaded, and verify
+    // must not claim to have quarantined it.
+    const std::string untrusted = listed[0].path;
+    fs::permissions(untrusted, fs::perms::group_write, fs::perm_options::add);
+    corrupt(listed[1].path);
+    const int rc = cli(cache, "verify", &out);
+    {
+      INFO(out);
+      CHECK(rc == 1);
+      CHECK(out.find("2 bad; 1 quarantined") != std::string::npos);
+      CHECK(out.find("1 left in place and never loaded") != std::string::npos);
+      CHECK(out.find("(entry " + listed[0].key + ")") != std::string::npos);
+      CHECK(fs::exists(untrusted));
+      CHECK_FALSE(fs::exists(listed[1].path));
+    }
+    CHECK(cli(cache, "list", &out) == 0);
+    INFO(out);
+    CHECK(out.find(listed[0].key) != std::string::npos);  // the key, from the file name
+    CHECK(out.find("untrusted") != std::string::npos);
+    CHECK(out.find("1 with a problem") != std::string::npos);
+  }
+
+  SECTION("gc and clear exit 1 when files can't be removed") {
+    if (::geteuid() == 0) {
+      std::cout << "SKIPPED: gc and clear with a read-only shard: running as root, which "
+                   "ignores directory permissions\n";
+      return;
+    }
+    const std::string cache = root.path() + "/cache";
+    REQUIRE(cli(cache, prewarm, &out) == 0);
+    std::vector<moejit::detail::EntryInfo> listed = entries(cache);
+    REQUIRE_FALSE(listed.empty());
+    const fs::path shard = fs::path(listed[0].path).parent_path();
+    fs::permissions(shard, fs::perms::owner_read | fs::perms::owner_exec,
+                    fs::perm_options::replace);
+    int rc = cli(cache, "gc --max-size 0", &out);
+    {
+      INFO(out);
+      CHECK(rc == 1);
+      CHECK(out.find("still over the limit") != std::string::npos);
+    }
+    rc = cli(cache, "clear", &out);
+    {
+      INFO(out);
+      CHECK(rc == 1);
+      CHECK(out.find("could not be removed") != std::string::npos);
+    }
+    fs::permissions(shard, fs::perms::owner_all, fs::perm_options::replace);
+  }
 }

@@ -221,6 +221,40 @@ TEST_CASE("doctor runs without a GPU and says what it found", "[cli]") {
   }
 }
 
+TEST_CASE("doctor reports a bad environment variable and the rest with the defaults", "[cli]") {
+  TempDir cache;
+  for (const char* bad : {"MOEJIT_CACHE_MODE=bogus", "MOEJIT_LINEINFO=maybe"}) {
+    std::string out;
+    const int rc =
+        run_command(std::string("env ") + bad + " MOEJIT_CACHE_DIR=" + quote(cache.path()) + " " +
+                        quote(cli_path()) + " doctor",
+                    &out);
+    INFO(bad << "\n" << out);
+    CHECK(rc == 4);  // an environment problem, not a crash of the report
+    CHECK(out.find(std::string(bad)) != std::string::npos);
+    // The report goes on past the bad variable, with the defaults.
+    CHECK(out.find("cache dir:") != std::string::npos);
+    CHECK(out.find("entries:") != std::string::npos);
+    CHECK(out.find("problem(s)") != std::string::npos);
+  }
+}
+
+TEST_CASE("gc --max-size takes every size below 2^64 and refuses the rest", "[cli]") {
+  TempDir cache;
+  std::string out;
+  // 10^19 bytes is past a long long but below 2^64: 9094947.0 TiB, not 2^63.
+  CHECK(cli("gc --max-size 10000000000000000000", &out, cache.path()) == 0);
+  CHECK(out.find("(limit 9094947.0 TiB)") != std::string::npos);
+  INFO(out);
+  CHECK(cli("gc --max-size 8388608T", &out, cache.path()) == 0);  // 2^63
+  CHECK(out.find("(limit 8388608.0 TiB)") != std::string::npos);
+  for (const char* bad : {"18446744073709551616", "16777216T", "-1", "1e30", "nan"}) {
+    INFO(bad);
+    CHECK(cli(std::string("gc --max-size ") + bad, &out, cache.path()) == 2);
+    CHECK(out.find("bad --max-size") != std::string::npos);
+  }
+}
+
 TEST_CASE("doctor names the toolkit's driver stub as a stub, not an old driver", "[cli]") {
   // The stub libcuda.so (for linking only) first on the library path, as a misconfigured
   // container has it.
