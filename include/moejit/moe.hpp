@@ -135,8 +135,9 @@ struct MoeForwardArgs {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   // [T, H] bf16, 16-byte aligned; written completely (0 for a token with no local expert).
-  // Neither out nor the workspace may share a byte with hidden, topk_ids, topk_weights or each
-  // other (refused: the kernels read the inputs while they write).
+  // Neither out nor the workspace may share a byte with hidden, topk_ids, topk_weights, the
+  // repacked weights (their MoeWeightLayout sizes) or each other (refused: the kernels read the
+  // inputs while they write).
   DLTensor* out = nullptr;
 };
 

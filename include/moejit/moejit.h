@@ -55,7 +55,8 @@ moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* top
 
 typedef struct moejit_moe moejit_moe;
 
-/* Resolves the registered shape `shape_name`; *out must be released with moejit_moe_destroy. */
+/* Resolves the registered shape `shape_name`; *out must be released with moejit_moe_destroy.
+ * Using a moejit_moe after its destroy, or destroying it twice, is undefined (as for free). */
 moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out);
 void moejit_moe_destroy(moejit_moe* moe);
 
@@ -108,7 +109,9 @@ moejit_status moejit_moe_workspace_bytes(const moejit_moe* moe, int max_tokens, 
  * capturable after a prewarm. The workspace is the call's scratch until the stream has run its
  * kernels (its bytes may hold anything between calls); two calls in flight at once need two
  * workspaces (moejit::MoeForwardArgs::workspace). out and the workspace share no byte with the
- * inputs or each other (MOEJIT_ERROR_INVALID_ARGUMENT otherwise). */
+ * inputs (the weights included, at their layout sizes) or each other. Alignment: workspace 256
+ * bytes; hidden, out, w13, w13_scales, w2 and w2_scales 16; b13 4; b2 2. Either broken:
+ * MOEJIT_ERROR_INVALID_ARGUMENT, naming the argument. */
 moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const DLTensor* topk_ids, const DLTensor* topk_weights,
                                  const moejit_moe_weights* weights, void* workspace,

@@ -14,6 +14,9 @@ namespace {
 
 // Why thread_local: each thread reads its own last message, and a success clears only its own.
 thread_local std::string last_error;
+// A message that needs no allocation, for when storing the real one fails (out of memory):
+// moejit_last_error() returns it while it is set.
+thread_local const char* fixed_error = nullptr;
 
 moejit_status status_of(moejit::ErrorCode code) {
   switch (code) {
@@ -35,8 +38,9 @@ moejit_status status_of(moejit::ErrorCode code) {
 moejit_status fail(moejit_status status, const char* message) noexcept {
   try {
     last_error = message;
+    fixed_error = nullptr;
   } catch (...) {
-    last_error.clear();
+    fixed_error = "libmoejit: out of host memory while recording an error";
   }
   return status;
 }
@@ -47,6 +51,7 @@ moejit_status guarded(Body&& body) noexcept {
   try {
     body();
     last_error.clear();
+    fixed_error = nullptr;
     return MOEJIT_OK;
   } catch (const moejit::Error& e) {
     return fail(status_of(e.code()), e.what());
@@ -67,7 +72,9 @@ moejit_status moejit::detail::capi_guarded(void (*body)(void*), void* context) n
 
 extern "C" {
 
-const char* moejit_last_error(void) { return last_error.c_str(); }
+const char* moejit_last_error(void) {
+  return fixed_error != nullptr ? fixed_error : last_error.c_str();
+}
 
 moejit_status moejit_register_shapes_file(const char* path) {
   return guarded([&] {

@@ -70,6 +70,9 @@ Arch arch_for_compute_capability(int major, int minor);
 
 // The runtime configured from the environment (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
 void configure_from_environment();
+// What to do when the toolkit headers are not found, by what the environment set: a
+// MOEJIT_CUDA_INCLUDE is used as given (no fallback), so it is named; else where the search looks.
+std::string toolkit_advice();
 const char* cache_mode_name(CacheMode mode);
 
 // The CUDA headers NVRTC will use, found as the runtime finds them: the fingerprint remembered

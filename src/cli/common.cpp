@@ -2,6 +2,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <sstream>
 #include <string>
@@ -196,6 +197,15 @@ void configure_from_environment() {
     throw Failure{kExitEnvironment,
                   std::string("the environment's configuration can't be used: ") + e.what()};
   }
+}
+
+std::string toolkit_advice() {
+  if (const char* include = std::getenv("MOEJIT_CUDA_INCLUDE")) {
+    return std::string("MOEJIT_CUDA_INCLUDE=") + include +
+           " is used as given: point it at the toolkit's include directory (the one holding "
+           "cuda_bf16.h), or unset it to search CUDA_HOME and /usr/local/cuda*";
+  }
+  return "set CUDA_HOME to the toolkit's root, or MOEJIT_CUDA_INCLUDE to its include directory";
 }
 
 const detail::ToolkitHeaders& toolkit_for(const detail::DiskCache& disk) {

@@ -80,9 +80,7 @@ int run_doctor() {
         headers.include_dir + " (headers digest " + headers.digest.hex().substr(0, 12) + ")");
   } catch (const Error& e) {
     row("CUDA include", std::string("NOT FOUND: ") + e.what());
-    problems.push_back(
-        "CUDA toolkit headers not found: NVRTC can't compile; set MOEJIT_CUDA_INCLUDE or "
-        "CUDA_HOME");
+    problems.push_back("CUDA toolkit headers not found: NVRTC can't compile; " + toolkit_advice());
   }
 
   try {

@@ -106,7 +106,7 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
   } catch (const Error& e) {
     throw Failure{kExitEnvironment,
                   std::string("CUDA toolkit headers not found (NVRTC needs them): ") + e.what() +
-                      ". Set MOEJIT_CUDA_INCLUDE or CUDA_HOME."};
+                      ". From the command line: " + toolkit_advice() + "."};
   }
 
   std::string arch_list;

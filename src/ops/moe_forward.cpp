@@ -205,9 +205,18 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
                                static_cast<int64_t>(std::min<std::size_t>(
                                    args.workspace_bytes, std::numeric_limits<int64_t>::max()))};
     const detail::Span output = detail::span_of("out", out);
+    // The repacked weights are inputs too: the kernels would read bytes they are overwriting.
+    const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
+    const auto bytes = [](std::size_t n) { return static_cast<int64_t>(n); };
     const detail::Span inputs[] = {detail::span_of("hidden", hidden),
                                    detail::span_of("topk_ids", ids),
-                                   detail::span_of("topk_weights", weights)};
+                                   detail::span_of("topk_weights", weights),
+                                   {"weights.w13", w.w13, bytes(sizes.w13)},
+                                   {"weights.w13_scales", w.w13_scales, bytes(sizes.w13_scales)},
+                                   {"weights.w2", w.w2, bytes(sizes.w2)},
+                                   {"weights.w2_scales", w.w2_scales, bytes(sizes.w2_scales)},
+                                   {"weights.b13", w.b13, shape.has_bias ? bytes(sizes.b13) : 0},
+                                   {"weights.b2", w.b2, shape.has_bias ? bytes(sizes.b2) : 0}};
     detail::check_disjoint(kOp, scratch, output);
     for (const detail::Span& i : inputs) {
       detail::check_disjoint(kOp, scratch, i);

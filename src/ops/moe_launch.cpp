@@ -174,7 +174,9 @@ ByteTensor check_byte_tensor(const char* op, const char* arg, const DLTensor* te
                        "strides that are not compact for shape " + dims_text(*tensor) +
                            "; pass a contiguous tensor (e.g. .contiguous())");
       }
-      expect *= tensor->shape[d];
+      // Why not past the leading dim: only the dims after it are bounded here (the caller
+      // checks n), and n times their product may not fit an int64.
+      if (d > 0) expect *= tensor->shape[d];
     }
   }
   if (tensor->data == nullptr) throw_argument(op, arg, "non-null data", "null data");

@@ -695,6 +695,18 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
             "out: expected a buffer that shares no byte with hidden"));
         CHECK(
             same_bits(download_at<uint16_t>(io.hidden, 0, tk.hidden_bits.size()), tk.hidden_bits));
+        // The repacked weights are inputs too: out on w2's bytes, the workspace on w13's.
+        a = io.args(*model);
+        REQUIRE(model->sizes.w2_bytes >= to_size(7 * shape.hidden * 2));
+        TensorView out_on_w2(a.weights.w2, 0, {7, shape.hidden}, dl_bf16());
+        a.out = out_on_w2.dl();
+        CHECK(contains(expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument),
+                       "out: expected a buffer that shares no byte with weights.w2"));
+        a = io.args(*model);
+        a.workspace = const_cast<void*>(a.weights.w13);
+        a.workspace_bytes = std::min(io.workspace_bytes, model->sizes.w13_bytes);
+        CHECK(contains(expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument),
+                       "workspace: expected a buffer that shares no byte with weights.w13"));
       }
       // T = 257: forced decode is refused naming its limit; the automatic path is marlin_moe.
       const Tokens many = decode_tokens(shape, 257, rng);

@@ -239,6 +239,17 @@ TEST_CASE("doctor reports a bad environment variable and the rest with the defau
   }
 }
 
+TEST_CASE("doctor's toolkit advice names the variable that was set", "[cli]") {
+  TempDir cache;
+  std::string out;
+  const int rc = run_command("env MOEJIT_CUDA_INCLUDE=/nonexistent-include MOEJIT_CACHE_DIR=" +
+                                 quote(cache.path()) + " " + quote(cli_path()) + " doctor",
+                             &out);
+  INFO(out);
+  CHECK(rc == 4);
+  CHECK(out.find("MOEJIT_CUDA_INCLUDE=/nonexistent-include is used as given") != std::string::npos);
+}
+
 TEST_CASE("gc --max-size takes every size below 2^64 and refuses the rest", "[cli]") {
   TempDir cache;
   std::string out;

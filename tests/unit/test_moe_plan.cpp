@@ -1528,6 +1528,30 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
   CHECK(moejit_moe_create("capi-moe-no-such-shape", &none) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(none == nullptr);
   CHECK(contains(moejit_last_error(), "capi-moe-no-such-shape"));
+  CHECK(moejit_moe_create(nullptr, &none) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(none == nullptr);
+  CHECK(moejit_moe_create("capi-moe-qwen3", nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(moejit_moe_get_weight_layout(moe, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(moejit_moe_get_weight_layout(nullptr, &layout) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  // Repack with no handle or no target: refused before any tensor or driver call.
+  const moejit_moe_weights target{};
+  CHECK(moejit_moe_repack_gpt_oss(nullptr, nullptr, nullptr, nullptr, nullptr, &target, 0, nullptr,
+                                  nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "moejit_moe_repack_gpt_oss"));
+  CHECK(moejit_moe_repack_gpt_oss(moe, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr,
+                                  nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "target"));
+  CHECK(moejit_moe_repack_separate(moe, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, 0, nullptr, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "target"));
+  // A gate value outside the enum: refused naming the three, before any device lookup.
+  CHECK(moejit_append_shared(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.f,
+                             static_cast<moejit_shared_gate>(7),
+                             nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "found 7"));
+  // A success clears this thread's message.
+  REQUIRE(moejit_moe_get_weight_layout(moe, &layout) == MOEJIT_OK);
+  CHECK(std::string(moejit_last_error()).empty());
   moejit_moe_destroy(moe);
   moejit_moe_destroy(nullptr);
 }
