@@ -29,11 +29,14 @@ struct RuntimeConfig {
   bool line_info = false;
 
   // The configuration the environment asks for (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
+  // Throws Error{kInvalidArgument} naming a variable whose value can't be used.
   static RuntimeConfig from_environment();
 };
 
 // Replace the process runtime's configuration. Call before the first op; later calls throw
-// Error{kInvalidArgument} once kernels are loaded.
+// Error{kInvalidArgument} once kernels are loaded. Without a call the runtime takes the
+// environment's (RuntimeConfig::from_environment); when a variable there can't be used, the
+// first op or kernel build throws its error, and configure() replaces it.
 void configure(const RuntimeConfig& config);
 const RuntimeConfig& config();
 

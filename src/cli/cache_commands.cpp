@@ -79,7 +79,7 @@ int run_list() {
   std::snprintf(line, sizeof(line), "%-*s  %-8s %10s  %-19s  %10s  %s\n", kw, "KERNEL", "ARCH",
                 "SIZE", "LAST USED", "COMPILE", "KEY");
   std::cout << line;
-  int unreadable = 0;
+  int with_problem = 0;
   for (const detail::EntryInfo& e : entries) {
     // The key from the file name: an entry whose header can't be read still names its file.
     std::snprintf(line, sizeof(line), "%-*s  %-8s %10s  %-19s  %10s  %s\n", kw,
@@ -88,15 +88,15 @@ int run_list() {
                   format_ms(e.manifest.compile_ms).c_str(), e.key.c_str());
     std::cout << line;
     if (!e.problem.empty()) {
-      ++unreadable;
+      ++with_problem;
       std::cout << "  ^ " << e.problem << "\n";
     }
   }
   std::cout << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies") << ", "
             << format_bytes(total_size(entries)) << " in " << disk.dir() << " ("
             << cache_mode_name(disk.effective_mode()) << ")";
-  if (unreadable > 0) {
-    std::cout << "; " << unreadable << " with a problem (never loaded; `moejit verify` checks "
+  if (with_problem > 0) {
+    std::cout << "; " << with_problem << " with a problem (never loaded; `moejit verify` checks "
               << "every entry)";
   }
   std::cout << "\n";
