@@ -2,12 +2,12 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <sstream>
 #include <string>
 
 #include "cli/cli.hpp"
+#include "common/env.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 
@@ -200,8 +200,9 @@ void configure_from_environment() {
 }
 
 std::string toolkit_advice() {
-  if (const char* include = std::getenv("MOEJIT_CUDA_INCLUDE")) {
-    return std::string("MOEJIT_CUDA_INCLUDE=") + include +
+  // detail::env, as RuntimeConfig::from_environment reads it (an empty value is unset).
+  if (const std::optional<std::string> include = detail::env("MOEJIT_CUDA_INCLUDE")) {
+    return "MOEJIT_CUDA_INCLUDE=" + *include +
            " is used as given: point it at the toolkit's include directory (the one holding "
            "cuda_bf16.h), or unset it to search CUDA_HOME and /usr/local/cuda*";
   }

@@ -200,13 +200,13 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   detail::check_device_pointer(kOp, "hidden (data + byte_offset)", hidden.data, 16);
   detail::check_device_pointer(kOp, "out (data + byte_offset)", out.data, 16);
   detail::check_device_pointer(kOp, "workspace", args.workspace, 256);
+  const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
   {
     const detail::Span scratch{"workspace", args.workspace,
                                static_cast<int64_t>(std::min<std::size_t>(
                                    args.workspace_bytes, std::numeric_limits<int64_t>::max()))};
     const detail::Span output = detail::span_of("out", out);
     // The repacked weights are inputs too: the kernels would read bytes they are overwriting.
-    const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
     const auto bytes = [](std::size_t n) { return static_cast<int64_t>(n); };
     const detail::Span inputs[] = {detail::span_of("hidden", hidden),
                                    detail::span_of("topk_ids", ids),
@@ -372,7 +372,6 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   }
 
   // 3. FC1: W13 x hidden -> activation -> inter.
-  const detail::MoeWeightSizes sizes = detail::moe_weight_sizes(shape);
   // The tiles a GEMM's grid provisions over y and z: the route's groups for the warpgroup tile
   // (moe_gemm_wg.cuh), its blocks otherwise.
   const auto gemm_tiles = [&](const MarlinMoeParams& params) {

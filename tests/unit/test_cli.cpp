@@ -36,11 +36,13 @@ std::string source_dir() {
   return path;
 }
 
-// Runs `moejit <args>` with a private cache unless `cache_dir` names one.
-int cli(const std::string& args, std::string* output, const std::string& cache_dir = "") {
+// Runs `moejit <args>` with a private cache unless `cache_dir` names one, and with `env`'s
+// NAME=value assignments (space separated) added to its environment.
+int cli(const std::string& args, std::string* output, const std::string& cache_dir = "",
+        const std::string& env = "") {
   static TempDir default_cache;
   std::string dir = cache_dir.empty() ? default_cache.path() : cache_dir;
-  return run_command("env -u MOEJIT_CACHE_MODE MOEJIT_CACHE_DIR=" + quote(dir) + " " +
+  return run_command("env -u MOEJIT_CACHE_MODE " + env + " MOEJIT_CACHE_DIR=" + quote(dir) + " " +
                          quote(cli_path()) + " " + args,
                      output);
 }
@@ -225,10 +227,7 @@ TEST_CASE("doctor reports a bad environment variable and the rest with the defau
   TempDir cache;
   for (const char* bad : {"MOEJIT_CACHE_MODE=bogus", "MOEJIT_LINEINFO=maybe"}) {
     std::string out;
-    const int rc =
-        run_command(std::string("env ") + bad + " MOEJIT_CACHE_DIR=" + quote(cache.path()) + " " +
-                        quote(cli_path()) + " doctor",
-                    &out);
+    const int rc = cli("doctor", &out, cache.path(), bad);
     INFO(bad << "\n" << out);
     CHECK(rc == 4);  // an environment problem, not a crash of the report
     CHECK(out.find(std::string(bad)) != std::string::npos);
@@ -242,9 +241,7 @@ TEST_CASE("doctor reports a bad environment variable and the rest with the defau
 TEST_CASE("doctor's toolkit advice names the variable that was set", "[cli]") {
   TempDir cache;
   std::string out;
-  const int rc = run_command("env MOEJIT_CUDA_INCLUDE=/nonexistent-include MOEJIT_CACHE_DIR=" +
-                                 quote(cache.path()) + " " + quote(cli_path()) + " doctor",
-                             &out);
+  const int rc = cli("doctor", &out, cache.path(), "MOEJIT_CUDA_INCLUDE=/nonexistent-include");
   INFO(out);
   CHECK(rc == 4);
   CHECK(out.find("MOEJIT_CUDA_INCLUDE=/nonexistent-include is used as given") != std::string::npos);
@@ -253,15 +250,19 @@ TEST_CASE("doctor's toolkit advice names the variable that was set", "[cli]") {
 TEST_CASE("gc --max-size takes every size below 2^64 and refuses the rest", "[cli]") {
   TempDir cache;
   std::string out;
-  // 10^19 bytes is past a long long but below 2^64: 9094947.0 TiB, not 2^63.
-  CHECK(cli("gc --max-size 10000000000000000000", &out, cache.path()) == 0);
-  CHECK(out.find("(limit 9094947.0 TiB)") != std::string::npos);
-  INFO(out);
-  CHECK(cli("gc --max-size 8388608T", &out, cache.path()) == 0);  // 2^63
-  CHECK(out.find("(limit 8388608.0 TiB)") != std::string::npos);
+  // 10^19 bytes is past a long long but below 2^64: 9094947.0 TiB, not 2^63; 8388608T is 2^63.
+  for (const auto& [size, limit] :
+       {std::pair<const char*, const char*>{"10000000000000000000", "(limit 9094947.0 TiB)"},
+        {"8388608T", "(limit 8388608.0 TiB)"}}) {
+    const int rc = cli(std::string("gc --max-size ") + size, &out, cache.path());
+    INFO(size << "\n" << out);
+    CHECK(rc == 0);
+    CHECK(out.find(limit) != std::string::npos);
+  }
   for (const char* bad : {"18446744073709551616", "16777216T", "-1", "1e30", "nan"}) {
-    INFO(bad);
-    CHECK(cli(std::string("gc --max-size ") + bad, &out, cache.path()) == 2);
+    const int rc = cli(std::string("gc --max-size ") + bad, &out, cache.path());
+    INFO(bad << "\n" << out);
+    CHECK(rc == 2);
     CHECK(out.find("bad --max-size") != std::string::npos);
   }
 }
