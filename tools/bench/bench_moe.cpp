@@ -24,7 +24,9 @@
 //     [H x 2I] and one [m_e x I] x [I x H] per touched expert (inputs pre-gathered; no activation
 //     or combine), captured in a CUDA graph whose replays alternate with the layer's (both see
 //     the same clocks); and one GEMM pair of the same FLOPs (M = the T·k local entries as rows,
-//     one expert's weights) as the dense compute roofline.
+//     one expert's weights) as the dense compute roofline; and the same GEMMs as two cuBLAS
+//     grouped calls a layer (cublasGemmGroupedBatchedEx, experts of equal row count one group),
+//     in the same alternation: what a library grouped GEMM makes of the per-expert loop.
 //   Default: gpt-oss-120b, deepseek-v4-flash-tp4, qwen3-30b-a3b, kimi-k3.1-tp8 at T = 1, 6, 24,
 //   96, 256, 1024, 4096.
 //
@@ -84,6 +86,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -1169,6 +1172,12 @@ struct Row {
   double dense_us = 0;
   double dense_tflops = 0;
   double dense_single_tflops = 0;
+  // cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx) over the same GEMMs; 0 where it refused.
+  double cublas_grouped_us = 0;
+  double cublas_grouped_tflops = 0;
+  int cublas_grouped_iterations = 0;
+  Telemetry::Stats cublas_grouped_clocks;
+  std::string cublas_grouped_note;  // why the grouped figure is missing, if it is
   int rotation = 1;
   int dense_rotation = 1;
   int iterations = 0;
@@ -1424,6 +1433,9 @@ class ModelBench {
             o_.dense ? fixed(row.dense_tflops, 1) : "-",
             o_.dense ? fixed(row.dense_us / row.layer_us, 2) + "x" : "-",
             o_.dense ? fixed(row.dense_single_tflops, 1) : "-",
+            row.cublas_grouped_us > 0 ? fixed(row.cublas_grouped_us, 1) : "-",
+            row.cublas_grouped_us > 0 ? fixed(row.cublas_grouped_us / row.layer_us, 2) + "x"
+                                      : "-",
             row.nonfinite == 0 ? "ok" : std::to_string(row.nonfinite) + " NaN",
             row.kernels_sum_us > 0 ? fixed(row.kernels_sum_us, 1) : "-",
             row.kernels_sum_us > 0 ? mhz_text(row.sum_clocks) : "-",
@@ -1608,15 +1620,31 @@ class ModelBench {
     if (dense_copies > 0) {
       const std::unique_ptr<DenseLayer> dense =
           dense_layer(r, dense_expert_bytes, dense_copies, events, &row);
+      std::vector<const Graph*> graphs = {&all, &dense->graph};
+      std::vector<int> per_replay = {row.iterations, row.dense_iterations};
+      std::unique_ptr<CublasGrouped> grouped;
+      try {
+        grouped = cublas_grouped(r, *dense, events, &row);
+        graphs.push_back(&grouped->graph);
+        per_replay.push_back(row.cublas_grouped_iterations);
+      } catch (const std::exception& e) {
+        row.cublas_grouped_note = e.what();
+        std::cerr << stamp() << s.name << " T = " << r.tokens
+                  << ": no cuBLAS grouped baseline: " << e.what() << "\n";
+      }
       std::vector<Telemetry::Stats> clocks;
-      const std::vector<double> us =
-          replay_alternating_us({&all, &dense->graph}, {row.iterations, row.dense_iterations},
-                                stream_, o_.trials, events, o_.gap_ms, &clocks);
+      const std::vector<double> us = replay_alternating_us(graphs, per_replay, stream_, o_.trials,
+                                                           events, o_.gap_ms, &clocks);
       row.layer_us = us[0];
       row.dense_us = us[1];
       row.layer_clocks = clocks[0];
       row.dense_clocks = clocks[1];
       row.dense_tflops = flops / (row.dense_us * 1e-6) / 1e12;
+      if (grouped) {
+        row.cublas_grouped_us = us[2];
+        row.cublas_grouped_clocks = clocks[2];
+        row.cublas_grouped_tflops = flops / (row.cublas_grouped_us * 1e-6) / 1e12;
+      }
       row.dense_single_tflops = dense_single_tflops(*dense, r, flops, events);
     } else {
       row.layer_us =
@@ -1722,6 +1750,99 @@ class ModelBench {
     return dense;
   }
 
+  // The dense baseline's GEMMs as two cuBLAS grouped calls a layer (cublasGemmGroupedBatchedEx):
+  // every touched expert's FC1, then every FC2, experts of equal row count sharing a group. The
+  // operand pointers live in device memory, one table per weight copy, so the calls capture.
+  struct CublasGrouped {
+    Buffer pointers;
+    Graph graph;
+  };
+
+  // Builds the grouped graph on the dense layer's buffers and weight copies (same rotation);
+  // sets row->cublas_grouped_iterations. Throws where cuBLAS refuses (e.g. a build without it).
+  std::unique_ptr<CublasGrouped> cublas_grouped(const Routing& r, const DenseLayer& dense,
+                                                Events& events, Row* row) {
+    const int h = s_.hidden;
+    const int i = s_.intermediate;
+    // Problems ordered by group: experts with the same m side by side.
+    std::map<int, std::vector<int>> experts_by_m;
+    std::vector<int64_t> first_row(to_size(s_.num_experts), 0);
+    int64_t rows = 0;
+    for (int e = 0; e < s_.num_experts; ++e) {
+      first_row[to_size(e)] = rows;
+      const int m = r.per_expert[to_size(e)];
+      if (m == 0) continue;
+      experts_by_m[m].push_back(e);
+      rows += m;
+    }
+    std::vector<int> m_of_group;
+    std::vector<int> group_size;
+    for (const auto& [m, experts] : experts_by_m) {
+      m_of_group.push_back(m);
+      group_size.push_back(static_cast<int>(experts.size()));
+    }
+    const int groups = static_cast<int>(m_of_group.size());
+    std::size_t problems = 0;
+    for (int size : group_size) problems += to_size(size);
+    // Per copy: FC1's A (weights), B (inputs), C; then FC2's; each `problems` pointers long.
+    const std::size_t per_copy = 6 * problems;
+    std::vector<const void*> table(per_copy * to_size(row->dense_rotation));
+    for (int c = 0; c < row->dense_rotation; ++c) {
+      const void** t = table.data() + per_copy * to_size(c);
+      std::size_t p = 0;
+      for (const auto& [m, experts] : experts_by_m) {
+        for (int e : experts) {
+          const std::size_t first = to_size(first_row[to_size(e)]);
+          t[p] = dense_w13(c, e);
+          t[problems + p] = dense.x.at(first * to_size(h) * 2);
+          t[2 * problems + p] = dense.y1.at(first * 2 * to_size(i) * 2);
+          t[3 * problems + p] = dense_w2(c, e);
+          t[4 * problems + p] = dense.y1.at(first * 2 * to_size(i) * 2);
+          t[5 * problems + p] = dense.y2.at(first * to_size(h) * 2);
+          ++p;
+        }
+      }
+    }
+    auto grouped = std::make_unique<CublasGrouped>();
+    grouped->pointers = Buffer(table.size() * sizeof(void*));
+    BENCH_CU(cu().cuMemcpyHtoD(grouped->pointers.ptr(), table.data(), grouped->pointers.bytes()));
+
+    // Column-major as gemm_bf16: C^T [n x m] = W [n x k] (op T) x X^T [k x m].
+    const std::vector<cublasOperation_t> op_t(to_size(groups), CUBLAS_OP_T);
+    const std::vector<cublasOperation_t> op_n(to_size(groups), CUBLAS_OP_N);
+    const std::vector<int> n1(to_size(groups), 2 * i), n2(to_size(groups), h);
+    const std::vector<int> k1(to_size(groups), h), k2(to_size(groups), i);
+    const std::vector<float> ones(to_size(groups), 1.0f), zeros(to_size(groups), 0.0f);
+    auto layer = [&](int copy) {
+      const void* const* t = static_cast<const void* const*>(grouped->pointers.at(
+          per_copy * to_size(copy) * sizeof(void*)));
+      // FC1: [m x 2I] = X [m x H] W13^T; FC2: [m x H] = Y1 [m x 2I, first I used] W2^T.
+      BENCH_BLAS(cublasGemmGroupedBatchedEx(
+          blas_, op_t.data(), op_n.data(), n1.data(), m_of_group.data(), k1.data(), ones.data(),
+          t, CUDA_R_16BF, k1.data(), t + problems, CUDA_R_16BF, k1.data(), zeros.data(),
+          const_cast<void* const*>(t + 2 * problems), CUDA_R_16BF, n1.data(), groups,
+          group_size.data(), CUBLAS_COMPUTE_32F));
+      BENCH_BLAS(cublasGemmGroupedBatchedEx(
+          blas_, op_t.data(), op_n.data(), n2.data(), m_of_group.data(), k2.data(), ones.data(),
+          t + 3 * problems, CUDA_R_16BF, k2.data(), t + 4 * problems, CUDA_R_16BF, n1.data(),
+          zeros.data(), const_cast<void* const*>(t + 5 * problems), CUDA_R_16BF, n2.data(),
+          groups, group_size.data(), CUBLAS_COMPUTE_32F));
+    };
+    layer(0);  // eager first: cuBLAS picks and loads its kernels outside the capture
+    BENCH_CU(cu().cuStreamSynchronize(stream_));
+    std::vector<double> eager;
+    for (int rep = 0; rep < 3; ++rep) {
+      eager.push_back(events.time_us(stream_, [&] { layer(rep % row->dense_rotation); }));
+    }
+    const double estimate = std::max(1.0, median(eager));
+    row->cublas_grouped_iterations =
+        std::clamp(static_cast<int>(o_.target_ms * 1000.0 / estimate), 2, 400);
+    grouped->graph = capture(stream_, [&] {
+      for (int j = 0; j < row->cublas_grouped_iterations; ++j) layer(j % row->dense_rotation);
+    });
+    return grouped;
+  }
+
   // TFLOP/s of the same FLOPs as one GEMM pair (M = T*K rows on expert 0's weights): the dense
   // roofline.
   double dense_single_tflops(const DenseLayer& dense, const Routing& r, double flops,
@@ -1776,6 +1897,14 @@ class ModelBench {
       j["dense_grouped_us"] = row.dense_us;
       j["dense_grouped_tflops"] = row.dense_tflops;
       j["dense_single_gemm_tflops"] = row.dense_single_tflops;
+      if (row.cublas_grouped_us > 0) {
+        j["cublas_grouped_us"] = row.cublas_grouped_us;
+        j["cublas_grouped_tflops"] = row.cublas_grouped_tflops;
+        j["cublas_grouped_graph_iterations"] = row.cublas_grouped_iterations;
+        j["cublas_grouped_clocks"] = clocks_json(row.cublas_grouped_clocks);
+      } else {
+        j["cublas_grouped_note"] = row.cublas_grouped_note;
+      }
       j["dense_weight_rotation"] = row.dense_rotation;
       j["dense_graph_iterations"] = row.dense_iterations;
     }
@@ -2278,7 +2407,8 @@ int run(const Options& o) {
             fixed(copy_gbs, 0) + " GB/s" +
             (dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
         {"model", "T", "experts", "MB", "layer us", "% copy", "MHz", "TFLOP/s", "dense us",
-         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "output", "sum us", "sum MHz",
+         "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "grouped us", "vs grouped", "output",
+         "sum us", "sum MHz",
          "kernels (us)"},
         table);
     std::cout
@@ -2286,7 +2416,9 @@ int run(const Options& o) {
            " MB / layer time / copy bandwidth.\ndense: cuBLAS bf16 GEMMs per touched expert"
            " (FC1 and FC2, same routing); speedup: dense us / layer us; 1-GEMM: the same FLOPs as "
            "one\n"
-           "GEMM pair. output: NaN/inf count of one checked call. kernels:"
+           "GEMM pair. grouped: the same GEMMs as two cuBLAS grouped calls a layer"
+           " (cublasGemmGroupedBatchedEx, experts of equal rows one group); vs grouped: grouped us"
+           " / layer us.\noutput: NaN/inf count of one checked call. kernels:"
            " what each kernel adds to the layers cut before it (launch order).\nsum us: the"
            " whole layer replayed in turn with those cuts, so with MoE work alone between its"
            " replays (the kernels add up to it); layer us alternates with the dense baseline"
