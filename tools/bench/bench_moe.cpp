@@ -1434,8 +1434,7 @@ class ModelBench {
             o_.dense ? fixed(row.dense_us / row.layer_us, 2) + "x" : "-",
             o_.dense ? fixed(row.dense_single_tflops, 1) : "-",
             row.cublas_grouped_us > 0 ? fixed(row.cublas_grouped_us, 1) : "-",
-            row.cublas_grouped_us > 0 ? fixed(row.cublas_grouped_us / row.layer_us, 2) + "x"
-                                      : "-",
+            row.cublas_grouped_us > 0 ? fixed(row.cublas_grouped_us / row.layer_us, 2) + "x" : "-",
             row.nonfinite == 0 ? "ok" : std::to_string(row.nonfinite) + " NaN",
             row.kernels_sum_us > 0 ? fixed(row.kernels_sum_us, 1) : "-",
             row.kernels_sum_us > 0 ? mhz_text(row.sum_clocks) : "-",
@@ -1633,8 +1632,8 @@ class ModelBench {
                   << ": no cuBLAS grouped baseline: " << e.what() << "\n";
       }
       std::vector<Telemetry::Stats> clocks;
-      const std::vector<double> us = replay_alternating_us(graphs, per_replay, stream_, o_.trials,
-                                                           events, o_.gap_ms, &clocks);
+      const std::vector<double> us =
+          replay_alternating_us(graphs, per_replay, stream_, o_.trials, events, o_.gap_ms, &clocks);
       row.layer_us = us[0];
       row.dense_us = us[1];
       row.layer_clocks = clocks[0];
@@ -1814,19 +1813,19 @@ class ModelBench {
     const std::vector<int> k1(to_size(groups), h), k2(to_size(groups), i);
     const std::vector<float> ones(to_size(groups), 1.0f), zeros(to_size(groups), 0.0f);
     auto layer = [&](int copy) {
-      const void* const* t = static_cast<const void* const*>(grouped->pointers.at(
-          per_copy * to_size(copy) * sizeof(void*)));
+      const void* const* t = static_cast<const void* const*>(
+          grouped->pointers.at(per_copy * to_size(copy) * sizeof(void*)));
       // FC1: [m x 2I] = X [m x H] W13^T; FC2: [m x H] = Y1 [m x 2I, first I used] W2^T.
       BENCH_BLAS(cublasGemmGroupedBatchedEx(
-          blas_, op_t.data(), op_n.data(), n1.data(), m_of_group.data(), k1.data(), ones.data(),
-          t, CUDA_R_16BF, k1.data(), t + problems, CUDA_R_16BF, k1.data(), zeros.data(),
+          blas_, op_t.data(), op_n.data(), n1.data(), m_of_group.data(), k1.data(), ones.data(), t,
+          CUDA_R_16BF, k1.data(), t + problems, CUDA_R_16BF, k1.data(), zeros.data(),
           const_cast<void* const*>(t + 2 * problems), CUDA_R_16BF, n1.data(), groups,
           group_size.data(), CUBLAS_COMPUTE_32F));
       BENCH_BLAS(cublasGemmGroupedBatchedEx(
           blas_, op_t.data(), op_n.data(), n2.data(), m_of_group.data(), k2.data(), ones.data(),
           t + 3 * problems, CUDA_R_16BF, k2.data(), t + 4 * problems, CUDA_R_16BF, n1.data(),
-          zeros.data(), const_cast<void* const*>(t + 5 * problems), CUDA_R_16BF, n2.data(),
-          groups, group_size.data(), CUBLAS_COMPUTE_32F));
+          zeros.data(), const_cast<void* const*>(t + 5 * problems), CUDA_R_16BF, n2.data(), groups,
+          group_size.data(), CUBLAS_COMPUTE_32F));
     };
     layer(0);  // eager first: cuBLAS picks and loads its kernels outside the capture
     BENCH_CU(cu().cuStreamSynchronize(stream_));
@@ -1946,7 +1945,8 @@ class ModelBench {
   // decode_moe's tile: n block_n, s FC1/FC2 strips per item, d pipeline stages, x CTAs per SM.
   static std::string tile_text(const DecodeRow& row) {
     const moejit::MoeDecodeParams& p = row.tile;
-    if (moejit::detail::decode_pair_kernel(p.kernel)) return "pair t" + std::to_string(p.max_tokens);
+    if (moejit::detail::decode_pair_kernel(p.kernel))
+      return "pair t" + std::to_string(p.max_tokens);
     return "n" + std::to_string(p.block_n) + " s" + std::to_string(p.fc1_strips) + "/" +
            std::to_string(p.fc2_strips) + " d" + std::to_string(p.stages) + " x" +
            std::to_string(row.ctas_per_sm);
@@ -2408,8 +2408,7 @@ int run(const Options& o) {
             (dense ? ", dense bf16 peak " + fixed(peak, 1) + " TFLOP/s" : std::string()),
         {"model", "T", "experts", "MB", "layer us", "% copy", "MHz", "TFLOP/s", "dense us",
          "dense TFLOP/s", "speedup", "1-GEMM TFLOP/s", "grouped us", "vs grouped", "output",
-         "sum us", "sum MHz",
-         "kernels (us)"},
+         "sum us", "sum MHz", "kernels (us)"},
         table);
     std::cout
         << "\nMB: MXFP4 weights of the experts touched (nibbles + scales, kernel layout). % copy:"
