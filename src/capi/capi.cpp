@@ -20,24 +20,42 @@ thread_local const char* fixed_error = nullptr;
 
 moejit_status status_of(moejit::ErrorCode code) {
   switch (code) {
-    case moejit::ErrorCode::kInvalidDescriptor: return MOEJIT_ERROR_INVALID_DESCRIPTOR;
-    case moejit::ErrorCode::kInvalidArgument: return MOEJIT_ERROR_INVALID_ARGUMENT;
-    case moejit::ErrorCode::kUnsupported: return MOEJIT_ERROR_UNSUPPORTED;
-    case moejit::ErrorCode::kCompileFailed: return MOEJIT_ERROR_COMPILE_FAILED;
-    case moejit::ErrorCode::kCacheCorrupt: return MOEJIT_ERROR_CACHE_CORRUPT;
-    case moejit::ErrorCode::kCache: return MOEJIT_ERROR_CACHE;
-    case moejit::ErrorCode::kDriver: return MOEJIT_ERROR_DRIVER;
-    case moejit::ErrorCode::kCaptureMiss: return MOEJIT_ERROR_CAPTURE_MISS;
-    case moejit::ErrorCode::kIo: return MOEJIT_ERROR_IO;
-    case moejit::ErrorCode::kInternal: return MOEJIT_ERROR_INTERNAL;
+    case moejit::ErrorCode::kInvalidDescriptor:
+      return MOEJIT_ERROR_INVALID_DESCRIPTOR;
+    case moejit::ErrorCode::kInvalidArgument:
+      return MOEJIT_ERROR_INVALID_ARGUMENT;
+    case moejit::ErrorCode::kUnsupported:
+      return MOEJIT_ERROR_UNSUPPORTED;
+    case moejit::ErrorCode::kCompileFailed:
+      return MOEJIT_ERROR_COMPILE_FAILED;
+    case moejit::ErrorCode::kCacheCorrupt:
+      return MOEJIT_ERROR_CACHE_CORRUPT;
+    case moejit::ErrorCode::kCache:
+      return MOEJIT_ERROR_CACHE;
+    case moejit::ErrorCode::kDriver:
+      return MOEJIT_ERROR_DRIVER;
+    case moejit::ErrorCode::kCaptureMiss:
+      return MOEJIT_ERROR_CAPTURE_MISS;
+    case moejit::ErrorCode::kIo:
+      return MOEJIT_ERROR_IO;
+    case moejit::ErrorCode::kInternal:
+      return MOEJIT_ERROR_INTERNAL;
   }
   return MOEJIT_ERROR_INTERNAL;
 }
 
-// Records `message`, never throwing (a failed assignment leaves a fixed text).
-moejit_status fail(moejit_status status, const char* message) noexcept {
+// Records `message`, under the C call's name where it starts with the C++ op's (see CapiNames);
+// never throws (a failed assignment leaves a fixed text).
+moejit_status fail(moejit_status status, const char* message,
+                   moejit::detail::CapiNames names = {}) noexcept {
   try {
     last_error = message;
+    if (names.c_call != nullptr && names.cxx_op != nullptr) {
+      const std::string prefix = std::string(names.cxx_op) + ": ";
+      if (last_error.compare(0, prefix.size(), prefix) == 0) {
+        last_error.replace(0, prefix.size() - 2, names.c_call);
+      }
+    }
     fixed_error = nullptr;
   } catch (...) {
     fixed_error = "libmoejit: out of host memory while recording an error";
@@ -47,14 +65,14 @@ moejit_status fail(moejit_status status, const char* message) noexcept {
 
 // Runs `body`, turning every exception into a status and this thread's message.
 template <typename Body>
-moejit_status guarded(Body&& body) noexcept {
+moejit_status guarded(Body&& body, moejit::detail::CapiNames names = {}) noexcept {
   try {
     body();
     last_error.clear();
     fixed_error = nullptr;
     return MOEJIT_OK;
   } catch (const moejit::Error& e) {
-    return fail(status_of(e.code()), e.what());
+    return fail(status_of(e.code()), e.what(), names);
   } catch (const std::bad_alloc&) {
     return fail(MOEJIT_ERROR_INTERNAL, "out of host memory");
   } catch (const std::exception& e) {
@@ -66,8 +84,9 @@ moejit_status guarded(Body&& body) noexcept {
 
 }  // namespace
 
-moejit_status moejit::detail::capi_guarded(void (*body)(void*), void* context) noexcept {
-  return guarded([&] { body(context); });
+moejit_status moejit::detail::capi_guarded(void (*body)(void*), void* context,
+                                           CapiNames names) noexcept {
+  return guarded([&] { body(context); }, names);
 }
 
 extern "C" {
@@ -90,27 +109,35 @@ moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* top
                                    const DLTensor* shared_logits, DLTensor* out_ids,
                                    DLTensor* out_weights, int64_t shared_base, float scale,
                                    moejit_shared_gate gate, void* stream) {
-  return guarded([&] {
-    moejit::AppendSharedArgs args;
-    args.topk_ids = topk_ids;
-    args.topk_weights = topk_weights;
-    args.shared_logits = shared_logits;
-    args.out_ids = out_ids;
-    args.out_weights = out_weights;
-    args.shared_base = shared_base;
-    args.scale = scale;
-    switch (gate) {
-      case MOEJIT_SHARED_SIGMOID: args.gate = moejit::SharedGate::kSigmoid; break;
-      case MOEJIT_SHARED_CONSTANT: args.gate = moejit::SharedGate::kConstant; break;
-      case MOEJIT_SHARED_GIVEN: args.gate = moejit::SharedGate::kGiven; break;
-      default:
-        throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
-                            "moejit_append_shared: gate: expected MOEJIT_SHARED_SIGMOID (0), "
-                            "MOEJIT_SHARED_CONSTANT (1) or MOEJIT_SHARED_GIVEN (2), found " +
-                                std::to_string(static_cast<int>(gate)));
-    }
-    moejit::append_shared(args, static_cast<moejit::Stream>(stream));
-  });
+  return guarded(
+      [&] {
+        moejit::AppendSharedArgs args;
+        args.topk_ids = topk_ids;
+        args.topk_weights = topk_weights;
+        args.shared_logits = shared_logits;
+        args.out_ids = out_ids;
+        args.out_weights = out_weights;
+        args.shared_base = shared_base;
+        args.scale = scale;
+        switch (gate) {
+          case MOEJIT_SHARED_SIGMOID:
+            args.gate = moejit::SharedGate::kSigmoid;
+            break;
+          case MOEJIT_SHARED_CONSTANT:
+            args.gate = moejit::SharedGate::kConstant;
+            break;
+          case MOEJIT_SHARED_GIVEN:
+            args.gate = moejit::SharedGate::kGiven;
+            break;
+          default:
+            throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
+                                "moejit_append_shared: gate: expected MOEJIT_SHARED_SIGMOID (0), "
+                                "MOEJIT_SHARED_CONSTANT (1) or MOEJIT_SHARED_GIVEN (2), found " +
+                                    std::to_string(static_cast<int>(gate)));
+        }
+        moejit::append_shared(args, static_cast<moejit::Stream>(stream));
+      },
+      {"moejit_append_shared", "append_shared"});
 }
 
 }  // extern "C"

@@ -100,7 +100,7 @@ void forward(const char* call, const moejit_moe* moe, const DLTensor* hidden,
 extern "C" {
 
 moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_create", "moe_weight_layout"}, [&] {
     require_out("moejit_moe_create", out);
     *out = nullptr;
     if (shape_name == nullptr) {
@@ -121,7 +121,7 @@ void moejit_moe_destroy(moejit_moe* moe) { delete moe; }
 int moejit_moe_weight_layout_version(void) { return moejit::moe_weight_layout_version(); }
 
 moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_weight_layout* out) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_get_weight_layout", "moe_weight_layout"}, [&] {
     const char* call = "moejit_moe_get_weight_layout";
     const moejit::ModelShape& shape = shape_of(call, moe);
     require_out(call, out);
@@ -139,7 +139,7 @@ moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w
                                         const DLTensor* w13_scales, const DLTensor* w2_blocks,
                                         const DLTensor* w2_scales, const moejit_moe_weights* target,
                                         int first_expert, int32_t* bad_scale_count, void* stream) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_repack_gpt_oss", "moe_repack_gpt_oss"}, [&] {
     const char* call = "moejit_moe_repack_gpt_oss";
     const moejit::ModelShape& shape = shape_of(call, moe);
     moejit::GptOssCheckpoint checkpoint;
@@ -159,7 +159,7 @@ moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* 
                                          const DLTensor* w2_scales,
                                          const moejit_moe_weights* target, int first_expert,
                                          int32_t* bad_scale_count, void* stream) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_repack_separate", "moe_repack_separate"}, [&] {
     const char* call = "moejit_moe_repack_separate";
     const moejit::ModelShape& shape = shape_of(call, moe);
     moejit::SeparateCheckpoint checkpoint;
@@ -176,7 +176,7 @@ moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* 
 }
 
 moejit_status moejit_moe_workspace_bytes(const moejit_moe* moe, int max_tokens, size_t* out) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_workspace_bytes", "moe_workspace_bytes"}, [&] {
     const char* call = "moejit_moe_workspace_bytes";
     const moejit::ModelShape& shape = shape_of(call, moe);
     require_out(call, out);
@@ -188,7 +188,7 @@ moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const DLTensor* topk_ids, const DLTensor* topk_weights,
                                  const moejit_moe_weights* weights, void* workspace,
                                  size_t workspace_bytes, DLTensor* out, void* stream) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_forward", "moe_forward"}, [&] {
     forward("moejit_moe_forward", moe, hidden, topk_ids, topk_weights, weights, workspace,
             workspace_bytes, out, MOEJIT_MOE_PATH_AUTO, 0, stream);
   });
@@ -199,14 +199,14 @@ moejit_status moejit_moe_forward_ex(const moejit_moe* moe, const DLTensor* hidde
                                     const moejit_moe_weights* weights, void* workspace,
                                     size_t workspace_bytes, DLTensor* out, moejit_moe_path path,
                                     int decode_block_n, void* stream) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({"moejit_moe_forward_ex", "moe_forward"}, [&] {
     forward("moejit_moe_forward_ex", moe, hidden, topk_ids, topk_weights, weights, workspace,
             workspace_bytes, out, path, decode_block_n, stream);
   });
 }
 
 moejit_status moejit_moe_decode_problem(const moejit_moe* moe, const char** out) {
-  return moejit::detail::capi_call([&] {
+  return moejit::detail::capi_call({}, [&] {
     const char* call = "moejit_moe_decode_problem";
     shape_of(call, moe);
     require_out(call, out);

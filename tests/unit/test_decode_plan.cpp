@@ -906,8 +906,8 @@ TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, e
         CHECK(w.decode_bytes ==
               static_cast<std::size_t>(detail::decode_moe_workspace_bytes(c.decode_second)));
         if (c.decode_pair) {
-          CHECK(w.decode_bytes == static_cast<std::size_t>(
-                                      detail::decode_moe_workspace_bytes(c.decode_first)));
+          CHECK(w.decode_bytes ==
+                static_cast<std::size_t>(detail::decode_moe_workspace_bytes(c.decode_first)));
         } else {
           CHECK(w.decode_bytes ==
                 static_cast<std::size_t>(geometry_of(c.decode_second).workspace_bytes()));
@@ -997,10 +997,13 @@ TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options wit
   CHECK(contains(moejit_last_error(), "MOEJIT_MOE_PATH_DECODE"));
   CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
                               MOEJIT_MOE_PATH_AUTO, 12, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
-  CHECK(contains(moejit_last_error(), "decode_block_n"));
+  // Named as the C caller called it, not as the C++ op ("moe_forward: options...").
+  CHECK_THAT(std::string(moejit_last_error()),
+             Catch::StartsWith("moejit_moe_forward_ex: options.decode_block_n: expected"));
   CHECK(moejit_moe_forward_ex(refused, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
                               MOEJIT_MOE_PATH_DECODE, 0, nullptr) == MOEJIT_ERROR_UNSUPPORTED);
   CHECK(contains(moejit_last_error(), "hidden = 2880"));
+  CHECK_THAT(std::string(moejit_last_error()), Catch::StartsWith("moejit_moe_forward_ex: "));
   CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr,
                               MOEJIT_MOE_PATH_DECODE, 0, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(contains(moejit_last_error(), "weights"));
