@@ -20,26 +20,16 @@ thread_local const char* fixed_error = nullptr;
 
 moejit_status status_of(moejit::ErrorCode code) {
   switch (code) {
-    case moejit::ErrorCode::kInvalidDescriptor:
-      return MOEJIT_ERROR_INVALID_DESCRIPTOR;
-    case moejit::ErrorCode::kInvalidArgument:
-      return MOEJIT_ERROR_INVALID_ARGUMENT;
-    case moejit::ErrorCode::kUnsupported:
-      return MOEJIT_ERROR_UNSUPPORTED;
-    case moejit::ErrorCode::kCompileFailed:
-      return MOEJIT_ERROR_COMPILE_FAILED;
-    case moejit::ErrorCode::kCacheCorrupt:
-      return MOEJIT_ERROR_CACHE_CORRUPT;
-    case moejit::ErrorCode::kCache:
-      return MOEJIT_ERROR_CACHE;
-    case moejit::ErrorCode::kDriver:
-      return MOEJIT_ERROR_DRIVER;
-    case moejit::ErrorCode::kCaptureMiss:
-      return MOEJIT_ERROR_CAPTURE_MISS;
-    case moejit::ErrorCode::kIo:
-      return MOEJIT_ERROR_IO;
-    case moejit::ErrorCode::kInternal:
-      return MOEJIT_ERROR_INTERNAL;
+    case moejit::ErrorCode::kInvalidDescriptor: return MOEJIT_ERROR_INVALID_DESCRIPTOR;
+    case moejit::ErrorCode::kInvalidArgument: return MOEJIT_ERROR_INVALID_ARGUMENT;
+    case moejit::ErrorCode::kUnsupported: return MOEJIT_ERROR_UNSUPPORTED;
+    case moejit::ErrorCode::kCompileFailed: return MOEJIT_ERROR_COMPILE_FAILED;
+    case moejit::ErrorCode::kCacheCorrupt: return MOEJIT_ERROR_CACHE_CORRUPT;
+    case moejit::ErrorCode::kCache: return MOEJIT_ERROR_CACHE;
+    case moejit::ErrorCode::kDriver: return MOEJIT_ERROR_DRIVER;
+    case moejit::ErrorCode::kCaptureMiss: return MOEJIT_ERROR_CAPTURE_MISS;
+    case moejit::ErrorCode::kIo: return MOEJIT_ERROR_IO;
+    case moejit::ErrorCode::kInternal: return MOEJIT_ERROR_INTERNAL;
   }
   return MOEJIT_ERROR_INTERNAL;
 }
