@@ -66,7 +66,7 @@ void check_options(const MoeForwardOptions& options) {
 [[noreturn]] __attribute__((cold, noinline)) void throw_decode_refused(const std::string& reason) {
   throw Error(ErrorCode::kUnsupported,
               std::string(kOp) + ": options.path = decode can't serve this call: " + reason +
-                  " (use MoePath::kAuto or kMarlin)");
+                  " (the auto or the marlin path serves it)");
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
-// Helpers of the MoE layer's GPU tests (test_moe_forward.cpp, test_decode_moe.cpp): random MXFP4
-// checkpoints and their fp64 copies, the repack onto the device, token batches with ids of -1
-// and of other ranks, one moe_forward call's device buffers (poisoned before every run), CUDA
-// graph capture and replay, the fp64 reference layer on every core, and the scoring against it
-// with its tolerance (argued below).
+// Helpers of the MoE layer's GPU tests (test_moe_forward.cpp, test_decode_moe.cpp,
+// test_moe_c_abi.cpp): random MXFP4 checkpoints and their fp64 copies, the repack onto the device
+// (through the C++ calls or the C ABI), token batches with ids of -1 and of other ranks, one
+// moe_forward call's device buffers (poisoned before every run), CUDA graph capture and replay,
+// the fp64 reference layer on every core, and the scoring against it with its tolerance (argued
+// below).
 //
 // Inputs: random E2M1 nibbles (all 16 codes equally likely) and E8M0 scales 2^-10 .. 2^3, bf16
 // hidden states scaled so FC1's pre-activations have a standard deviation near 3 (the clamps of
@@ -33,6 +34,7 @@
 #include "gpu/gpu_support.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
+#include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
 #include "ops/moe_reference.hpp"
 #include "plan/moe_plan.hpp"
@@ -423,6 +425,19 @@ struct DeviceModel {
   }
 };
 
+// The C ABI's weights struct for a repacked model.
+inline moejit_moe_weights capi_weights(const DeviceModel& model) {
+  const MoeWeights w = model.weights();
+  moejit_moe_weights out{};
+  out.w13 = w.w13;
+  out.w13_scales = w.w13_scales;
+  out.w2 = w.w2;
+  out.w2_scales = w.w2_scales;
+  out.b13 = w.b13;
+  out.b2 = w.b2;
+  return out;
+}
+
 inline std::unique_ptr<DeviceModel> allocate_model(const ModelShape& shape) {
   auto m = std::make_unique<DeviceModel>();
   m->shape = shape;
@@ -458,9 +473,11 @@ struct DeviceCheckpoint {
 
   // Repack experts [first, first + count) of the checkpoint into local experts
   // [target_first, target_first + count) of `model`; `stacked` = false passes one 3-D tensor
-  // per expert (the separate layout's per-expert form). Returns the bad-scale count.
+  // per expert (the separate layout's per-expert form). `c_abi`: call moejit_moe_repack_* on
+  // that handle (made for model.shape) instead of the C++ functions, with the same tensors.
+  // Returns the bad-scale count.
   int repack(DeviceModel& model, int first, int count, int target_first, bool stacked,
-             CUstream stream) const {
+             CUstream stream, const moejit_moe* c_abi = nullptr) const {
     const Checkpoint& c = *host;
     const int64_t h = c.hidden;
     const int64_t i = c.inter;
@@ -469,6 +486,12 @@ struct DeviceCheckpoint {
     moejit::MoeRepackTarget target;
     target.weights = model.weights();
     target.bad_scale_count = static_cast<int32_t*>(bad.data());
+    const moejit_moe_weights c_target = capi_weights(model);
+    const auto require_ok = [](const char* call, moejit_status status) {
+      INFO(call << ": " << moejit_last_error());
+      REQUIRE(status == MOEJIT_OK);
+      CHECK(std::string(moejit_last_error()).empty());
+    };
     if (c.interleaved) {
       const std::size_t b_off = to_size(first * 2 * i * h / 2);
       const std::size_t s_off = to_size(first * 2 * i * h / 32);
@@ -482,7 +505,14 @@ struct DeviceCheckpoint {
       ck.w2_blocks = w2b.dl();
       ck.w2_scales = w2s.dl();
       target.first_expert = target_first;
-      moejit::moe_repack_gpt_oss(model.shape, ck, target, stream);
+      if (c_abi != nullptr) {
+        require_ok("moejit_moe_repack_gpt_oss",
+                   moejit_moe_repack_gpt_oss(c_abi, ck.w13_blocks, ck.w13_scales, ck.w2_blocks,
+                                             ck.w2_scales, &c_target, target.first_expert,
+                                             target.bad_scale_count, stream));
+      } else {
+        moejit::moe_repack_gpt_oss(model.shape, ck, target, stream);
+      }
     } else {
       const int calls = stacked ? 1 : count;
       const int per_call = stacked ? count : 1;
@@ -510,7 +540,15 @@ struct DeviceCheckpoint {
         ck.w2_blocks = w2b.dl();
         ck.w2_scales = w2s.dl();
         target.first_expert = target_first + call * per_call;
-        moejit::moe_repack_separate(model.shape, ck, target, stream);
+        if (c_abi != nullptr) {
+          require_ok(
+              "moejit_moe_repack_separate",
+              moejit_moe_repack_separate(c_abi, ck.w1_blocks, ck.w1_scales, ck.w3_blocks,
+                                         ck.w3_scales, ck.w2_blocks, ck.w2_scales, &c_target,
+                                         target.first_expert, target.bad_scale_count, stream));
+        } else {
+          moejit::moe_repack_separate(model.shape, ck, target, stream);
+        }
       }
     }
     if (!c.b13.empty()) {
@@ -873,9 +911,11 @@ struct Score {
 //   switch on and the output rounded to bf16 - the kernel's arithmetic minus fp32 rounding -
 //   measures 2.33e-3 against the exact one, worst token 2.9e-3, on these input statistics.)
 //   marlin_moe stores FC2's weighted rows in bf16 before the fp32 top-k sum
-//   (MarlinMoeParams::out_dtype): a third independent term, ~2.8e-3 in all. decode_moe rounds
-//   at the first two points only (its FC1 output is bf16 in the workspace; its weighted FC2
-//   rows stay fp32 until the bf16 sum): ~2.3e-3.
+//   (MarlinMoeParams::out_dtype): a third independent term, ~2.8e-3 in all. decode_moe's
+//   persistent tile does the same (bf16 rows per position, summed by decode_moe_combine:
+//   ~2.8e-3, equal to marlin_moe's to the bit where both add K in the same order); its pair
+//   (T <= 2) sums each token's slots in fp32 inside fc2, so it rounds at the first two points
+//   only: ~2.3e-3.
 // - so 1e-2 is ~4x the expected error, while any structural fault costs far more: one lost or
 //   misrouted slot of k = 16 is ~0.25 of a token's norm, a wrong scale group or nibble order
 //   gives O(1) errors on its rows. The per-token bound (2e-2, ~7x the worst token above) keeps

@@ -780,23 +780,6 @@ TEST_CASE("decode_moe: T = 0 looks up no kernel; one not built during capture is
   }
 }
 
-namespace {
-
-// The C ABI's weights struct for a repacked model.
-moejit_moe_weights capi_weights(const DeviceModel& model) {
-  const moejit::MoeWeights w = model.weights();
-  moejit_moe_weights out{};
-  out.w13 = w.w13;
-  out.w13_scales = w.w13_scales;
-  out.w2 = w.w2;
-  out.w2_scales = w.w2_scales;
-  out.b13 = w.b13;
-  out.b2 = w.b2;
-  return out;
-}
-
-}  // namespace
-
 TEST_CASE("decode_moe: the C ABI forward (moejit_moe_forward, _ex) equals the C++ call bitwise",
           "[gpu][moe][decode]") {
   gpu();
