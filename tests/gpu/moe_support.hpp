@@ -425,6 +425,11 @@ struct DeviceModel {
   }
 };
 
+// moe_forward's three paths as options, block_n the planner's.
+inline const MoeForwardOptions kAuto{MoePath::kAuto, 0};
+inline const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
+inline const MoeForwardOptions kDecode{MoePath::kDecode, 0};
+
 // The C ABI's weights struct for a repacked model.
 inline moejit_moe_weights capi_weights(const DeviceModel& model) {
   const MoeWeights w = model.weights();

@@ -73,8 +73,6 @@ using moejit::MoeForwardOptions;
 using moejit::MoePath;
 namespace detail = moejit::detail;
 
-const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
-const MoeForwardOptions kAuto{MoePath::kAuto, 0};
 constexpr int kBlockNs[] = {8, 16, 32};
 // T = 1 and 2 also run the two-launch pair (the planner's choice there; T buckets 1 and 2).
 constexpr int kSweepTokens[] = {1, 2, 7, 48, 96, 256};

@@ -45,10 +45,6 @@ using moejit::MoeForwardOptions;
 using moejit::MoePath;
 using moejit::MoeWeightLayout;
 
-const MoeForwardOptions kAuto{MoePath::kAuto, 0};
-const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
-const MoeForwardOptions kDecode{MoePath::kDecode, 0};
-
 struct CAbiShape {
   const char* reference;  // its entry in tools/shapes/reference.json
   int experts;            // local experts (fewer than the real count: the reference's memory)

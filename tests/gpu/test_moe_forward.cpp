@@ -68,10 +68,6 @@ using moejit::MoePath;
 using moejit::MoeWeightLayout;
 using moejit::MoeWeights;
 
-const MoeForwardOptions kMarlin{MoePath::kMarlin, 0};
-const MoeForwardOptions kAuto{MoePath::kAuto, 0};
-const MoeForwardOptions kDecode{MoePath::kDecode, 0};
-
 // The forced paths that serve `shape` at T = `tokens`: marlin_moe, and decode_moe where it does.
 std::vector<MoeForwardOptions> forced_paths(const ModelShape& shape, int tokens) {
   std::vector<MoeForwardOptions> paths = {kMarlin};
