@@ -1024,6 +1024,19 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   return c;
 }
 
+// The tiles were sized for the H200's 227 KB a CTA. Where a device allows less (sm_86, sm_89,
+// sm_120: 99 KB), the same tile runs with fewer stages, down to the fewest its main loop takes:
+// rows, route block and workspace stay as planned, so one route and one workspace serve every
+// arch. (The widest mma.sync tile, T > 1024, needs 105,216 bytes at four stages: sm_86, sm_89
+// and sm_120 run it at three.) Not measured on such a device.
+namespace {
+void fit_stages_to(const Arch& arch, MarlinMoeParams* p) {
+  const int fewest = p->wgmma_n != 0 ? 3 : 2;  // kernel_spec.cpp's marlin rules
+  const long long limit = max_dynamic_smem_bytes(arch);
+  while (p->stages > fewest && marlin_moe_smem_bytes(*p) > limit) --p->stages;
+}
+}  // namespace
+
 MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch) {
   MoeForwardSpecs s;
   s.decode = config.decode && decode_moe_runs_on(config.decode_first, arch) &&
@@ -1055,6 +1068,8 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   const bool fc2_wgmma = wgmma && !config.fc2_short_k;
   s.fc1_params = wgmma ? config.fc1_wgmma : config.fc1;
   s.fc2_params = fc2_wgmma ? config.fc2_wgmma : config.fc2;
+  fit_stages_to(arch, &s.fc1_params);
+  fit_stages_to(arch, &s.fc2_params);
   // A warpgroup GEMM reads the route's group list of its own N: the route must list exactly those.
   const int groups = std::get<MoeRouteParams>(s.route[s.route_count - 1].params).group_rows;
   if (groups != s.fc1_params.wgmma_n ||

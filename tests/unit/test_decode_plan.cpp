@@ -962,7 +962,8 @@ TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options wit
   // looked at, with the rule.
   options.path = moejit::MoePath::kDecode;
   expect(gpt, options, ErrorCode::kUnsupported,
-         {"options.path = decode", "hidden = 2880 is not a multiple of 256", "kMarlin"});
+         {"options.path = decode", "hidden = 2880 is not a multiple of 256",
+          "the auto or the marlin path"});
 
   // The C ABI: the handle carries decode_moe's verdict; forward_ex checks path and block_n.
   const char* text = R"({"name": "capi-decode-kimi", "num_experts": 896, "top_k": 16,
