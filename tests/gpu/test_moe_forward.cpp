@@ -125,6 +125,84 @@ std::vector<uint16_t> three_runs(ForwardIo& io, const DeviceModel& model, CUstre
 
 }  // namespace
 
+namespace {
+
+// One shape of a sweep: every T of `token_counts` on the automatic, marlin and decode paths (output
+// and workspace poisoned before each of three runs): within tolerance of the fp64 reference,
+// every element finite, the same bits every run; the automatic call equal to the path it takes;
+// decode and marlin within tolerance of each other; a forced decode that can't serve refused.
+// From T = `sample_from` the reference checks kSampledTokens spread tokens, not all.
+void sweep_paths(const ModelShape& shape, const std::string& name, int real_experts,
+                 const std::vector<int>& token_counts, int sample_from, std::mt19937_64& rng,
+                 TestStream& stream) {
+  const bool decode_accepts = moejit::moe_decode_problem(shape).empty();
+  const TestWeights weights = test_weights(shape, rng(), stream.get());
+  const DeviceModel& model = *weights.model;
+  const MoeWeightsF64& f64 = weights.f64;
+  std::printf("moe_forward shape %s %s, %s checkpoint layout, decode_moe %s\n", name.c_str(),
+              describe(shape, real_experts).c_str(),
+              uses_gpt_oss_layout(shape) ? "gpt-oss" : "separate w1/w3/w2",
+              decode_accepts ? "serves it" : "refuses it");
+  IdPlan plan;
+  plan.lo = 0;
+  plan.hi = shape.num_experts;
+  for (int tokens : token_counts) {
+    const Tokens tk = make_tokens(shape, tokens, plan, rng);
+    ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
+    const std::vector<int> which =
+        tokens >= sample_from ? sampled_tokens(tokens, kSampledTokens) : all_tokens(tokens);
+    const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
+    const std::string label = name + " T=" + std::to_string(tokens);
+    INFO(label << " " << describe(shape, real_experts));
+    // Forced decode_moe serves T <= 256 on the shapes it accepts (sm_90 or newer); the
+    // automatic path takes it there for the T detail::decode_by_default names.
+    const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
+    const bool decode = decode_serves(shape, tokens);
+    CHECK(decode == (decode_accepts && tokens <= 256 && arch.sm >= 90));
+    const bool auto_decode = auto_takes_decode(shape, tokens);
+    // The sm_90a warpgroup main loop serves marlin_moe here (T = 1000; T = 256 where experts
+    // average 14 rows) on such a device: the forced marlin line says so.
+    const bool wgmma_tile =
+        moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch)
+            .fc1_params.wgmma_n != 0;
+    CHECK(auto_decode ==
+          (moejit::detail::decode_by_default(moejit::detail::choose_moe_config(shape, tokens)) &&
+           decode));
+
+    std::vector<uint16_t> auto_out;
+    std::vector<uint16_t> marlin_out;
+    std::vector<uint16_t> decode_out;
+    for (const MoeForwardOptions& options : {kAuto, kMarlin, kDecode}) {
+      if (options.path == MoePath::kDecode && !decode) {
+        // Forced decode_moe where it can't serve: refused before anything runs.
+        expect_refused(io, io.args(model), stream.get(), kDecode, ErrorCode::kUnsupported);
+        continue;
+      }
+      bool repeat = false;
+      const std::vector<uint16_t> out = three_runs(io, model, stream.get(), options, &repeat);
+      check_score(name + path_suffix(options) + " T=" + std::to_string(tokens) +
+                      (options.path == MoePath::kMarlin && wgmma_tile ? " [wgmma]" : ""),
+                  score(out, ref, which, shape.hidden), which.size(), tokens);
+      INFO(path_name(options.path) << ": 3 runs bitwise identical, every element finite");
+      CHECK(count_nonfinite(out) == 0);
+      CHECK(repeat);
+      if (options.path == MoePath::kAuto) auto_out = out;
+      if (options.path == MoePath::kMarlin) marlin_out = out;
+      if (options.path == MoePath::kDecode) decode_out = out;
+    }
+    // The automatic call is the path the library picks, bit for bit.
+    CHECK(same_bits(auto_out, auto_decode ? decode_out : marlin_out));
+    // Both paths compute the same layer.
+    if (decode) {
+      const double paths = rel_l2(values_of(decode_out), values_of(marlin_out));
+      std::printf("moe_forward %s decode vs marlin relL2=%s\n", label.c_str(), fmt(paths).c_str());
+      CHECK(paths <= kRelL2Tolerance);
+    }
+  }
+}
+
+}  // namespace
+
 TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and marlin paths",
           "[gpu][moe]") {
   gpu();
@@ -135,78 +213,41 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   MOEJIT_TEST_SEEDED_RNG(seed, rng);
   std::printf("moe_forward sweep: seed %llu, reference on %u threads\n",
               static_cast<unsigned long long>(seed), worker_count());
+  const std::vector<int> token_counts(std::begin(kSweepTokens), std::end(kSweepTokens));
   for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const ModelShape& shape = shapes[n];
-    const int real_experts = reference_shape(kSweep[n].name).num_experts;
-    const bool decode_accepts = moejit::moe_decode_problem(shape).empty();
-    const TestWeights weights = test_weights(shape, rng(), stream.get());
-    const DeviceModel& model = *weights.model;
-    const MoeWeightsF64& f64 = weights.f64;
-    std::printf("moe_forward shape %s %s, %s checkpoint layout, decode_moe %s\n", kSweep[n].name,
-                describe(shape, real_experts).c_str(),
-                uses_gpt_oss_layout(shape) ? "gpt-oss" : "separate w1/w3/w2",
-                decode_accepts ? "serves it" : "refuses it");
-    IdPlan plan;
-    plan.lo = 0;
-    plan.hi = shape.num_experts;
-    for (int tokens : kSweepTokens) {
-      const Tokens tk = make_tokens(shape, tokens, plan, rng);
-      ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
-      const std::vector<int> which = kSweep[n].sample_t1000 && tokens == 1000
-                                         ? sampled_tokens(tokens, kSampledTokens)
-                                         : all_tokens(tokens);
-      const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
-      const std::string label = std::string(kSweep[n].name) + " T=" + std::to_string(tokens);
-      INFO(label << " " << describe(shape, real_experts));
-      // Forced decode_moe serves T <= 256 on the shapes it accepts (sm_90 or newer); the
-      // automatic path takes it there for the T detail::decode_by_default names.
-      const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
-      const bool decode = decode_serves(shape, tokens);
-      CHECK(decode == (decode_accepts && tokens <= 256 && arch.sm >= 90));
-      const bool auto_decode = auto_takes_decode(shape, tokens);
-      // The sm_90a warpgroup main loop serves marlin_moe here (T = 1000; T = 256 where experts
-      // average 14 rows) on such a device: the forced marlin line says so.
-      const bool wgmma_tile =
-          moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch)
-              .fc1_params.wgmma_n != 0;
-      CHECK(auto_decode ==
-            (moejit::detail::decode_by_default(moejit::detail::choose_moe_config(shape, tokens)) &&
-             decode));
+    sweep_paths(shapes[n], kSweep[n].name, reference_shape(kSweep[n].name).num_experts,
+                token_counts, kSweep[n].sample_t1000 ? 1000 : INT_MAX, rng, stream);
+  }
+}
 
-      // Each path three times (output and workspace poisoned before each run): within tolerance
-      // of the reference, every element finite, the same bits every run.
-      std::vector<uint16_t> auto_out;
-      std::vector<uint16_t> marlin_out;
-      std::vector<uint16_t> decode_out;
-      for (const MoeForwardOptions& options : {kAuto, kMarlin, kDecode}) {
-        if (options.path == MoePath::kDecode && !decode) {
-          // Forced decode_moe where it can't serve: refused before anything runs.
-          expect_refused(io, io.args(model), stream.get(), kDecode, ErrorCode::kUnsupported);
-          continue;
-        }
-        bool repeat = false;
-        const std::vector<uint16_t> out = three_runs(io, model, stream.get(), options, &repeat);
-        check_score(std::string(kSweep[n].name) + path_suffix(options) + " T=" +
-                        std::to_string(tokens) +
-                        (options.path == MoePath::kMarlin && wgmma_tile ? " [wgmma]" : ""),
-                    score(out, ref, which, shape.hidden), which.size(), tokens);
-        INFO(path_name(options.path) << ": 3 runs bitwise identical, every element finite");
-        CHECK(count_nonfinite(out) == 0);
-        CHECK(repeat);
-        if (options.path == MoePath::kAuto) auto_out = out;
-        if (options.path == MoePath::kMarlin) marlin_out = out;
-        if (options.path == MoePath::kDecode) decode_out = out;
-      }
-      // The automatic call is the path the library picks, bit for bit.
-      CHECK(same_bits(auto_out, auto_decode ? decode_out : marlin_out));
-      // Both paths compute the same layer.
-      if (decode) {
-        const double paths = rel_l2(values_of(decode_out), values_of(marlin_out));
-        std::printf("moe_forward %s decode vs marlin relL2=%s\n", label.c_str(),
-                    fmt(paths).c_str());
-        CHECK(paths <= kRelL2Tolerance);
-      }
-    }
+// A model integrator's shape is not one of DESIGN.md's: tools/shapes/public.json holds public MoE
+// models whose sizes the reference set lacks (top-k 1 and 2, 8-60 experts, I = 1408, 6400 and
+// 14336, H = 1536, 5120 and 7168), every one through the same sweep at T from the pair to the
+// 64-row prefill bucket. Experts are cut where the fp64 weights would pass ~6 GB on the host.
+TEST_CASE("moe_forward: public MoE shapes beyond the reference set vs the fp64 reference",
+          "[gpu][moe]") {
+  gpu();
+  TestStream stream;
+  const std::vector<ModelShape> file = public_shapes();
+  REQUIRE(file.size() >= 8);
+  // The fp64 reference holds 24 bytes a weight of the three matrices: 3 * 8 * H * I per expert.
+  constexpr double kHostBytes = 6e9;
+  std::vector<ModelShape> shapes;
+  for (const ModelShape& real : file) {
+    const double per_expert = 24.0 * real.hidden * static_cast<double>(real.intermediate);
+    const int experts = std::clamp(static_cast<int>(kHostBytes / per_expert), real.top_k,
+                                   std::min(real.num_experts, 64));
+    shapes.push_back(resized(real, experts, 0, experts, 1100));
+  }
+  prewarm_shapes(shapes);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  std::printf("moe_forward public shapes: seed %llu, reference on %u threads\n",
+              static_cast<unsigned long long>(seed), worker_count());
+  // 1 and 2: the pair; 7: the persistent decode tile; 48 and 300: 8- and 16-row blocks; 600:
+  // 32-row blocks; 1100: 64-row blocks (warpgroup tiles on sm_90a from 512).
+  const std::vector<int> token_counts = {1, 2, 7, 48, 300, 600, 1100};
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    sweep_paths(shapes[n], file[n].name, file[n].num_experts, token_counts, 300, rng, stream);
   }
 }
 

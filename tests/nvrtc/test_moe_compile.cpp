@@ -320,6 +320,39 @@ TEST_CASE("every planned MoE kernel of every reference shape compiles for sm_90a
   report("sm_90a", outcomes, wall, threads);
 }
 
+TEST_CASE("every planned MoE kernel of the public shapes compiles for sm_90a", "[nvrtc]") {
+  // Shapes a model integrator brings (tools/shapes/public.json): top-k 1 and 2, 8-60 experts,
+  // I = 1408, 6400 and 14336, H = 1536, 5120 and 7168.
+  const std::vector<KernelSpec> specs =
+      planned_moe(moejit::test::public_shapes(), Arch::parse("sm_90a"));
+  REQUIRE_FALSE(specs.empty());
+  double wall = 0;
+  unsigned threads = 0;
+  const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
+  check_outcomes(specs, outcomes);
+  check_no_faulting_copies(outcomes);
+  report("sm_90a (public shapes)", outcomes, wall, threads);
+}
+
+TEST_CASE("on sm_89 (99 KB a CTA) the widest GEMM tile runs three stages and compiles", "[nvrtc]") {
+  const Arch arch = Arch::parse("sm_89");
+  std::vector<KernelSpec> specs;
+  for (const KernelSpec& spec : planned_moe(reference_shapes(), arch)) {
+    const auto* p = std::get_if<MarlinMoeParams>(&spec.params);
+    if (p == nullptr || p->block_m != 128 || p->block_n != 64) continue;
+    INFO(spec.display_name());
+    CHECK(p->stages == 3);  // four need 105,216 bytes
+    CHECK(moejit::supports(spec).empty());
+    specs.push_back(spec);
+  }
+  REQUIRE_FALSE(specs.empty());
+  double wall = 0;
+  unsigned threads = 0;
+  const std::vector<Outcome> outcomes = compile_all(specs, &wall, &threads);
+  check_outcomes(specs, outcomes);
+  report("sm_89", outcomes, wall, threads);
+}
+
 TEST_CASE("MoE kernels compile for sm_100a: every GEMM, and route/combine of two shapes",
           "[nvrtc]") {
   const Arch arch = Arch::parse("sm_100a");

@@ -61,6 +61,14 @@ std::vector<ModelShape> reference_shapes() {
   return load_shapes_file(path);
 }
 
+std::vector<ModelShape> public_shapes() {
+  const std::string path = shapes_dir() + "/public.json";
+  if (!std::filesystem::exists(path)) {
+    throw std::runtime_error("the public shapes file " + path + " does not exist");
+  }
+  return load_shapes_file(path);
+}
+
 const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name) {
   for (const ModelShape& shape : shapes) {
     if (shape.name == name) return shape;

@@ -53,6 +53,10 @@ std::string shapes_dir();
 // naming the path when the file is missing.
 std::vector<ModelShape> reference_shapes();
 
+// tools/shapes/public.json: public MoE models beyond DESIGN.md's table, for the planner's and
+// the kernels' generality.
+std::vector<ModelShape> public_shapes();
+
 // The shape named `name` in `shapes`; throws std::runtime_error naming it when absent.
 const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name);
 

@@ -341,6 +341,36 @@ TEST_CASE("moe plan: the config for every T in 1..16384 is one plan_kernels list
   }
 }
 
+TEST_CASE("moe plan: public shapes beyond the reference set plan valid kernels on every arch",
+          "[plan]") {
+  // tools/shapes/public.json: top-k 1 and 2, 8-60 experts, I = 1408, 6400 and 14336. Every T's
+  // kernels are ones plan_kernels lists (what prewarm compiles), and each is valid for its arch.
+  for (const ModelShape& shape : moejit::test::public_shapes()) {
+    INFO(shape.name);
+    for (const char* name : {"sm_90a", "sm_89", "sm_80", "sm_120"}) {
+      INFO(name);
+      const Arch arch = Arch::parse(name);
+      const std::vector<KernelSpec> planned = moejit::plan_kernels(shape, arch);
+      for (const KernelSpec& spec : planned) {
+        INFO(spec.display_name());
+        CHECK(moejit::supports(spec).empty());
+      }
+      const SpecSet plan(planned.begin(), planned.end());
+      int misses = 0;
+      for (int tokens = 1; tokens <= shape.max_tokens; tokens += tokens < 64 ? 1 : 37) {
+        const detail::MoeForwardConfig config = detail::choose_moe_config(shape, tokens);
+        for (const KernelSpec& spec : detail::moe_config_specs(config, arch)) {
+          if (plan.count(spec) == 0 && ++misses <= 5) {
+            FAIL_CHECK("T = " << tokens << " uses " << spec.display_name()
+                              << ", which plan_kernels does not list");
+          }
+        }
+      }
+      CHECK(misses == 0);
+    }
+  }
+}
+
 TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 512", "[plan]") {
   // Where I <= 768 the 8-row bucket's 64-row CTA would run 1-3 K tiles of 256; FC2 (only FC2:
   // FC1's K is H) takes eight warps on 256 rows over 128-wide K tiles, with the bucket's route
