@@ -55,7 +55,7 @@ moejit_status fail(moejit_status status, const char* message,
 
 // Runs `body`, turning every exception into a status and this thread's message.
 template <typename Body>
-moejit_status guarded(Body&& body, moejit::detail::CapiNames names = {}) noexcept {
+moejit_status guarded(moejit::detail::CapiNames names, Body&& body) noexcept {
   try {
     body();
     last_error.clear();
@@ -76,7 +76,7 @@ moejit_status guarded(Body&& body, moejit::detail::CapiNames names = {}) noexcep
 
 moejit_status moejit::detail::capi_guarded(void (*body)(void*), void* context,
                                            CapiNames names) noexcept {
-  return guarded([&] { body(context); }, names);
+  return guarded(names, [&] { body(context); });
 }
 
 extern "C" {
@@ -86,7 +86,7 @@ const char* moejit_last_error(void) {
 }
 
 moejit_status moejit_register_shapes_file(const char* path) {
-  return guarded([&] {
+  return guarded({}, [&] {
     if (path == nullptr) {
       throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
                           "moejit_register_shapes_file: path is null");
@@ -99,35 +99,27 @@ moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* top
                                    const DLTensor* shared_logits, DLTensor* out_ids,
                                    DLTensor* out_weights, int64_t shared_base, float scale,
                                    moejit_shared_gate gate, void* stream) {
-  return guarded(
-      [&] {
-        moejit::AppendSharedArgs args;
-        args.topk_ids = topk_ids;
-        args.topk_weights = topk_weights;
-        args.shared_logits = shared_logits;
-        args.out_ids = out_ids;
-        args.out_weights = out_weights;
-        args.shared_base = shared_base;
-        args.scale = scale;
-        switch (gate) {
-          case MOEJIT_SHARED_SIGMOID:
-            args.gate = moejit::SharedGate::kSigmoid;
-            break;
-          case MOEJIT_SHARED_CONSTANT:
-            args.gate = moejit::SharedGate::kConstant;
-            break;
-          case MOEJIT_SHARED_GIVEN:
-            args.gate = moejit::SharedGate::kGiven;
-            break;
-          default:
-            throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
-                                "moejit_append_shared: gate: expected MOEJIT_SHARED_SIGMOID (0), "
-                                "MOEJIT_SHARED_CONSTANT (1) or MOEJIT_SHARED_GIVEN (2), found " +
-                                    std::to_string(static_cast<int>(gate)));
-        }
-        moejit::append_shared(args, static_cast<moejit::Stream>(stream));
-      },
-      {"moejit_append_shared", "append_shared"});
+  return guarded({"moejit_append_shared", "append_shared"}, [&] {
+    moejit::AppendSharedArgs args;
+    args.topk_ids = topk_ids;
+    args.topk_weights = topk_weights;
+    args.shared_logits = shared_logits;
+    args.out_ids = out_ids;
+    args.out_weights = out_weights;
+    args.shared_base = shared_base;
+    args.scale = scale;
+    switch (gate) {
+      case MOEJIT_SHARED_SIGMOID: args.gate = moejit::SharedGate::kSigmoid; break;
+      case MOEJIT_SHARED_CONSTANT: args.gate = moejit::SharedGate::kConstant; break;
+      case MOEJIT_SHARED_GIVEN: args.gate = moejit::SharedGate::kGiven; break;
+      default:
+        throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
+                            "moejit_append_shared: gate: expected MOEJIT_SHARED_SIGMOID (0), "
+                            "MOEJIT_SHARED_CONSTANT (1) or MOEJIT_SHARED_GIVEN (2), found " +
+                                std::to_string(static_cast<int>(gate)));
+    }
+    moejit::append_shared(args, static_cast<moejit::Stream>(stream));
+  });
 }
 
 }  // extern "C"
