@@ -235,8 +235,9 @@ TEST_CASE("moe_forward: public MoE shapes beyond the reference set vs the fp64 r
   std::vector<ModelShape> shapes;
   for (const ModelShape& real : file) {
     const double per_expert = 24.0 * real.hidden * static_cast<double>(real.intermediate);
-    const int experts = std::clamp(static_cast<int>(kHostBytes / per_expert), real.top_k,
-                                   std::min(real.num_experts, 64));
+    // At least top-k (a token's experts must differ), at most 64 (the reference's time).
+    const int most = std::max(real.top_k, std::min(real.num_experts, 64));
+    const int experts = std::clamp(static_cast<int>(kHostBytes / per_expert), real.top_k, most);
     shapes.push_back(resized(real, experts, 0, experts, 1100));
   }
   prewarm_shapes(shapes);

@@ -1767,12 +1767,14 @@ class ModelBench {
     std::map<int, std::vector<int>> experts_by_m;
     std::vector<int64_t> first_row(to_size(s_.num_experts), 0);
     int64_t rows = 0;
+    std::size_t problems = 0;  // touched experts: one GEMM each
     for (int e = 0; e < s_.num_experts; ++e) {
       first_row[to_size(e)] = rows;
       const int m = r.per_expert[to_size(e)];
       if (m == 0) continue;
       experts_by_m[m].push_back(e);
       rows += m;
+      ++problems;
     }
     std::vector<int> m_of_group;
     std::vector<int> group_size;
@@ -1781,8 +1783,6 @@ class ModelBench {
       group_size.push_back(static_cast<int>(experts.size()));
     }
     const int groups = static_cast<int>(m_of_group.size());
-    std::size_t problems = 0;
-    for (int size : group_size) problems += to_size(size);
     // Per copy: FC1's A (weights), B (inputs), C; then FC2's; each `problems` pointers long.
     const std::size_t per_copy = 6 * problems;
     std::vector<const void*> table(per_copy * to_size(row->dense_rotation));
