@@ -13,7 +13,8 @@
 // before the top-k sum) for T <= 256 on sm_90 or newer, for shapes that meet its rules
 // (moe_decode_problem), or for T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is
 // also a multiple of 512; and marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every
-// T. MoePath::kAuto takes the faster one (decode_moe for T = 1 where it serves; see MoePath),
+// T. MoePath::kAuto takes the faster one (decode_moe's two-kernel tile for T = 1 where it serves;
+// see MoePath),
 // MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
@@ -143,10 +144,11 @@ struct MoeForwardArgs {
 
 // Which kernels compute the layer.
 enum class MoePath {
-  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T = 1 where it
-            // serves (its two-kernel tile where that serves the shape: 0.86-0.96x marlin_moe's
-            // time), marlin_moe otherwise (from T = 2 decode_moe is mostly slower: up to 1.27x
-            // marlin_moe's time at T = 2)
+  kAuto,    // the faster path on the H200 (tools/PERF_LOG.md): decode_moe for T = 1 where its
+            // two-kernel tile serves the shape (0.85-0.93x marlin_moe's time), marlin_moe
+            // otherwise (decode_moe's persistent tile took 1.14-1.59x marlin_moe's time at T = 1
+            // on the shapes the two-kernel tile refuses, and from T = 2 decode_moe is mostly
+            // slower: up to 1.27x at T = 2)
   kMarlin,  // route -> FC1 -> FC2 -> combine (every shape, every T, sm_80 or newer)
   kDecode,  // decode_moe; Error{kUnsupported} where it can't serve (shape, T > 256, arch < sm_90)
 };

@@ -41,8 +41,8 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // kernel headers.)
 
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
-// MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens (the two-launch pair where its
-// rules pass, else the persistent tile), marlin_moe above. Why 1: on the H200 (tools/PERF_LOG.md
+// MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens where the two-launch pair's rules
+// pass (decode_by_default), marlin_moe otherwise. Why 1: on the H200 (tools/PERF_LOG.md
 // "the right shift on the ALU" and "kAuto at T = 2"), over the four served reference shapes
 // decode_moe takes 0.76-0.96x marlin_moe's time at T = 1, but 0.97-1.18x at T = 2 (the pair,
 // once marlin_moe's dequant got faster), 0.96-1.18x at T = 3..5, 0.92-1.18x at T = 8..16 and
@@ -149,10 +149,15 @@ struct MoeForwardConfig {
 // one config.
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens);
 
-// Whether MoePath::kAuto takes the decode path for this config: where the planner chose one
-// (the pair or the persistent tile) for T <= kDecodeAutoMaxTokens.
+// Whether MoePath::kAuto takes the decode path for this config: where the planner chose the
+// two-launch pair for T <= kDecodeAutoMaxTokens. Why not the persistent tile where the pair's
+// rules refuse the shape: on the H200 (tools/PERF_LOG.md "the eight public shapes on both
+// paths") it took 1.14-1.59x marlin_moe's time at T = 1 on every shape it served there
+// (mixtral-8x7b 107.1 against 67.4 us, deepseek-v3 65.0 against 56.4, qwen3-235b-a22b 33.1
+// against 29.0, llama-4-scout 60.4 against 47.9, phi-3.5-moe 44.9 against 34.2), while the pair
+// took 0.85-0.93x on the seven shapes it served.
 inline bool decode_by_default(const MoeForwardConfig& config) {
-  return config.decode && config.tokens <= kDecodeAutoMaxTokens;
+  return config.decode && config.decode_pair && config.tokens <= kDecodeAutoMaxTokens;
 }
 
 // The kernels of one config for `arch`, by role. Filled without allocating (the op builds it on

@@ -226,7 +226,8 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
       CHECK(config.decode_first.kernel == DecodeKernel::kReset);
       CHECK(config.decode_combine == detail::decode_combine_params(config.decode_second));
       CHECK(config.decode_combine.kernel == DecodeKernel::kCombine);
-      CHECK(detail::decode_by_default(config) == (t <= detail::kDecodeAutoMaxTokens));
+      // An automatic call takes the persistent tile at no T (marlin_moe is faster there).
+      CHECK_FALSE(detail::decode_by_default(config));
     }
   }
   for (const std::string& name : kRefused) {
@@ -886,6 +887,31 @@ TEST_CASE("decode_moe pair: the planner's choice, its rules, names and the SM it
   CHECK(qwen3.fc1_in_flight() < qwen3.fc1_stages());
   CHECK(decode::PairGeometry{64, 8, 1024, 768, 1}.fc1_in_flight() == 4);   // 8.5 KB units
   CHECK(decode::PairGeometry{64, 8, 16384, 768, 1}.fc1_in_flight() == 1);  // 139 KB units
+}
+
+TEST_CASE("moe_forward's automatic path takes decode_moe at T = 1 only where the pair serves",
+          "[plan][decode]") {
+  // The public shapes decode_moe serves, with or without the two-launch pair at T = 1: the pair
+  // refuses the ones whose I leaves its FC2 too few shared-memory units (I >= 1536 here), and on
+  // those the persistent tile lost to marlin_moe at T = 1 (tools/PERF_LOG.md, "the eight public
+  // shapes on both paths"), so an automatic call takes marlin_moe there.
+  const std::vector<std::string> with_pair = {"qwen1.5-moe-a2.7b", "olmoe-1b-7b",
+                                              "granite-3.0-3b-a800m"};
+  const std::vector<std::string> without_pair = {"mixtral-8x7b", "deepseek-v3", "qwen3-235b-a22b",
+                                                 "llama-4-scout", "phi-3.5-moe"};
+  const std::vector<ModelShape> shapes = moejit::test::public_shapes();
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    const bool pair = std::find(with_pair.begin(), with_pair.end(), shape.name) != with_pair.end();
+    REQUIRE((pair || std::find(without_pair.begin(), without_pair.end(), shape.name) !=
+                         without_pair.end()));
+    for (int t = 1; t <= 3; ++t) {
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
+      CHECK(config.decode);  // decode_moe serves every public shape (forced, at any T <= 256)
+      if (t == 1) CHECK(config.decode_pair == pair);
+      CHECK(detail::decode_by_default(config) == (pair && t == 1));
+    }
+  }
 }
 
 TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, every block_n",
