@@ -116,6 +116,10 @@ struct MarlinMoeParams {
   // each, warps_n = warps_k = 1 and block_k = 64; block_n (the route block) is wgmma_n / 1, 2,
   // 4, 8 or 16 (at least 8): a CTA takes that many consecutive blocks of one expert.
   int wgmma_n = 0;
+  // FC2 of the mma.sync main loop only: CTAs per M tile, each summing one contiguous range of
+  // the K tiles into a set of fp32 rows of its own (out_dtype f32); combine adds the sets in
+  // split order (MoeCombineParams::k_splits). 1: no split.
+  int k_splits = 1;
 
   friend bool operator==(const MarlinMoeParams& a, const MarlinMoeParams& b) {
     return a.stage == b.stage && a.block_m == b.block_m && a.block_n == b.block_n &&
@@ -126,20 +130,22 @@ struct MarlinMoeParams {
            a.activation.limit == b.activation.limit && a.activation.alpha == b.activation.alpha &&
            a.activation.beta == b.activation.beta &&
            a.activation.linear_beta == b.activation.linear_beta && a.out_dtype == b.out_dtype &&
-           a.wgmma_n == b.wgmma_n;
+           a.wgmma_n == b.wgmma_n && a.k_splits == b.k_splits;
   }
 };
 
-// combine: out[t] = bf16(sum over slots in order of the FC2 rows of token t).
+// combine: out[t] = bf16(sum over slots in order, and within a slot over FC2's K splits in
+// order, of the FC2 rows of token t).
 struct MoeCombineParams {
   int hidden = 0;              // H (multiple of 8)
   int top_k = 0;               // K
   DType in_dtype = DType::kF32;  // FC2 rows: f32 or bf16 (MarlinMoeParams::out_dtype of FC2)
   int block_threads = 256;
+  int k_splits = 1;  // FC2's sets of rows per slot (MarlinMoeParams::k_splits), added in order
 
   friend bool operator==(const MoeCombineParams& a, const MoeCombineParams& b) {
     return a.hidden == b.hidden && a.top_k == b.top_k && a.in_dtype == b.in_dtype &&
-           a.block_threads == b.block_threads;
+           a.block_threads == b.block_threads && a.k_splits == b.k_splits;
   }
 };
 

@@ -1,9 +1,11 @@
 // combine: the last step of the routed-expert layer. For token t of T and column h of H:
-//   out[t, h] = bf16( sum over slots s = 0, 1, ..., K-1 of fc2_out[slot_row[t * K + s], h] )
+//   out[t, h] = bf16( sum over slots s = 0, 1, ..., K-1 and, within a slot, over FC2's K splits
+//                     q = 0, 1, ..., S-1 of fc2_out[slot_row[t * K + s] + q * split_rows, h] )
 // skipping slots whose row is -1 (id -1 or another EP rank's expert). fc2_out is what the grouped
 // GEMM's FC2 epilogue wrote per padded row: (W2 a + b2) * topk_weight, fp32 or bf16 (moe_gemm.cuh,
-// Fc2Epilogue). The sum is in fp32 and in slot order, starting from +0, then rounded once (to
-// nearest even): the same input gives the same bits, whatever the launch geometry. (Adding +0 for
+// Fc2Epilogue), in S row sets where FC2 splits its K (S = 1 otherwise). The sum is in fp32 and in
+// that order, starting from +0, then rounded once (to nearest even): the same input gives the
+// same bits, whatever the launch geometry. (Adding +0 for
 // a skipped slot would change nothing: a sum that starts at +0 is never -0 under round to
 // nearest, so x + 0 == x bit for bit; the kernel adds it so the loads can be predicated.)
 // The shared expert is not summed here.
@@ -18,6 +20,7 @@
 #pragma once
 
 #include <moejit/kern/common/ptx.cuh>
+#include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/ptx.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 #include <moejit/kern/moe/types.cuh>
@@ -29,17 +32,20 @@ template <int Hidden,        // H: output columns per token; a multiple of 8 (16
           int TopK,          // K: slots per token, summed in order 0..K-1
           bool InBf16,       // fc2_out element type: bf16 (true) or fp32 (false), as the FC2
                              // epilogue's kOutBf16
-          int BlockThreads>  // threads per CTA: a multiple of 32 in [32, 1024]
+          int BlockThreads,  // threads per CTA: a multiple of 32 in [32, 1024]
+          int KSplits = 1>   // S: FC2's row sets per slot (MoeGemmTraits::kKSplits), in order
 struct CombineTraits {
   static constexpr int kHidden = Hidden;
   static constexpr int kTopK = TopK;
   static constexpr bool kInBf16 = InBf16;
   static constexpr int kThreads = BlockThreads;
+  static constexpr int kSplits = KSplits;
 
   // Derived.
-  static constexpr int kVec = 8;                        // outputs per thread (one 16-byte store)
-  static constexpr int kVecsPerRow = kHidden / kVec;    // threads per token
-  static constexpr int kBatch = kTopK < 8 ? kTopK : 8;  // slots whose loads are in flight at once
+  static constexpr int kVec = 8;                      // outputs per thread (one 16-byte store)
+  static constexpr int kVecsPerRow = kHidden / kVec;  // threads per token
+  static constexpr int kTerms = kTopK * kSplits;      // rows summed per token: (slot, split)
+  static constexpr int kBatch = kTerms < 8 ? kTerms : 8;  // rows whose loads are in flight at once
 
   static_assert(kHidden >= 8 && kHidden % 8 == 0,
                 "combine: Hidden must be a positive multiple of 8 (16-byte bf16 vectors); pad "
@@ -47,6 +53,8 @@ struct CombineTraits {
   static_assert(kTopK >= 1 && kTopK <= 64, "combine: TopK must be in [1, 64]");
   static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024,
                 "combine: BlockThreads must be a multiple of 32 in [32, 1024]");
+  static_assert(kSplits >= 1 && kSplits <= kMaxKSplits, "combine: KSplits must be in [1, 8]");
+  static_assert(kSplits == 1 || !kInBf16, "combine: FC2's split rows are fp32 partial sums");
 };
 
 namespace detail {
@@ -100,17 +108,22 @@ __global__ void __launch_bounds__(Traits::kThreads) combine_kernel(const Combine
   float acc[Traits::kVec];
 #pragma unroll
   for (int j = 0; j < Traits::kVec; ++j) acc[j] = 0.0f;
+  // Term i = slot i / S, split i % S: slot order, and a slot's splits in order.
+  constexpr int S = Traits::kSplits;
+  constexpr int kTerms = Traits::kTerms;
 #pragma unroll
-  for (int s0 = 0; s0 < K; s0 += Traits::kBatch) {
+  for (int i0 = 0; i0 < kTerms; i0 += Traits::kBatch) {
     // The loads of the whole batch first (a -1 row loads nothing and reads as +0), then the adds
-    // in slot order.
+    // in term order.
     Vec raw[Traits::kBatch][kWords];
 #pragma unroll
     for (int b = 0; b < Traits::kBatch; ++b) {
-      const int row = s0 + b < K ? rows[s0 + b < K ? s0 + b : 0] : -1;  // (index kept in range)
+      const int i = i0 + b < kTerms ? i0 + b : 0;  // (index kept in range)
+      const int slot_row = i0 + b < kTerms ? rows[i / S] : -1;
 #pragma unroll
       for (int w = 0; w < kWords; ++w) raw[b][w] = Vec{{0u, 0u, 0u, 0u}};
-      if (row >= 0) {
+      if (slot_row >= 0) {
+        const long long row = slot_row + static_cast<long long>(i % S) * p.split_rows;
         const Vec* src = Traits::kInBf16
                              ? reinterpret_cast<const Vec*>(static_cast<const u16*>(p.fc2_out) +
                                                             row * p.ld_in + col)
@@ -122,7 +135,7 @@ __global__ void __launch_bounds__(Traits::kThreads) combine_kernel(const Combine
     }
 #pragma unroll
     for (int b = 0; b < Traits::kBatch; ++b) {
-      if (s0 + b >= K) break;
+      if (i0 + b >= kTerms) break;
 #pragma unroll
       for (int j = 0; j < Traits::kVec; ++j) {
         if constexpr (Traits::kInBf16) {

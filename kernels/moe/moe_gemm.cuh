@@ -23,9 +23,15 @@
 //   lane does one 16-byte shared load (four k16 steps of A), one 32-bit scale load, and per k16
 //   step one dequant (mxfp4.cuh) feeding kWarpTilesN mma.sync.m16n8k16; B comes by ldmatrix.x4.
 // - Epilogue: the kWarpsK partial sums are added in a fixed order through shared memory, so
-//   results are bitwise deterministic (no atomics, no split-K across CTAs). FC1 applies the
-//   activation to (gate, up) held by the same thread and writes inter bf16 [padded row][I];
-//   FC2 writes (acc + bias) * topk_weight to out2 [padded row][H]; combine sums a token's rows.
+//   results are bitwise deterministic (no atomics). FC1 applies the activation to (gate, up) held
+//   by the same thread and writes inter bf16 [padded row][I]; FC2 writes (acc + bias) *
+//   topk_weight to out2 [padded row][H]; combine sums a token's rows.
+// - K splits (FC2 only, kKSplits > 1): where few experts hold a long K (llama-4-scout at T = 1:
+//   one expert, H / 32 = 160 CTAs of 32 K tiles for 528 CTA slots) the M tiles alone leave most
+//   SMs idle, so kKSplits CTAs share each M tile, split s summing the s-th contiguous range of
+//   its K tiles. Each writes fp32 rows of its own, (acc_s + bias if s == 0) * topk_weight, as row
+//   set s of out2 (padded row + s * blocks * kBlockN); combine adds a slot's sets in order s = 0,
+//   1, ..., so the result stays bitwise deterministic.
 // - PDL: kEarlyWeights issues the weight prologue before the wait for its inputs, so FC2 streams
 //   its weights while FC1 drains. Valid only when the previous kernel triggers its dependents
 //   after the route data it read was complete, which this kernel does (it triggers after its
@@ -62,6 +68,7 @@ struct Fc1Epilogue {
   static constexpr bool kHasBias = kHasBias_;  // add bias [E][I][2] (gate, up) first
   static constexpr bool kGatherTokens = true;  // input row = token = sorted id / top_k
   using Out = u16;                             // inter element: bf16 bits
+  static constexpr bool kOutBf16 = true;
   static constexpr i32 kOutPerAtom = layout::kGateUpRows;  // outputs of a 16-row strip
 
   // The (gate, up) bias pair of output j as bf16x2 bits (0 without bias).
@@ -83,10 +90,11 @@ struct Fc1Epilogue {
     return ptx::to_bf16(Act::apply(gate, up));
   }
 
-  // Token column h (0/1) of a lane's fragment c: rows g (gate j) and g + 8 (up j).
+  // Token column h (0/1) of a lane's fragment c: rows g (gate j) and g + 8 (up j). FC1 is never
+  // split along K (its activation needs whole sums), so with_bias is always true here.
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
                                                i32 g, i64 row, float /*weight*/,
-                                               const float (&c)[4], i32 h) {
+                                               const float (&c)[4], i32 h, bool /*with_bias*/) {
     const i32 j = m_atom * layout::kGateUpRows + g;
     if (j >= p.out_features) return;
     static_cast<u16*>(p.output)[row * p.ld_output + j] = value(c[h], c[2 + h], bias(p, expert, j));
@@ -113,7 +121,7 @@ struct Fc2Epilogue {
   }
   __device__ __forceinline__ static Out value(float acc, float bias_v, float weight) {
     float v = acc * mxfp4::kAccumulatorScale;
-    if constexpr (kHasBias) v += bias_v;
+    if constexpr (kHasBias) v += bias_v;  // 0 for K splits past the first
     v *= weight;
     if constexpr (kOutBf16) {
       return ptx::to_bf16(v);
@@ -123,21 +131,23 @@ struct Fc2Epilogue {
   }
 
   // weight: the row's top-k weight (the kernel copied it to shared memory in its prologue).
+  // with_bias: false for the K splits past the first (the bias is added once per row).
   __device__ __forceinline__ static void store(const MoeGemmParams& p, i32 expert, i32 m_atom,
                                                i32 g, i64 row, float weight, const float (&c)[4],
-                                               i32 h) {
+                                               i32 h, bool with_bias) {
 #pragma unroll
     for (i32 r = 0; r < 2; ++r) {
       const i32 col = m_atom * layout::kAtomRows + g + 8 * r;
       if (col >= p.out_features) continue;
       static_cast<Out*>(p.output)[row * p.ld_output + col] =
-          value(c[2 * r + h], bias(p, expert, col), weight);
+          value(c[2 * r + h], with_bias ? bias(p, expert, col) : 0.0f, weight);
     }
   }
 };
 
 template <int kBlockM_, int kBlockN_, int kBlockK_, int kStages_, int kWarpsM_, int kWarpsN_,
-          int kWarpsK_, int kMinBlocksPerSm_, bool kEarlyWeights_, class Epilogue_>
+          int kWarpsK_, int kMinBlocksPerSm_, bool kEarlyWeights_, class Epilogue_,
+          int kKSplits_ = 1>
 struct MoeGemmTraits {
   static constexpr int kBlockM = kBlockM_;  // weight rows per CTA (FC1: 8 gate/up pairs per 16)
   static constexpr int kBlockN = kBlockN_;  // padded token rows per CTA = route block size
@@ -149,6 +159,10 @@ struct MoeGemmTraits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // occupancy target (register cap)
   static constexpr bool kEarlyWeights = kEarlyWeights_;     // weight prologue before input wait
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
+  // CTAs per M tile along K (FC2 only): CTA x = split * m_tiles + m_tile sums the split-th range
+  // of K tiles into row set `split` of out2 (rows + split * blocks * kBlockN); combine adds the
+  // sets in order. See the file comment.
+  static constexpr int kKSplits = kKSplits_;
 
   static constexpr int kWarps = kWarpsM * kWarpsN * kWarpsK;
   static constexpr int kThreads = 32 * kWarps;
@@ -184,6 +198,10 @@ struct MoeGemmTraits {
   static_assert(kSmemBytes <= 227 * 1024,
                 "shared memory over the sm_90 limit (227 KB): lower kStages, kBlockK or kBlockN");
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
+  static_assert(kKSplits >= 1 && kKSplits <= kMaxKSplits, "kKSplits must be in 1..kMaxKSplits");
+  static_assert(kKSplits == 1 || (!Epilogue::kGatherTokens && !Epilogue::kOutBf16),
+                "K splits are for FC2 with fp32 rows only: FC1's activation needs whole sums, "
+                "and partial sums rounded to bf16 would each lose 8 bits");
 };
 
 // A compile-time bool passed to generic lambdas.
@@ -329,7 +347,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 wk = warp / (T::kWarpsM * T::kWarpsN);
   const CtaTile cta = cta_tile();
   const i32 block = cta.block;
-  const i32 m_atom0 = cta.m_tile * T::kAtomsM;
+  // With K splits, x = split * m_tiles + m_tile (the host's grid: m_tiles * kKSplits in x).
+  const i32 m_tiles = ceil_div(p.m_atoms, T::kAtomsM);
+  const i32 split = T::kKSplits == 1 ? 0 : cta.m_tile / m_tiles;
+  const i32 m_atom0 = (T::kKSplits == 1 ? cta.m_tile : cta.m_tile % m_tiles) * T::kAtomsM;
 
   if constexpr (!T::kEarlyWeights) {
     prefetch_first_weights<T::kAtomsM>(p);
@@ -343,7 +364,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   BlockRows<T::kBlockN, T::kThreads> rows;
   rows.load(p, tid, row0, T::kBlockN);
 
-  const i32 k_tiles = ceil_div(p.k_atoms, T::kAtomsK);
+  // This CTA's K tiles: kt0 .. kt0 + k_tiles - 1 (all of them without K splits). A split past
+  // the last K tile (the planner avoids it) sums nothing and stores zeros.
+  const i32 all_k_tiles = ceil_div(p.k_atoms, T::kAtomsK);
+  const i32 split_k_tiles = ceil_div(all_k_tiles, T::kKSplits);
+  const i32 kt0 = split * split_k_tiles;
+  const i32 k_tiles = max(0, min(all_k_tiles - kt0, split_k_tiles));
   const layout::Dims dims{p.m_atoms, p.k_atoms};
   const u64 policy = ptx::policy_evict_first();
   const u32 smem_base = ptx::smem_u32(smem);
@@ -455,10 +481,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     return (kt + 1) * T::kAtomsK <= p.k_atoms && (kt + 1) * T::kBlockK <= p.in_features;
   };
 
-  // Prologue: weights first (they do not depend on the previous kernel), then inputs.
+  // Prologue: weights first (they do not depend on the previous kernel), then inputs. Stage j
+  // holds the CTA's j-th K tile, kt0 + j.
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
-    if (s < k_tiles) load_weights(s, s, Flag<true>{});
+    if (s < k_tiles) load_weights(s, kt0 + s, Flag<true>{});
   }
   if constexpr (T::kEarlyWeights) {
     wait_for_inputs<T::kThreads>(chain);
@@ -470,7 +497,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   setup_inputs();
 #pragma unroll
   for (i32 s = 0; s < T::kStages - 1; ++s) {
-    if (s < k_tiles) load_inputs(s, s, Flag<true>{});
+    if (s < k_tiles) load_inputs(s, kt0 + s, Flag<true>{});
     ptx::cp_async_commit();
   }
 
@@ -510,12 +537,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     __syncthreads();
     const i32 next = kt + T::kStages - 1;
     if (next < k_tiles) {
-      if (tile_full(next)) {
-        load_weights(next % T::kStages, next, Flag<false>{});
-        load_inputs(next % T::kStages, next, Flag<false>{});
+      if (tile_full(kt0 + next)) {
+        load_weights(next % T::kStages, kt0 + next, Flag<false>{});
+        load_inputs(next % T::kStages, kt0 + next, Flag<false>{});
       } else {
-        load_weights(next % T::kStages, next, Flag<true>{});
-        load_inputs(next % T::kStages, next, Flag<true>{});
+        load_weights(next % T::kStages, kt0 + next, Flag<true>{});
+        load_inputs(next % T::kStages, kt0 + next, Flag<true>{});
       }
     }
     ptx::cp_async_commit();
@@ -603,8 +630,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (i32 h = 0; h < 2; ++h) {
         const i32 n = (wn * T::kWarpTilesN + ni) * 8 + 2 * t + h;
         if (s_ids[n] < 0) continue;
-        Epi::store(p, expert, m_atom, g, static_cast<i64>(block) * T::kBlockN + n,
-                   Epi::kGatherTokens ? 0.0f : s_weights[n], acc[mi][ni], h);
+        // Split s's rows follow split s - 1's: blocks * kBlockN rows a set (the host sizes out2).
+        const i64 row = (static_cast<i64>(split) * p.blocks + block) * T::kBlockN + n;
+        Epi::store(p, expert, m_atom, g, row, Epi::kGatherTokens ? 0.0f : s_weights[n],
+                   acc[mi][ni], h, split == 0);
       }
     }
   }

@@ -47,6 +47,10 @@ struct RepackParams {
 // limit of grid.y): block = z * kGridBlocksY + y (moe_gemm.cuh's cta_tile).
 inline constexpr i32 kGridBlocksY = 65535;
 
+// The most CTAs an FC2 M tile may split its K over (MoeGemmTraits::kKSplits; the planner's
+// MarlinMoeParams::k_splits).
+inline constexpr i32 kMaxKSplits = 8;
+
 struct MoeGemmParams {
   const u8* weights;          // kernel layout nibbles of all local experts
   const u8* scales;           // kernel layout scales

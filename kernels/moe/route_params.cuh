@@ -85,6 +85,9 @@ struct CombineParams {
   unsigned short* out = nullptr;  // [T, ld_out] bf16 bits
   long long ld_in = 0;            // elements between rows of fc2_out (>= H)
   long long ld_out = 0;           // elements between rows of out (>= H)
+  // Rows between FC2's row sets where it splits K (CombineTraits::kSplits > 1): the padded rows
+  // of one set (route_max_padded_rows). Unused with one set.
+  long long split_rows = 0;
   int num_tokens = 0;             // T
 };
 

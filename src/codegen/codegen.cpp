@@ -206,11 +206,14 @@ FamilyText family_text(const MarlinMoeParams& p) {
   name << kMoeNs << "moe_gemm<" << kMoeNs << "MoeGemmTraits<" << p.block_m << ", " << p.block_n
        << ", " << p.block_k << ", " << p.stages << ", " << p.warps_m << ", " << p.warps_n << ", "
        << p.warps_k << ", " << p.min_blocks_per_sm << ", "
-       << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
+       << (p.early_weights ? "true" : "false") << ", " << epilogue;
+  if (p.k_splits != 1) name << ", " << p.k_splits;  // MoeGemmTraits' kKSplits, default 1
+  name << ">>";
   std::ostringstream stem;
   stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_m" << p.block_m << "_n" << p.block_n
        << "_k" << p.block_k << "_s" << p.stages << "_w" << p.warps_m << 'x' << p.warps_n << 'x'
        << p.warps_k << "_o" << p.min_blocks_per_sm;
+  if (p.k_splits != 1) stem << "_ks" << p.k_splits;
   if (p.early_weights) stem << "_early";
   if (fc1) stem << '_' << epilogue_stem;
   if (p.has_bias) stem << "_bias";
@@ -221,11 +224,13 @@ FamilyText family_text(const MarlinMoeParams& p) {
 FamilyText family_text(const MoeCombineParams& p) {
   std::ostringstream name;
   name << kMoeNs << "combine_kernel<" << kMoeNs << "CombineTraits<" << p.hidden << ", " << p.top_k
-       << ", " << (p.in_dtype == DType::kBF16 ? "true" : "false") << ", " << p.block_threads
-       << ">>";
+       << ", " << (p.in_dtype == DType::kBF16 ? "true" : "false") << ", " << p.block_threads;
+  if (p.k_splits != 1) name << ", " << p.k_splits;  // CombineTraits' KSplits, default 1
+  name << ">>";
   std::ostringstream stem;
   stem << "combine_h" << p.hidden << "_k" << p.top_k << '_' << dtype_short_name(p.in_dtype)
        << "_t" << p.block_threads;
+  if (p.k_splits != 1) stem << "_ks" << p.k_splits;
   return FamilyText{"moejit/kern/moe/combine.cuh", name.str(), stem.str()};
 }
 

@@ -451,7 +451,10 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc2.blocks = static_cast<int>(gemm_tiles(specs.fc2_params));
   {
     void* fc2_args[] = {&fc2, &fc2_chain};
-    const detail::LaunchShape geometry = gemm_grid(specs.fc2_params, sizes.fc2_m_atoms, fc2_smem);
+    detail::LaunchShape geometry = gemm_grid(specs.fc2_params, sizes.fc2_m_atoms, fc2_smem);
+    // K splits: k_splits CTAs per M tile along x (moe_gemm.cuh), each writing its own set of
+    // blocks * block_n rows of out2 (moe_workspace_layout sized k_splits sets).
+    geometry.grid_x *= static_cast<unsigned>(specs.fc2_params.k_splits);
     detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
   }
 
@@ -462,6 +465,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   combine.out = static_cast<unsigned short*>(out.data);
   combine.ld_in = hidden_size;
   combine.ld_out = hidden_size;
+  combine.split_rows = static_cast<long long>(fc2.blocks) * specs.fc2_params.block_n;
   combine.num_tokens = t;
   {
     void* combine_args[] = {&combine};

@@ -218,6 +218,14 @@ std::string marlin_problem(const MarlinMoeParams& p) {
   if (p.stage != MoeGemmStage::kFc1 && p.stage != MoeGemmStage::kFc2) {
     os << "stage = " << static_cast<int>(p.stage)
        << " is not a GEMM of the layer; allowed: fc1, fc2";
+  } else if (p.k_splits < 1 || p.k_splits > detail::kMaxKSplits) {
+    os << "k_splits = " << p.k_splits << " is out of range; allowed: 1.." << detail::kMaxKSplits;
+  } else if (p.k_splits > 1 &&
+             (p.stage != MoeGemmStage::kFc2 || p.wgmma_n != 0 || p.out_dtype != DType::kF32)) {
+    os << "k_splits = " << p.k_splits << " with stage " << moe_gemm_stage_name(p.stage)
+       << ", wgmma_n = " << p.wgmma_n << ", out_dtype = " << detail::dtype_short_name(p.out_dtype)
+       << "; allowed: k_splits > 1 only for fc2 on the mma.sync main loop (wgmma_n = 0) with "
+          "out_dtype f32 (each split writes fp32 partial rows that combine adds)";
   } else if (p.wgmma_n != 0) {
     return wgmma_problem(p);
   } else if (p.warps_m < 1 || p.warps_n < 1 || p.warps_k < 1) {
@@ -294,6 +302,12 @@ std::string combine_problem(const MoeCombineParams& p) {
   } else if (!threads_ok(p.block_threads)) {
     os << "block_threads = " << p.block_threads
        << " is not allowed; allowed: a multiple of 32 in 32..1024";
+  } else if (p.k_splits < 1 || p.k_splits > detail::kMaxKSplits) {
+    os << "k_splits = " << p.k_splits << " is out of range; allowed: 1.." << detail::kMaxKSplits;
+  } else if (p.k_splits > 1 && p.in_dtype != DType::kF32) {
+    os << "k_splits = " << p.k_splits << " with in_dtype "
+       << detail::dtype_short_name(p.in_dtype)
+       << "; allowed: f32 (FC2's split rows are fp32 partial sums)";
   }
   return os.str();
 }
@@ -461,6 +475,7 @@ void add_params_json(nlohmann::ordered_json& out, const MarlinMoeParams& p) {
   out["activation"] = activation_json(p.activation);
   out["out_dtype"] = detail::dtype_short_name(p.out_dtype);
   out["wgmma_n"] = p.wgmma_n;
+  out["k_splits"] = p.k_splits;
 }
 
 void add_params_json(nlohmann::ordered_json& out, const MoeCombineParams& p) {
@@ -468,6 +483,7 @@ void add_params_json(nlohmann::ordered_json& out, const MoeCombineParams& p) {
   out["top_k"] = p.top_k;
   out["in_dtype"] = detail::dtype_short_name(p.in_dtype);
   out["block_threads"] = p.block_threads;
+  out["k_splits"] = p.k_splits;
 }
 
 void add_params_json(nlohmann::ordered_json& out, const NarrowIdsParams& p) {
@@ -508,12 +524,15 @@ void add_params_display(std::ostringstream& os, const MarlinMoeParams& p) {
   if (p.stage == MoeGemmStage::kFc1) os << ',' << activation_text(p.activation);
   if (p.has_bias) os << ",bias";
   if (p.wgmma_n != 0) os << ",wgmma" << p.wgmma_n;
+  if (p.k_splits != 1) os << ",ks" << p.k_splits;
   os << ',' << detail::dtype_short_name(p.out_dtype) << '>';
 }
 
 void add_params_display(std::ostringstream& os, const MoeCombineParams& p) {
   os << "<h" << p.hidden << ",k" << p.top_k << ',' << detail::dtype_short_name(p.in_dtype) << ",t"
-     << p.block_threads << '>';
+     << p.block_threads;
+  if (p.k_splits != 1) os << ",ks" << p.k_splits;
+  os << '>';
 }
 
 void add_params_display(std::ostringstream& os, const NarrowIdsParams& p) {
@@ -589,6 +608,7 @@ void hash_params(std::size_t& seed, const MarlinMoeParams& p) {
   }
   combine(seed, static_cast<std::size_t>(p.out_dtype));
   combine(seed, std::hash<int>{}(p.wgmma_n));
+  combine(seed, std::hash<int>{}(p.k_splits));
 }
 
 void hash_params(std::size_t& seed, const MoeCombineParams& p) {
@@ -596,6 +616,7 @@ void hash_params(std::size_t& seed, const MoeCombineParams& p) {
   combine(seed, std::hash<int>{}(p.top_k));
   combine(seed, static_cast<std::size_t>(p.in_dtype));
   combine(seed, std::hash<int>{}(p.block_threads));
+  combine(seed, std::hash<int>{}(p.k_splits));
 }
 
 void hash_params(std::size_t& seed, const NarrowIdsParams& p) {

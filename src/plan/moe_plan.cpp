@@ -7,6 +7,7 @@
 #include <cmath>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
+#include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 #include <sstream>
 
@@ -418,6 +419,7 @@ std::size_t to_size(unsigned long long v) { return static_cast<std::size_t>(v); 
 namespace decode = kern::moe::decode;
 
 static_assert(kDecodeMaxTokens == decode::kMaxTokens, "moe_plan.hpp's copy of decode::kMaxTokens");
+static_assert(kMaxKSplits == kern::moe::kMaxKSplits, "moe_plan.hpp's copy of kern::moe::kMaxKSplits");
 static_assert(kDecodeThreads == decode::kThreads, "moe_plan.hpp's copy of decode::kThreads");
 static_assert(kDecodePairFc1Threads == decode::kPairFc1Threads &&
                   kDecodePairFc2Threads == decode::kPairFc2Threads,
@@ -959,6 +961,37 @@ const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int 
   return fc2_tile_for(tile, fc2_short_k_for(tile, shape), shape, tokens);
 }
 
+// FC2's K splits (MarlinMoeParams::k_splits, moe_gemm.cuh): where FC2's expected CTAs fill less
+// than one wave of the planned GPU's slots, the most splits that keep them within one wave, each
+// split at least a ring's worth of K tiles (`stages`), no split empty, at most kMaxKSplits.
+// Why: few experts with a long K leave most SMs idle with few bytes in flight. On the H200
+// (tools/PERF_LOG.md "the eight public shapes on both paths"), llama-4-scout at T = 1 (one
+// expert, 160 CTAs of 32 K tiles for 528 slots) took ~30 us of FC2 for 22 MB, 5.3 us at the copy
+// rate; mixtral-8x7b (256 CTAs of 56 K tiles) 26.4 us for 62 MB. Every reference shape keeps one
+// split (the fewest waves among them: gpt-oss-120b at T = 1, 0.68, and qwen3-30b-a3b, 0.97).
+// Only up to kFc2SplitMaxTokens: the case is a small-T one, and the bound keeps the workspace's
+// scan of where the splits change (moe_config_segment_ends) short.
+constexpr int kFc2SplitMaxTokens = 256;
+// And never over a short K (I <= kFc2ShortK): there a CTA's fixed costs already outweigh its
+// few K tiles (kFc2ShortKTiles), and a split would halve those again.
+int fc2_k_splits(const GemmTile& fc2, const ModelShape& shape, int tokens) {
+  if (tokens > kFc2SplitMaxTokens || shape.intermediate <= kFc2ShortK) return 1;
+  const double waves = expected_waves(shape, tokens, shape.hidden, fc2);
+  if (!(waves > 0.0) || waves >= 0.5) return 1;
+  const int k_tiles = kern::moe::ceil_div(
+      kern::moe::layout::fc2_dims(shape.intermediate, shape.hidden).k_atoms,
+      fc2.block_k / kern::moe::layout::kAtomK);
+  int splits = static_cast<int>(std::min<double>(kMaxKSplits, std::floor(1.0 / waves)));
+  splits = std::min(splits, k_tiles / fc2.stages);
+  while (splits > 1 && (splits - 1) * kern::moe::ceil_div(k_tiles, splits) >= k_tiles) --splits;
+  return std::max(splits, 1);
+}
+// The K splits of choose_moe_config(shape, tokens).fc2.
+int fc2_k_splits_at(const ModelShape& shape, int tokens) {
+  const GemmTile& tile = tile_for(shape, tokens);
+  return fc2_k_splits(fc2_tile_for(tile, shape, tokens), shape, tokens);
+}
+
 }  // namespace
 
 MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
@@ -984,7 +1017,10 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   const GemmTile& tile = tile_for(shape, tokens);
   c.fc1 = gemm_params(fc1_tile_for(tile, shape, tokens), MoeGemmStage::kFc1, shape);
   const GemmTile* fc2_short_k = fc2_short_k_for(tile, shape);
-  c.fc2 = gemm_params(fc2_tile_for(tile, fc2_short_k, shape, tokens), MoeGemmStage::kFc2, shape);
+  const GemmTile& fc2_tile = fc2_tile_for(tile, fc2_short_k, shape, tokens);
+  c.fc2 = gemm_params(fc2_tile, MoeGemmStage::kFc2, shape);
+  c.fc2.k_splits = fc2_k_splits(fc2_tile, shape, tokens);
+  if (c.fc2.k_splits > 1) c.fc2.out_dtype = DType::kF32;  // the splits' partial sums
   c.fc2_short_k = fc2_short_k != nullptr;
   const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
   if (wg != nullptr) {
@@ -1019,7 +1055,9 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.combine.top_k = shape.top_k;
   c.combine.in_dtype = c.fc2.out_dtype;
   c.combine.block_threads = tokens <= kCombineSmallTokens ? kCombineSmallThreads : kCombineThreads;
+  c.combine.k_splits = c.fc2.k_splits;
   c.combine_wgmma = c.combine;
+  c.combine_wgmma.k_splits = 1;  // the warpgroup FC2 never splits K
   if (c.wgmma) c.combine_wgmma.in_dtype = c.fc2_wgmma.out_dtype;
   return c;
 }
@@ -1140,6 +1178,16 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
     fc1_previous = fc1;
     fc2_previous = fc2;
   }
+  // FC2's K splits: they change with T only while FC2's CTAs fill under half a wave, and the
+  // bytes of its rows change with them (moe_workspace_layout).
+  {
+    int previous = fc2_k_splits_at(shape, 1);
+    for (int t = 2; t <= std::min(max_tokens, kFc2SplitMaxTokens + 1); ++t) {
+      const int current = fc2_k_splits_at(shape, t);
+      if (current != previous) thresholds.push_back(t - 1);
+      previous = current;
+    }
+  }
   // decode_moe: its tile changes with T (block_n, strips per item) and it ends at T = 256.
   if (decode_shape_ok(shape)) {
     const int last = std::min(max_tokens, kDecodeMaxTokens);
@@ -1216,8 +1264,11 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
   at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
                          static_cast<std::size_t>(shape.intermediate) * 2);
   w.out2 = at;
+  // FC2's rows: one set of padded rows per K split, in the mma.sync tile's element type (the
+  // warpgroup tile's, where it runs, writes one set of bf16 rows: never more).
   const std::size_t out2_elem = config.fc2.out_dtype == DType::kF32 ? 4 : 2;
-  at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
+  at = align_up(at + static_cast<std::size_t>(config.fc2.k_splits) *
+                         static_cast<std::size_t>(w.padded_rows) *
                          static_cast<std::size_t>(shape.hidden) * out2_elem);
   w.marlin_bytes = at;
   if (config.decode) {

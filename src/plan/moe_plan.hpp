@@ -40,6 +40,9 @@ long long max_dynamic_smem_bytes(const Arch& arch);
 // (The same constexpr Geometry functions the kernel static_asserts on; this header stays free of
 // kernel headers.)
 
+// The most K splits of FC2 (MarlinMoeParams::k_splits; kern::moe::kMaxKSplits).
+inline constexpr int kMaxKSplits = 8;
+
 inline constexpr int kDecodeMaxTokens = 256;  // decode::kMaxTokens: decode_moe serves T <= 256
 // MoePath::kAuto takes decode_moe for T <= kDecodeAutoMaxTokens where the two-launch pair's rules
 // pass (decode_by_default), marlin_moe otherwise. Why 1: on the H200 (tools/PERF_LOG.md

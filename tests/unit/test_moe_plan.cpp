@@ -371,6 +371,57 @@ TEST_CASE("moe plan: public shapes beyond the reference set plan valid kernels o
   }
 }
 
+TEST_CASE("moe plan: FC2 splits a long K where its CTAs fill under half a wave", "[plan]") {
+  // Reference shapes: never (their fewest FC2 waves, gpt-oss-120b at T = 1, are 0.68).
+  for (const ModelShape& shape : reference_shapes()) {
+    INFO(shape.name);
+    for (int t = 1; t <= 300; ++t) {
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+      CHECK(c.fc2.k_splits == 1);
+      CHECK(c.combine.k_splits == 1);
+    }
+  }
+  // Public shapes with few experts and a long K: at T = 1 llama-4-scout's one expert gives FC2
+  // H / 32 = 160 CTAs for 528 slots (three splits of 32 K tiles: 11, 11, 10); mixtral-8x7b's and
+  // phi-3.5-moe's two experts 2 x 128 = 256 (two splits). Where the splits apply, FC2 writes fp32
+  // rows, combine adds as many sets, and each split holds at least a ring of K tiles.
+  const std::vector<ModelShape> shapes = moejit::test::public_shapes();
+  const std::vector<std::pair<std::string, int>> at_t1 = {
+      {"llama-4-scout", 3}, {"mixtral-8x7b", 2}, {"phi-3.5-moe", 2}, {"deepseek-v3", 1},
+      {"qwen3-235b-a22b", 1}, {"qwen1.5-moe-a2.7b", 1}, {"olmoe-1b-7b", 1},
+      {"granite-3.0-3b-a800m", 1}};
+  for (const auto& [name, splits] : at_t1) {
+    INFO(name);
+    CHECK(detail::choose_moe_config(find_shape(shapes, name), 1).fc2.k_splits == splits);
+  }
+  for (const ModelShape& shape : shapes) {
+    INFO(shape.name);
+    for (int t = 1; t <= 400; ++t) {
+      INFO("T = " << t);
+      const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
+      CHECK(c.combine.k_splits == c.fc2.k_splits);
+      CHECK(c.combine_wgmma.k_splits == 1);
+      CHECK(c.fc2_wgmma.k_splits == 1);
+      if (c.fc2.k_splits == 1) continue;
+      CHECK(t <= 256);
+      CHECK(shape.intermediate > 768);
+      CHECK(c.fc2.out_dtype == DType::kF32);
+      CHECK(c.combine.in_dtype == DType::kF32);
+      const int k_atoms = (shape.intermediate + 63) / 64;
+      const int atoms_per_tile = c.fc2.block_k / 64;
+      const int k_tiles = (k_atoms + atoms_per_tile - 1) / atoms_per_tile;
+      const int per = (k_tiles + c.fc2.k_splits - 1) / c.fc2.k_splits;
+      CHECK(per >= c.fc2.stages);
+      CHECK((c.fc2.k_splits - 1) * per < k_tiles);  // no split is empty
+      // The workspace holds k_splits sets of fp32 rows.
+      const detail::MoeWorkspaceLayout w = detail::moe_workspace_layout(shape, c);
+      CHECK(w.marlin_bytes >= w.out2 + static_cast<std::size_t>(c.fc2.k_splits) *
+                                           w.padded_rows * shape.hidden * 4);
+      CHECK(moejit::moe_workspace_bytes(shape, t) >= w.bytes);
+    }
+  }
+}
+
 TEST_CASE("moe plan: FC2 over a short K takes taller, 128-K tiles from T = 3 to 512", "[plan]") {
   // Where I <= 768 the 8-row bucket's 64-row CTA would run 1-3 K tiles of 256; FC2 (only FC2:
   // FC1's K is H) takes eight warps on 256 rows over 128-wide K tiles, with the bucket's route
@@ -942,11 +993,32 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
       {[](MarlinMoeParams& p) { p.activation.beta = 4.f; },
        {"beta = 4", "takes no beta"},
        "sm_90a"},
+      // K splits: FC2 on the mma.sync loop with fp32 rows only, 1..8.
+      {[](MarlinMoeParams& p) { p.k_splits = 0; }, {"k_splits = 0", "1..8"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.k_splits = 9; }, {"k_splits = 9", "1..8"}, "sm_90a"},
+      {[](MarlinMoeParams& p) { p.k_splits = 2; },
+       {"k_splits = 2 with stage fc1", "only for fc2"},
+       "sm_90a"},
   };
   for (const GemmCase& c : gemm_cases) {
     MarlinMoeParams p = good_fc1();
     c.edit(p);
     expect_refused(Family::kMarlinMoe, p, c.expected, c.arch);
+  }
+  {
+    MarlinMoeParams split = good_fc2();
+    split.out_dtype = DType::kF32;
+    split.k_splits = 3;
+    CHECK(moejit::supports(spec_of(Family::kMarlinMoe, split)).empty());
+    split.out_dtype = DType::kBF16;
+    expect_refused(Family::kMarlinMoe, split, {"k_splits = 3", "out_dtype = bf16", "f32"});
+    MarlinMoeParams wg_split = good_wgmma_fc1();
+    wg_split.stage = MoeGemmStage::kFc2;
+    wg_split.early_weights = true;
+    wg_split.activation = moejit::Activation{};
+    wg_split.out_dtype = DType::kF32;
+    wg_split.k_splits = 2;
+    expect_refused(Family::kMarlinMoe, wg_split, {"k_splits = 2", "wgmma_n = 128", "mma.sync"});
   }
   // The warpgroup main loop (MoeGemmWgTraits): its own geometry rules, and sm_90a only.
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_wgmma_fc1())).empty());
@@ -1050,6 +1122,13 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
   combine = good_combine();
   combine.block_threads = 2048;
   expect_refused(Family::kCombine, combine, {"block_threads = 2048"});
+  combine = good_combine();
+  combine.k_splits = 9;
+  expect_refused(Family::kCombine, combine, {"k_splits = 9", "1..8"});
+  combine = good_combine();
+  combine.k_splits = 2;
+  combine.in_dtype = DType::kBF16;
+  expect_refused(Family::kCombine, combine, {"k_splits = 2 with in_dtype bf16", "f32"});
   NarrowIdsParams narrow;
   narrow.block_threads = 48;
   expect_refused(Family::kNarrowIds, narrow, {"block_threads = 48"});
