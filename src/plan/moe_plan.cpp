@@ -961,14 +961,21 @@ const GemmTile& fc2_tile_for(const GemmTile& tile, const ModelShape& shape, int 
   return fc2_tile_for(tile, fc2_short_k_for(tile, shape), shape, tokens);
 }
 
-// FC2's K splits (MarlinMoeParams::k_splits, moe_gemm.cuh): where FC2's expected CTAs fill less
-// than one wave of the planned GPU's slots, the most splits that keep them within one wave, each
-// split at least a ring's worth of K tiles (`stages`), no split empty, at most kMaxKSplits.
+// FC2's K splits (MarlinMoeParams::k_splits, moe_gemm.cuh): where FC2's expected CTAs fill under
+// kFc2SplitMaxWaves of the planned GPU's slots, the fewest splits that fill a wave, each split at
+// least a ring's worth of K tiles (`stages`), no split empty, at most kMaxKSplits.
 // Why: few experts with a long K leave most SMs idle with few bytes in flight. On the H200
 // (tools/PERF_LOG.md "the eight public shapes on both paths"), llama-4-scout at T = 1 (one
 // expert, 160 CTAs of 32 K tiles for 528 slots) took ~30 us of FC2 for 22 MB, 5.3 us at the copy
-// rate; mixtral-8x7b (256 CTAs of 56 K tiles) 26.4 us for 62 MB. Every reference shape keeps one
-// split (the fewest waves among them: gpt-oss-120b at T = 1, 0.68, and qwen3-30b-a3b, 0.97).
+// rate; mixtral-8x7b (256 CTAs of 56 K tiles) 26.4 us for 62 MB.
+// Why the fewest that fill a wave, not the most within one ("the fewest splits that fill a
+// wave"): layer us, most-within -> fewest-filling, llama-4-scout T = 1 / 2 / 3 / 4 30.4 -> 28.3,
+// 50.1 -> 44.5, 67.0 -> 62.8, 88.0 -> 82.4; mixtral-8x7b 60.9 -> 59.1, 115.5 -> 108.1, 140.8 ->
+// 124.7, 140.2 -> 125.0; phi-3.5-moe T = 3 / 4 71.1 -> 66.1, 79.7 -> 75.2 (T = 1 32.1 -> 32.9);
+// gpt-oss-120b T = 1 27.2 -> 24.8. Why under 0.9 waves: near one wave a split only doubles the
+// CTAs (gpt-oss-120b T = 3, 0.99 waves: 51.6 -> 53.3 us; phi-3.5-moe T = 2, 0.91: 52.5 -> 52.4),
+// while 0.85 gained (mixtral-8x7b T = 2: -6%).
+constexpr double kFc2SplitMaxWaves = 0.9;
 // Only up to kFc2SplitMaxTokens: the case is a small-T one, and the bound keeps the workspace's
 // scan of where the splits change (moe_config_segment_ends) short.
 constexpr int kFc2SplitMaxTokens = 256;
@@ -977,11 +984,11 @@ constexpr int kFc2SplitMaxTokens = 256;
 int fc2_k_splits(const GemmTile& fc2, const ModelShape& shape, int tokens) {
   if (tokens > kFc2SplitMaxTokens || shape.intermediate <= kFc2ShortK) return 1;
   const double waves = expected_waves(shape, tokens, shape.hidden, fc2);
-  if (!(waves > 0.0) || waves >= 0.5) return 1;
+  if (!(waves > 0.0) || waves >= kFc2SplitMaxWaves) return 1;
   const int k_tiles = kern::moe::ceil_div(
       kern::moe::layout::fc2_dims(shape.intermediate, shape.hidden).k_atoms,
       fc2.block_k / kern::moe::layout::kAtomK);
-  int splits = static_cast<int>(std::min<double>(kMaxKSplits, std::floor(1.0 / waves)));
+  int splits = static_cast<int>(std::min<double>(kMaxKSplits, std::ceil(1.0 / waves)));
   splits = std::min(splits, k_tiles / fc2.stages);
   while (splits > 1 && (splits - 1) * kern::moe::ceil_div(k_tiles, splits) >= k_tiles) --splits;
   return std::max(splits, 1);
@@ -1178,7 +1185,7 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
     fc1_previous = fc1;
     fc2_previous = fc2;
   }
-  // FC2's K splits: they change with T only while FC2's CTAs fill under half a wave, and the
+  // FC2's K splits: they change with T while FC2's CTAs fill under kFc2SplitMaxWaves, and the
   // bytes of its rows change with them (moe_workspace_layout).
   {
     int previous = fc2_k_splits_at(shape, 1);

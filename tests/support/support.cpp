@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "driver/driver.hpp"
+#include "plan/moe_plan.hpp"
 
 namespace moejit::test {
 
@@ -181,7 +182,28 @@ int planned_marlin_kernels(const ModelShape& shape, bool sm90a) {
   // (The five tiles count one FC1 and one FC2 kernel for 8-row blocks.)
   const int fc1 = fc1_bucket_tiles(shape).count();
   const int fc2 = fc2_bucket_tiles(shape).count();
-  return kernels + std::max(fc1 - 1, 0) + std::max(fc2 - 1, 0);
+  return kernels + std::max(fc1 - 1, 0) + std::max(fc2 - 1, 0) +
+         static_cast<int>(fc2_split_kernels(shape).size());
+}
+
+std::vector<MarlinMoeParams> fc2_split_kernels(const ModelShape& shape) {
+  std::vector<MarlinMoeParams> out;
+  for (int t = 1; t <= std::min(shape.max_tokens, 300); ++t) {
+    const MarlinMoeParams fc2 = detail::choose_moe_config(shape, t).fc2;
+    if (fc2.k_splits > 1 && std::find(out.begin(), out.end(), fc2) == out.end()) out.push_back(fc2);
+  }
+  return out;
+}
+
+int fc2_split_combines(const ModelShape& shape) {
+  std::vector<MoeCombineParams> out;
+  for (int t = 1; t <= std::min(shape.max_tokens, 300); ++t) {
+    const MoeCombineParams combine = detail::choose_moe_config(shape, t).combine;
+    if (combine.k_splits > 1 && std::find(out.begin(), out.end(), combine) == out.end()) {
+      out.push_back(combine);
+    }
+  }
+  return static_cast<int>(out.size());
 }
 
 int run_command(const std::string& command, std::string* output) {

@@ -112,8 +112,12 @@ WideTiles wide_tiles(const ModelShape& shape, int first, int last);
 // 8-row blocks, 16-row blocks, 32-row, 64-row), FC1 and FC2 each; two more for each block size
 // whose T take two tiles on sm_90a (mma.sync and warpgroup, or warpgroup N = 64 and 128); one
 // more FC1 or FC2 for each further tile the T of 8-row blocks take (fc1_bucket_tiles,
-// fc2_bucket_tiles).
+// fc2_bucket_tiles); and each FC2 kernel that splits K (fc2_split_kernels).
 int planned_marlin_kernels(const ModelShape& shape, bool sm90a);
+// The distinct FC2 kernels that split K (MarlinMoeParams::k_splits > 1) over T = 1..300, as
+// choose_moe_config picks them, and the distinct combine kernels that add their row sets.
+std::vector<MarlinMoeParams> fc2_split_kernels(const ModelShape& shape);
+int fc2_split_combines(const ModelShape& shape);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);

@@ -214,7 +214,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
             CHECK(p->out_dtype == DType::kBF16);
           } else {
             CHECK(p->early_weights);
-            CHECK(p->out_dtype == DType::kBF16);  // bf16 rows, on every tile
+            // bf16 rows on every tile, fp32 partial rows where FC2 splits K
+            CHECK(p->out_dtype == (p->k_splits > 1 ? DType::kF32 : DType::kBF16));
           }
           CHECK(p->has_bias == shape.has_bias);
         }
@@ -268,8 +269,11 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       const int small_extra =
           std::max(fc1_small.count() - 1, 0) + std::max(fc2_small.count() - 1, 0);
       const int mid_extra = both_mid ? (moejit::test::fc2_mid_short_k_expected(shape) ? 1 : 2) : 0;
-      CHECK(count[Family::kMarlinMoe] ==
-            10 + mid_extra + (both_wide ? 2 : 0) + (both_prefill ? 2 : 0) + small_extra);
+      // And FC2 with its K split, where its CTAs fill under 0.9 of a wave (gpt-oss at T = 1).
+      const int split_extra = static_cast<int>(moejit::test::fc2_split_kernels(shape).size());
+      CHECK(split_extra == (shape.name.rfind("gpt-oss", 0) == 0 ? 1 : 0));
+      CHECK(count[Family::kMarlinMoe] == 10 + mid_extra + (both_wide ? 2 : 0) +
+                                             (both_prefill ? 2 : 0) + small_extra + split_extra);
       CHECK(count[Family::kMarlinMoe] == moejit::test::planned_marlin_kernels(shape, sm90a));
       // (16-row blocks: block_m 128 on both the mma.sync tile and the warpgroup one.)
       std::set<std::pair<int, int>> tiles{{32, 8}, {128, 16}, {64, 32}, {128, 64}};
@@ -287,8 +291,11 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // One rank kernel per chunk size (the planner's two: 1024 and 4096 entries).
       CHECK(rank_kernels == 2);
       CHECK(count[Family::kRepack] == 2);
-      // Small-T and large-T CTAs, over bf16 rows from every FC2 tile.
-      CHECK(count[Family::kCombine] == 2);
+      // Small-T and large-T CTAs, over bf16 rows from every FC2 tile, and one for each set of
+      // fp32 split rows (gpt-oss at T = 1).
+      CHECK(count[Family::kCombine] == 2 + moejit::test::fc2_split_combines(shape));
+      CHECK(moejit::test::fc2_split_combines(shape) ==
+            (shape.name.rfind("gpt-oss", 0) == 0 ? 1 : 0));
       CHECK(count[Family::kNarrowIds] == (shape.id_dtype == DType::kI64 ? 1 : 0));
       CHECK(count[Family::kAppendShared] == (shape.shared.count > 0 ? 1 : 0));
       // decode_moe needs sm_90: an sm_80 prewarm plans none. On sm_120 it plans the tiles that
@@ -371,23 +378,26 @@ TEST_CASE("moe plan: public shapes beyond the reference set plan valid kernels o
   }
 }
 
-TEST_CASE("moe plan: FC2 splits a long K where its CTAs fill under half a wave", "[plan]") {
-  // Reference shapes: never (their fewest FC2 waves, gpt-oss-120b at T = 1, are 0.68).
+TEST_CASE("moe plan: FC2 splits a long K where its CTAs fill under 0.9 of a wave", "[plan]") {
+  // Reference shapes: only gpt-oss-120b and gpt-oss-20b at T = 1 (four experts x 90 CTAs of
+  // 32 rows: 0.68 of the 528 slots; two splits of 6 K tiles fill a wave). Short-K shapes never.
   for (const ModelShape& shape : reference_shapes()) {
     INFO(shape.name);
+    const bool gpt_oss = shape.name == "gpt-oss-120b" || shape.name == "gpt-oss-20b";
     for (int t = 1; t <= 300; ++t) {
+      INFO("T = " << t);
       const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
-      CHECK(c.fc2.k_splits == 1);
-      CHECK(c.combine.k_splits == 1);
+      CHECK(c.fc2.k_splits == (gpt_oss && t == 1 ? 2 : 1));
+      CHECK(c.combine.k_splits == c.fc2.k_splits);
     }
   }
   // Public shapes with few experts and a long K: at T = 1 llama-4-scout's one expert gives FC2
-  // H / 32 = 160 CTAs for 528 slots (three splits of 32 K tiles: 11, 11, 10); mixtral-8x7b's and
-  // phi-3.5-moe's two experts 2 x 128 = 256 (two splits). Where the splits apply, FC2 writes fp32
-  // rows, combine adds as many sets, and each split holds at least a ring of K tiles.
+  // H / 32 = 160 CTAs for 528 slots (0.30 of a wave: four splits of 8 K tiles); mixtral-8x7b's and
+  // phi-3.5-moe's two experts 2 x 128 = 256 (0.48: three splits). Where the splits apply, FC2
+  // writes fp32 rows, combine adds as many sets, and each split holds at least a ring of K tiles.
   const std::vector<ModelShape> shapes = moejit::test::public_shapes();
   const std::vector<std::pair<std::string, int>> at_t1 = {
-      {"llama-4-scout", 3}, {"mixtral-8x7b", 2}, {"phi-3.5-moe", 2}, {"deepseek-v3", 1},
+      {"llama-4-scout", 4}, {"mixtral-8x7b", 3}, {"phi-3.5-moe", 3}, {"deepseek-v3", 1},
       {"qwen3-235b-a22b", 1}, {"qwen1.5-moe-a2.7b", 1}, {"olmoe-1b-7b", 1},
       {"granite-3.0-3b-a800m", 1}};
   for (const auto& [name, splits] : at_t1) {
