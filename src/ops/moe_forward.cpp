@@ -65,7 +65,7 @@ void check_options(const MoeForwardOptions& options) {
 // Why here and cold: only a forced decode path that can't run formats a message.
 [[noreturn]] __attribute__((cold, noinline)) void throw_decode_refused(const std::string& reason) {
   throw Error(ErrorCode::kUnsupported,
-              std::string(kOp) + ": options.path = decode can't serve this call: " + reason +
+              std::string(kOp) + ": a forced decode path can't serve this call: " + reason +
                   " (the auto or the marlin path serves it)");
 }
 
@@ -289,7 +289,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     // lands here.
     throw Error(ErrorCode::kInternal,
                 std::string(kOp) +
-                    ": options.path = decode: the planner chose no decode_moe tile for T = " +
+                    ": a forced decode path: the planner chose no decode_moe tile for T = " +
                     std::to_string(t) + " although decode_moe_problem accepts shape \"" +
                     shape.name + "\"");
   }
