@@ -116,9 +116,9 @@ struct MarlinMoeParams {
   // each, warps_n = warps_k = 1 and block_k = 64; block_n (the route block) is wgmma_n / 1, 2,
   // 4, 8 or 16 (at least 8): a CTA takes that many consecutive blocks of one expert.
   int wgmma_n = 0;
-  // FC2 of the mma.sync main loop only: CTAs per M tile, each summing one contiguous range of
-  // the K tiles into a set of fp32 rows of its own (out_dtype f32); combine adds the sets in
-  // split order (MoeCombineParams::k_splits). 1: no split.
+  // FC2 only: CTAs per M tile, each summing one contiguous range of the K tiles into a set of
+  // fp32 rows of its own (out_dtype f32); combine adds the sets in split order
+  // (MoeCombineParams::k_splits). 1: no split.
   int k_splits = 1;
 
   friend bool operator==(const MarlinMoeParams& a, const MarlinMoeParams& b) {

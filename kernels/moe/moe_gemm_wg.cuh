@@ -38,8 +38,9 @@
 // - Epilogue: after the last wait the accumulators are in mma.sync's C order per 8-token
 //   slice; moe_gemm.cuh's Fc1Epilogue / Fc2Epilogue turn them into outputs (activation, bias,
 //   top-k weight), which go through a staging tile in shared memory so each token's row leaves
-//   in whole 16-byte pieces. One CTA owns each output element (no split-K): results are
-//   bitwise deterministic.
+//   in whole 16-byte pieces. One CTA owns each output element: results are bitwise
+//   deterministic. With K splits (FC2, kKSplits > 1, as moe_gemm.cuh's) each split's CTA owns
+//   its own fp32 row set, which combine adds in split order.
 // - PDL: as moe_gemm.cuh (kEarlyWeights: weight prologue before the wait for inputs, which is
 //   griddepcontrol.wait or, with a MoeGemmChain, FC1's count of the CTA's own group).
 #pragma once
@@ -56,7 +57,7 @@
 namespace moejit::kern::moe {
 
 template <int kBlockN_, int kWarpGroups_, int kWgTilesM_, int kStages_, int kMinBlocksPerSm_,
-          int kRouteBlock_, bool kEarlyWeights_, class Epilogue_>
+          int kRouteBlock_, bool kEarlyWeights_, class Epilogue_, int kKSplits_ = 1>
 struct MoeGemmWgTraits {
   static constexpr int kBlockN = kBlockN_;          // tokens per CTA tile = wgmma N
   static constexpr int kWarpGroups = kWarpGroups_;  // warpgroups, each with its own weight rows
@@ -67,6 +68,10 @@ struct MoeGemmWgTraits {
   static constexpr int kRouteBlock = kRouteBlock_;
   static constexpr bool kEarlyWeights = kEarlyWeights_;  // weight prologue before input wait
   using Epilogue = Epilogue_;  // Fc1Epilogue<Act, bias> or Fc2Epilogue<bf16 out, bias>
+  // CTAs per M tile along K (FC2 only), as moe_gemm.cuh's kKSplits: CTA x = split * m_tiles +
+  // m_tile sums the split-th range of K tiles into row set `split` of out2, a set being
+  // blocks * kBlockN rows (the groups provisioned x their rows: at least the route's padded rows).
+  static constexpr int kKSplits = kKSplits_;
 
   static constexpr int kGroupBlocks = kBlockN / kRouteBlock;  // route blocks per CTA tile
   static constexpr int kQuarter = kBlockN / 4;  // the step of the CTA's wgmma widths
@@ -126,6 +131,9 @@ struct MoeGemmWgTraits {
                 "shared memory over the sm_90 limit (227 KB): lower kStages or kBlockN");
   static_assert(kMinBlocksPerSm >= 1, "kMinBlocksPerSm must be >= 1");
   static_assert(kStagingRowBytes % 16 == 0, "a staged output row must be whole 16-byte pieces");
+  static_assert(kKSplits >= 1 && kKSplits <= kMaxKSplits, "kKSplits must be in 1..kMaxKSplits");
+  static_assert(kKSplits == 1 || (!Epilogue::kGatherTokens && !Epilogue::kOutBf16),
+                "K splits are for FC2 with fp32 rows only (moe_gemm.cuh's MoeGemmTraits)");
 };
 
 // One CTA's tile of the route's group list (route_params.cuh group_tiles): block < 0 past the
@@ -150,10 +158,13 @@ struct Int {
 // One CTA tile: kN tokens (route rows row0 .. row0 + kN - 1, those from row0 + limit on
 // treated as padding: they belong to the next expert) x the CTA's kBlockM weight rows, over all
 // of K, then the epilogue.
+// With K splits, the CTA's K tiles are kt0 .. kt0 + k_tiles - 1 and its outputs go to row set
+// `split` (kKSplits == 1: all of K, set 0).
 template <class T, int kN>
 __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmChain& chain,
-                                          i32 expert, i32 row0, i32 limit, i32 m_atom0, u8* smem,
-                                          u32 smem_base, i32* s_ids, i32* s_rows) {
+                                          i32 expert, i32 row0, i32 limit, i32 m_atom0, i32 split,
+                                          i32 kt0, i32 k_tiles, u8* smem, u32 smem_base,
+                                          i32* s_ids, i32* s_rows) {
   using Epi = typename T::Epilogue;
   const i32 tid = static_cast<i32>(threadIdx.x);
   const i32 lane = tid & 31;
@@ -165,7 +176,6 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
   BlockRows<kN, T::kThreads> rows;  // to shared memory after the weight prologue
   rows.load(p, tid, row0, limit);
 
-  const i32 k_tiles = p.k_atoms;
   const layout::Dims dims{p.m_atoms, p.k_atoms};
 
   // Why no evict-first hint (unlike moe_gemm.cuh): at these T an expert's weights are read
@@ -188,7 +198,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
     const i32 c = tid + i * T::kThreads;
     const i32 ma = m_atom0 + c / 32;
     w_src[i] = p.weights +
-               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, 0) * layout::kAtomBytes +
+               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, kt0) * layout::kAtomBytes +
                (c % 32) * 16;
   }
 #pragma unroll
@@ -196,11 +206,11 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
     const i32 c = tid + i * T::kThreads;
     const i32 ma = m_atom0 + c / 2;
     s_src[i] = p.scales +
-               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, 0) *
+               layout::atom_index(dims, expert, ma < p.m_atoms ? ma : 0, kt0) *
                    layout::kAtomScaleBytes +
                (c % 2) * 16;
   }
-  // Copies K tile kt into `stage`.
+  // Copies the CTA's K tile kt (kt0 + kt of the matrix) into `stage`.
   auto load_weights = [&](i32 stage, i32 kt) {
     const u32 dst = smem_base + stage * T::kStageBytes + T::kStageInputBytes;
 #pragma unroll
@@ -233,7 +243,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
   const u32 in_dst = static_cast<u32>((tid / kChunksPerRow) * T::kInputRowBytes +
                                       ((in_j ^ ((tid / kChunksPerRow) & 7)) * 16));
   // Element offsets of the copies' sources from p.input, + 64 per tile (32 bits: an input of
-  // 2^32 elements would be 8 GB).
+  // 2^32 elements would be 8 GB), from the CTA's first K tile kt0.
   u32 in_off[kNI];
   u32 in_real = 0;  // bit i: copy i is of a real token row (else zero-filled, nothing read)
   auto setup_inputs = [&] {
@@ -242,16 +252,17 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
       const i32 n = (tid / kChunksPerRow + i * kRowsPerCopy) % kN;
       const i32 row = s_rows[n];
       in_real |= (row >= 0 ? 1u : 0u) << i;
-      in_off[i] = static_cast<u32>((row >= 0 ? static_cast<i64>(row) * p.ld_input : 0) + in_j * 8);
+      in_off[i] = static_cast<u32>((row >= 0 ? static_cast<i64>(row) * p.ld_input : 0) + in_j * 8 +
+                                   kt0 * T::kBlockK);
     }
   };
-  // Copies K tile kt (the one after the previous call's) into `stage`.
+  // Copies the CTA's K tile kt (the one after the previous call's) into `stage`.
   auto load_inputs = [&](i32 stage, i32 kt) {
     const u32 dst = smem_base + stage * T::kStageBytes + in_dst;
     // All ones where this thread's chunk lies inside K, else 0: it masks the bytes (zero-filled
     // past K) and the source offset (so no address past a row is formed). Padding rows' offsets
     // stay inside row 0, which always exists.
-    const u32 k_mask = in_j * 8 < p.in_features - kt * T::kBlockK ? ~0u : 0u;
+    const u32 k_mask = in_j * 8 < p.in_features - (kt0 + kt) * T::kBlockK ? ~0u : 0u;
 #pragma unroll
     for (i32 i = 0; i < kNI; ++i) {
       const i32 c = tid + i * T::kThreads;
@@ -431,6 +442,7 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
       for (i32 r = 0; r < 2; ++r) {
         const i32 col = m_atom * layout::kAtomRows + e_g + 8 * r;
         bias[r] = Epi::bias(p, e_expert, col < p.out_features ? col : p.out_features - 1);
+        if constexpr (T::kKSplits > 1) bias[r] = split == 0 ? bias[r] : 0.0f;  // added once a row
       }
 #pragma unroll
       for (i32 s8 = 0; s8 < kN / 8; ++s8) {
@@ -466,7 +478,10 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
     const i32 f0 = f_base + (c % kPiecesPerRow) * kPerPiece;
     if (s_ids[n] < 0 || f0 >= p.out_features) continue;
     const u8* src = smem + n * T::kStagingRowBytes + (c % kPiecesPerRow) * 16;
-    Out* dst = out + (static_cast<i64>(e_row0) + n) * p.ld_output + f0;
+    // Split s's rows follow split s - 1's: blocks * kBlockN rows a set (the host sizes out2).
+    const i64 set_row0 =
+        T::kKSplits == 1 ? 0 : static_cast<i64>(split) * p.blocks * T::kBlockN;
+    Out* dst = out + (set_row0 + e_row0 + n) * p.ld_output + f0;
     if (aligned && f0 + kPerPiece <= p.out_features) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
@@ -496,7 +511,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     ::moejit::kern::ptx::launch_dependents();
   }
   const CtaTile cta = cta_tile();
-  const i32 m_atom0 = cta.m_tile * T::kAtomsM;
+  // With K splits, x = split * m_tiles + m_tile (the host's grid: m_tiles * kKSplits in x), and
+  // split s takes the s-th range of ceil(k_atoms / kKSplits) K tiles (one atom column each).
+  const i32 m_tiles = ceil_div(p.m_atoms, T::kAtomsM);
+  const i32 split = T::kKSplits == 1 ? 0 : cta.m_tile / m_tiles;
+  const i32 m_atom0 = (T::kKSplits == 1 ? cta.m_tile : cta.m_tile % m_tiles) * T::kAtomsM;
+  const i32 split_tiles = ceil_div(p.k_atoms, T::kKSplits);
+  const i32 kt0 = split * split_tiles;
+  const i32 k_tiles = T::kKSplits == 1 ? p.k_atoms : max(0, min(p.k_atoms - kt0, split_tiles));
   if (cta.block >= p.blocks) return;  // the y x z rectangle's last groups
   const GroupTile group = group_tile(p, cta.block);
   if (group.block < 0) return;  // past the groups route used: the grid's tail
@@ -512,8 +534,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 lane = static_cast<i32>(threadIdx.x) & 31;
   const i32 quarters = __popc(__ballot_sync(~0u, lane * T::kQuarter < limit));
   auto tile = [&](auto n) {
-    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, chain, expert, row0, limit, m_atom0, smem,
-                                                 smem_base, s_ids, s_rows);
+    wg_detail::gemm_tile<T, decltype(n)::kValue>(p, chain, expert, row0, limit, m_atom0, split,
+                                                 kt0, k_tiles, smem, smem_base, s_ids, s_rows);
   };
   if (quarters == 4) {
     tile(wg_detail::Int<T::kBlockN>{});

@@ -191,11 +191,14 @@ FamilyText family_text(const MarlinMoeParams& p) {
     name << kMoeNs << "moe_gemm_wg<" << kMoeNs << "MoeGemmWgTraits<" << p.wgmma_n << ", " << groups
          << ", " << p.block_m / (64 * groups) << ", " << p.stages << ", " << p.min_blocks_per_sm
          << ", " << p.block_n << ", "
-         << (p.early_weights ? "true" : "false") << ", " << epilogue << ">>";
+         << (p.early_weights ? "true" : "false") << ", " << epilogue;
+    if (p.k_splits != 1) name << ", " << p.k_splits;  // MoeGemmWgTraits' kKSplits, default 1
+    name << ">>";
     std::ostringstream stem;
     stem << "marlin_moe_" << moe_gemm_stage_name(p.stage) << "_wgmma" << p.wgmma_n << "_m"
          << p.block_m << "_n" << p.block_n << "_s" << p.stages << "_g" << groups << "_o"
          << p.min_blocks_per_sm;
+    if (p.k_splits != 1) stem << "_ks" << p.k_splits;
     if (p.early_weights) stem << "_early";
     if (fc1) stem << '_' << epilogue_stem;
     if (p.has_bias) stem << "_bias";

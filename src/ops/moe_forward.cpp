@@ -465,7 +465,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   combine.out = static_cast<unsigned short*>(out.data);
   combine.ld_in = hidden_size;
   combine.ld_out = hidden_size;
-  combine.split_rows = static_cast<long long>(fc2.blocks) * specs.fc2_params.block_n;
+  combine.split_rows = detail::fc2_set_rows(specs.fc2_params, layout);
   combine.num_tokens = t;
   {
     void* combine_args[] = {&combine};

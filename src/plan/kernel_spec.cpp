@@ -220,12 +220,11 @@ std::string marlin_problem(const MarlinMoeParams& p) {
        << " is not a GEMM of the layer; allowed: fc1, fc2";
   } else if (p.k_splits < 1 || p.k_splits > detail::kMaxKSplits) {
     os << "k_splits = " << p.k_splits << " is out of range; allowed: 1.." << detail::kMaxKSplits;
-  } else if (p.k_splits > 1 &&
-             (p.stage != MoeGemmStage::kFc2 || p.wgmma_n != 0 || p.out_dtype != DType::kF32)) {
+  } else if (p.k_splits > 1 && (p.stage != MoeGemmStage::kFc2 || p.out_dtype != DType::kF32)) {
     os << "k_splits = " << p.k_splits << " with stage " << moe_gemm_stage_name(p.stage)
-       << ", wgmma_n = " << p.wgmma_n << ", out_dtype = " << detail::dtype_short_name(p.out_dtype)
-       << "; allowed: k_splits > 1 only for fc2 on the mma.sync main loop (wgmma_n = 0) with "
-          "out_dtype f32 (each split writes fp32 partial rows that combine adds)";
+       << ", out_dtype = " << detail::dtype_short_name(p.out_dtype)
+       << "; allowed: k_splits > 1 only for fc2 with out_dtype f32 (each split writes fp32 "
+          "partial rows that combine adds)";
   } else if (p.wgmma_n != 0) {
     return wgmma_problem(p);
   } else if (p.warps_m < 1 || p.warps_n < 1 || p.warps_k < 1) {

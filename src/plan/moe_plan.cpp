@@ -981,22 +981,42 @@ constexpr double kFc2SplitMaxWaves = 0.9;
 constexpr int kFc2SplitMaxTokens = 256;
 // And never over a short K (I <= kFc2ShortK): there a CTA's fixed costs already outweigh its
 // few K tiles (kFc2ShortKTiles), and a split would halve those again.
-int fc2_k_splits(const GemmTile& fc2, const ModelShape& shape, int tokens) {
+// The splits of an FC2 whose CTAs fill `waves` of the slots, over `block_k`-wide K tiles run
+// `stages` deep (the rule above).
+int k_splits_for(const ModelShape& shape, int tokens, double waves, int block_k, int stages) {
   if (tokens > kFc2SplitMaxTokens || shape.intermediate <= kFc2ShortK) return 1;
-  const double waves = expected_waves(shape, tokens, shape.hidden, fc2);
   if (!(waves > 0.0) || waves >= kFc2SplitMaxWaves) return 1;
   const int k_tiles = kern::moe::ceil_div(
       kern::moe::layout::fc2_dims(shape.intermediate, shape.hidden).k_atoms,
-      fc2.block_k / kern::moe::layout::kAtomK);
+      block_k / kern::moe::layout::kAtomK);
   int splits = static_cast<int>(std::min<double>(kMaxKSplits, std::ceil(1.0 / waves)));
-  splits = std::min(splits, k_tiles / fc2.stages);
+  splits = std::min(splits, k_tiles / stages);
   while (splits > 1 && (splits - 1) * kern::moe::ceil_div(k_tiles, splits) >= k_tiles) --splits;
   return std::max(splits, 1);
 }
-// The K splits of choose_moe_config(shape, tokens).fc2.
+int fc2_k_splits(const GemmTile& fc2, const ModelShape& shape, int tokens) {
+  return k_splits_for(shape, tokens, expected_waves(shape, tokens, shape.hidden, fc2), fc2.block_k,
+                      fc2.stages);
+}
+// The warpgroup FC2's splits: its CTAs are each touched expert's groups of wgmma_n rows times its
+// M tiles of 64 x warpgroups x tiles_m rows.
+int fc2_wgmma_k_splits(const WgmmaTile& wg, const ModelShape& shape, int tokens) {
+  const double touched = expected_experts_touched(shape, tokens);
+  if (!(touched > 0.0)) return 1;
+  const double rows = static_cast<double>(tokens) * shape.top_k / touched;  // a touched expert's
+  const double groups = touched * std::max(1.0, std::ceil(rows / wg.wgmma_n));
+  const int m_tiles = kern::moe::ceil_div(shape.hidden, 64 * wg.warpgroups * wg.tiles_m);
+  const double waves =
+      groups * m_tiles / (static_cast<double>(kDecodePlannedSms) * wg.min_blocks_per_sm);
+  return k_splits_for(shape, tokens, waves, kern::moe::layout::kAtomK, wg.stages);
+}
+// The K splits of choose_moe_config(shape, tokens)'s two FC2 tiles, as one number (mma.sync x 16
+// + warpgroup): where it changes, so may the bytes of FC2's rows.
 int fc2_k_splits_at(const ModelShape& shape, int tokens) {
   const GemmTile& tile = tile_for(shape, tokens);
-  return fc2_k_splits(fc2_tile_for(tile, shape, tokens), shape, tokens);
+  const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
+  return fc2_k_splits(fc2_tile_for(tile, shape, tokens), shape, tokens) * 16 +
+         (wg != nullptr ? fc2_wgmma_k_splits(*wg, shape, tokens) : 1);
 }
 
 }  // namespace
@@ -1034,6 +1054,8 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
     c.wgmma = true;
     c.fc1_wgmma = wgmma_params(*wg, MoeGemmStage::kFc1, shape);
     c.fc2_wgmma = wgmma_params(*wg, MoeGemmStage::kFc2, shape);
+    c.fc2_wgmma.k_splits = fc2_wgmma_k_splits(*wg, shape, tokens);
+    if (c.fc2_wgmma.k_splits > 1) c.fc2_wgmma.out_dtype = DType::kF32;  // partial sums
   }
 
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
@@ -1064,8 +1086,10 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens) {
   c.combine.block_threads = tokens <= kCombineSmallTokens ? kCombineSmallThreads : kCombineThreads;
   c.combine.k_splits = c.fc2.k_splits;
   c.combine_wgmma = c.combine;
-  c.combine_wgmma.k_splits = 1;  // the warpgroup FC2 never splits K
-  if (c.wgmma) c.combine_wgmma.in_dtype = c.fc2_wgmma.out_dtype;
+  if (c.wgmma) {
+    c.combine_wgmma.in_dtype = c.fc2_wgmma.out_dtype;
+    c.combine_wgmma.k_splits = c.fc2_wgmma.k_splits;
+  }
   return c;
 }
 
@@ -1245,6 +1269,10 @@ GemmPrefetch fc1_prefetch(const ModelShape& shape, const MoeForwardConfig& confi
   return out;
 }
 
+long long fc2_set_rows(const MarlinMoeParams& fc2, const MoeWorkspaceLayout& layout) {
+  return fc2.wgmma_n != 0 ? layout.max_groups * fc2.wgmma_n : layout.max_blocks * fc2.block_n;
+}
+
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config) {
   const long long rows = static_cast<long long>(config.tokens) * shape.top_k;
   const kern::moe::RouteWorkspaceLayout route =
@@ -1271,12 +1299,18 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
   at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
                          static_cast<std::size_t>(shape.intermediate) * 2);
   w.out2 = at;
-  // FC2's rows: one set of padded rows per K split, in the mma.sync tile's element type (the
-  // warpgroup tile's, where it runs, writes one set of bf16 rows: never more).
-  const std::size_t out2_elem = config.fc2.out_dtype == DType::kF32 ? 4 : 2;
-  at = align_up(at + static_cast<std::size_t>(config.fc2.k_splits) *
-                         static_cast<std::size_t>(w.padded_rows) *
-                         static_cast<std::size_t>(shape.hidden) * out2_elem);
+  // FC2's rows: one set per K split, of the padded rows (the mma.sync tile) or of the groups
+  // provisioned x their rows (the warpgroup tile: at least the padded rows), in the element
+  // type of whichever FC2 tile a device runs.
+  const auto out2_bytes = [&](const MarlinMoeParams& fc2, long long set_rows) {
+    return static_cast<std::size_t>(fc2.k_splits) * static_cast<std::size_t>(set_rows) *
+           static_cast<std::size_t>(shape.hidden) * (fc2.out_dtype == DType::kF32 ? 4u : 2u);
+  };
+  std::size_t out2 = out2_bytes(config.fc2, w.padded_rows);
+  if (config.wgmma) {
+    out2 = std::max(out2, out2_bytes(config.fc2_wgmma, fc2_set_rows(config.fc2_wgmma, w)));
+  }
+  at = align_up(at + out2);
   w.marlin_bytes = at;
   if (config.decode) {
     w.decode_bytes = static_cast<std::size_t>(decode_moe_workspace_bytes(config.decode_second));

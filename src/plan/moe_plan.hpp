@@ -226,6 +226,12 @@ struct MoeWorkspaceLayout {
   long long padded_rows = 0;     // max_blocks * block
   long long max_groups = 0;      // groups provisioned: the warpgroup GEMMs' grid.y x grid.z
 };
+
+// Rows of one of FC2's K-split row sets (MarlinMoeParams::k_splits; the kernels' p.blocks x their
+// kBlockN): the route's padded rows for the mma.sync tile, its groups x wgmma_n for the warpgroup
+// tile. Combine steps from set to set by this many rows.
+long long fc2_set_rows(const MarlinMoeParams& fc2, const MoeWorkspaceLayout& layout);
+// The workspace regions of one config (route arrays, FC1's rows, FC2's row sets).
 MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwardConfig& config);
 
 // max over T in [1, max_tokens] of moe_workspace_layout(...).bytes, and of the decode workspace

@@ -380,7 +380,8 @@ TEST_CASE("moe plan: public shapes beyond the reference set plan valid kernels o
 
 TEST_CASE("moe plan: FC2 splits a long K where its CTAs fill under 0.9 of a wave", "[plan]") {
   // Reference shapes: only gpt-oss-120b and gpt-oss-20b at T = 1 (four experts x 90 CTAs of
-  // 32 rows: 0.68 of the 528 slots; two splits of 6 K tiles fill a wave). Short-K shapes never.
+  // 32 rows: 0.68 of the 528 slots; two splits of 6 K tiles fill a wave). Short-K shapes never,
+  // and never the warpgroup FC2.
   for (const ModelShape& shape : reference_shapes()) {
     INFO(shape.name);
     const bool gpt_oss = shape.name == "gpt-oss-120b" || shape.name == "gpt-oss-20b";
@@ -389,6 +390,7 @@ TEST_CASE("moe plan: FC2 splits a long K where its CTAs fill under 0.9 of a wave
       const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
       CHECK(c.fc2.k_splits == (gpt_oss && t == 1 ? 2 : 1));
       CHECK(c.combine.k_splits == c.fc2.k_splits);
+      CHECK(c.fc2_wgmma.k_splits == 1);
     }
   }
   // Public shapes with few experts and a long K: at T = 1 llama-4-scout's one expert gives FC2
@@ -410,8 +412,21 @@ TEST_CASE("moe plan: FC2 splits a long K where its CTAs fill under 0.9 of a wave
       INFO("T = " << t);
       const detail::MoeForwardConfig c = detail::choose_moe_config(shape, t);
       CHECK(c.combine.k_splits == c.fc2.k_splits);
-      CHECK(c.combine_wgmma.k_splits == 1);
-      CHECK(c.fc2_wgmma.k_splits == 1);
+      CHECK(c.combine_wgmma.k_splits == (c.wgmma ? c.fc2_wgmma.k_splits : c.fc2.k_splits));
+      // The warpgroup FC2 splits only mixtral-8x7b's (8 experts x 32 CTAs of 128 rows, 0.48 of
+      // a wave: 3 splits), from 14 rows an expert (T = 56) to T = 256.
+      if (c.wgmma) {
+        const bool mixtral_split = shape.name == "mixtral-8x7b" && t <= 256;
+        CHECK(c.fc2_wgmma.k_splits == (mixtral_split ? 3 : 1));
+        CHECK(c.fc2_wgmma.out_dtype == (mixtral_split ? DType::kF32 : DType::kBF16));
+        CHECK(c.combine_wgmma.in_dtype == c.fc2_wgmma.out_dtype);
+        if (mixtral_split) {
+          const detail::MoeWorkspaceLayout w = detail::moe_workspace_layout(shape, c);
+          CHECK(w.marlin_bytes >= w.out2 + 3u * static_cast<std::size_t>(w.max_groups) *
+                                               c.fc2_wgmma.wgmma_n * shape.hidden * 4);
+          CHECK(moejit::moe_workspace_bytes(shape, t) >= w.bytes);
+        }
+      }
       if (c.fc2.k_splits == 1) continue;
       CHECK(t <= 256);
       CHECK(shape.intermediate > 768);
@@ -1028,7 +1043,9 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
     wg_split.activation = moejit::Activation{};
     wg_split.out_dtype = DType::kF32;
     wg_split.k_splits = 2;
-    expect_refused(Family::kMarlinMoe, wg_split, {"k_splits = 2", "wgmma_n = 128", "mma.sync"});
+    CHECK(moejit::supports(spec_of(Family::kMarlinMoe, wg_split)).empty());
+    wg_split.out_dtype = DType::kBF16;
+    expect_refused(Family::kMarlinMoe, wg_split, {"k_splits = 2", "out_dtype = bf16", "f32"});
   }
   // The warpgroup main loop (MoeGemmWgTraits): its own geometry rules, and sm_90a only.
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_wgmma_fc1())).empty());
