@@ -979,10 +979,9 @@ constexpr double kFc2SplitMaxWaves = 0.9;
 // Only up to kFc2SplitMaxTokens: the case is a small-T one, and the bound keeps the workspace's
 // scan of where the splits change (moe_config_segment_ends) short.
 constexpr int kFc2SplitMaxTokens = 256;
-// And never over a short K (I <= kFc2ShortK): there a CTA's fixed costs already outweigh its
-// few K tiles (kFc2ShortKTiles), and a split would halve those again.
 // The splits of an FC2 whose CTAs fill `waves` of the slots, over `block_k`-wide K tiles run
-// `stages` deep (the rule above).
+// `stages` deep (the rule above). Never over a short K (I <= kFc2ShortK): there a CTA's fixed
+// costs already outweigh its few K tiles (kFc2ShortKTiles), and a split would halve those again.
 int k_splits_for(const ModelShape& shape, int tokens, double waves, int block_k, int stages) {
   if (tokens > kFc2SplitMaxTokens || shape.intermediate <= kFc2ShortK) return 1;
   if (!(waves > 0.0) || waves >= kFc2SplitMaxWaves) return 1;
@@ -1299,17 +1298,17 @@ MoeWorkspaceLayout moe_workspace_layout(const ModelShape& shape, const MoeForwar
   at = align_up(at + static_cast<std::size_t>(w.padded_rows) *
                          static_cast<std::size_t>(shape.intermediate) * 2);
   w.out2 = at;
-  // FC2's rows: one set per K split, of the padded rows (the mma.sync tile) or of the groups
-  // provisioned x their rows (the warpgroup tile: at least the padded rows), in the element
-  // type of whichever FC2 tile a device runs.
-  const auto out2_bytes = [&](const MarlinMoeParams& fc2, long long set_rows) {
-    return static_cast<std::size_t>(fc2.k_splits) * static_cast<std::size_t>(set_rows) *
-           static_cast<std::size_t>(shape.hidden) * (fc2.out_dtype == DType::kF32 ? 4u : 2u);
+  // FC2's rows, for whichever FC2 tile a device runs: the padded rows, or with K splits
+  // k_splits sets of fc2_set_rows rows each (for the warpgroup tile its groups x their rows, at
+  // least the padded rows), in the tile's element type.
+  const auto out2_bytes = [&](const MarlinMoeParams& fc2) {
+    const long long out_rows =
+        fc2.k_splits == 1 ? w.padded_rows : fc2.k_splits * fc2_set_rows(fc2, w);
+    return static_cast<std::size_t>(out_rows) * static_cast<std::size_t>(shape.hidden) *
+           (fc2.out_dtype == DType::kF32 ? 4u : 2u);
   };
-  std::size_t out2 = out2_bytes(config.fc2, w.padded_rows);
-  if (config.wgmma) {
-    out2 = std::max(out2, out2_bytes(config.fc2_wgmma, fc2_set_rows(config.fc2_wgmma, w)));
-  }
+  std::size_t out2 = out2_bytes(config.fc2);
+  if (config.wgmma) out2 = std::max(out2, out2_bytes(config.fc2_wgmma));
   at = align_up(at + out2);
   w.marlin_bytes = at;
   if (config.decode) {
