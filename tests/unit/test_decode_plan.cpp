@@ -891,10 +891,10 @@ TEST_CASE("decode_moe pair: the planner's choice, its rules, names and the SM it
 
 TEST_CASE("moe_forward's automatic path takes decode_moe at T = 1 only where the pair serves",
           "[plan][decode]") {
-  // The public shapes decode_moe serves, with or without the two-launch pair at T = 1: the pair
-  // refuses the ones whose I leaves its FC2 too few shared-memory units (I >= 1536 here), and on
-  // those the persistent tile lost to marlin_moe at T = 1 (tools/PERF_LOG.md, "the eight public
-  // shapes on both paths"), so an automatic call takes marlin_moe there.
+  // The public shapes decode_moe serves, with or without the two-launch pair at T = 1: the
+  // pair's rules refuse the ones with I >= 1536 here, and on those the persistent tile lost to
+  // marlin_moe at T = 1 (tools/PERF_LOG.md, "the eight public shapes on both paths"), so an
+  // automatic call takes marlin_moe there.
   const std::vector<std::string> with_pair = {"qwen1.5-moe-a2.7b", "olmoe-1b-7b",
                                               "granite-3.0-3b-a800m"};
   const std::vector<std::string> without_pair = {"mixtral-8x7b", "deepseek-v3", "qwen3-235b-a22b",

@@ -1018,7 +1018,7 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
       {[](MarlinMoeParams& p) { p.activation.beta = 4.f; },
        {"beta = 4", "takes no beta"},
        "sm_90a"},
-      // K splits: FC2 on the mma.sync loop with fp32 rows only, 1..8.
+      // K splits: FC2 with fp32 rows only (either main loop), 1..8.
       {[](MarlinMoeParams& p) { p.k_splits = 0; }, {"k_splits = 0", "1..8"}, "sm_90a"},
       {[](MarlinMoeParams& p) { p.k_splits = 9; }, {"k_splits = 9", "1..8"}, "sm_90a"},
       {[](MarlinMoeParams& p) { p.k_splits = 2; },
