@@ -14,8 +14,7 @@
 // (moe_decode_problem), or for T <= 2 two kernels (FC1, then FC2 with the top-k sum) where H is
 // also a multiple of 512; and marlin_moe, route -> FC1 -> FC2 -> combine, for every shape and every
 // T. MoePath::kAuto takes the faster one (decode_moe's two-kernel tile for T = 1 where it serves;
-// see MoePath),
-// MoeForwardOptions can force either.
+// see MoePath); MoeForwardOptions can force either.
 //
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
 // contiguous (row-major, strides null or compact). Shapes use E = shape.num_experts (local),
