@@ -10,6 +10,7 @@
 #include <moejit/kern/moe/params.cuh>
 #include <moejit/kern/moe/route_params.cuh>
 #include <sstream>
+#include <utility>
 
 #include "moejit/error.hpp"
 #include "plan/decode_geometry.hpp"
@@ -1009,14 +1010,6 @@ int fc2_wgmma_k_splits(const WgmmaTile& wg, const ModelShape& shape, int tokens)
       groups * m_tiles / (static_cast<double>(kDecodePlannedSms) * wg.min_blocks_per_sm);
   return k_splits_for(shape, tokens, waves, kern::moe::layout::kAtomK, wg.stages);
 }
-// The K splits of choose_moe_config(shape, tokens)'s two FC2 tiles, as one number (mma.sync x 16
-// + warpgroup): where it changes, so may the bytes of FC2's rows.
-int fc2_k_splits_at(const ModelShape& shape, int tokens) {
-  const GemmTile& tile = tile_for(shape, tokens);
-  const WgmmaTile* wg = wgmma_tile_for(tile, shape, tokens);
-  return fc2_k_splits(fc2_tile_for(tile, shape, tokens), shape, tokens) * 16 +
-         (wg != nullptr ? fc2_wgmma_k_splits(*wg, shape, tokens) : 1);
-}
 
 }  // namespace
 
@@ -1211,9 +1204,13 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
   // FC2's K splits: they change with T while FC2's CTAs fill under kFc2SplitMaxWaves, and the
   // bytes of its rows change with them (moe_workspace_layout).
   {
-    int previous = fc2_k_splits_at(shape, 1);
+    const auto splits_at = [&](int t) {
+      const MoeForwardConfig c = choose_moe_config(shape, t);
+      return std::pair{c.fc2.k_splits, c.fc2_wgmma.k_splits};
+    };
+    std::pair<int, int> previous = splits_at(1);
     for (int t = 2; t <= std::min(max_tokens, kFc2SplitMaxTokens + 1); ++t) {
-      const int current = fc2_k_splits_at(shape, t);
+      const std::pair<int, int> current = splits_at(t);
       if (current != previous) thresholds.push_back(t - 1);
       previous = current;
     }
