@@ -254,11 +254,13 @@ TEST_CASE("moe_forward: public MoE shapes beyond the reference set vs the fp64 r
 
 // From T = 513 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh) where the device is
 // sm_90a, the mma.sync tile elsewhere: N = 128 over 32- or 64-row route blocks where experts
-// average 56 rows or more, N = 64 (one warpgroup of two m64 tiles) below. A CTA runs at the
-// narrowest quarter of N that holds its real rows. The sweep shapes (24-48 experts) give every
-// expert tens of blocks at T = 1100 and 4096 (N = 128); two shapes with top-k 1 over 32 experts
-// average 19, 34 and 44 rows at T = 600, 1100 and 1400 (N = 64, over 32- then 64-row blocks). The
-// test counts which quarter each expert's last CTA takes, per N, and requires every one of them.
+// average 56 rows or more, N = 64 (one warpgroup of two m64 tiles) below, and N = 256 (one CTA
+// per SM) over 64-row blocks from 384 rows. A CTA runs at the narrowest quarter of N that holds
+// its real rows. The sweep shapes (24-48 experts) give every expert tens of blocks at T = 1100
+// (N = 128, 137-367 rows an expert; N = 256 on the kimi shapes, 550) and 4096 (N = 256, 512-2048
+// rows); two shapes with top-k 1 over 32 experts average 19, 34 and 44 rows at T = 600, 1100 and
+// 1400 (N = 64, over 32- then 64-row blocks). The test counts which quarter each expert's last
+// CTA takes, per N, and requires every one of them.
 TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 reference", "[gpu][moe]") {
   gpu();
   TestStream stream;
@@ -266,20 +268,17 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
     ModelShape shape;
     std::string name;  // the reference shape it is resized from
     std::vector<int> tokens;
-    int wgmma_n;  // the warpgroup tile's N on sm_90a at these T
   };
   std::vector<Case> cases;
   for (const SweepShape& s : kSweep) {
-    cases.push_back({resized(reference_shape(s.name), s.experts, 0, s.experts, 4096),
-                     s.name,
-                     {1100, 4096},
-                     128});
+    cases.push_back(
+        {resized(reference_shape(s.name), s.experts, 0, s.experts, 4096), s.name, {1100, 4096}});
   }
   for (const char* name : {"qwen3-30b-a3b", "gpt-oss-20b"}) {
     ModelShape few = resized(reference_shape(name), 32, 0, 32, 1400);
     few.top_k = 1;
     few.name += "k1";
-    cases.push_back({few, name, {600, 1100, 1400}, 64});
+    cases.push_back({few, name, {600, 1100, 1400}});
   }
   std::vector<ModelShape> shapes;
   for (const Case& c : cases) shapes.push_back(c.shape);
@@ -288,8 +287,8 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
   std::printf("moe_forward prefill: seed %llu\n", static_cast<unsigned long long>(seed));
   const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
   const bool wgmma = moejit::detail::wgmma_runs_on(arch);
-  // Experts whose last CTA runs at quarter q of N, for N = 64 and 128.
-  int last_tiles[2][4] = {};
+  // Experts whose last CTA runs at quarter q of N, for N = 64, 128 and 256.
+  int last_tiles[3][4] = {};
   for (const Case& c : cases) {
     const ModelShape& shape = c.shape;
     const TestWeights weights = test_weights(shape, rng(), stream.get());
@@ -303,23 +302,25 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
       INFO(label << " " << describe(shape, reference_shape(c.name).num_experts));
       const moejit::detail::MoeForwardSpecs specs = moejit::detail::moe_forward_specs(
           moejit::detail::choose_moe_config(shape, tokens), arch);
-      CHECK(specs.fc1_params.wgmma_n == (wgmma ? c.wgmma_n : 0));
-      CHECK(specs.fc2_params.wgmma_n == (wgmma ? c.wgmma_n : 0));
+      const int wgmma_n = moejit::test::wide_wgmma_n(shape, tokens);
+      CHECK(specs.fc1_params.wgmma_n == (wgmma ? wgmma_n : 0));
+      CHECK(specs.fc2_params.wgmma_n == (wgmma ? wgmma_n : 0));
       const Tokens tk = make_tokens(shape, tokens, plan, rng);
       std::vector<int> rows(static_cast<std::size_t>(shape.num_experts), 0);
       for (int64_t id : tk.ids) {
         if (id >= 0 && id < shape.num_experts) ++rows[static_cast<std::size_t>(id)];
       }
-      const int quarter = c.wgmma_n / 4;
+      const int quarter = wgmma_n / 4;
+      const int width = wgmma_n == 64 ? 0 : wgmma_n == 128 ? 1 : 2;
       for (int r : rows) {
-        if (r > 0) ++last_tiles[c.wgmma_n == 64 ? 0 : 1][((r - 1) % c.wgmma_n) / quarter];
+        if (r > 0) ++last_tiles[width][((r - 1) % wgmma_n) / quarter];
       }
       ForwardIo io(shape, tk, moejit::moe_workspace_bytes(shape, tokens));
       const std::vector<int> which = sampled_tokens(tokens, kSampledTokens);
       const std::vector<double> ref = reference_layer(f64, tk, which, layer_options(shape));
       bool repeat = false;
       const std::vector<uint16_t> out = three_runs(io, model, stream.get(), kAuto, &repeat);
-      check_score(label + (wgmma ? " [wgmma" + std::to_string(c.wgmma_n) + "]" : " [mma.sync]"),
+      check_score(label + (wgmma ? " [wgmma" + std::to_string(wgmma_n) + "]" : " [mma.sync]"),
                   score(out, ref, which, shape.hidden), which.size(), tokens);
       INFO("3 runs bitwise identical, every element finite");
       CHECK(count_nonfinite(out) == 0);
@@ -328,8 +329,8 @@ TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 referenc
       CHECK(same_bits(io.run(model, stream.get(), kMarlin), out));
     }
   }
-  for (int w = 0; w < 2; ++w) {
-    const int n = 64 * (w + 1);
+  for (int w = 0; w < 3; ++w) {
+    const int n = 64 << w;
     std::printf(
         "moe_forward prefill: experts whose last tile is N = %d / %d / %d / %d of %d: "
         "%d / %d / %d / %d\n",

@@ -160,10 +160,16 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
   return out;
 }
 
+int wide_wgmma_n(const ModelShape& shape, int tokens) {
+  if (routed_rows(shape, tokens, 56) > 0) return 64;
+  return tokens > 1024 && routed_rows(shape, tokens, 384) <= 0 ? 256 : 128;  // 64-row blocks
+}
+
 WideTiles wide_tiles(const ModelShape& shape, int first, int last) {
   WideTiles out;
   for (int t = first; t <= std::min(last, shape.max_tokens); ++t) {
-    (routed_rows(shape, t, 56) > 0 ? out.n64 : out.n128) = true;
+    const int n = wide_wgmma_n(shape, t);
+    (n == 64 ? out.n64 : n == 128 ? out.n128 : out.n256) = true;
   }
   return out;
 }
@@ -175,8 +181,7 @@ int planned_marlin_kernels(const ModelShape& shape, bool sm90a) {
     // FC1 and FC2 each plan both tiles, but FC2 keeps its short-K tile beside the warpgroup FC1.
     if (mid.mma && mid.wgmma) kernels += fc2_mid_short_k_expected(shape) ? 1 : 2;
     for (const auto& [first, last] : {std::pair{513, 1024}, std::pair{1025, INT_MAX}}) {
-      const WideTiles wide = wide_tiles(shape, first, last);
-      if (wide.n64 && wide.n128) kernels += 2;
+      kernels += 2 * (wide_tiles(shape, first, last).count() - 1);
     }
   }
   // (The five tiles count one FC1 and one FC2 kernel for 8-row blocks.)

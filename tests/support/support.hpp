@@ -102,15 +102,21 @@ struct MidBucketTiles {
 };
 MidBucketTiles mid_bucket_tiles(const ModelShape& shape);
 // Which warpgroup tiles T = first..last (up to max_tokens) use on sm_90a from T = 513 (32-row
-// blocks to 1024, 64-row above): N = 64 below 56 rows per routed expert, N = 128 from 56.
+// blocks to 1024, 64-row above): N = 64 below 56 rows per routed expert, N = 128 from 56, and
+// with 64-row blocks N = 256 from 384.
 struct WideTiles {
   bool n64 = false;
   bool n128 = false;
+  bool n256 = false;
+  int count() const { return static_cast<int>(n64) + n128 + n256; }
 };
 WideTiles wide_tiles(const ModelShape& shape, int first, int last);
+// The warpgroup tile's N at T (from 513) by the same rule: 64, 128 or 256.
+int wide_wgmma_n(const ModelShape& shape, int tokens);
 // The marlin_moe kernels prewarm plans for the shape, from the rules above: five tiles (T = 1,
 // 8-row blocks, 16-row blocks, 32-row, 64-row), FC1 and FC2 each; two more for each block size
-// whose T take two tiles on sm_90a (mma.sync and warpgroup, or warpgroup N = 64 and 128); one
+// whose T take two tiles on sm_90a (mma.sync and warpgroup, or two warpgroup widths) and four
+// where 64-row blocks take all three widths; one
 // more FC1 or FC2 for each further tile the T of 8-row blocks take (fc1_bucket_tiles,
 // fc2_bucket_tiles); and each FC2 kernel that splits K (fc2_split_kernels).
 int planned_marlin_kernels(const ModelShape& shape, bool sm90a);

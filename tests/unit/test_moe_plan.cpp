@@ -251,16 +251,24 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       CHECK(both_mid ==
             (sm90a && shape.name.rfind("kimi", 0) != 0 && shape.name.rfind("deepseek", 0) != 0));
       // 32-row blocks (T = 513..1024) and 64-row ones (above) take N = 64 below 56 rows per
-      // expert, N = 128 from 56: with 32-row blocks qwen3-30b-a3b (32-64 rows) plans both, with
-      // 64-row ones every shape whose T = 1025 has fewer than 56 (all but qwen3-30b-a3b,
-      // gpt-oss-20b and qwen2-57b-a14b).
+      // expert, N = 128 from 56, and 64-row blocks N = 256 from 384: with 32-row blocks
+      // qwen3-30b-a3b (32-64 rows) plans two widths; with 64-row ones every shape whose T = 1025
+      // has fewer than 56 (all but qwen3-30b-a3b, gpt-oss-20b and qwen2-57b-a14b) plans N = 64,
+      // and those whose T = 16384 reaches 384 (gpt-oss-120b 512, gpt-oss-20b 2048,
+      // deepseek-v4-flash-tp4 384, qwen3-30b-a3b 1024, qwen2-57b-a14b 2048) N = 256.
       const moejit::test::WideTiles wide = moejit::test::wide_tiles(shape, 513, 1024);
-      const bool both_wide = sm90a && wide.n64 && wide.n128;
-      CHECK(both_wide == (sm90a && shape.name == "qwen3-30b-a3b"));
+      const int wide_extra = sm90a ? 2 * (wide.count() - 1) : 0;
+      CHECK(wide_extra == (sm90a && shape.name == "qwen3-30b-a3b" ? 2 : 0));
       const moejit::test::WideTiles prefill = moejit::test::wide_tiles(shape, 1025, INT_MAX);
-      const bool both_prefill = sm90a && prefill.n64 && prefill.n128;
-      CHECK(both_prefill == (sm90a && shape.name != "qwen3-30b-a3b" &&
-                             shape.name != "gpt-oss-20b" && shape.name != "qwen2-57b-a14b"));
+      const int prefill_extra = sm90a ? 2 * (prefill.count() - 1) : 0;
+      if (sm90a) {
+        CHECK(prefill.n64 == (shape.name != "qwen3-30b-a3b" && shape.name != "gpt-oss-20b" &&
+                              shape.name != "qwen2-57b-a14b"));
+        CHECK(prefill.n128);
+        CHECK(prefill.n256 == (shape.name.rfind("gpt-oss", 0) == 0 ||
+                               shape.name == "deepseek-v4-flash-tp4" ||
+                               shape.name == "qwen3-30b-a3b" || shape.name == "qwen2-57b-a14b"));
+      }
       // With 8-row blocks FC1 takes 128 rows from 792 CTAs (fc1_tall_expected), and FC1 and FC2
       // the 64-row tile's wave variant from one wave (small_block_wave_expected): each further
       // tile the T of 8-row blocks use plans one kernel more.
@@ -272,8 +280,8 @@ TEST_CASE("moe plan: every reference shape gets repack, route, FC1, FC2 and comb
       // And FC2 with its K split, where its CTAs fill under 0.9 of a wave (gpt-oss at T = 1).
       const int split_extra = static_cast<int>(moejit::test::fc2_split_kernels(shape).size());
       CHECK(split_extra == (shape.name.rfind("gpt-oss", 0) == 0 ? 1 : 0));
-      CHECK(count[Family::kMarlinMoe] == 10 + mid_extra + (both_wide ? 2 : 0) +
-                                             (both_prefill ? 2 : 0) + small_extra + split_extra);
+      CHECK(count[Family::kMarlinMoe] ==
+            10 + mid_extra + wide_extra + prefill_extra + small_extra + split_extra);
       CHECK(count[Family::kMarlinMoe] == moejit::test::planned_marlin_kernels(shape, sm90a));
       // (16-row blocks: block_m 128 on both the mma.sync tile and the warpgroup one.)
       std::set<std::pair<int, int>> tiles{{32, 8}, {128, 16}, {64, 32}, {128, 64}};
@@ -715,12 +723,13 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   // T * 4 >= 12 * 128, T >= 384), the tile has an sm_90a warpgroup variant on the same route
   // blocks; the specs take it on sm_90a only. N = 64 over 16-row blocks and elsewhere below 56
   // rows per expert (gpt-oss: T * 4 < 56 * 128, T <= 1791): one warpgroup of two m64 tiles,
-  // four CTAs per SM; else N = 128: two warpgroups of one m64 tile, two CTAs per SM.
+  // four CTAs per SM; from 384 rows (T * 4 >= 384 * 128, T >= 12288) N = 256: two warpgroups of
+  // one m64 tile, one CTA per SM; between, N = 128: the same two warpgroups, two CTAs per SM.
   const Tile wg{128, 64, 64, 4, 8, 1, 1, 2};  // n = the route block, 16, 32 or 64 by bucket
   const std::vector<std::pair<int, int>> wgmma_route = {
       {1, 0},     {96, 0},    {192, 0},   {193, 0},   {383, 0},   {384, 16},
       {512, 16},  {513, 32},  {1000, 32}, {1024, 32}, {1025, 64}, {1791, 64},
-      {1792, 64}, {2048, 64}, {4096, 64}, {16384, 64}};
+      {1792, 64}, {2048, 64}, {4096, 64}, {12287, 64}, {12288, 64}, {16384, 64}};
   for (const auto& [tokens, route_block] : wgmma_route) {
     INFO("T = " << tokens);
     const detail::MoeForwardConfig c = detail::choose_moe_config(gpt, tokens);
@@ -736,6 +745,7 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     }
     CHECK(c.route.block_m == route_block);
     const bool narrow = tokens <= 1791;
+    const bool wide = tokens >= 12288;
     for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
       Tile expected = wg;
       expected.n = route_block;
@@ -743,8 +753,9 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
         expected.wm = 4;
         expected.occupancy = 4;
       }
+      if (wide) expected.occupancy = 1;
       CHECK(same_tile(tile_of(*p), expected));
-      CHECK(p->wgmma_n == (narrow ? 64 : 128));
+      CHECK(p->wgmma_n == (narrow ? 64 : wide ? 256 : 128));
       CHECK(p->block_n == c.route.block_m);  // wgmma_n / block_n route blocks per CTA, same route
     }
     CHECK(on_90a.fc1_params == c.fc1_wgmma);
@@ -764,8 +775,11 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
     // MoeGemmWgTraits<128, 2, 1, 4, ...>: 4 stages of (16 KB inputs + 8 atoms of 544 bytes,
     // rounded to 21504), ids, rows and top-k weights (3 x 4 bytes per token), alignment (the
     // nvrtc test asserts it against kSmemBytes); with N = 64 (MoeGemmWgTraits<64, 1, 2, 4, ...>,
-    // the same 128 rows), 8 KB of inputs (stages of 13312) and half the ids.
-    const long long smem = narrow ? 4 * 13312 + 768 + 1024 : 4 * 21504 + 1536 + 1024;
+    // the same 128 rows), 8 KB of inputs (stages of 13312) and half the ids; with N = 256
+    // (MoeGemmWgTraits<256, 2, 1, 4, ...>), 32 KB of inputs (stages of 37888) and twice the ids.
+    const long long smem = narrow ? 4 * 13312 + 768 + 1024
+                           : wide ? 4 * 37888 + 3072 + 1024
+                                  : 4 * 21504 + 1536 + 1024;
     CHECK(detail::marlin_moe_smem_bytes(c.fc1_wgmma) == smem);
     // FC2's staging tile (wgmma_n tokens x 128 bf16 + 16 bytes) fits in its ring.
     CHECK(detail::marlin_moe_smem_bytes(c.fc2_wgmma) == smem);
