@@ -43,10 +43,14 @@ struct WgmmaTile {
   // experts of all ranks: uniform routing gives each expert T * K / R rows on average (0: no
   // bound).
   int min_rows_per_expert, below_rows_per_expert;
+  // And only where both GEMMs run at least this many 64-wide K tiles (min(H, I) / 64; 0: no
+  // bound). The first tile of the list that takes T wins.
+  int min_k_tiles = 0;
 
-  constexpr bool takes(long long rows, long long routed, int min_rows) const {
+  constexpr bool takes(long long rows, long long routed, int min_rows, int k_tiles) const {
     return rows >= min_rows * routed &&
-           (below_rows_per_expert == 0 || rows < below_rows_per_expert * routed);
+           (below_rows_per_expert == 0 || rows < below_rows_per_expert * routed) &&
+           k_tiles >= min_k_tiles;
   }
 };
 
@@ -231,25 +235,30 @@ constexpr int kRepackThreads = 256;
 //   = 427 315.3 against 299.8) and 8 (gpt-oss T = 256 547 against 506; kimi-k3.1-tp8 T = 448 758
 //   against 674). The earlier tile won from 14 (qwen3-30b-a3b T = 256, 16 rows: 164 against 183 us
 //   for the N = 128 tile).
-// - From 384 rows per expert (64-row blocks; few experts, or T past 4096): N = 256, two
-//   warpgroups of one m64 tile, one CTA per SM (225 registers at most, no spills). Each weight
-//   dequantized feeds twice the tokens of N = 128, which wins where the groups of 256 rows are
-//   mostly full, though one CTA per SM leaves its barrier and copies uncovered (tools/PERF_LOG.md
-//   "taller warpgroup tiles at prefill", `--gap-ms 5`, us, two seeds): mixtral-8x7b T = 2048 (512
-//   rows) 2402, 2364 -> 2334, 2255; T = 4096 (1024) 4762, 4670 -> 4237, 4252; phi-3.5-moe T =
-//   3072 (384) 1598, 1594 -> 1546, 1549; loses at 256 rows and fewer (qwen3-235b-a22b T = 4096
-//   2207, 2258 -> 2309, 2365; gpt-oss-120b T = 4096, 128 rows, 1653 -> 1823). 256 weight rows x
-//   128 tokens at one CTA per SM, which halves the L2 bytes per FLOP instead, lost 5-14% on every
-//   row: the N = 128 tile is not short of L2.
+// - From 384 rows per expert (64-row blocks; few experts, or T past 4096) where both GEMMs run 40
+//   K tiles or more (min(H, I) >= 2560): N = 256, two warpgroups of one m64 tile, one CTA per SM
+//   (238 registers at most, no spills). Each weight dequantized feeds twice the tokens of N = 128,
+//   which wins where the groups of 256 rows are mostly full and K is long, though one CTA per SM
+//   leaves its barrier, copies, start and epilogue uncovered (tools/PERF_LOG.md "taller warpgroup
+//   tiles at prefill" and "N = 256 from 384 rows an expert", `--gap-ms 5`, us, two seeds):
+//   mixtral-8x7b T = 2048 (512 rows) 2476, 2405 -> 2332, 2245; T = 4096 (1024) 4812, 4587 ->
+//   4193, 4203; phi-3.5-moe T = 4096 (512) 2096, 2081 -> 2019, 1967; gpt-oss-120b T = 16384 (512)
+//   5935, 5760 -> 5608, 5665. It loses at 256 rows and fewer (qwen3-235b-a22b T = 4096 2207, 2258
+//   -> 2309, 2365; gpt-oss-120b T = 4096, 128 rows, 1653 -> 1823) and on short K whatever the
+//   rows: qwen3-30b-a3b T = 8192 (512 rows; FC2 K = 12 tiles) 1198, 1198 -> 1265, 1256 (FC2
+//   +13%, FC1 at 32 tiles +3, -1%); deepseek-v4-flash-tp4 T = 16384 (384; FC2 8 tiles) 2552,
+//   2559 -> 2676, 2701 (FC2 +18%). The bound of 40 lies between the 32 K tiles that tied and the
+//   45 that won. 256 weight rows x 128 tokens at one CTA per SM, which halves the L2 bytes per
+//   FLOP instead, lost 5-14% on every row: the N = 128 tile is not short of L2.
 // - T <= 160: the mma.sync n8 tile wins (gpt-oss T = 96: 556 against 734 us), and so it does
 //   wherever experts average at most 5 rows (tile_for).
 constexpr WgmmaTile kWgmmaTiles[] = {
     {Bucket::kRows16, 64, 16, 1, 2, 4, 4, 12, 0},   // from 12 rows per expert (wgmma_min_rows)
     {Bucket::kRows32, 64, 32, 1, 2, 4, 4, 0, 56},   // below 56 rows
     {Bucket::kRows32, 128, 32, 2, 1, 4, 2, 56, 0},  // from 56
-    {Bucket::kRows64, 64, 64, 1, 2, 4, 4, 0, 56},     // below 56
-    {Bucket::kRows64, 128, 64, 2, 1, 4, 2, 56, 384},  // from 56, below 384
-    {Bucket::kRows64, 256, 64, 2, 1, 4, 1, 384, 0},   // from 384
+    {Bucket::kRows64, 64, 64, 1, 2, 4, 4, 0, 56},        // below 56
+    {Bucket::kRows64, 256, 64, 2, 1, 4, 1, 384, 0, 40},  // from 384 where K >= 40 tiles
+    {Bucket::kRows64, 128, 64, 2, 1, 4, 2, 56, 0},       // from 56 (else)
 };
 
 static_assert(shares_route_blocks(kWgmmaTiles),
@@ -388,7 +397,9 @@ const WgmmaTile* wgmma_tile_for(const GemmTile& tile, const ModelShape& shape, i
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
   for (const WgmmaTile& wg : kWgmmaTiles) {
     if (wg.bucket == tile.bucket &&
-        wg.takes(rows, routed_experts(shape), wgmma_min_rows(wg, shape))) {
+        wg.takes(rows, routed_experts(shape), wgmma_min_rows(wg, shape),
+                 kern::moe::ceil_div(std::min(shape.hidden, shape.intermediate),
+                                     kern::moe::layout::kAtomK))) {
       return &wg;
     }
   }

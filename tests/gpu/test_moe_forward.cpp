@@ -255,12 +255,13 @@ TEST_CASE("moe_forward: public MoE shapes beyond the reference set vs the fp64 r
 // From T = 513 marlin_moe runs its sm_90a warpgroup tile (moe_gemm_wg.cuh) where the device is
 // sm_90a, the mma.sync tile elsewhere: N = 128 over 32- or 64-row route blocks where experts
 // average 56 rows or more, N = 64 (one warpgroup of two m64 tiles) below, and N = 256 (one CTA
-// per SM) over 64-row blocks from 384 rows. A CTA runs at the narrowest quarter of N that holds
-// its real rows. The sweep shapes (24-48 experts) give every expert tens of blocks at T = 1100
-// (N = 128, 137-367 rows an expert; N = 256 on the kimi shapes, 550) and 4096 (N = 256, 512-2048
-// rows); two shapes with top-k 1 over 32 experts average 19, 34 and 44 rows at T = 600, 1100 and
-// 1400 (N = 64, over 32- then 64-row blocks). The test counts which quarter each expert's last
-// CTA takes, per N, and requires every one of them.
+// per SM) over 64-row blocks from 384 rows where min(H, I) >= 2560. A CTA runs at the narrowest
+// quarter of N that holds its real rows. The sweep shapes (24-48 experts) give every expert tens
+// of blocks at T = 1100 (N = 128, 137-550 rows an expert) and 4096 (512-2048 rows: N = 256 on
+// gpt-oss-120b, gpt-oss-20b and qwen2-57b-a14b, N = 128 on the short-K others); two shapes with
+// top-k 1 over 32 experts average 19, 34 and 44 rows at T = 600, 1100 and 1400 (N = 64, over 32-
+// then 64-row blocks). The test counts which quarter each expert's last CTA takes, per N, and
+// requires every one of them.
 TEST_CASE("moe_forward: the prefill tiles (T = 600 .. 4096) vs the fp64 reference", "[gpu][moe]") {
   gpu();
   TestStream stream;

@@ -162,7 +162,9 @@ MidBucketTiles mid_bucket_tiles(const ModelShape& shape) {
 
 int wide_wgmma_n(const ModelShape& shape, int tokens) {
   if (routed_rows(shape, tokens, 56) > 0) return 64;
-  return tokens > 1024 && routed_rows(shape, tokens, 384) <= 0 ? 256 : 128;  // 64-row blocks
+  // N = 256: 64-row blocks, and both GEMMs 40 K tiles or more.
+  const bool long_k = std::min(shape.hidden, shape.intermediate) > 39 * 64;
+  return tokens > 1024 && long_k && routed_rows(shape, tokens, 384) <= 0 ? 256 : 128;
 }
 
 WideTiles wide_tiles(const ModelShape& shape, int first, int last) {

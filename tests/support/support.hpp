@@ -103,7 +103,7 @@ struct MidBucketTiles {
 MidBucketTiles mid_bucket_tiles(const ModelShape& shape);
 // Which warpgroup tiles T = first..last (up to max_tokens) use on sm_90a from T = 513 (32-row
 // blocks to 1024, 64-row above): N = 64 below 56 rows per routed expert, N = 128 from 56, and
-// with 64-row blocks N = 256 from 384.
+// with 64-row blocks N = 256 from 384 where min(H, I) spans 40 K tiles of 64 or more.
 struct WideTiles {
   bool n64 = false;
   bool n128 = false;
