@@ -851,6 +851,49 @@ TEST_CASE("moe plan: the measured tile per T bucket and the route per N", "[plan
   CHECK(std::get<MoeRouteParams>(multi[3].params).kernel == RouteKernel::kScatter);
 }
 
+TEST_CASE("moe plan: N = 256 warpgroup tiles from 384 rows an expert where K spans 40 tiles",
+          "[plan]") {
+  // 64-row route blocks (T > 1024) take N = 256 (one CTA per SM) where experts average 384 rows
+  // or more and min(H, I) / 64 >= 40, else N = 128 from 56 rows. Public shapes: mixtral-8x7b
+  // (8 experts, top-2: 384 rows at T = 1536), phi-3.5-moe (16, top-2: T = 3072), llama-4-scout
+  // (16, top-1: T = 6144); qwen3-235b-a22b (I = 1536, 24 K tiles) and deepseek-v3 (I = 2048, 32)
+  // never, whatever their rows.
+  const std::vector<ModelShape> shapes = moejit::test::public_shapes();
+  const Arch sm90a = Arch::parse("sm_90a");
+  const std::vector<std::tuple<std::string, int, int>> cases = {
+      {"mixtral-8x7b", 1535, 128},     {"mixtral-8x7b", 1536, 256},
+      {"mixtral-8x7b", 16384, 256},    {"phi-3.5-moe", 3071, 128},
+      {"phi-3.5-moe", 3072, 256},      {"llama-4-scout", 6143, 128},
+      {"llama-4-scout", 6144, 256},    {"qwen3-235b-a22b", 16384, 128},
+      {"deepseek-v3", 16384, 128}};
+  for (const auto& [name, tokens, n] : cases) {
+    const ModelShape& shape = find_shape(shapes, name);
+    INFO(name << " T = " << tokens);
+    const detail::MoeForwardConfig c = detail::choose_moe_config(shape, tokens);
+    REQUIRE(c.wgmma);
+    CHECK(c.route.block_m == 64);
+    CHECK(c.route.group_rows == n);
+    for (const MarlinMoeParams* p : {&c.fc1_wgmma, &c.fc2_wgmma}) {
+      CHECK(p->wgmma_n == n);
+      CHECK(p->block_m == 128);  // two warpgroups of one m64 tile at both widths
+      CHECK(p->warps_m == 8);
+      CHECK(p->min_blocks_per_sm == (n == 256 ? 1 : 2));
+      CHECK(p->k_splits == 1);
+      // MoeGemmWgTraits<256, 2, 1, 4, ...>: 4 stages of 37888 bytes (32 KB of inputs and 8
+      // atoms), 256 x 12 bytes of ids, rows and top-k weights, 1024 of alignment.
+      if (n == 256) CHECK(detail::marlin_moe_smem_bytes(*p) == 4 * 37888 + 3072 + 1024);
+    }
+    CHECK(moejit::test::wide_wgmma_n(shape, tokens) == n);
+    const detail::MoeForwardSpecs specs = detail::moe_forward_specs(c, sm90a);
+    CHECK(moejit::supports(specs.fc1).empty());
+    CHECK(moejit::supports(specs.fc2).empty());
+    // A group is whole route blocks, so FC2 writes its bf16 rows inside the route's padded rows.
+    const detail::MoeWorkspaceLayout w = detail::moe_workspace_layout(shape, c);
+    CHECK(w.marlin_bytes >= w.out2 + static_cast<std::size_t>(w.padded_rows) * shape.hidden * 2);
+    CHECK(moejit::moe_workspace_bytes(shape, tokens) >= w.bytes);
+  }
+}
+
 TEST_CASE("moe plan: FC1's L2 prefetch covers the first wave within its byte budget", "[plan]") {
   const Arch hopper = Arch::parse("sm_90a");
   constexpr int kSms = 132;
