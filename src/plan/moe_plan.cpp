@@ -395,11 +395,12 @@ int wgmma_min_rows(const WgmmaTile& wg, const ModelShape& shape) {
 // expert.
 const WgmmaTile* wgmma_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
+  // The shorter GEMM's 64-wide K tiles (FC1 runs H, FC2 I).
+  const int k_tiles =
+      kern::moe::ceil_div(std::min(shape.hidden, shape.intermediate), kern::moe::layout::kAtomK);
   for (const WgmmaTile& wg : kWgmmaTiles) {
     if (wg.bucket == tile.bucket &&
-        wg.takes(rows, routed_experts(shape), wgmma_min_rows(wg, shape),
-                 kern::moe::ceil_div(std::min(shape.hidden, shape.intermediate),
-                                     kern::moe::layout::kAtomK))) {
+        wg.takes(rows, routed_experts(shape), wgmma_min_rows(wg, shape), k_tiles)) {
       return &wg;
     }
   }
