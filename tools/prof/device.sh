@@ -23,7 +23,8 @@
 #   tools/prof/device.sh stalls NAME KERNEL_REGEX LAUNCH_SKIP [BENCH_ARGS...]
 #       ncu of one launch (the LAUNCH_SKIP-th match of KERNEL_REGEX) inside moejit_bench_moe
 #       BENCH_ARGS: the warp stall metrics, then the per-instruction export read by
-#       tools/prof/ncu_loops.py (each SASS loop's samples against its instructions).
+#       tools/prof/ncu_loops.py (each SASS loop's samples against its instructions, the
+#       instructions with the most samples outside the loops and inside the hottest one).
 #       E.g. the warpgroup FC1 of qwen3-30b-a3b T = 256:
 #       stalls X regex:moe_gemm_wg 4 --section marlin --models qwen3-30b-a3b --tokens 256
 #         --no-dense --gap-ms 5 --seed 1
@@ -212,7 +213,7 @@ PY
   "$ncu" --import "$report.ncu-rep" --page source --csv --print-source sass >"$report.source.csv"
   echo "== stalls of $regex (launch $skip), build $name ($(elapsed))"
   grep -E 'stall|issue' "$report.stalls.txt" | head -n 80 || true
-  python3 "$root/tools/prof/ncu_loops.py" "$report.source.csv"
+  python3 "$root/tools/prof/ncu_loops.py" "$report.source.csv" --top 25 --hot 40
 }
 
 [[ $# -ge 1 ]] || usage

@@ -17,9 +17,14 @@ share of warp samples (time a warp is resident there) against the share of instr
 instructions share is where warps wait; tools/PERF_LOG.md "the warpgroup FC1's stalls by reason
 and by instruction" is the first reading of this kind.
 
-Usage: tools/prof/ncu_loops.py SOURCE.csv [--min-len N] [--top K]
+Usage: tools/prof/ncu_loops.py SOURCE.csv [--min-len N] [--top K] [--hot K]
   --min-len N  loops shorter than N instructions are folded into their surroundings (default 60)
   --top K      also list the K instructions with the most samples outside the loops (default 0)
+  --hot K      also list, in address order, the K instructions with the most samples inside the
+               loop that holds the most samples, each with its two largest stall reasons, and
+               that loop's stall totals (default 0). Where a copy block stalls on `wait` and
+               `long_sb` at each LDGSTS and the instruction forming its address, ptxas ran short
+               of registers for distinct addresses (tools/PERF_LOG.md, fifty-first session).
 """
 
 import argparse
@@ -53,6 +58,7 @@ def main():
     parser.add_argument("source_csv")
     parser.add_argument("--min-len", type=int, default=60)
     parser.add_argument("--top", type=int, default=0)
+    parser.add_argument("--hot", type=int, default=0)
     args = parser.parse_args()
 
     header, body = read_table(args.source_csv)
@@ -110,6 +116,20 @@ def main():
         for i in sorted(outside, key=lambda k: -samples[k])[:args.top]:
             print(f"  {i:6d} {samples[i]:6d} samples  {executed[i]:9d} executed  "
                   f"{body[i][column['Source']].strip()[:70]}")
+    if args.hot and inner:
+        first, last = max(inner, key=lambda l: sum(samples[k] for k in range(l[0], l[1] + 1)))
+        indices = range(first, last + 1)
+        print(f"\nloop {first}-{last}: its {args.hot} instructions with the most samples "
+              f"(% of all samples; the two largest stall reasons):")
+        for i in sorted(sorted(indices, key=lambda k: -samples[k])[:args.hot]):
+            top = sorted(((number(body[i][column[r]]), r[len("stall_"):]) for r in reasons),
+                         reverse=True)[:2]
+            stalls = ", ".join(f"{reason} {count}" for count, reason in top)
+            print(f"  {i:6d} {100 * samples[i] / total_samples:5.2f}%  {stalls:34s} "
+                  f"{body[i][column['Source']].strip()[:70]}")
+        totals = sorted(((sum(number(body[i][column[r]]) for i in indices), r[len("stall_"):])
+                         for r in reasons), reverse=True)
+        print("  stall totals: " + ", ".join(f"{reason} {count}" for count, reason in totals[:10]))
 
 
 if __name__ == "__main__":
