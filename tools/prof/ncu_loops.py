@@ -22,9 +22,10 @@ Usage: tools/prof/ncu_loops.py SOURCE.csv [--min-len N] [--top K] [--hot K]
   --top K      also list the K instructions with the most samples outside the loops (default 0)
   --hot K      also list, in address order, the K instructions with the most samples inside the
                loop that holds the most samples, each with its two largest stall reasons, and
-               that loop's stall totals (default 0). Where a copy block stalls on `wait` and
-               `long_sb` at each LDGSTS and the instruction forming its address, ptxas ran short
-               of registers for distinct addresses (tools/PERF_LOG.md, fifty-first session).
+               that loop's stall totals (default 0). A copy block whose every LDGSTS stalls on
+               `wait` and whose address instructions stall on `long_sb` is what the fifty-first
+               session's persistent tile showed where ptxas formed eight copies' addresses in one
+               to three register pairs (tools/PERF_LOG.md).
 """
 
 import argparse
