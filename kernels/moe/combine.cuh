@@ -53,7 +53,8 @@ struct CombineTraits {
   static_assert(kTopK >= 1 && kTopK <= 64, "combine: TopK must be in [1, 64]");
   static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024,
                 "combine: BlockThreads must be a multiple of 32 in [32, 1024]");
-  static_assert(kSplits >= 1 && kSplits <= kMaxKSplits, "combine: KSplits must be in [1, kMaxKSplits]");
+  static_assert(kSplits >= 1 && kSplits <= kMaxKSplits,
+                "combine: KSplits must be in [1, kMaxKSplits]");
   static_assert(kSplits == 1 || !kInBf16, "combine: FC2's split rows are fp32 partial sums");
 };
 
