@@ -90,12 +90,15 @@ def main():
     for first, last in inner:
         inside.update(range(first, last + 1))
 
+    def stalls_by_reason(indices):
+        """(samples, reason) for every stall reason over `indices`, largest first."""
+        return sorted(((sum(number(body[i][column[r]]) for i in indices), r[len("stall_"):])
+                       for r in reasons), reverse=True)
+
     def report(name, indices):
         s = sum(samples[i] for i in indices)
         e = sum(executed[i] for i in indices)
-        by_reason = sorted(
-            ((sum(number(body[i][column[r]]) for i in indices), r[len("stall_"):]) for r in reasons),
-            reverse=True)[:3]
+        by_reason = stalls_by_reason(indices)[:3]
         top = ", ".join(f"{reason} {100 * count / max(s, 1):.0f}%" for count, reason in by_reason)
         print(f"{name:28s} samples {100 * s / total_samples:5.1f}%  instructions "
               f"{100 * e / total_executed:5.1f}%  ({top})")
@@ -123,14 +126,11 @@ def main():
         print(f"\nloop {first}-{last}: its {args.hot} instructions with the most samples "
               f"(% of all samples; the two largest stall reasons):")
         for i in sorted(sorted(indices, key=lambda k: -samples[k])[:args.hot]):
-            top = sorted(((number(body[i][column[r]]), r[len("stall_"):]) for r in reasons),
-                         reverse=True)[:2]
-            stalls = ", ".join(f"{reason} {count}" for count, reason in top)
+            stalls = ", ".join(f"{reason} {count}" for count, reason in stalls_by_reason([i])[:2])
             print(f"  {i:6d} {100 * samples[i] / total_samples:5.2f}%  {stalls:34s} "
                   f"{body[i][column['Source']].strip()[:70]}")
-        totals = sorted(((sum(number(body[i][column[r]]) for i in indices), r[len("stall_"):])
-                         for r in reasons), reverse=True)
-        print("  stall totals: " + ", ".join(f"{reason} {count}" for count, reason in totals[:10]))
+        totals = stalls_by_reason(indices)[:10]
+        print("  stall totals: " + ", ".join(f"{reason} {count}" for count, reason in totals))
 
 
 if __name__ == "__main__":
