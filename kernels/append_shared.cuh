@@ -52,7 +52,7 @@ struct AppendSharedTraits {
   static_assert(kIsIdType<IdT>,
                 "append_shared: IdT must be int (int32 ids) or long long (int64 ids)");
   static_assert(kIsFloatInput<LogitT>,
-                "append_shared: LogitT must be __nv_bfloat16, __half or float");
+                "append_shared: LogitT must be bf16, f16 or float");
   static_assert(Gate != SharedGate::kGiven || kSameType<LogitT, float>,
                 "append_shared: SharedGate::kGiven copies fp32 weights; instantiate with "
                 "LogitT = float");
@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
                          int num_tokens) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
-  using cuda::std::uint32_t;
-  using cuda::std::uint64_t;
+  using uint32_t = unsigned int;
+  using uint64_t = unsigned long long;
   const uint64_t total = static_cast<uint64_t>(num_tokens < 0 ? 0 : num_tokens) *
                          static_cast<uint64_t>(Traits::kWidth);
   const uint64_t i = static_cast<uint64_t>(blockIdx.x) * Traits::kThreads + threadIdx.x;

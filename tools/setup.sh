@@ -76,7 +76,7 @@ find_cuda() {
   candidates+=(/usr/local/cuda)
   local dir
   for dir in "${candidates[@]}"; do
-    if [ -f "$dir/include/nvrtc.h" ] && [ -f "$dir/include/cuda_bf16.h" ] &&
+    if [ -f "$dir/include/nvrtc.h" ] && [ -f "$dir/include/cuda.h" ] &&
       ls "$dir"/lib*/libnvrtc.so* >/dev/null 2>&1; then
       cuda_dir="$dir"
       step "CUDA toolkit: $cuda_dir ($("$cuda_dir/bin/nvcc" --version 2>/dev/null | tail -1 || echo "nvcc not found"))"
@@ -85,8 +85,8 @@ find_cuda() {
   done
   cat >&2 <<MSG
 setup.sh: no CUDA toolkit found (looked in: ${candidates[*]}; need include/nvrtc.h,
-include/cuda_bf16.h and lib*/libnvrtc.so). libmoejit needs the toolkit (12.4 or newer; 13.0 is
-tested) for NVRTC and its headers. On Debian 12, from NVIDIA's repository:
+include/cuda.h and lib*/libnvrtc.so). libmoejit builds against the toolkit (12.4 or newer; 13.0
+is tested) for NVRTC and the driver API's header. On Debian 12, from NVIDIA's repository:
   wget https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb
   ${sudo_cmd[*]} dpkg -i cuda-keyring_1.1-1_all.deb && ${sudo_cmd[*]} apt-get update
   ${sudo_cmd[*]} apt-get install -y cuda-toolkit-13-0

@@ -21,7 +21,6 @@ enum class CacheMode {
 struct RuntimeConfig {
   std::string cache_dir;          // "" = MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else ~/.cache/moejit
   CacheMode cache_mode = CacheMode::kReadWrite;
-  std::string cuda_include_dir;   // "" = MOEJIT_CUDA_INCLUDE, CUDA_HOME/CUDA_PATH, the usual prefixes
   bool allow_compile_during_capture = false;  // a miss during stream capture compiles instead of throwing
   // Kernels carry SASS-to-source line tables (NVRTC -lineinfo) for profilers. Off by default:
   // the tables make the large kernels' cubins ~4x bigger (slower to read, verify and load) and

@@ -9,7 +9,7 @@ inline constexpr int kVersionPatch = 0;
 inline constexpr const char* kVersionString = "0.1.0";
 
 // Bumped whenever the meaning of a cache entry or its key changes.
-inline constexpr int kCacheSchemaVersion = 1;
+inline constexpr int kCacheSchemaVersion = 2;
 
 // The MXFP4 kernel layout of repacked weights (moe.hpp) this header was written with. Compare
 // repacked weights kept across runs with the library's own value at run time

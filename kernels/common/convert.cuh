@@ -7,7 +7,14 @@
 namespace moejit::kern {
 
 __device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+// A bf16 is the high half of the fp32 with the same value.
+__device__ __forceinline__ float to_float(bf16 x) {
+  return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
+}
+__device__ __forceinline__ float to_float(f16 x) {
+  float out;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(x.bits));
+  return out;
+}
 
 }  // namespace moejit::kern

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -90,6 +91,18 @@ bool is_entry_name(const std::string& name, std::string* key) {
 // Writers' temp files (and the writability probe): ".<anything>.tmp".
 bool is_temp_name(const std::string& name) {
   return name.size() > 5 && name[0] == '.' && ends_with(name, kTempSuffix);
+}
+
+// "toolkit-<32 hex>.json": the CUDA header fingerprint that builds before the kernels stopped
+// including toolkit headers kept in the cache root. Nothing reads it now; gc and clear remove it.
+bool is_old_toolkit_stamp(const std::string& name) {
+  constexpr std::string_view kPrefix = "toolkit-";
+  constexpr std::string_view kSuffix = ".json";
+  if (name.size() != kPrefix.size() + kKeyLength + kSuffix.size()) return false;
+  if (name.compare(0, kPrefix.size(), kPrefix) != 0 || !ends_with(name, std::string(kSuffix))) {
+    return false;
+  }
+  return is_cache_key(name.substr(kPrefix.size(), kKeyLength));
 }
 
 bool is_shard_name(const std::string& name) {
@@ -833,7 +846,12 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
 
   for (const DirEntry& version : read_dir_or_throw(dir_)) {
     if (!S_ISDIR(version.st.st_mode)) {
-      remove_stale_temp(version);  // the toolkit stamp's (compile/nvrtc.cpp) live here
+      if (S_ISREG(version.st.st_mode) && version.st.st_uid == me &&
+          is_old_toolkit_stamp(version.name) && ::unlink(version.path.c_str()) == 0) {
+        ++report.stale_temp_removed;
+      } else {
+        remove_stale_temp(version);  // older builds wrote their toolkit stamps' temp files here
+      }
       continue;
     }
     if (!is_version_name(version.name)) continue;
@@ -928,6 +946,7 @@ ClearReport DiskCache::clear() const {
     }
   };
   for (const DirEntry& version : read_dir_or_throw(dir_)) {
+    if (!S_ISDIR(version.st.st_mode) && is_old_toolkit_stamp(version.name)) remove(version);
     if (!S_ISDIR(version.st.st_mode) || !is_version_name(version.name)) continue;
     for (const DirEntry& shard : read_dir_or_throw(version.path)) {
       if (!S_ISDIR(shard.st.st_mode) || !is_shard_name(shard.name)) continue;

@@ -67,7 +67,8 @@ struct GcReport {
   uint64_t bytes_before = 0;  // entries (every schema version) + quarantined files
   uint64_t bytes_after = 0;
   int removed = 0;            // entries and quarantined files removed (stale temp files excluded)
-  int stale_temp_removed = 0;  // leftovers of writers killed mid-publish (entries, toolkit stamps)
+  int stale_temp_removed = 0;  // leftovers: temp files of writers killed mid-publish, and the
+                               // toolkit stamps older builds kept in the cache root
 };
 
 struct ClearReport {
@@ -156,11 +157,12 @@ class DiskCache {
 
   // Removes least recently used entries (all schema versions; quarantined files first) until the
   // total is <= max_bytes; also removes temp files older than kStaleTempSeconds (the shards' and
-  // the cache root's, where the toolkit stamp is written) and quarantined
+  // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed. Throws
   // Error{kCache} unless the cache is writable.
   GcReport gc(uint64_t max_bytes) const;
-  // Removes every entry (all schema versions) and every quarantined file of this user; reports
+  // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
+  // stamps of this user; reports
   // how many, and how many could not be removed. Throws Error{kCache} unless the cache is
   // writable.
   ClearReport clear() const;

@@ -1,5 +1,5 @@
-// POSIX file helpers for the directories several processes share (the kernel cache, the toolkit
-// stamp, the failed-source dumps): an owned descriptor, whole writes, errno text and random parts
+// POSIX file helpers for the directories several processes share (the kernel cache, the
+// failed-source dumps): an owned descriptor, whole writes, errno text and random parts
 // for temp file names.
 #pragma once
 

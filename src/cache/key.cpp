@@ -24,7 +24,6 @@ std::string compute_key(const KeyInputs& inputs) {
     hasher.field(header.path);
     hasher.field(header.content);
   }
-  hasher.field(inputs.toolkit_digest);
   return hasher.digest().hex();
 }
 

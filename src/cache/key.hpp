@@ -16,17 +16,18 @@ struct KeyHeader {
 };
 
 // Every input of a compile. Nothing machine- or time-specific belongs here: no absolute path,
-// no host name, no time, so two machines with the same toolkit share keys and nothing is missed.
+// no host name, no time, so two machines with the same NVRTC share keys and nothing is missed.
+// Nothing from the CUDA toolkit's headers either: the kernels include none (NVRTC compiles them
+// with no include directory, so one that did would not compile).
 struct KeyInputs {
   int schema_version = 0;            // kCacheSchemaVersion
   std::string nvrtc_version;         // nvrtc_identity(): "13.0 libnvrtc.so.13 109338064"
-  std::vector<std::string> options;  // compile_options(arch), include path excluded
+  std::vector<std::string> options;  // compile_options(arch)
   std::string arch;                  // "sm_90a"
   std::string program_name;          // GeneratedSource::file_name (NVRTC's name for the program)
   std::string source;                // the generated translation unit
   std::string name_expression;       // what nvrtcAddNameExpression instantiates
   std::vector<KeyHeader> headers;    // every embedded kernel header, in a fixed order
-  std::string toolkit_digest;        // ToolkitHeaders::digest, hex
 };
 
 // 32 lowercase hex digits (XXH3-128 over the length-prefixed fields, in a fixed order).

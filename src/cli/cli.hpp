@@ -23,7 +23,7 @@ enum ExitCode : int {
   kExitUsage = 2,        // bad flags, unknown shape or family, no GPU to take --arch from
   kExitShapeFile = 3,    // a shape file is missing, unreadable or invalid
   kExitEnvironment = 4,  // the cache can't be used as asked (prewarm's kernels not stored),
-                         // toolkit headers not found
+                         // NVRTC unusable
 };
 
 // The footer of every --help: the exit codes and the environment switches.
@@ -70,15 +70,7 @@ Arch arch_for_compute_capability(int major, int minor);
 
 // The runtime configured from the environment (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
 void configure_from_environment();
-// What to do when the toolkit headers are not found, by what the environment set: a
-// MOEJIT_CUDA_INCLUDE is used as given (no fallback), so it is named; else where the search looks.
-std::string toolkit_advice();
 const char* cache_mode_name(CacheMode mode);
-
-// The CUDA headers NVRTC will use, found as the runtime finds them: the fingerprint remembered
-// in (and, when writable, written to) the cache dir, so the CLI's lookup and the runtime's agree.
-// Throws Error{kCompileFailed} naming every path tried when none qualifies.
-const detail::ToolkitHeaders& toolkit_for(const detail::DiskCache& disk);
 
 int run_prewarm(const std::vector<std::string>& files, const std::vector<std::string>& arch_names,
                 int jobs);

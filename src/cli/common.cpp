@@ -22,9 +22,9 @@ std::string help_footer() {
          "     --arch from: pass --arch sm_90a)\n"
          "  3  invalid shape file (missing, unreadable, or breaks a rule: file:line:column named)\n"
          "  4  environment problem (cache unusable as asked, e.g. prewarm's kernels not stored;\n"
-         "     CUDA toolkit headers not found)\n"
-         "Environment: MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE=rw|ro|memory, MOEJIT_CUDA_INCLUDE,\n"
-         "  MOEJIT_LINEINFO=0|1, MOEJIT_LOG_LEVEL, XDG_CACHE_HOME, CUDA_HOME (see README.md)";
+         "     NVRTC unusable)\n"
+         "Environment: MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE=rw|ro|memory, MOEJIT_LINEINFO=0|1,\n"
+         "  MOEJIT_LOG_LEVEL, XDG_CACHE_HOME (see README.md)";
 }
 
 int exit_code_for(ErrorCode code) {
@@ -197,22 +197,6 @@ void configure_from_environment() {
     throw Failure{kExitEnvironment,
                   std::string("the environment's configuration can't be used: ") + e.what()};
   }
-}
-
-std::string toolkit_advice() {
-  // detail::env, as RuntimeConfig::from_environment reads it (an empty value is unset).
-  if (const std::optional<std::string> include = detail::env("MOEJIT_CUDA_INCLUDE")) {
-    return "MOEJIT_CUDA_INCLUDE=" + *include +
-           " is used as given: point it at the toolkit's include directory (the one holding "
-           "cuda_bf16.h), or unset it to search CUDA_HOME and /usr/local/cuda*";
-  }
-  return "set CUDA_HOME to the toolkit's root, or MOEJIT_CUDA_INCLUDE to its include directory";
-}
-
-const detail::ToolkitHeaders& toolkit_for(const detail::DiskCache& disk) {
-  const bool on_disk = disk.effective_mode() != CacheMode::kMemoryOnly;
-  return detail::toolkit_headers(config().cuda_include_dir, on_disk ? disk.dir() : std::string(),
-                                 disk.effective_mode() == CacheMode::kReadWrite);
 }
 
 const char* cache_mode_name(CacheMode mode) {

@@ -59,7 +59,12 @@ int run_doctor() {
   }
 
   try {
-    row("NVRTC", detail::nvrtc_version());
+    const std::string broken = detail::nvrtc_self_test();
+    row("NVRTC", detail::nvrtc_identity() + (broken.empty() ? " (compiles)" : ""));
+    if (!broken.empty()) {
+      row("NVRTC", "UNUSABLE: " + broken);
+      problems.push_back("NVRTC can't compile: " + broken);
+    }
   } catch (const Error& e) {
     row("NVRTC", std::string("unusable: ") + e.what());
     problems.push_back(std::string("NVRTC: ") + e.what());
@@ -74,15 +79,6 @@ int run_doctor() {
     configure(RuntimeConfig{});  // the rest of the report: the defaults
   }
   detail::Runtime& runtime = detail::Runtime::instance();
-  try {
-    const detail::ToolkitHeaders& headers = toolkit_for(runtime.store().disk());
-    row("CUDA include",
-        headers.include_dir + " (headers digest " + headers.digest.hex().substr(0, 12) + ")");
-  } catch (const Error& e) {
-    row("CUDA include", std::string("NOT FOUND: ") + e.what());
-    problems.push_back("CUDA toolkit headers not found: NVRTC can't compile; " + toolkit_advice());
-  }
-
   try {
     const detail::DiskCache& disk = runtime.store().disk();
     CacheMode requested = runtime.config().cache_mode;

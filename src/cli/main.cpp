@@ -85,8 +85,8 @@ int main(int argc, char** argv) {
   // doctor
   CLI::App* doctor = app.add_subcommand(
       "doctor",
-      "Report the library version, CUDA driver, GPUs and their arch, NVRTC, the CUDA headers "
-      "NVRTC will use, and the cache (dir, mode, writable, entries, size).");
+      "Report the library version, CUDA driver, GPUs and their arch, NVRTC (its version and "
+      "library, and whether it compiles), and the cache (dir, mode, writable, entries, size).");
   doctor->footer(help_footer());
 
   try {

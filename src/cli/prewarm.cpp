@@ -101,14 +101,6 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
                                 " cache; unset it or set MOEJIT_CACHE_MODE=rw";
     throw Failure{kExitEnvironment, "prewarm needs a writable cache: " + why};
   }
-  try {
-    toolkit_for(disk);
-  } catch (const Error& e) {
-    throw Failure{kExitEnvironment,
-                  std::string("CUDA toolkit headers not found (NVRTC needs them): ") + e.what() +
-                      ". From the command line: " + toolkit_advice() + "."};
-  }
-
   std::string arch_list;
   for (const Arch& a : archs) arch_list += (arch_list.empty() ? "" : ",") + a.name();
   std::cerr << "prewarm: " << shapes.size() << " shape(s) for " << arch_list << ", " << jobs

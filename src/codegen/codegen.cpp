@@ -34,9 +34,9 @@ const char* id_type_name(DType dtype) {
 const char* float_type_name(DType dtype) {
   switch (dtype) {
     case DType::kBF16:
-      return "__nv_bfloat16";
+      return "moejit::kern::bf16";
     case DType::kF16:
-      return "__half";
+      return "moejit::kern::f16";
     case DType::kF32:
       return "float";
     default:

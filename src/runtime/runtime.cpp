@@ -177,8 +177,7 @@ Arch decode_arch(int code) {
 
 }  // namespace
 
-KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
-                          const ToolkitHeaders& toolkit, bool line_info) {
+KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch, bool line_info) {
   KeyInputs inputs;
   inputs.schema_version = kCacheSchemaVersion;
   inputs.nvrtc_version = nvrtc_identity();
@@ -192,7 +191,6 @@ KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
   for (const EmbeddedHeader& header : headers) {
     inputs.headers.push_back(KeyHeader{header.path, header.content});
   }
-  inputs.toolkit_digest = toolkit.digest.hex();
   return inputs;
 }
 
@@ -231,18 +229,6 @@ void Runtime::configure(const RuntimeConfig& config) {
                                                             : "memory");
 }
 
-namespace {
-
-// The toolkit fingerprint, remembered in the cache directory so a fresh process's first kernel
-// request costs a few stat calls rather than reading every toolkit header (see toolkit_headers).
-const ToolkitHeaders& toolkit_for(const RuntimeConfig& config, const DiskCache& disk) {
-  const bool on_disk = disk.effective_mode() != CacheMode::kMemoryOnly;
-  return toolkit_headers(config.cuda_include_dir, on_disk ? disk.dir() : std::string(),
-                         disk.effective_mode() == CacheMode::kReadWrite);
-}
-
-}  // namespace
-
 std::shared_ptr<KernelStore> Runtime::current_store(RuntimeConfig* config_out) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
   if (environment_error_) throw *environment_error_;
@@ -258,18 +244,18 @@ KernelStore& Runtime::store() { return *current_store(nullptr); }
 
 KeyInputs Runtime::key_inputs(const KernelSpec& spec) {
   RuntimeConfig config;
-  std::shared_ptr<KernelStore> store = current_store(&config);
+  current_store(&config);
   const GeneratedSource source = render(spec);
-  return make_key_inputs(source, spec.arch, toolkit_for(config, store->disk()), config.line_info);
+  return make_key_inputs(source, spec.arch, config.line_info);
 }
 
 std::string Runtime::cache_key(const KernelSpec& spec) { return compute_key(key_inputs(spec)); }
 
 BuildResult Runtime::build(const KernelSpec& spec) { return build_impl(spec, nullptr); }
 
-std::string Runtime::memoized_key(const KernelSpec& spec, const ToolkitHeaders& toolkit,
-                                  bool line_info, std::optional<GeneratedSource>* source) {
-  KeyMemo memo{spec, &toolkit, line_info};
+std::string Runtime::memoized_key(const KernelSpec& spec, bool line_info,
+                                  std::optional<GeneratedSource>* source) {
+  KeyMemo memo{spec, line_info};
   {
     std::lock_guard<std::mutex> lock(keys_mutex_);
     auto it = keys_.find(memo);
@@ -277,7 +263,7 @@ std::string Runtime::memoized_key(const KernelSpec& spec, const ToolkitHeaders& 
   }
   // Outside the lock: two threads may compute the same key, and both get the same string.
   *source = render(spec);
-  std::string key = compute_key(make_key_inputs(**source, spec.arch, toolkit, line_info));
+  std::string key = compute_key(make_key_inputs(**source, spec.arch, line_info));
   std::lock_guard<std::mutex> lock(keys_mutex_);
   return keys_.emplace(std::move(memo), std::move(key)).first->second;
 }
@@ -285,16 +271,8 @@ std::string Runtime::memoized_key(const KernelSpec& spec, const ToolkitHeaders& 
 BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const Entry>* entry_out) {
   RuntimeConfig config;
   std::shared_ptr<KernelStore> store = current_store(&config);
-  const ToolkitHeaders& toolkit = [&]() -> const ToolkitHeaders& {
-    try {
-      return toolkit_for(config, store->disk());
-    } catch (...) {
-      render(spec);  // an unsupported spec is reported first, toolkit or not
-      throw;
-    }
-  }();
   std::optional<GeneratedSource> source;  // rendered only for a new key or a compile
-  const std::string key = memoized_key(spec, toolkit, config.line_info, &source);
+  const std::string key = memoized_key(spec, config.line_info, &source);
   const std::string name = spec.display_name();
 
   bool compiled_here = false;
@@ -303,7 +281,7 @@ BuildResult Runtime::build_impl(const KernelSpec& spec, std::shared_ptr<const En
     log().debug("cache miss: {} (key {}): compiling", name, key);
     if (!source) source = render(spec);
     CompiledKernel compiled =
-        compile(*source, spec.arch, toolkit, failure_dir_for(store->disk()), config.line_info);
+        compile(*source, spec.arch, failure_dir_for(store->disk()), config.line_info);
     Entry entry;
     Manifest& manifest = entry.manifest;
     manifest.key = key;
@@ -502,7 +480,6 @@ RuntimeConfig RuntimeConfig::from_environment() {
   if (auto mode = detail::env("MOEJIT_CACHE_MODE")) {
     config.cache_mode = detail::parse_cache_mode(*mode);
   }
-  if (auto include = detail::env("MOEJIT_CUDA_INCLUDE")) config.cuda_include_dir = *include;
   if (auto allow = detail::env("MOEJIT_ALLOW_CAPTURE_COMPILE")) {
     config.allow_compile_during_capture =
         detail::parse_switch("MOEJIT_ALLOW_CAPTURE_COMPILE", *allow);

@@ -36,8 +36,7 @@ struct CurrentDevice {
 
 // The key inputs of a rendered kernel: what Runtime::cache_key hashes. `line_info`: the
 // configuration's (RuntimeConfig::line_info), which the compile options carry.
-KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch,
-                          const ToolkitHeaders& toolkit, bool line_info = false);
+KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch, bool line_info = false);
 
 class Runtime {
  public:
@@ -54,7 +53,7 @@ class Runtime {
   // Build, then load into the kernel table (no context needed: libraries are
   // context-independent), so a later kernel() hit needs no load, even during graph capture.
   BuildResult build_and_load(const KernelSpec& spec);
-  // The cache key of `spec` (codegen + options + toolkit digest + NVRTC version + schema).
+  // The cache key of `spec` (codegen + embedded headers + options + NVRTC version + schema).
   std::string cache_key(const KernelSpec& spec);
   // What cache_key() hashes for `spec`.
   KeyInputs key_inputs(const KernelSpec& spec);
@@ -85,11 +84,11 @@ class Runtime {
   Runtime();
   std::shared_ptr<KernelStore> current_store(RuntimeConfig* config_out);
   BuildResult build_impl(const KernelSpec& spec, std::shared_ptr<const Entry>* entry_out);
-  // The cache key of `spec` under `toolkit` and `line_info`, computed once per process: rendering
+  // The cache key of `spec` under `line_info`, computed once per process: rendering
   // the kernel and hashing it with the embedded headers (~280 KB) was most of a memory hit (13-15
   // us on the Debian machine, 17.5-20 on the H200 machine). When the key is computed here,
   // `*source` receives the rendering, which a compile then reuses.
-  std::string memoized_key(const KernelSpec& spec, const ToolkitHeaders& toolkit, bool line_info,
+  std::string memoized_key(const KernelSpec& spec, bool line_info,
                            std::optional<GeneratedSource>* source);
   CUkernel load(const KernelSpec& spec, CUstream stream);
   // Loads a built entry once per process; on a driver failure sets *failure, then throws.
@@ -107,21 +106,18 @@ class Runtime {
   std::vector<std::shared_ptr<KernelStore>> retired_stores_;  // keeps store() refs valid
   std::atomic<bool> gpu_loaded_{false};
 
-  // memoized_key's table. What a key depends on besides the spec: the toolkit (one object per
-  // toolkit search, never freed, so its address names it) and line_info; the NVRTC version and the
-  // embedded headers are fixed for the process.
+  // memoized_key's table. What a key depends on besides the spec: line_info; the NVRTC version
+  // and the embedded headers are fixed for the process.
   struct KeyMemo {
     KernelSpec spec;
-    const ToolkitHeaders* toolkit = nullptr;
     bool line_info = false;
     friend bool operator==(const KeyMemo& a, const KeyMemo& b) {
-      return a.toolkit == b.toolkit && a.line_info == b.line_info && a.spec == b.spec;
+      return a.line_info == b.line_info && a.spec == b.spec;
     }
   };
   struct KeyMemoHash {
     std::size_t operator()(const KeyMemo& m) const noexcept {
-      return m.spec.hash() ^ (std::hash<const void*>{}(m.toolkit) * 31u) ^
-             static_cast<std::size_t>(m.line_info);
+      return m.spec.hash() ^ static_cast<std::size_t>(m.line_info);
     }
   };
   std::mutex keys_mutex_;

@@ -221,7 +221,7 @@ TEST_CASE("runtime gpu: a kernel ptxas would encode in the faulting copy form ru
   const moejit::detail::GeneratedSource src =
       moejit::test::copy_ring_source("copy_ring_library.cu", moejit::test::kRingLibraryCopy);
   const moejit::detail::CompiledKernel built =
-      moejit::detail::compile(src, arch, moejit::detail::toolkit_headers(""), "");
+      moejit::detail::compile(src, arch, "");
   CHECK(moejit::detail::count_faulting_hinted_copies(built.cubin) == 0);
   const bool retried = std::find(built.options.begin(), built.options.end(),
                                  moejit::detail::kNoL2CacheHintOption) != built.options.end();

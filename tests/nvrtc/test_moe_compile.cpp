@@ -3,7 +3,7 @@
 // copies of the kernels' sizes checked against the traits inside the same compile, and the
 // kernels' static_asserts firing under NVRTC. decode_moe has its own cases ([decode]): every
 // kernel planned for sm_90a, one tile per shape for sm_100a, no spills, its static_asserts.
-// Needs the CUDA toolkit, no GPU.
+// Needs NVRTC, no GPU.
 #include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -197,7 +197,6 @@ struct Outcome {
 // Compiles every spec on a few threads (NVRTC programs are independent); returns in order.
 std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* wall_seconds,
                                  unsigned* threads_used) {
-  const detail::ToolkitHeaders& toolkit = detail::toolkit_headers("");
   std::vector<Outcome> outcomes(specs.size());
   std::atomic<std::size_t> next{0};
   const unsigned threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
@@ -208,7 +207,7 @@ std::vector<Outcome> compile_all(const std::vector<KernelSpec>& specs, double* w
       out.name = specs[i].display_name();
       try {
         const detail::CompiledKernel kernel =
-            detail::compile(with_host_checks(specs[i]), specs[i].arch, toolkit, "");
+            detail::compile(with_host_checks(specs[i]), specs[i].arch, "");
         out.lowered = kernel.lowered_name;
         out.log = kernel.log;
         out.cubin_size = kernel.cubin.size();
@@ -447,7 +446,7 @@ TEST_CASE("the MoE kernels' static_asserts fire under NVRTC, matching supports()
     src.source = std::string("#include <moejit/kern/") + c.header + ">\n";
     src.name_expression = c.name_expression;
     try {
-      detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
+      detail::compile(src, Arch::parse("sm_90a"), "");
       FAIL("NVRTC accepted " << c.name_expression);
     } catch (const CompileError& e) {
       CHECK(contains(e.log(), c.message));
@@ -645,7 +644,7 @@ TEST_CASE("decode_moe's static_asserts fire under NVRTC and match supports()", "
     src.file_name = "decode_bad_traits.cu";
     src.name_expression = "moejit::kern::moe::decode::decode_moe<" + bad_traits + ">";
     try {
-      detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
+      detail::compile(src, Arch::parse("sm_90a"), "");
       FAIL("NVRTC accepted " << src.name_expression);
     } catch (const CompileError& e) {
       CHECK(contains(e.log(), c.message));
@@ -703,7 +702,7 @@ TEST_CASE("decode_moe pair: its static_asserts fire under NVRTC and match suppor
     src.file_name = "decode_pair_bad_traits.cu";
     src.name_expression = "moejit::kern::moe::decode::decode_pair_fc2<" + bad_traits + ">";
     try {
-      detail::compile(src, Arch::parse("sm_90a"), detail::toolkit_headers(""), "");
+      detail::compile(src, Arch::parse("sm_90a"), "");
       FAIL("NVRTC accepted " << src.name_expression);
     } catch (const CompileError& e) {
       CHECK(contains(e.log(), c.message));

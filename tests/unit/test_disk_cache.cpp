@@ -685,10 +685,12 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   write_file(fresh, "partial");
   write_file(stale, "partial");
   set_mtime(stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
-  // A toolkit stamp's temp (compile/nvrtc.cpp) left in the cache root by a killed writer, and
-  // the stamp itself, which is no temp.
+  // In the cache root: an older build's toolkit stamp (a leftover, removed whatever its age), a
+  // stamp's temp left by a killed writer, and a file that only looks like a stamp (kept).
+  const std::string old_stamp = dir + "/toolkit-0123456789abcdef0123456789abcdef.json";
   const std::string stamp = dir + "/toolkit-0123.json";
   const std::string stale_stamp_temp = dir + "/.toolkit-0123.json.7.cccc.tmp";
+  write_file(old_stamp, "{}");
   write_file(stamp, "{}");
   write_file(stale_stamp_temp, "{\"part");
   set_mtime(stamp, now_unix() - DiskCache::kStaleTempSeconds - 60);
@@ -708,15 +710,24 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   set_mtime(held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
 
   auto report = cache.gc(UINT64_MAX);
-  CHECK(report.stale_temp_removed == 2);
+  CHECK(report.stale_temp_removed == 3);
   CHECK(report.removed == 0);
   CHECK(fs::exists(fresh));
   CHECK_FALSE(fs::exists(stale));
   CHECK_FALSE(fs::exists(stale_stamp_temp));
+  CHECK_FALSE(fs::exists(old_stamp));
   CHECK(fs::exists(stamp));
   CHECK_FALSE(fs::exists(idle_lock));
   CHECK(fs::exists(held_lock));
   CHECK(cache.load(key).has_value());
+
+  // clear takes older builds' stamps with the entries.
+  write_file(old_stamp, "{}");
+  const auto cleared = cache.clear();
+  CHECK(cleared.removed == 2);
+  CHECK(cleared.not_removed == 0);
+  CHECK_FALSE(fs::exists(old_stamp));
+  CHECK(fs::exists(stamp));
 }
 
 TEST_CASE("clear removes every entry and quarantined file", "[cache]") {

@@ -235,7 +235,7 @@ TEST_CASE("codegen renders includes and a name expression from tables", "[spec]"
   CHECK(contains(src.source, "append_shared<k8,s1,i32,sigmoid,bf16,t128>@sm_90a"));
   CHECK(src.name_expression ==
         "moejit::kern::append_shared_kernel<moejit::kern::AppendSharedTraits<8, 1, int, "
-        "moejit::kern::SharedGate::kSigmoid, __nv_bfloat16, 128>>");
+        "moejit::kern::SharedGate::kSigmoid, moejit::kern::bf16, 128>>");
   CHECK(moejit::detail::render(make_spec(qwen_params())).source == src.source);
 
   AppendSharedParams p = qwen_params();

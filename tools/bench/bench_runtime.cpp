@@ -1,8 +1,8 @@
 // moejit_bench_runtime: the host-side costs of libmoejit and the append_shared op, as tables
 // (and JSON with --json PATH). Every figure is a median over many runs.
 //
-//   (a) cold compile per family: a fresh process asks for a kernel in a fresh cache (toolkit
-//       digest + codegen + NVRTC + publish), and NVRTC alone in this process
+//   (a) cold compile per family: a fresh process asks for a kernel in a fresh cache (codegen +
+//       key + NVRTC + publish), and NVRTC alone in this process
 //   (b) loading one cached kernel in a fresh process: request -> launchable CUkernel (disk hit,
 //       verify, cuLibraryLoadData); without a GPU only the disk hit (request -> verified cubin)
 //   (c) in-memory hit: build_kernel() of a built spec, and the hot-path kernel lookup
@@ -345,21 +345,28 @@ json spawn_child(const std::string& cache_dir, const ChildOptions& options) {
 // ---- the unfused sequence -------------------------------------------------------------------
 
 // Three kernels as an engine without the fused op would run them (e.g. torch.sigmoid on bf16
-// logits, .float() * scale, torch.cat of ids and weights), K and S as run-time values.
+// logits, .float() * scale, torch.cat of ids and weights), K and S as run-time values. bf16 as
+// its bits, converted as cuda_bf16.h does on sm_90 (the compile has no toolkit include path).
 const char* kUnfusedSource = R"(
-#include <cuda_bf16.h>
+__device__ float bf16_to_float(unsigned short x) { return __uint_as_float((unsigned)x << 16); }
+__device__ unsigned short float_to_bf16(float v) {
+  unsigned short out;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(v));
+  return out;
+}
 
-extern "C" __global__ void unfused_sigmoid_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int n) {
+extern "C" __global__ void unfused_sigmoid_bf16(const unsigned short* x, unsigned short* y, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) {
-    float v = __bfloat162float(x[i]);
-    y[i] = __float2bfloat16(1.f / (1.f + expf(-v)));
+    float v = bf16_to_float(x[i]);
+    y[i] = float_to_bf16(1.f / (1.f + expf(-v)));
   }
 }
 
-extern "C" __global__ void unfused_cast_scale(const __nv_bfloat16* x, float* y, float scale, int n) {
+extern "C" __global__ void unfused_cast_scale(const unsigned short* x, float* y, float scale,
+                                              int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = __bfloat162float(x[i]) * scale;
+  if (i < n) y[i] = bf16_to_float(x[i]) * scale;
 }
 
 extern "C" __global__ void unfused_append(const int* topk_ids, const float* topk_weights,
@@ -392,10 +399,7 @@ struct UnfusedKernels {
 };
 
 void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
-  const moejit::detail::ToolkitHeaders& toolkit =
-      moejit::detail::toolkit_headers(moejit::config().cuda_include_dir);
-  std::vector<std::string> options = {arch.nvrtc_option(), "--std=c++17", "-default-device"};
-  for (const std::string& dir : toolkit.include_dirs) options.push_back("-I" + dir);
+  const std::vector<std::string> options = {arch.nvrtc_option(), "--std=c++17", "-default-device"};
   const std::string cubin =
       moejit::bench::compile_cubin(kUnfusedSource, "unfused.cu", options, "unfused kernels");
   check(
@@ -482,8 +486,6 @@ struct Options {
 json part_cold_compile(const Options& o, const std::vector<moejit::KernelSpec>& specs) {
   json out = json::array();
   std::vector<std::vector<std::string>> rows;
-  const moejit::detail::ToolkitHeaders& toolkit =
-      moejit::detail::toolkit_headers(moejit::config().cuda_include_dir);
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const moejit::KernelSpec& spec = specs[i];
     std::vector<double> fresh;
@@ -504,7 +506,7 @@ json part_cold_compile(const Options& o, const std::vector<moejit::KernelSpec>& 
       auto start = Clock::now();
       // The library's own options (MOEJIT_LINEINFO included), so both figures compile alike.
       moejit::detail::CompiledKernel k =
-          moejit::detail::compile(src, spec.arch, toolkit, "", moejit::config().line_info);
+          moejit::detail::compile(src, spec.arch, "", moejit::config().line_info);
       nvrtc.push_back(ms_since(start));
       if (k.cubin.empty()) throw std::runtime_error("NVRTC returned an empty cubin");
     }
