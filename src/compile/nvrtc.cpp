@@ -260,19 +260,21 @@ std::string nvrtc_self_test() {
   try {
     const std::vector<int>& archs = supported_archs();
     if (archs.empty()) return "this NVRTC reports no target arch";
-    const std::string arch = "--gpu-architecture=sm_" + std::to_string(archs.front());
+    GeneratedSource src;
+    src.file_name = "moejit_self_test.cu";
+    src.source = "extern \"C\" __global__ void moejit_self_test(int* p) { *p = 1; }\n";
+    const std::string sm = "sm_" + std::to_string(archs.front());
+    const std::string arch = "--gpu-architecture=" + sm;
     const char* options[] = {arch.c_str(), "-std=c++17"};
-    nvrtcProgram program = nullptr;
-    MOEJIT_NVRTC_CHECK(nvrtcCreateProgram(
-        &program, "extern \"C\" __global__ void moejit_self_test(int* p) { *p = 1; }\n",
-        "moejit_self_test.cu", 0, nullptr, nullptr));
-    const nvrtcResult result = nvrtcCompileProgram(program, 2, options);
-    std::size_t size = 0;
-    if (result == NVRTC_SUCCESS) nvrtcGetCUBINSize(program, &size);
-    nvrtcDestroyProgram(&program);
+    Program program(src, {}, {});
+    const nvrtcResult result = nvrtcCompileProgram(program.get(), 2, options);
     if (result != NVRTC_SUCCESS) {
-      return std::string("a one-line kernel did not compile: ") + nvrtcGetErrorString(result);
+      const std::string log = program.log();
+      return "a one-line kernel did not compile for " + sm + ": " +
+             nvrtcGetErrorString(result) + (log.empty() ? "" : " (" + log.substr(0, 300) + ")");
     }
+    std::size_t size = 0;
+    MOEJIT_NVRTC_CHECK(nvrtcGetCUBINSize(program.get(), &size));
     return size > 0 ? "" : "a one-line kernel compiled to no cubin";
   } catch (const Error& e) {
     return e.what();

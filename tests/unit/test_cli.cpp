@@ -249,7 +249,10 @@ TEST_CASE("doctor: NVRTC compiles with no CUDA toolkit to be found", "[cli]") {
   CHECK(rc == 0);
   CHECK(out.find("libnvrtc") != std::string::npos);
   CHECK(out.find("(compiles)") != std::string::npos);
-  CHECK(out.find("toolkit") == std::string::npos);
+  // No toolkit include directory is looked for or reported (the driver line may still name the
+  // toolkit's libcuda stub, as under CI's sanitizer run).
+  CHECK(out.find("CUDA include") == std::string::npos);
+  CHECK(out.find("cuda_bf16.h") == std::string::npos);
 }
 
 TEST_CASE("gc --max-size takes every size below 2^64 and refuses the rest", "[cli]") {
