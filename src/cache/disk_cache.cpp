@@ -93,8 +93,8 @@ bool is_temp_name(const std::string& name) {
   return name.size() > 5 && name[0] == '.' && ends_with(name, kTempSuffix);
 }
 
-// "toolkit-<32 hex>.json": the CUDA header fingerprint that builds before the kernels stopped
-// including toolkit headers kept in the cache root. Nothing reads it now; gc and clear remove it.
+// "toolkit-<32 hex>.json": the CUDA header fingerprint older builds (whose kernels included
+// toolkit headers) kept in the cache root. Nothing reads it now; gc and clear remove it.
 bool is_old_toolkit_stamp(const std::string& name) {
   constexpr std::string_view kPrefix = "toolkit-";
   constexpr std::string_view kSuffix = ".json";
