@@ -41,8 +41,11 @@ int main(int argc, char** argv) {
   prewarm
       ->add_option("--arch", prewarm_archs,
                    "Target archs, comma separated (e.g. sm_90a,sm_100a). Default: the archs of the "
-                   "visible GPUs; on a machine without a GPU it must be given.")
-      ->delimiter(',');
+                   "visible GPUs; on a machine without a GPU it must be given. May be repeated.")
+      ->delimiter(',')
+      // Why: one value per --arch, so `--arch sm_90a a.json b.json` leaves both files to FILE...
+      // (by default a vector option takes every argument up to the next flag).
+      ->allow_extra_args(false);
   prewarm
       ->add_option("-j,--jobs", prewarm_jobs,
                    "Parallel compiles (default: hardware threads, " + std::to_string(prewarm_jobs) +

@@ -349,3 +349,31 @@ TEST_CASE("the cache commands never report work they did not do", "[cli]") {
     fs::permissions(shard, fs::perms::owner_all, fs::perm_options::replace);
   }
 }
+
+TEST_CASE("prewarm's --arch takes one value each time, before, between or after the files",
+          "[cli]") {
+  TempDir root;
+  const std::string cache = root.path() + "/cache";
+  std::string files;
+  for (const char* name : {"tiny-a", "tiny-b"}) {
+    const std::string path = root.path() + "/" + name + ".json";
+    std::ofstream(path) << R"({"shapes": [{"name": ")" << name << R"(", "num_experts": 8,
+      "top_k": 2, "hidden": 512, "intermediate": 256, "activation": {"kind": "swiglu"},
+      "max_tokens": 1}]})";
+    files += " " + quote(path);
+  }
+  // Why: a vector option takes every argument up to the next flag by default, so the first file
+  // after `--arch sm_90a` used to be read as an arch.
+  for (const std::string& args :
+       {"--arch sm_90a" + files, files + " --arch sm_90a", "--arch sm_90a --arch sm_100a" + files,
+        files + " --arch sm_90a,sm_100a -j 2"}) {
+    std::string out;
+    const int rc = cli(cache, "prewarm " + args, &out);
+    INFO(args << "\n" << out);
+    CHECK(rc == 0);
+    const Summary s = parse_summary(out);
+    REQUIRE(s.found);
+    CHECK(s.failed == 0);
+    CHECK(out.find("2 shape(s)") != std::string::npos);
+  }
+}
