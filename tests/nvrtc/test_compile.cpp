@@ -2,18 +2,12 @@
 // under NVRTC, and the compile's independence from the CUDA toolkit's headers. Needs NVRTC, no
 // GPU.
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
-#include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iostream>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,7 +32,6 @@ using moejit::ErrorCode;
 using moejit::KernelSpec;
 using moejit::SharedGate;
 using moejit::test::read_text;
-using moejit::test::write_text;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
