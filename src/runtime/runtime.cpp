@@ -244,7 +244,7 @@ KernelStore& Runtime::store() { return *current_store(nullptr); }
 
 KeyInputs Runtime::key_inputs(const KernelSpec& spec) {
   RuntimeConfig config;
-  current_store(&config);
+  current_store(&config);  // for the configuration (and a bad environment's error)
   const GeneratedSource source = render(spec);
   return make_key_inputs(source, spec.arch, config.line_info);
 }
