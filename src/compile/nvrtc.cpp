@@ -359,7 +359,7 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const std::
   }
 
   CompiledKernel out = run_nvrtc(src, arch, options, failure_dir);
-  out.options = compile_options(arch, line_info);
+  out.options = options;
   // Why: a cubin whose copies fault must never reach the cache (cubin_check.hpp). Without the
   // hint ptxas has no cache-policy operand to encode, so the rebuilt kernel takes the plain form.
   const int faulting = count_faulting_hinted_copies(out.cubin);
@@ -371,8 +371,7 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const std::
         kernel_label(src), arch.name(), faulting, kNoL2CacheHintOption);
     options.emplace_back(kNoL2CacheHintOption);
     out = run_nvrtc(src, arch, options, failure_dir);
-    out.options = compile_options(arch, line_info);
-    out.options.emplace_back(kNoL2CacheHintOption);
+    out.options = options;
     const int left = count_faulting_hinted_copies(out.cubin);
     if (left > 0) {
       std::ostringstream os;
