@@ -336,8 +336,10 @@ __global__ void __maxnreg__(kPairFc1MaxRegisters) decode_pair_fc1(const DecodePa
 #pragma unroll
       for (i32 q = 0; q < 4; ++q) acc[0][q] += part[w * kPartStride + q * 32 + lane];
     }
-    // The slot's next bulk copy (async proxy) comes after these plain stores and loads.
-    pipe::fence_proxy_async();
+    // The slot's next bulk copy (async proxy) comes after these plain stores and loads, all in
+    // this CTA's shared memory (the shared::cta fence: the full one is a GPU-wide MEMBAR in SASS,
+    // which also waits for the leader's intermediate-row stores of the unit before).
+    pipe::fence_proxy_async_shared();
     __syncwarp();
     if (lane == 0) pipe::arrive(ptx::smem_u32(empty + slot));
     // Rows g (gate of pair g) and g + 8 (its up), columns 2 t4 and 2 t4 + 1.
