@@ -39,6 +39,10 @@ typedef enum moejit_shared_gate {
 /* This thread's last error message ("" after a success). Valid until the thread's next call. */
 const char* moejit_last_error(void);
 
+/* The running library's version, "MAJOR.MINOR.PATCH" (moejit::library_version): compare it with
+ * the version a binding was written for, since the shared library can be replaced under it. */
+const char* moejit_version(void);
+
 /* Register a shape file; names are then usable by name. */
 moejit_status moejit_register_shapes_file(const char* path);
 

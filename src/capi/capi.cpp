@@ -9,6 +9,7 @@
 #include "moejit/moejit.h"
 #include "moejit/ops.hpp"
 #include "moejit/runtime.hpp"
+#include "moejit/version.hpp"
 
 namespace {
 
@@ -84,6 +85,8 @@ extern "C" {
 const char* moejit_last_error(void) {
   return fixed_error != nullptr ? fixed_error : last_error.c_str();
 }
+
+const char* moejit_version(void) { return moejit::library_version(); }
 
 moejit_status moejit_register_shapes_file(const char* path) {
   return guarded({}, [&] {

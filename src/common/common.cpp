@@ -11,9 +11,12 @@
 #include "common/hash.hpp"
 #include "common/log.hpp"
 #include "moejit/error.hpp"
+#include "moejit/version.hpp"
 #include <spdlog/sinks/stdout_color_sinks.h>
 
 namespace moejit {
+
+const char* library_version() { return kVersionString; }
 
 const char* error_code_name(ErrorCode code) noexcept {
   switch (code) {

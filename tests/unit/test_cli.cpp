@@ -9,7 +9,9 @@
 
 #include "codegen/embedded.hpp"
 #include "moejit/moe.hpp"
+#include "moejit/moejit.h"
 #include "moejit/shape.hpp"
+#include "moejit/version.hpp"
 #include "support/support.hpp"
 
 namespace {
@@ -199,6 +201,18 @@ TEST_CASE("source prints the append_shared translation unit of qwen2-57b-a14b", 
     CHECK(rc == 2);
     CHECK(out.find("gpt-oss-120b") != std::string::npos);
   }
+}
+
+TEST_CASE("the library, the C ABI and the CLI name the header's version", "[cli]") {
+  const std::string header = std::to_string(moejit::kVersionMajor) + "." +
+                             std::to_string(moejit::kVersionMinor) + "." +
+                             std::to_string(moejit::kVersionPatch);
+  CHECK(std::string(moejit::kVersionString) == header);
+  CHECK(std::string(moejit::library_version()) == header);
+  CHECK(std::string(moejit_version()) == header);
+  std::string out;
+  CHECK(cli("--version", &out) == 0);
+  CHECK(out.find("libmoejit " + header) != std::string::npos);
 }
 
 TEST_CASE("doctor runs without a GPU and says what it found", "[cli]") {

@@ -26,6 +26,12 @@ const char* kShapes = R"({
 
 int main() {
   try {
+    // The installed shared library is the one this program was built against.
+    if (std::string(moejit::library_version()) != moejit::kVersionString) {
+      std::cerr << "consumer: built against libmoejit " << moejit::kVersionString
+                << " but loaded " << moejit::library_version() << "\n";
+      return 1;
+    }
     std::vector<moejit::ModelShape> shapes = moejit::parse_shapes(kShapes, "consumer.json");
     if (shapes.size() != 1 || shapes[0].name != "consumer-moe") {
       std::cerr << "consumer: expected one shape named consumer-moe, got " << shapes.size() << "\n";
