@@ -3,7 +3,7 @@
 
 namespace moejit {
 
-// The one place the version is written: CMakeLists.txt reads these three lines. While the major
+// The one place the version is written: CMakeLists.txt reads the four lines below. While the major
 // version is 0, a minor release may change the C++ ABI (and names a new shared-library soname).
 inline constexpr int kVersionMajor = 0;
 inline constexpr int kVersionMinor = 2;
