@@ -279,6 +279,17 @@ struct ChildOptions {
   std::string arch;
 };
 
+// NVRTC alone on the spec's rendered source (no key, no cache), in ms; with the library's own
+// options (MOEJIT_LINEINFO included), so it compiles as a request does.
+double nvrtc_alone_ms(const moejit::KernelSpec& spec, const moejit::detail::GeneratedSource& src) {
+  auto start = Clock::now();
+  moejit::detail::CompiledKernel k =
+      moejit::detail::compile(src, spec.arch, "", moejit::config().line_info);
+  const double ms = ms_since(start);
+  if (k.cubin.empty()) throw std::runtime_error("NVRTC returned an empty cubin");
+  return ms;
+}
+
 // One request in a fresh process; prints {"outcome", "library_ms", "request_ms"}. "nvrtc" compiles
 // the spec's rendered source with NVRTC alone (no key, no cache), the process's first compile.
 int run_child(const ChildOptions& options) {
@@ -303,12 +314,8 @@ int run_child(const ChildOptions& options) {
     } else if (options.mode == "nvrtc") {
       moejit::KernelSpec spec = family_specs(moejit::Arch::parse(options.arch))
                                     .at(static_cast<std::size_t>(options.spec_index));
-      moejit::detail::GeneratedSource src = moejit::detail::render(spec);
-      auto start = Clock::now();
-      moejit::detail::CompiledKernel k =
-          moejit::detail::compile(src, spec.arch, "", moejit::config().line_info);
-      out["request_ms"] = ms_since(start);
-      out["outcome"] = k.cubin.empty() ? "empty cubin" : "compiled";
+      out["request_ms"] = nvrtc_alone_ms(spec, moejit::detail::render(spec));
+      out["outcome"] = "compiled";
     } else {
       moejit::KernelSpec spec = family_specs(moejit::Arch::parse(options.arch))
                                     .at(static_cast<std::size_t>(options.spec_index));
@@ -519,14 +526,7 @@ json part_cold_compile(const Options& o, const std::vector<moejit::KernelSpec>& 
     }
     std::vector<double> nvrtc;
     moejit::detail::GeneratedSource src = moejit::detail::render(spec);
-    for (int rep = 0; rep < o.compile_reps; ++rep) {
-      auto start = Clock::now();
-      // The library's own options (MOEJIT_LINEINFO included), so both figures compile alike.
-      moejit::detail::CompiledKernel k =
-          moejit::detail::compile(src, spec.arch, "", moejit::config().line_info);
-      nvrtc.push_back(ms_since(start));
-      if (k.cubin.empty()) throw std::runtime_error("NVRTC returned an empty cubin");
-    }
+    for (int rep = 0; rep < o.compile_reps; ++rep) nvrtc.push_back(nvrtc_alone_ms(spec, src));
     Stats f = summarize(fresh);
     Stats l = summarize(library);
     Stats n = summarize(nvrtc);
