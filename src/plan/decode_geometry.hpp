@@ -1,6 +1,6 @@
 // decode_moe's kernel Geometry (kernels/moe/decode_params.cuh) of a spec's params: the one place
 // the host turns MoeDecodeParams into the constexpr sizes the kernel static_asserts on. Kept out
-// of moe_plan.hpp, which stays free of kernel headers.
+// of decode_plan.hpp and moe_plan.hpp, which stay free of kernel headers.
 #pragma once
 
 #include <moejit/kern/moe/decode_pair_params.cuh>
