@@ -42,6 +42,11 @@ int exit_code_for(ErrorCode code);
 // read or breaks a rule throws Failure{kExitShapeFile} with the DescriptorError's message.
 std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths);
 
+// The shape named `name` among `shapes` (read from `file`); Failure{kExitUsage} naming the shapes
+// there when there is none.
+const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name,
+                             const std::string& file);
+
 // "500M", "2G", "1.5GiB", "4096" -> bytes (K/M/G/T are powers of 1024). nullopt when malformed.
 std::optional<uint64_t> parse_size(const std::string& text);
 std::string format_bytes(uint64_t bytes);       // "1.5 MiB"
@@ -76,6 +81,7 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
                 int jobs);
 int run_source(const std::string& file, const std::string& shape_name, const std::string& family,
                const std::string& arch_name);
+int run_plan(const std::string& file, const std::string& shape_name, const std::string& arch_name);
 int run_list();
 int run_verify();
 int run_gc(const std::string& max_size);

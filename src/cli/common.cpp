@@ -68,6 +68,16 @@ std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths) 
   return shapes;
 }
 
+const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name,
+                             const std::string& file) {
+  std::string names;
+  for (const ModelShape& s : shapes) {
+    if (s.name == name) return s;
+    names += (names.empty() ? "" : ", ") + s.name;
+  }
+  throw Failure{kExitUsage, "no shape named '" + name + "' in " + file + " (it has: " + names + ")"};
+}
+
 std::optional<uint64_t> parse_size(const std::string& text) {
   std::size_t i = 0;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))

@@ -66,6 +66,21 @@ int main(int argc, char** argv) {
   source->add_option("--arch", source_arch, "Target arch (default sm_90a)");
   source->footer(help_footer());
 
+  // plan
+  std::string plan_file;
+  std::string plan_shape;
+  std::string plan_arch = "sm_90a";
+  CLI::App* plan = app.add_subcommand(
+      "plan",
+      "Print what each shape in FILE runs, without compiling: repacked weight and workspace "
+      "sizes, whether decode_moe serves it, and per range of T the kernels moe_forward "
+      "launches (the automatic path, and the path a call can force).");
+  plan->add_option("file", plan_file, "Shape file (JSON, see tools/shapes/schema.json)")
+      ->required();
+  plan->add_option("--shape", plan_shape, "Only the shape of this name (default: every shape)");
+  plan->add_option("--arch", plan_arch, "Target arch (default sm_90a)");
+  plan->footer(help_footer());
+
   // list / verify / gc / clear
   CLI::App* list = app.add_subcommand(
       "list", "List cache entries: kernel, arch, size, last used, compile time.");
@@ -104,6 +119,7 @@ int main(int argc, char** argv) {
   try {
     if (prewarm->parsed()) return run_prewarm(prewarm_files, prewarm_archs, prewarm_jobs);
     if (source->parsed()) return run_source(source_file, source_shape, source_kernel, source_arch);
+    if (plan->parsed()) return run_plan(plan_file, plan_shape, plan_arch);
     if (list->parsed()) return run_list();
     if (verify->parsed()) return run_verify();
     if (gc->parsed()) return run_gc(gc_max_size);

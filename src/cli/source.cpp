@@ -20,19 +20,9 @@ int run_source(const std::string& file, const std::string& shape_name, const std
     throw Failure{kExitUsage, e.what()};
   }
 
-  const ModelShape* shape = nullptr;
-  std::string names;
-  for (const ModelShape& s : shapes) {
-    if (s.name == shape_name) shape = &s;
-    names += (names.empty() ? "" : ", ") + s.name;
-  }
-  if (shape == nullptr) {
-    throw Failure{kExitUsage,
-                  "no shape named '" + shape_name + "' in " + file + " (it has: " + names + ")"};
-  }
-
+  const ModelShape& shape = find_shape(shapes, shape_name, file);
   std::vector<KernelSpec> specs;
-  for (const KernelSpec& spec : plan_kernels(*shape, arch)) {
+  for (const KernelSpec& spec : plan_kernels(shape, arch)) {
     if (spec.family == wanted) specs.push_back(spec);
   }
   if (specs.empty()) {

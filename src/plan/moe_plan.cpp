@@ -798,19 +798,26 @@ MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& ar
   return s;
 }
 
+std::vector<KernelSpec> decode_chain(const MoeForwardSpecs& s) {
+  if (!s.decode) return {};
+  std::vector<KernelSpec> specs = {s.decode_first, s.decode_second};
+  if (s.decode_has_combine) specs.push_back(s.decode_combine);
+  return specs;
+}
+
+std::vector<KernelSpec> marlin_chain(const MoeForwardSpecs& s) {
+  std::vector<KernelSpec> specs;
+  if (s.has_narrow) specs.push_back(s.narrow);
+  specs.insert(specs.end(), s.route, s.route + s.route_count);
+  specs.insert(specs.end(), {s.fc1, s.fc2, s.combine});
+  return specs;
+}
+
 std::vector<KernelSpec> moe_config_specs(const MoeForwardConfig& config, const Arch& arch) {
   const MoeForwardSpecs s = moe_forward_specs(config, arch);
-  std::vector<KernelSpec> specs;
-  if (s.decode) {
-    specs.push_back(s.decode_first);
-    specs.push_back(s.decode_second);
-    if (s.decode_has_combine) specs.push_back(s.decode_combine);
-  }
-  if (s.has_narrow) specs.push_back(s.narrow);
-  for (int i = 0; i < s.route_count; ++i) specs.push_back(s.route[i]);
-  specs.push_back(s.fc1);
-  specs.push_back(s.fc2);
-  specs.push_back(s.combine);
+  std::vector<KernelSpec> specs = decode_chain(s);
+  const std::vector<KernelSpec> marlin = marlin_chain(s);
+  specs.insert(specs.end(), marlin.begin(), marlin.end());
   return specs;
 }
 

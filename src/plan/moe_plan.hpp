@@ -130,6 +130,11 @@ struct MoeForwardSpecs {
 };
 MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch);
 
+// The kernels of each path, in launch order: decode_moe's (empty unless s.decode), and the marlin
+// chain (narrow_ids where the ids are int64, the route, FC1, FC2, combine).
+std::vector<KernelSpec> decode_chain(const MoeForwardSpecs& s);
+std::vector<KernelSpec> marlin_chain(const MoeForwardSpecs& s);
+
 // Every kernel a call with this config may launch on `arch` (the decode pair when
 // MoeForwardSpecs::decode, then the marlin chain, which a call can force), each path in launch
 // order. What the planner lists for the config.

@@ -3,13 +3,17 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "codegen/embedded.hpp"
+#include "moejit/kernel_spec.hpp"
 #include "moejit/moe.hpp"
 #include "moejit/moejit.h"
+#include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
 #include "moejit/version.hpp"
 #include "support/support.hpp"
@@ -63,7 +67,8 @@ TEST_CASE("moejit --help lists the subcommands and the exit codes", "[cli]") {
   std::string out;
   REQUIRE(cli("--help", &out) == 0);
   INFO(out);
-  for (const char* word : {"prewarm", "list", "verify", "gc", "clear", "source", "doctor"}) {
+  for (const char* word :
+       {"prewarm", "plan", "list", "verify", "gc", "clear", "source", "doctor"}) {
     CHECK(out.find(word) != std::string::npos);
   }
   CHECK(out.find("Exit codes") != std::string::npos);
@@ -82,6 +87,7 @@ TEST_CASE("every subcommand's --help exits 0 and names its options", "[cli]") {
   const std::vector<Case> cases = {
       {"prewarm", {"--arch", "-j", "--jobs", "files", "Exit codes"}},
       {"source", {"--shape", "--kernel", "--arch", "Exit codes"}},
+      {"plan", {"--shape", "--arch", "file", "Exit codes"}},
       {"list", {"Exit codes"}},
       {"verify", {"quarantine", "Exit codes"}},
       {"gc", {"--max-size", "500M", "Exit codes"}},
@@ -119,6 +125,11 @@ TEST_CASE("usage errors exit 2", "[cli]") {
   CHECK(out.find("qwen2-57b-a14b") != std::string::npos);  // the names there are
   CHECK(usage_error("source " + shapes + " --shape qwen2-57b-a14b --kernel no_such_family")
             .find("no_such_family") != std::string::npos);
+  out = usage_error("plan " + shapes + " --shape no-such-model");
+  CHECK(out.find("no-such-model") != std::string::npos);
+  CHECK(out.find("qwen2-57b-a14b") != std::string::npos);
+  CHECK(usage_error("plan " + shapes + " --arch sm_nine").find("sm_nine") != std::string::npos);
+  usage_error("plan");  // FILE is required
 }
 
 TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anything compiles",
@@ -169,6 +180,13 @@ TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anythin
     CHECK(rc == 3);
     CHECK(out.find(bad + ":1:") != std::string::npos);
   }
+  SECTION("plan refuses it too") {
+    write_file(bad, "[{\"name\": \"x\"]\n");
+    int rc = cli("plan " + quote(bad), &out, cache);
+    INFO(out);
+    CHECK(rc == 3);
+    CHECK(out.find(bad + ":1:") != std::string::npos);
+  }
   // All-or-nothing: nothing was compiled into the cache.
   std::string listing;
   REQUIRE(cli("list", &listing, cache) == 0);
@@ -200,6 +218,109 @@ TEST_CASE("source prints the append_shared translation unit of qwen2-57b-a14b", 
              &out);
     CHECK(rc == 2);
     CHECK(out.find("gpt-oss-120b") != std::string::npos);
+  }
+}
+
+namespace {
+
+// What `moejit plan` printed for one shape: the kernel names (lines ending in "@<arch>"), the T
+// ranges ("T = a:" or "T = a..b:"), and the lines that name what a range runs.
+struct PlanOutput {
+  std::vector<std::string> kernels;
+  std::vector<std::pair<int, int>> ranges;
+  std::vector<std::string> paths;
+};
+
+PlanOutput parse_plan(const std::string& out, const std::string& arch) {
+  PlanOutput plan;
+  std::istringstream lines(out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const std::size_t start = line.find_first_not_of(' ');
+    if (start == std::string::npos) continue;
+    const std::string text = line.substr(start);
+    const std::string suffix = "@" + arch;
+    if (text.size() > suffix.size() &&
+        text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+        text.find(' ') == std::string::npos) {
+      plan.kernels.push_back(text);
+    } else if (text.rfind("T = ", 0) == 0 && text.back() == ':') {
+      const std::string range = text.substr(4, text.size() - 5);
+      const std::size_t dots = range.find("..");
+      const int first = std::stoi(range.substr(0, dots));
+      const int last = dots == std::string::npos ? first : std::stoi(range.substr(dots + 2));
+      plan.ranges.emplace_back(first, last);
+    } else if (text.rfind("decode_moe, ", 0) == 0 || text.rfind("marlin_moe (", 0) == 0) {
+      plan.paths.push_back(text);
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+TEST_CASE("plan names every kernel prewarm compiles, per range of T, and the sizes to allocate",
+          "[cli]") {
+  const std::vector<moejit::ModelShape> shapes = moejit::load_shapes_file(reference_shapes());
+  for (const char* arch_name : {"sm_90a", "sm_80"}) {
+    const moejit::Arch arch = moejit::Arch::parse(arch_name);
+    for (const moejit::ModelShape& shape : shapes) {
+      std::string out;
+      const int rc = cli("plan " + quote(reference_shapes()) + " --shape " + quote(shape.name) +
+                             " --arch " + arch_name,
+                         &out);
+      INFO(shape.name << " on " << arch_name << ":\n" << out);
+      REQUIRE(rc == 0);
+      const PlanOutput plan = parse_plan(out, arch.name());
+
+      // The kernels named are exactly those prewarm compiles (each path of each range listed).
+      std::set<std::string> expected;
+      for (const moejit::KernelSpec& spec : moejit::plan_kernels(shape, arch)) {
+        expected.insert(spec.display_name());
+      }
+      const std::set<std::string> named(plan.kernels.begin(), plan.kernels.end());
+      CHECK(named == expected);
+
+      // The ranges cover T = 1..max_tokens in order, with no gap and no overlap.
+      REQUIRE_FALSE(plan.ranges.empty());
+      CHECK(plan.ranges.front().first == 1);
+      CHECK(plan.ranges.back().second == shape.max_tokens);
+      for (std::size_t i = 0; i < plan.ranges.size(); ++i) {
+        CHECK(plan.ranges[i].first <= plan.ranges[i].second);
+        if (i > 0) CHECK(plan.ranges[i].first == plan.ranges[i - 1].second + 1);
+      }
+
+      // One automatic path per range; decode_moe only where it serves the shape and the arch.
+      const std::string decode_problem = moejit::moe_decode_problem(shape);
+      const bool decode = decode_problem.empty() && arch.sm >= 90;
+      int automatic = 0;
+      bool any_decode = false;
+      for (const std::string& path : plan.paths) {
+        automatic += path.find("(automatic)") != std::string::npos ? 1 : 0;
+        any_decode = any_decode || path.rfind("decode_moe", 0) == 0;
+      }
+      CHECK(automatic == static_cast<int>(plan.ranges.size()));
+      CHECK(any_decode == decode);
+      if (!decode_problem.empty()) CHECK(out.find(decode_problem) != std::string::npos);
+
+      // The sizes an engine allocates, as the library's own queries give them.
+      const moejit::MoeWeightLayout layout = moejit::moe_weight_layout(shape);
+      const std::size_t weights = layout.w13_bytes + layout.w13_scale_bytes + layout.w2_bytes +
+                                  layout.w2_scale_bytes + layout.b13_bytes + layout.b2_bytes;
+      CHECK(out.find("repacked weights: " + std::to_string(weights) + " bytes") !=
+            std::string::npos);
+      CHECK(out.find("workspace: " +
+                     std::to_string(moejit::moe_workspace_bytes(shape, shape.max_tokens)) +
+                     " bytes") != std::string::npos);
+    }
+  }
+
+  SECTION("without --shape, every shape of the file") {
+    std::string out;
+    REQUIRE(cli("plan " + quote(reference_shapes()), &out) == 0);
+    for (const moejit::ModelShape& shape : shapes) {
+      CHECK(out.find(shape.name + " on sm_90a: ") != std::string::npos);
+    }
   }
 }
 
