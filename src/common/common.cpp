@@ -10,6 +10,7 @@
 #include "common/env.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
+#include "common/text.hpp"
 #include "moejit/error.hpp"
 #include "moejit/version.hpp"
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -56,6 +57,15 @@ spdlog::logger& log() {
     return made;
   }();
   return *logger;
+}
+
+std::string float_text(float value) {
+  char text[32];
+  for (int precision = 6; precision <= 9; ++precision) {
+    std::snprintf(text, sizeof(text), "%.*g", precision, static_cast<double>(value));
+    if (std::strtof(text, nullptr) == value) break;
+  }
+  return text;
 }
 
 std::string Digest::hex() const {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/text.hpp"
 #include "descriptor/descriptor.hpp"
 #include "moejit/error.hpp"
 
@@ -43,16 +44,6 @@ const char* shared_gate_name(SharedGate gate) noexcept {
 
 namespace detail {
 namespace {
-
-// The shortest text that reads back as the same float.
-std::string float_text(float value) {
-  char text[32];
-  for (int precision = 6; precision <= 9; ++precision) {
-    std::snprintf(text, sizeof(text), "%.*g", precision, static_cast<double>(value));
-    if (std::strtof(text, nullptr) == value) break;
-  }
-  return text;
-}
 
 std::string range_text(long long lo, long long hi) {
   return "an integer in " + std::to_string(lo) + ".." + std::to_string(hi);

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "common/check.hpp"
+#include "common/text.hpp"
 #include "moejit/error.hpp"
 #include "plan/moe_plan.hpp"
 #include "plan/spec_names.hpp"
@@ -395,15 +396,7 @@ Family family_of(const MoeCombineParams&) { return Family::kCombine; }
 Family family_of(const NarrowIdsParams&) { return Family::kNarrowIds; }
 Family family_of(const MoeDecodeParams&) { return Family::kDecodeMoe; }
 
-// The shortest decimal text that reads back as the same float.
-std::string float_text(float value) {
-  char text[32];
-  for (int precision = 6; precision <= 9; ++precision) {
-    std::snprintf(text, sizeof(text), "%.*g", precision, static_cast<double>(value));
-    if (std::strtof(text, nullptr) == value) break;
-  }
-  return text;
-}
+using detail::float_text;
 
 // "gpt_oss(limit=7,alpha=1.702)": the kind and the constants it takes.
 std::string activation_text(const Activation& a) {
