@@ -75,7 +75,8 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
     if (s.name == name) return s;
     names += (names.empty() ? "" : ", ") + s.name;
   }
-  throw Failure{kExitUsage, "no shape named '" + name + "' in " + file + " (it has: " + names + ")"};
+  throw Failure{kExitUsage,
+                "no shape named '" + name + "' in " + file + " (it has: " + names + ")"};
 }
 
 std::optional<uint64_t> parse_size(const std::string& text) {
