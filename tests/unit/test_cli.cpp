@@ -1,5 +1,5 @@
-// The `moejit` CLI as a user meets it: help, exit codes, shape file errors, source, doctor, and
-// the README's shape example (so the README can't rot). Runs the binary at $MOEJIT_TEST_CLI.
+// The `moejit` CLI as a user meets it: help, exit codes, shape file errors, source, plan, doctor,
+// and the README's shape example (so the README can't rot). Runs the binary at $MOEJIT_TEST_CLI.
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
