@@ -46,6 +46,43 @@ const char* moejit_version(void);
 /* Register a shape file; names are then usable by name. */
 moejit_status moejit_register_shapes_file(const char* path);
 
+/* Register shapes from JSON text (the shape file format, e.g. built from a model's config at run
+ * time); source_name stands for the file in error messages (NULL: "<text>"). */
+moejit_status moejit_register_shapes(const char* json_text, const char* source_name);
+
+/* ---- Prewarm (moejit::prewarm) ------------------------------------------------------------------
+ * Compile, or find in the cache, every kernel the registered shapes need, so that no op compiles
+ * afterwards (an op that misses while its stream captures a CUDA graph fails with
+ * MOEJIT_ERROR_CAPTURE_MISS). The kernels for the current CUDA context's device are also loaded
+ * into that context, so a graph captured next needs no load either. */
+
+typedef struct moejit_prewarm_result {
+  size_t kernels;     /* distinct kernels the shapes need for the arch */
+  size_t compiled;    /* compiled by NVRTC and stored in the disk cache */
+  size_t not_stored;  /* compiled, held in memory, not stored (read-only or memory-only cache,
+                       * or the store failed: the log says why) */
+  size_t cached;      /* found in this process's memory or in the disk cache */
+  size_t failed;      /* failed to compile or load; moejit_last_error() names each */
+  double milliseconds; /* wall time of the call */
+} moejit_prewarm_result;
+
+/* Called once per kernel as it is ready or has failed, done = 1..total, from the call's worker
+ * threads one at a time. kernel: its display name; outcome: "compiled", "compiled (not stored)",
+ * "cached" or "failed". Both strings live until the callback returns. */
+typedef void (*moejit_prewarm_progress)(const char* kernel, const char* outcome,
+                                        double milliseconds, size_t done, size_t total,
+                                        void* user_data);
+
+/* shape_names: shape_count >= 1 registered names. arch: "sm_90a", ...; NULL = the arch of the
+ * current CUDA context's device. jobs: compiles at once, 0 = one per hardware thread. progress
+ * and result may be NULL. Returns MOEJIT_OK when every kernel is ready; when some failed,
+ * MOEJIT_ERROR_COMPILE_FAILED with each failure in moejit_last_error() (the others are ready, and
+ * *result counts both). */
+moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count, const char* arch,
+                             int jobs, moejit_prewarm_progress progress, void* user_data,
+                             moejit_prewarm_result* result);
+/* ---- end of prewarm ---------------------------------------------------------------------------- */
+
 /* See moejit::append_shared in moejit/ops.hpp. stream is a CUstream / cudaStream_t. */
 moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* topk_weights,
                                    const DLTensor* shared_logits, DLTensor* out_ids,

@@ -98,6 +98,17 @@ moejit_status moejit_register_shapes_file(const char* path) {
   });
 }
 
+moejit_status moejit_register_shapes(const char* json_text, const char* source_name) {
+  return guarded({}, [&] {
+    if (json_text == nullptr) {
+      throw moejit::Error(moejit::ErrorCode::kInvalidArgument,
+                          "moejit_register_shapes: json_text: expected shape file text, found "
+                          "null");
+    }
+    moejit::register_shapes(json_text, source_name != nullptr ? source_name : "<text>");
+  });
+}
+
 moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* topk_weights,
                                    const DLTensor* shared_logits, DLTensor* out_ids,
                                    DLTensor* out_weights, int64_t shared_base, float scale,

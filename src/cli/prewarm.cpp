@@ -41,20 +41,6 @@ std::vector<Arch> resolve_archs(const std::vector<std::string>& names) {
   return archs;
 }
 
-const char* outcome_word(const BuildResult& r) {
-  if (!r.error.empty()) return "failed";
-  switch (r.outcome) {
-    case CacheOutcome::kCompiled:
-      return "compiled";
-    case CacheOutcome::kCompiledNotStored:
-      return "compiled (not stored)";
-    case CacheOutcome::kDiskHit:
-    case CacheOutcome::kMemoryHit:
-      return "cached";
-  }
-  return "unknown";
-}
-
 std::string first_line(const std::string& text) {
   std::size_t end = text.find('\n');
   return end == std::string::npos ? text : text.substr(0, end);
@@ -111,8 +97,8 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
     int width = static_cast<int>(std::to_string(total).size());
     char counter[48];
     std::snprintf(counter, sizeof(counter), "[%*zu/%zu]", width, done, total);
-    std::string line = std::string(counter) + " " + outcome_word(r) + " " + r.spec.display_name() +
-                       "  " + format_ms(r.milliseconds);
+    std::string line = std::string(counter) + " " + detail::outcome_word(r) + " " +
+                       r.spec.display_name() + "  " + format_ms(r.milliseconds);
     if (!r.error.empty()) line += ": " + first_line(r.error);
     std::lock_guard<std::mutex> lock(print_mutex);
     std::cerr << line << std::endl;

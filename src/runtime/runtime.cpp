@@ -472,6 +472,17 @@ CUkernel Runtime::load_built(const KernelSpec& spec, const Entry& entry, const s
   return kernel;
 }
 
+const char* outcome_word(const BuildResult& r) noexcept {
+  if (!r.error.empty()) return "failed";
+  switch (r.outcome) {
+    case CacheOutcome::kCompiled: return "compiled";
+    case CacheOutcome::kCompiledNotStored: return "compiled (not stored)";
+    case CacheOutcome::kDiskHit:
+    case CacheOutcome::kMemoryHit: return "cached";
+  }
+  return "failed";
+}
+
 }  // namespace detail
 
 RuntimeConfig RuntimeConfig::from_environment() {

@@ -132,4 +132,8 @@ class Runtime {
   std::array<std::atomic<int>, kMaxCachedDevices> device_arch_{};
 };
 
+// How a prewarm reports one kernel: "compiled", "compiled (not stored)", "cached" (a memory or disk
+// hit) or "failed" (r.error is set). The CLI's progress lines and the C ABI's callback use it.
+const char* outcome_word(const BuildResult& r) noexcept;
+
 }  // namespace moejit::detail

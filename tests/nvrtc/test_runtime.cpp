@@ -645,3 +645,139 @@ TEST_CASE("runtime: the C ABI maps errors to statuses and clears the message on 
     CHECK(std::string(moejit_last_error()).find(why) != std::string::npos);
   }
 }
+
+namespace {
+
+// What the C ABI's prewarm reported through its progress callback.
+struct ProgressLog {
+  std::mutex mutex;
+  std::vector<std::string> kernels;
+  std::vector<std::string> outcomes;
+  std::vector<std::size_t> dones;
+  std::size_t total = 0;
+};
+
+void record_progress(const char* kernel, const char* outcome, double, size_t done, size_t total,
+                     void* user_data) {
+  auto* log = static_cast<ProgressLog*>(user_data);
+  std::lock_guard<std::mutex> lock(log->mutex);
+  log->kernels.emplace_back(kernel);
+  log->outcomes.emplace_back(outcome);
+  log->dones.push_back(done);
+  log->total = total;
+}
+
+bool contains(const char* text, const std::string& part) {
+  return std::string(text).find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("runtime: the C ABI registers shapes from text and prewarms them", "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  const char* tiny = R"({"shapes": [{"name": "capi-prewarm-tiny", "num_experts": 16, "top_k": 2,
+    "hidden": 512, "intermediate": 256, "activation": {"kind": "swiglu"}, "max_tokens": 2}]})";
+
+  // Registration from text: errors name the argument or the source name given for the text.
+  CHECK(moejit_register_shapes(nullptr, "x") == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "moejit_register_shapes: json_text"));
+  CHECK(moejit_register_shapes(R"({"shapes": [{"name": 5}]})", "engine-config") ==
+        MOEJIT_ERROR_INVALID_DESCRIPTOR);
+  CHECK(contains(moejit_last_error(), "engine-config"));
+  REQUIRE(moejit_register_shapes(tiny, "engine-config") == MOEJIT_OK);
+  CHECK(std::string(moejit_last_error()).empty());
+  // A name registered twice is refused, naming both sources.
+  CHECK(moejit_register_shapes(tiny, nullptr) == MOEJIT_ERROR_INVALID_DESCRIPTOR);
+  CHECK(contains(moejit_last_error(), "<text>"));
+  CHECK(contains(moejit_last_error(), "engine-config"));
+
+  // Bad arguments: a status naming the argument, and a zeroed result.
+  const char* names[] = {"capi-prewarm-tiny", nullptr};
+  const char* unknown[] = {"capi-prewarm-no-such-shape"};
+  moejit_prewarm_result result{};
+  auto refused = [&](moejit_status status, const std::string& part) {
+    INFO(moejit_last_error());
+    CHECK(status == MOEJIT_ERROR_INVALID_ARGUMENT);
+    CHECK(contains(moejit_last_error(), part));
+    CHECK(result.kernels == 0);
+    CHECK(result.milliseconds == 0);
+    result.kernels = 99;  // must be zeroed again by the next call
+    result.milliseconds = 1;
+  };
+  result.kernels = 99;
+  refused(moejit_prewarm(nullptr, 1, "sm_80", 1, nullptr, nullptr, &result),
+          "moejit_prewarm: shape_names: expected at least one registered shape name, found null");
+  refused(moejit_prewarm(names, 0, "sm_80", 1, nullptr, nullptr, &result), "a count of 0");
+  refused(moejit_prewarm(names, 2, "sm_80", 1, nullptr, nullptr, &result),
+          "moejit_prewarm: shape_names[1]: expected a registered shape's name, found null");
+  refused(moejit_prewarm(unknown, 1, "sm_80", 1, nullptr, nullptr, &result),
+          "moejit_prewarm: shape_names[0]: ");
+  CHECK(contains(moejit_last_error(), "capi-prewarm-no-such-shape"));
+  refused(moejit_prewarm(names, 1, "sm_80", -1, nullptr, nullptr, &result),
+          "moejit_prewarm: jobs: expected 0 (one per hardware thread) or more, found -1");
+  refused(moejit_prewarm(names, 1, "sm80", 1, nullptr, nullptr, &result), "moejit_prewarm: arch: ");
+  std::string why;
+  if (moejit::detail::try_driver(&why) == nullptr) {
+    CHECK(moejit_prewarm(names, 1, nullptr, 1, nullptr, nullptr, &result) == MOEJIT_ERROR_DRIVER);
+    CHECK(contains(moejit_last_error(),
+                   "moejit_prewarm: arch: null asks for the current CUDA "
+                   "context's device, but "));
+    CHECK(contains(moejit_last_error(), "\"sm_90a\""));
+    CHECK(result.kernels == 0);
+  }
+
+  // Every kernel the planner names for the arch is compiled once, reported once, in order.
+  const moejit::ModelShape shape = moejit::registered_shape("capi-prewarm-tiny");
+  std::vector<std::string> planned;
+  for (const KernelSpec& spec : moejit::plan_kernels(shape, Arch::parse("sm_80"))) {
+    planned.push_back(spec.display_name());
+  }
+  std::sort(planned.begin(), planned.end());
+  REQUIRE_FALSE(planned.empty());
+  {
+    ProgressLog log;
+    const moejit_status status =
+        moejit_prewarm(names, 1, "sm_80", 2, record_progress, &log, &result);
+    INFO(moejit_last_error());
+    REQUIRE(status == MOEJIT_OK);
+    CHECK(std::string(moejit_last_error()).empty());
+    CHECK(result.kernels == planned.size());
+    CHECK(result.compiled == planned.size());
+    CHECK(result.cached + result.not_stored + result.failed == 0);
+    CHECK(result.milliseconds > 0);
+    std::vector<std::string> reported = log.kernels;
+    std::sort(reported.begin(), reported.end());
+    CHECK(reported == planned);
+    CHECK(log.total == planned.size());
+    for (std::size_t i = 0; i < log.dones.size(); ++i) CHECK(log.dones[i] == i + 1);
+    for (const std::string& outcome : log.outcomes) CHECK(outcome == "compiled");
+  }
+  {
+    // Again, with no callback: everything is found in this process's memory.
+    REQUIRE(moejit_prewarm(names, 1, "sm_80", 0, nullptr, nullptr, &result) == MOEJIT_OK);
+    CHECK(result.kernels == planned.size());
+    CHECK(result.cached == planned.size());
+    CHECK(result.compiled + result.not_stored + result.failed == 0);
+    CHECK(moejit_prewarm(names, 1, "sm_80", 1, nullptr, nullptr, nullptr) == MOEJIT_OK);
+  }
+  {
+    // Why sm_71: a valid spelling no NVRTC targets, so every kernel fails in compile().
+    ProgressLog log;
+    const moejit_status status =
+        moejit_prewarm(names, 1, "sm_71", 2, record_progress, &log, &result);
+    CHECK(status == MOEJIT_ERROR_COMPILE_FAILED);
+    CHECK(result.kernels > 0);
+    CHECK(result.failed == result.kernels);
+    CHECK(result.compiled + result.cached + result.not_stored == 0);
+    const std::string message = moejit_last_error();
+    INFO(message);
+    CHECK(contains(message.c_str(), "moejit_prewarm: " + std::to_string(result.kernels) + " of " +
+                                        std::to_string(result.kernels) + " kernel(s) failed"));
+    CHECK(log.kernels.size() == result.kernels);
+    for (const std::string& kernel : log.kernels)
+      CHECK(contains(message.c_str(), "\n  " + kernel + ":\n    "));
+    for (const std::string& outcome : log.outcomes) CHECK(outcome == "failed");
+    CHECK(contains(message.c_str(), "sm_71"));
+  }
+}
