@@ -50,7 +50,7 @@ step() {
 
 install_deps() {
   local packages=(cmake ninja-build g++ nlohmann-json3-dev libspdlog-dev libfmt-dev catch2
-                  libcli11-dev libxxhash-dev libdlpack-dev)
+                  libcli11-dev libxxhash-dev libdlpack-dev python3)
   local missing=()
   local p
   for p in "${packages[@]}"; do

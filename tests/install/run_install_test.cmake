@@ -75,3 +75,17 @@ run_step("installed moejit source" "${prefix}/bin/moejit" source
 if(NOT step_output MATCHES "append_shared")
   message(FATAL_ERROR "install test: `moejit source` printed no append_shared kernel:\n${step_output}")
 endif()
+
+# The installed Python binding finds the installed library by its own location.
+find_program(python NAMES python3)
+if(python)
+  unset(ENV{MOEJIT_LIBRARY})
+  set(ENV{PYTHONPATH} "${prefix}/share/moejit/python")
+  # (No ';' in the program: run_step passes its command as a list.)
+  run_step("installed Python binding" "${python}" -c
+           "m = __import__('moejit')\nprint(m.version(), m.weight_layout_version(), m._lib._name)")
+  if(NOT step_output MATCHES "${prefix}/lib")
+    message(FATAL_ERROR "install test: the installed moejit.py did not load the installed library:\n${step_output}")
+  endif()
+  message(STATUS "${step_output}")
+endif()

@@ -5,14 +5,15 @@
 #
 # On the build machine (no GPU needed):
 #   tools/prof/device.sh stage BUILD_DIR NAME
-#       Copies BUILD_DIR's moejit, moejit_bench_moe, moejit_bench_runtime and moejit_gpu_tests
-#       into .stage/NAME, and the shared libraries they need that a bare CUDA machine may lack
-#       (libfmt, libspdlog) into .stage/lib. .stage is git-ignored: carry it (".stage").
+#       Copies BUILD_DIR's moejit, moejit_bench_moe, moejit_bench_runtime, moejit_gpu_tests and
+#       libmoejit.so into .stage/NAME, and the shared libraries they need that a bare CUDA
+#       machine may lack (libfmt, libspdlog) into .stage/lib. .stage is git-ignored: carry it (".stage").
 #
 # On the GPU machine, from the repository root (logs go to $OUT, else .stage/out):
 #   tools/prof/device.sh suite NAME [CATCH2_ARGS...]
 #       Prewarms tools/shapes/reference.json for sm_90a, then runs NAME's moejit_gpu_tests
 #       (several test names go in one comma-separated argument); no test run is a failure.
+#       Without CATCH2_ARGS, also the Python binding's GPU group (torch) on NAME's libmoejit.so.
 #   tools/prof/device.sh tables NAME [SEED]
 #       The decode section (with the read floor), the marlin section (with the dense baseline)
 #       and moejit_bench_runtime: the closing tables of a session.
@@ -101,12 +102,15 @@ cmd_stage() {
       die "$build/$b is missing: configure with -DMOEJIT_BUILD_TESTS=ON -DMOEJIT_BUILD_TOOLS=ON and build"
     cp "$build/$b" "$stage_dir/$name/"
   done
+  # The shared library, for the Python binding's GPU group (suite).
+  [[ -e $build/libmoejit.so ]] || die "$build/libmoejit.so is missing: build the moejit target"
+  cp -L "$build/libmoejit.so" "$stage_dir/$name/libmoejit.so"
   # The libraries a GPU machine without the build's -dev packages would miss: cp -L follows the
   # soname link to the real file under the soname the binaries ask for.
   local lib
   while read -r lib; do
     cp -L "$lib" "$stage_dir/lib/"
-  done < <(ldd "$build/moejit" "$build/tests/moejit_gpu_tests" |
+  done < <(ldd "$build/moejit" "$build/tests/moejit_gpu_tests" "$build/libmoejit.so" |
     awk '$1 ~ /^lib(fmt|spdlog)\.so/ && $3 ~ /^\// {print $3}' | sort -u)
   du -sh "$stage_dir" | awk -v n="$name" '{print "staged " n "; .stage holds " $1 " (the carry limit is 64 MiB)"}'
 }
@@ -129,6 +133,15 @@ cmd_suite() {
   echo "gpu tests $name rc=$rc: $summary ($(elapsed))"
   grep -i -m 5 'skip' "$log" || true
   grep -B 3 -A 12 ': FAILED:' "$log" | head -n 80 || true
+  if [[ $# -eq 0 ]]; then
+    # The whole suite includes the Python binding's GPU group (torch on the GPU machine).
+    local py_rc=0 py_log=$out/python-gpu-$name.txt
+    (device_env "$name" && MOEJIT_LIBRARY=$dir/libmoejit.so PYTHONPATH=$root/src/python \
+      python3 "$root/tests/python/test_python_binding.py" gpu) >"$py_log" 2>&1 || py_rc=$?
+    echo "python gpu group $name rc=$py_rc: $(grep -E '^(OK|FAILED|skipped)' "$py_log" | tail -n 1)"
+    grep -E 'rel L2|Error|FAIL' "$py_log" | head -n 40 || true
+    [[ $py_rc -eq 0 ]] || rc=$py_rc
+  fi
   return "$rc"
 }
 

@@ -1,0 +1,510 @@
+"""libmoejit from Python: the C ABI (include/moejit/moejit.h) through ctypes, tensors through DLPack.
+
+No build step: the module loads the shared library and declares its calls. Tensors are any objects
+with ``__dlpack__`` (torch.Tensor, CuPy arrays, ...), borrowed for the length of one call; raw
+buffers (repacked weights, the workspace) are such tensors too, checked against the sizes the
+library asks for before their addresses are passed. Every failed call raises MoejitError (a
+subclass per status) with the library's message, which names the argument and what was wrong.
+
+    import torch, moejit
+    moejit.register_shapes_file("/etc/moejit/shapes.json")
+    moejit.prewarm(["qwen3-30b-a3b"])            # at model load, before graph capture
+    layer = moejit.MoeLayer("qwen3-30b-a3b")
+    weights = {name: torch.empty(n, dtype=torch.uint8, device="cuda")
+               for name, n in layer.weight_bytes.items() if n}
+    layer.repack_separate(w1, w1_s, w3, w3_s, w2, w2_s, weights)
+    workspace = torch.empty(layer.workspace_bytes(256), dtype=torch.uint8, device="cuda")
+    layer.forward(hidden, topk_ids, topk_weights, weights, workspace, out)
+
+The library is found at $MOEJIT_LIBRARY, else beside an installed copy of this file
+(<prefix>/share/moejit/python -> <prefix>/lib*/libmoejit.so.<ABI>), else on the loader's path.
+Calls launch on `stream`: a CUstream handle (int), an object with ``cuda_stream`` (torch.cuda.Stream)
+or ``__cuda_stream__``; None means torch's current stream when torch is imported, else the legacy
+default stream. Tensors must be ready on that stream: the call adds no synchronization.
+"""
+
+import ctypes
+import glob
+import json
+import os
+import sys
+
+# The library minor this binding is written for: before 1.0 a minor release may change the ABI,
+# and the shared library's soname carries it (libmoejit.so.0.2).
+ABI = "0.2"
+
+__all__ = [
+    "ABI", "MoejitError", "InvalidDescriptor", "InvalidArgument", "Unsupported", "CompileFailed",
+    "CacheCorrupt", "CacheError", "DriverError", "CaptureMiss", "IoError", "InternalError",
+    "PrewarmResult", "MoeLayer", "version", "weight_layout_version", "register_shapes_file",
+    "register_shapes", "prewarm", "append_shared",
+]
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+class MoejitError(RuntimeError):
+    """A failed libmoejit call: `status` is the moejit_status, the message the library's."""
+
+    status = None
+
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class InvalidDescriptor(MoejitError):
+    status = 1
+
+
+class InvalidArgument(MoejitError, ValueError):
+    status = 2
+
+
+class Unsupported(MoejitError):
+    status = 3
+
+
+class CompileFailed(MoejitError):
+    status = 4
+
+
+class CacheCorrupt(MoejitError):
+    status = 5
+
+
+class CacheError(MoejitError):
+    status = 6
+
+
+class DriverError(MoejitError):
+    status = 7
+
+
+class CaptureMiss(MoejitError):
+    status = 8
+
+
+class IoError(MoejitError):
+    status = 9
+
+
+class InternalError(MoejitError):
+    status = 10
+
+
+_ERRORS = {cls.status: cls for cls in (InvalidDescriptor, InvalidArgument, Unsupported,
+                                       CompileFailed, CacheCorrupt, CacheError, DriverError,
+                                       CaptureMiss, IoError, InternalError)}
+
+
+# ---- C types ------------------------------------------------------------------------------------
+# DLPack's DLTensor (dlpack.h 0.6; unchanged in 1.x) and the structs of moejit.h.
+
+_KDL_CUDA = 2
+_KDL_CUDA_MANAGED = 13
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _WeightLayout(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("w13_bytes", "w13_scale_bytes", "w2_bytes", "w2_scale_bytes", "b13_bytes",
+                 "b2_bytes")]
+
+
+class _Weights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("w13", "w13_scales", "w2", "w2_scales", "b13", "b2")]
+
+
+class PrewarmResult(ctypes.Structure):
+    """moejit_prewarm_result: kernel counts by outcome, and the call's wall time."""
+
+    _fields_ = [("kernels", ctypes.c_size_t), ("compiled", ctypes.c_size_t),
+                ("not_stored", ctypes.c_size_t), ("cached", ctypes.c_size_t),
+                ("failed", ctypes.c_size_t), ("milliseconds", ctypes.c_double)]
+
+    def __repr__(self):
+        return ("PrewarmResult(kernels={}, compiled={}, not_stored={}, cached={}, failed={}, "
+                "milliseconds={:.1f})").format(self.kernels, self.compiled, self.not_stored,
+                                               self.cached, self.failed, self.milliseconds)
+
+
+_PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_double,
+                             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p)
+
+# The weight buffers by their layout field, in moejit_moe_weights' order.
+_WEIGHT_FIELDS = (("w13", "w13_bytes"), ("w13_scales", "w13_scale_bytes"), ("w2", "w2_bytes"),
+                  ("w2_scales", "w2_scale_bytes"), ("b13", "b13_bytes"), ("b2", "b2_bytes"))
+_PATHS = {"auto": 0, "marlin": 1, "decode": 2}
+_GATES = {"sigmoid": 0, "constant": 1, "given": 2}
+
+
+# ---- the library --------------------------------------------------------------------------------
+
+def _candidates():
+    explicit = os.environ.get("MOEJIT_LIBRARY")
+    if explicit:
+        return [explicit]
+    here = os.path.dirname(os.path.abspath(__file__))
+    prefix = os.path.normpath(os.path.join(here, os.pardir, os.pardir, os.pardir))
+    soname = "libmoejit.so." + ABI
+    found = sorted(glob.glob(os.path.join(prefix, "lib*", soname)))
+    found += sorted(glob.glob(os.path.join(prefix, "lib", "*", soname)))
+    return found + [soname]
+
+
+def _load():
+    tried = []
+    for candidate in _candidates():
+        try:
+            lib = ctypes.CDLL(candidate)
+            break
+        except OSError as e:
+            tried.append("{} ({})".format(candidate, e))
+    else:
+        raise ImportError("moejit: libmoejit not found; tried " + "; ".join(tried) +
+                          ". Set MOEJIT_LIBRARY to the path of libmoejit.so." + ABI)
+
+    c_int, c_size_t, c_char_p, c_void_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, \
+        ctypes.c_void_p
+    dl = ctypes.POINTER(DLTensor)
+    weights = ctypes.POINTER(_Weights)
+    signatures = {
+        "moejit_last_error": (c_char_p, []),
+        "moejit_version": (c_char_p, []),
+        "moejit_register_shapes_file": (c_int, [c_char_p]),
+        "moejit_register_shapes": (c_int, [c_char_p, c_char_p]),
+        "moejit_prewarm": (c_int, [ctypes.POINTER(c_char_p), c_size_t, c_char_p, c_int, _PROGRESS,
+                                   c_void_p, ctypes.POINTER(PrewarmResult)]),
+        "moejit_append_shared": (c_int, [dl, dl, dl, dl, dl, ctypes.c_int64, ctypes.c_float, c_int,
+                                         c_void_p]),
+        "moejit_moe_create": (c_int, [c_char_p, ctypes.POINTER(c_void_p)]),
+        "moejit_moe_destroy": (None, [c_void_p]),
+        "moejit_moe_get_weight_layout": (c_int, [c_void_p, ctypes.POINTER(_WeightLayout)]),
+        "moejit_moe_weight_layout_version": (c_int, []),
+        "moejit_moe_repack_gpt_oss": (c_int, [c_void_p, dl, dl, dl, dl, weights, c_int,
+                                              c_void_p, c_void_p]),
+        "moejit_moe_repack_separate": (c_int, [c_void_p, dl, dl, dl, dl, dl, dl, weights, c_int,
+                                               c_void_p, c_void_p]),
+        "moejit_moe_workspace_bytes": (c_int, [c_void_p, c_int, ctypes.POINTER(c_size_t)]),
+        "moejit_moe_forward_ex": (c_int, [c_void_p, dl, dl, dl, weights, c_void_p, c_size_t, dl,
+                                          c_int, c_int, c_void_p]),
+        "moejit_moe_decode_problem": (c_int, [c_void_p, ctypes.POINTER(c_char_p)]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+
+    running = lib.moejit_version().decode()
+    if running.split(".")[:2] != ABI.split("."):
+        raise ImportError("moejit: this binding is for libmoejit {}.x, but {} is {}: use the "
+                          "moejit.py installed with that library".format(ABI, lib._name, running))
+    return lib
+
+
+_lib = _load()
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _check(status):
+    if status != 0:
+        message = _lib.moejit_last_error().decode(errors="replace")
+        raise _ERRORS.get(status, MoejitError)(message, status)
+
+
+def version():
+    """The running library's version, "MAJOR.MINOR.PATCH"."""
+    return _lib.moejit_version().decode()
+
+
+def weight_layout_version():
+    """The kernel layout repacked weights are in: keep it beside buffers kept across runs."""
+    return _lib.moejit_moe_weight_layout_version()
+
+
+# ---- tensors and streams ------------------------------------------------------------------------
+
+class _Borrowed:
+    """The DLTensor of one object's __dlpack__ capsule; the capsule (and so the tensor's memory)
+    stays alive as long as this object. `None` borrows nothing and passes a null pointer."""
+
+    def __init__(self, obj, name):
+        self.name = name
+        self.capsule = None
+        self.pointer = None
+        if obj is None:
+            return
+        if not hasattr(obj, "__dlpack__"):
+            raise TypeError("{}: expected a tensor with __dlpack__ (torch.Tensor, a CuPy array, "
+                            "...), found {}".format(name, type(obj).__name__))
+        device = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
+        if device in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+            # stream=-1: no synchronization by the producer; the caller orders its streams.
+            try:
+                self.capsule = obj.__dlpack__(stream=-1)
+            except TypeError:
+                self.capsule = obj.__dlpack__()
+        else:
+            self.capsule = obj.__dlpack__()
+        address = _capsule_pointer(self.capsule, b"dltensor")
+        # DLManagedTensor starts with its DLTensor.
+        self.pointer = ctypes.cast(address, ctypes.POINTER(DLTensor))
+
+    @property
+    def tensor(self):
+        return self.pointer.contents
+
+    def nbytes(self):
+        t = self.tensor
+        count = 1
+        for i in range(t.ndim):
+            count *= t.shape[i]
+        return count * t.dtype.bits * t.dtype.lanes // 8
+
+    def device_address(self, expected_bytes):
+        """The buffer's address, once it is a contiguous CUDA tensor of at least expected_bytes."""
+        t = self.tensor
+        if t.device.device_type != _KDL_CUDA:
+            raise InvalidArgument("{}: expected a CUDA tensor, found DLPack device type {}".format(
+                self.name, t.device.device_type))
+        if t.strides:
+            expected = 1
+            for i in reversed(range(t.ndim)):
+                if t.shape[i] != 1 and t.strides[i] != expected:
+                    raise InvalidArgument("{}: expected a contiguous tensor, found strides {}; "
+                                          "pass .contiguous()".format(
+                                              self.name, [t.strides[j] for j in range(t.ndim)]))
+                expected *= t.shape[i]
+        if self.nbytes() < expected_bytes:
+            raise InvalidArgument("{}: expected at least {} bytes, found {}".format(
+                self.name, expected_bytes, self.nbytes()))
+        return (t.data or 0) + t.byte_offset
+
+
+def _stream_handle(stream):
+    if stream is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_stream().cuda_stream
+        return None
+    if isinstance(stream, int):
+        return stream or None
+    if hasattr(stream, "__cuda_stream__"):
+        return stream.__cuda_stream__()[1] or None
+    if hasattr(stream, "cuda_stream"):
+        return stream.cuda_stream or None
+    raise TypeError("stream: expected a CUstream handle (int), an object with cuda_stream or "
+                    "__cuda_stream__, or None; found {}".format(type(stream).__name__))
+
+
+# ---- shapes and prewarm -------------------------------------------------------------------------
+
+def register_shapes_file(path):
+    """Register every shape of a shape file (all or none); they are then usable by name."""
+    _check(_lib.moejit_register_shapes_file(os.fsencode(path)))
+
+
+def register_shapes(shapes, source_name=None):
+    """Register shapes from JSON text or from the same structure as Python objects (a dict with
+    "shapes", one shape dict, or a list of them). source_name names them in error messages."""
+    text = shapes if isinstance(shapes, str) else json.dumps(shapes)
+    _check(_lib.moejit_register_shapes(text.encode(),
+                                       source_name.encode() if source_name is not None else None))
+
+
+def prewarm(shape_names, arch=None, jobs=0, progress=None):
+    """Compile, or find in the cache, every kernel the registered shapes need for `arch` ("sm_90a";
+    None: the current CUDA context's device, whose kernels are then also loaded), `jobs` at a time
+    (0: one per hardware thread). progress(kernel, outcome, milliseconds, done, total) is called
+    per kernel. Returns a PrewarmResult; raises CompileFailed naming every failed kernel."""
+    if isinstance(shape_names, (str, bytes)):
+        shape_names = [shape_names]
+    names = [os.fsencode(n) if isinstance(n, str) else n for n in shape_names]
+    array = (ctypes.c_char_p * max(len(names), 1))(*names)
+    raised = []
+
+    def report(kernel, outcome, milliseconds, done, total, _):
+        if raised:
+            return
+        try:
+            progress(kernel.decode(), outcome.decode(), milliseconds, done, total)
+        except BaseException as e:  # noqa: B902 -- carried out of the C call, raised below
+            raised.append(e)
+
+    callback = _PROGRESS(report) if progress is not None else _PROGRESS()
+    result = PrewarmResult()
+    status = _lib.moejit_prewarm(array, len(names), arch.encode() if arch else None, int(jobs),
+                                 callback, None, ctypes.byref(result))
+    if raised:
+        raise raised[0]
+    _check(status)
+    return result
+
+
+# ---- ops ----------------------------------------------------------------------------------------
+
+def append_shared(topk_ids, topk_weights, shared_logits, out_ids, out_weights, shared_base, scale,
+                  gate="sigmoid", stream=None):
+    """out_ids / out_weights [T, K + S] = the routed top-k, then the shared experts with weight
+    sigmoid(shared_logits) * scale (gate "sigmoid"), scale ("constant") or shared_logits
+    ("given"). See moejit::append_shared."""
+    if gate not in _GATES:
+        raise InvalidArgument("gate: expected one of {}, found {!r}".format(sorted(_GATES), gate))
+    args = [_Borrowed(t, n) for t, n in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights"),
+                                          (shared_logits, "shared_logits"), (out_ids, "out_ids"),
+                                          (out_weights, "out_weights"))]
+    _check(_lib.moejit_append_shared(*[a.pointer for a in args], int(shared_base), float(scale),
+                                     _GATES[gate], _stream_handle(stream)))
+
+
+class MoeLayer:
+    """One registered shape's MoE layer: repack its checkpoint, size its buffers, run it."""
+
+    def __init__(self, shape_name):
+        handle = ctypes.c_void_p()
+        _check(_lib.moejit_moe_create(shape_name.encode(), ctypes.byref(handle)))
+        self._handle = handle
+        self.shape_name = shape_name
+        layout = _WeightLayout()
+        _check(_lib.moejit_moe_get_weight_layout(self._handle, ctypes.byref(layout)))
+        # Bytes of each repacked buffer, by the name forward() and the repacks take them under.
+        self.weight_bytes = {name: getattr(layout, field) for name, field in _WEIGHT_FIELDS}
+        problem = ctypes.c_char_p()
+        _check(_lib.moejit_moe_decode_problem(self._handle, ctypes.byref(problem)))
+        # "" when decode_moe serves the shape (T <= 256, sm_90+), else why not.
+        self.decode_problem = problem.value.decode()
+
+    def close(self):
+        if self._handle:
+            _lib.moejit_moe_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib is not None:
+            self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _live(self):
+        if not self._handle:
+            raise InvalidArgument("MoeLayer({!r}) is closed".format(self.shape_name))
+        return self._handle
+
+    def workspace_bytes(self, max_tokens):
+        """Device workspace bytes forward() needs for any T <= max_tokens."""
+        out = ctypes.c_size_t()
+        _check(_lib.moejit_moe_workspace_bytes(self._live(), int(max_tokens), ctypes.byref(out)))
+        return out.value
+
+    def _weights(self, weights, what, with_biases):
+        """moejit_moe_weights from a dict of CUDA tensors, each checked against its layout size;
+        the borrowed tensors are returned too: the caller keeps them until the call returns."""
+        if not hasattr(weights, "get"):
+            raise TypeError("{}: expected a dict of tensors named {}, found {}".format(
+                what, [n for n, _ in _WEIGHT_FIELDS], type(weights).__name__))
+        unknown = sorted(set(weights) - {n for n, _ in _WEIGHT_FIELDS})
+        if unknown:
+            raise InvalidArgument("{}: unknown buffer(s) {}; expected {}".format(
+                what, unknown, [n for n, _ in _WEIGHT_FIELDS]))
+        struct = _Weights()
+        kept = []
+        for name, _ in _WEIGHT_FIELDS:
+            size = self.weight_bytes[name]
+            tensor = weights.get(name)
+            if name in ("b13", "b2") and not with_biases:
+                continue
+            if tensor is None:
+                if size:
+                    raise InvalidArgument("{}[{!r}]: expected a CUDA buffer of {} bytes for {}, "
+                                          "found none".format(what, name, size, self.shape_name))
+                continue
+            if not size:
+                raise InvalidArgument("{}[{!r}]: {} has no biases; pass none".format(
+                    what, name, self.shape_name))
+            borrowed = _Borrowed(tensor, "{}[{!r}]".format(what, name))
+            setattr(struct, name, borrowed.device_address(size))
+            kept.append(borrowed)
+        return struct, kept
+
+    def repack_gpt_oss(self, w13_blocks, w13_scales, w2_blocks, w2_scales, target, first_expert=0,
+                       bad_scale_count=None, stream=None):
+        """Repack a gpt-oss checkpoint (w13 gate/up interleaved by row) into target["w13"],
+        ["w13_scales"], ["w2"], ["w2_scales"]. bad_scale_count: optional int32 CUDA tensor [1]
+        the repack adds the scales it can't dequantize exactly to."""
+        inputs = [_Borrowed(t, n) for t, n in ((w13_blocks, "w13_blocks"),
+                                                (w13_scales, "w13_scales"),
+                                                (w2_blocks, "w2_blocks"), (w2_scales, "w2_scales"))]
+        struct, keep_alive = self._weights(target, "target", with_biases=False)
+        counter = self._counter(bad_scale_count)
+        _check(_lib.moejit_moe_repack_gpt_oss(self._live(), *[b.pointer for b in inputs],
+                                              ctypes.byref(struct), int(first_expert), counter,
+                                              _stream_handle(stream)))
+
+    def repack_separate(self, w1_blocks, w1_scales, w3_blocks, w3_scales, w2_blocks, w2_scales,
+                        target, first_expert=0, bad_scale_count=None, stream=None):
+        """Repack a checkpoint with w1 (gate), w3 (up) and w2 apart, one expert or a stack."""
+        inputs = [_Borrowed(t, n) for t, n in ((w1_blocks, "w1_blocks"), (w1_scales, "w1_scales"),
+                                                (w3_blocks, "w3_blocks"), (w3_scales, "w3_scales"),
+                                                (w2_blocks, "w2_blocks"), (w2_scales, "w2_scales"))]
+        struct, keep_alive = self._weights(target, "target", with_biases=False)
+        counter = self._counter(bad_scale_count)
+        _check(_lib.moejit_moe_repack_separate(self._live(), *[b.pointer for b in inputs],
+                                               ctypes.byref(struct), int(first_expert), counter,
+                                               _stream_handle(stream)))
+
+    @staticmethod
+    def _counter(bad_scale_count):
+        if bad_scale_count is None:
+            return None
+        borrowed = _Borrowed(bad_scale_count, "bad_scale_count")
+        t = borrowed.tensor
+        if t.dtype.code != 0 or t.dtype.bits != 32 or t.dtype.lanes != 1:
+            raise InvalidArgument("bad_scale_count: expected an int32 tensor [1]")
+        return borrowed.device_address(4)
+
+    def forward(self, hidden, topk_ids, topk_weights, weights, workspace, out, path="auto",
+                decode_block_n=0, stream=None):
+        """out [T, H] bf16 = the routed experts' layer of hidden [T, H] bf16 for topk_ids [T, K]
+        and topk_weights [T, K] fp32. weights: the repacked buffers by name (with "b13" and "b2"
+        for shapes with biases); workspace: a uint8 CUDA tensor of workspace_bytes(T) or more.
+        path: "auto", "marlin" or "decode". No allocation, no host sync: capturable in a CUDA
+        graph once prewarmed."""
+        if path not in _PATHS:
+            raise InvalidArgument("path: expected one of {}, found {!r}".format(sorted(_PATHS),
+                                                                                 path))
+        struct, keep_alive = self._weights(weights, "weights", with_biases=True)
+        if workspace is None:
+            raise InvalidArgument("workspace: expected a uint8 CUDA tensor of at least "
+                                  "workspace_bytes(T) bytes, found None")
+        space = _Borrowed(workspace, "workspace")
+        size = space.nbytes()
+        address = space.device_address(0)
+        tensors = [_Borrowed(t, n) for t, n in ((hidden, "hidden"), (topk_ids, "topk_ids"),
+                                                 (topk_weights, "topk_weights"), (out, "out"))]
+        _check(_lib.moejit_moe_forward_ex(self._live(), tensors[0].pointer, tensors[1].pointer,
+                                          tensors[2].pointer, ctypes.byref(struct), address, size,
+                                          tensors[3].pointer, _PATHS[path], int(decode_block_n),
+                                          _stream_handle(stream)))
