@@ -228,6 +228,16 @@ class CpuTests(unittest.TestCase):
         refused("workspace: expected a uint8 CUDA tensor", workspace=None)
         refused("workspace: expected a CUDA tensor", workspace=FakeTensor([16]))
         refused("path: expected one of", path="fast")
+        # Bound weights are checked once, when bound, and only serve their own shape.
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.bind_weights(self._weights(layer, w2=None))
+        self.assertIn("weights['w2']", str(e.exception))
+        bound = layer.bind_weights(self._weights(layer))
+        self.assertEqual(bound.struct.w13, 0x10000)
+        refused("workspace: expected a CUDA tensor", workspace=FakeTensor([16]), weights=bound)
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            moejit.MoeLayer("py-biased").forward(hidden, ids, topk, bound, space, out)
+        self.assertIn("weights: bound for shape 'py-tiny', not 'py-biased'", str(e.exception))
         with self.assertRaises(TypeError) as e:
             layer.forward(object(), ids, topk, self._weights(layer), space, out)
         self.assertIn("hidden: expected a tensor with __dlpack__", str(e.exception))
@@ -338,6 +348,7 @@ class GpuTests(unittest.TestCase):
                     act = gate * torch.sigmoid(gate) * up
                     want[t] += float(topk[t, s]) * (d[ex] @ act)
             outs = {}
+            bound = layer.bind_weights(weights)
             for path in ("auto", "marlin", "decode"):
                 out = torch.full((tokens, h), float("nan"), dtype=torch.bfloat16, device="cuda")
                 layer.forward(hidden, ids, topk, weights, workspace, out, path=path)
@@ -357,7 +368,7 @@ class GpuTests(unittest.TestCase):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 with torch.cuda.graph(graph, stream=stream):
-                    layer.forward(hidden, ids, topk, weights, workspace, out)
+                    layer.forward(hidden, ids, topk, bound, workspace, out)
             torch.cuda.current_stream().wait_stream(stream)
             out.fill_(float("nan"))
             graph.replay()
