@@ -50,6 +50,11 @@ std::vector<std::string> registered_shape_names();
 // Error{kInvalidDescriptor} for a shape no op can serve (moe_shape_problem's rules).
 std::vector<KernelSpec> plan_kernels(const ModelShape& shape, const Arch& arch);
 
+// The compile target of the device whose CUDA context is current on the calling thread: what the
+// ops build and launch for (e.g. sm_90a on an H100 or H200), and the arch whose kernels prewarm
+// also loads. Throws Error{kDriver} naming why without a driver or a current context.
+Arch current_arch();
+
 // How a kernel request was satisfied.
 enum class CacheOutcome { kMemoryHit, kDiskHit, kCompiled, kCompiledNotStored };
 

@@ -9,7 +9,7 @@
 #include "moejit/error.hpp"
 #include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
-#include "runtime/runtime_impl.hpp"
+#include "runtime/runtime_impl.hpp"  // detail::outcome_word
 
 namespace {
 
@@ -52,7 +52,7 @@ moejit::Arch arch_named(const char* arch) {
     }
   }
   try {
-    return moejit::detail::Runtime::instance().current_arch();
+    return moejit::current_arch();
   } catch (const Error& e) {
     throw Error(e.code(), std::string(kCall) +
                               ": arch: null asks for the current CUDA context's device, but " +

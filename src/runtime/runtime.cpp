@@ -509,6 +509,8 @@ BuildResult build_kernel(const KernelSpec& spec) { return detail::Runtime::insta
 
 std::string kernel_source(const KernelSpec& spec) { return detail::render(spec).source; }
 
+Arch current_arch() { return detail::Runtime::instance().current_arch(); }
+
 std::vector<BuildResult> prewarm(
     const std::vector<ModelShape>& shapes, const std::vector<Arch>& archs, int jobs,
     const std::function<void(const BuildResult&, std::size_t, std::size_t)>& progress) {

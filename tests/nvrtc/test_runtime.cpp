@@ -607,6 +607,13 @@ TEST_CASE("runtime: without a driver, current_arch says why instead of crashing"
     CHECK(e.code() == moejit::ErrorCode::kDriver);
     CHECK(std::string(e.what()).find(why) != std::string::npos);
   }
+  try {
+    moejit::current_arch();  // the public call, the same answer
+    FAIL("moejit::current_arch() succeeded without a driver");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kDriver);
+    CHECK(std::string(e.what()).find(why) != std::string::npos);
+  }
 }
 
 TEST_CASE("runtime: the C ABI maps errors to statuses and clears the message on success",
