@@ -376,6 +376,28 @@ class GpuTests(unittest.TestCase):
             self.assertTrue(torch.equal(out, outs["auto"]), tokens)
 
 
+    def test_append_shared_matches_its_definition(self):
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        tokens, k, shared = 5, 6, 2
+        ids = torch.randint(0, 64, (tokens, k), dtype=torch.int32, device="cuda", generator=gen)
+        weights = torch.rand(tokens, k, device="cuda", generator=gen)
+        logits = torch.randn(tokens, shared, device="cuda", generator=gen).to(torch.bfloat16)
+        shared_ids = (64 + torch.arange(shared, dtype=torch.int32, device="cuda")).expand(tokens, -1)
+        for gate, want in (("sigmoid", torch.sigmoid(logits.float()) * 0.5),
+                           ("constant", torch.full((tokens, shared), 0.5, device="cuda"))):
+            out_ids = torch.full((tokens, k + shared), -7, dtype=torch.int32, device="cuda")
+            out_weights = torch.full((tokens, k + shared), float("nan"), device="cuda")
+            moejit.append_shared(ids, weights, logits if gate == "sigmoid" else None, out_ids,
+                                 out_weights, 64, 0.5, gate=gate)
+            torch.cuda.synchronize()
+            self.assertTrue(torch.equal(out_ids[:, :k], ids), gate)
+            self.assertTrue(torch.equal(out_ids[:, k:], shared_ids), gate)
+            self.assertTrue(torch.equal(out_weights[:, :k], weights), gate)
+            # fp32 sigmoid of the same bf16 logit: a few ulps between two expf implementations.
+            self.assertTrue(torch.allclose(out_weights[:, k:], want, rtol=1e-6, atol=0), gate)
+
+
 def main(argv):
     groups = {"cpu": CpuTests, "gpu": GpuTests}
     if len(argv) != 2 or argv[1] not in groups:
