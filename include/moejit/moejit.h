@@ -81,7 +81,7 @@ typedef void (*moejit_prewarm_progress)(const char* kernel, const char* outcome,
 moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count, const char* arch,
                              int jobs, moejit_prewarm_progress progress, void* user_data,
                              moejit_prewarm_result* result);
-/* ---- end of prewarm ---------------------------------------------------------------------------- */
+/* ---- end of prewarm -------------------------------------------------------------------------- */
 
 /* See moejit::append_shared in moejit/ops.hpp. stream is a CUstream / cudaStream_t. */
 moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* topk_weights,

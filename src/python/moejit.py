@@ -1,4 +1,4 @@
-"""libmoejit from Python: the C ABI (include/moejit/moejit.h) through ctypes, tensors through DLPack.
+"""libmoejit from Python: the C ABI (include/moejit/moejit.h) through ctypes, tensors by DLPack.
 
 No build step: the module loads the shared library and declares its calls. Tensors are any objects
 with ``__dlpack__`` (torch.Tensor, CuPy arrays, ...), borrowed for the length of one call; raw
@@ -18,9 +18,10 @@ subclass per status) with the library's message, which names the argument and wh
 
 The library is found at $MOEJIT_LIBRARY, else beside an installed copy of this file
 (<prefix>/share/moejit/python -> <prefix>/lib*/libmoejit.so.<ABI>), else on the loader's path.
-Calls launch on `stream`: a CUstream handle (int), an object with ``cuda_stream`` (torch.cuda.Stream)
-or ``__cuda_stream__``; None means torch's current stream when torch is imported, else the legacy
-default stream. Tensors must be ready on that stream: the call adds no synchronization.
+Calls launch on `stream`: a CUstream handle (int), an object with ``cuda_stream``
+(torch.cuda.Stream) or ``__cuda_stream__``; None means torch's current stream when torch is
+initialized, else the legacy default stream. Tensors must be ready on that stream: the call adds
+no synchronization.
 """
 
 import ctypes
@@ -36,8 +37,8 @@ ABI = "0.2"
 __all__ = [
     "ABI", "MoejitError", "InvalidDescriptor", "InvalidArgument", "Unsupported", "CompileFailed",
     "CacheCorrupt", "CacheError", "DriverError", "CaptureMiss", "IoError", "InternalError",
-    "PrewarmResult", "MoeLayer", "BoundWeights", "version", "weight_layout_version", "register_shapes_file",
-    "register_shapes", "prewarm", "append_shared",
+    "PrewarmResult", "MoeLayer", "BoundWeights", "version", "weight_layout_version",
+    "register_shapes_file", "register_shapes", "prewarm", "append_shared",
 ]
 
 

@@ -383,7 +383,8 @@ class GpuTests(unittest.TestCase):
         ids = torch.randint(0, 64, (tokens, k), dtype=torch.int32, device="cuda", generator=gen)
         weights = torch.rand(tokens, k, device="cuda", generator=gen)
         logits = torch.randn(tokens, shared, device="cuda", generator=gen).to(torch.bfloat16)
-        shared_ids = (64 + torch.arange(shared, dtype=torch.int32, device="cuda")).expand(tokens, -1)
+        shared_ids = 64 + torch.arange(shared, dtype=torch.int32, device="cuda")
+        shared_ids = shared_ids.expand(tokens, -1)
         for gate, want in (("sigmoid", torch.sigmoid(logits.float()) * 0.5),
                            ("constant", torch.full((tokens, shared), 0.5, device="cuda"))):
             out_ids = torch.full((tokens, k + shared), -7, dtype=torch.int32, device="cuda")

@@ -89,8 +89,10 @@ def main():
 
     print("shape {}, T = {}, {} calls, libmoejit {}".format(args.shape, t, args.calls,
                                                              moejit.version()))
-    print("  host us a call, forward with a dict of weights : {:8.2f}".format(host_us(forward_dict)))
-    print("  host us a call, forward with bound weights     : {:8.2f}".format(host_us(forward_bound)))
+    print("  host us a call, forward with a dict of weights : {:8.2f}".format(
+        host_us(forward_dict)))
+    print("  host us a call, forward with bound weights     : {:8.2f}".format(
+        host_us(forward_bound)))
     print("  host us, one torch __dlpack__(stream=-1)       : {:8.2f}".format(
         host_us(lambda: hidden.__dlpack__(stream=-1))))
     print("  GPU us a call (eager, back to back)            : {:8.2f}".format(

@@ -7,7 +7,8 @@
 #   tools/prof/device.sh stage BUILD_DIR NAME
 #       Copies BUILD_DIR's moejit, moejit_bench_moe, moejit_bench_runtime, moejit_gpu_tests and
 #       libmoejit.so into .stage/NAME, and the shared libraries they need that a bare CUDA
-#       machine may lack (libfmt, libspdlog) into .stage/lib. .stage is git-ignored: carry it (".stage").
+#       machine may lack (libfmt, libspdlog) into .stage/lib. .stage is git-ignored: carry it
+#       (".stage").
 #
 # On the GPU machine, from the repository root (logs go to $OUT, else .stage/out):
 #   tools/prof/device.sh suite NAME [CATCH2_ARGS...]
