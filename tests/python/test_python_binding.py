@@ -293,7 +293,7 @@ class GpuTests(unittest.TestCase):
         _register_once()
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # the primary context, current on this thread
-        result = moejit.prewarm(["py-tiny"])  # the device's arch; loads into its context
+        result = moejit.prewarm(["py-tiny", "py-biased"])  # the device's arch, loaded
         assert result.failed == 0, result
 
     def dequant(self, blocks, scales):
@@ -375,6 +375,57 @@ class GpuTests(unittest.TestCase):
             torch.cuda.synchronize()
             self.assertTrue(torch.equal(out, outs["auto"]), tokens)
 
+
+    def test_gpt_oss_checkpoint_with_biases_matches_fp64(self):
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(20261206)
+        e, k = BIASED["num_experts"], BIASED["top_k"]
+        h, i = BIASED["hidden"], BIASED["intermediate"]
+        w13 = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, device="cuda",
+                            generator=gen)
+        w13_s = torch.randint(120, 131, (e, 2 * i, h // 32), dtype=torch.uint8, device="cuda",
+                              generator=gen)
+        w2 = torch.randint(0, 256, (e, h, i // 32, 16), dtype=torch.uint8, device="cuda",
+                           generator=gen)
+        w2_s = torch.randint(120, 131, (e, h, i // 32), dtype=torch.uint8, device="cuda",
+                             generator=gen)
+        b13 = torch.randn(e, 2 * i, device="cuda", generator=gen).to(torch.bfloat16)
+        b2 = torch.randn(e, h, device="cuda", generator=gen).to(torch.bfloat16)
+        layer = moejit.MoeLayer("py-biased")
+        weights = {name: torch.empty(layer.weight_bytes[name], dtype=torch.uint8, device="cuda")
+                   for name in ("w13", "w13_scales", "w2", "w2_scales")}
+        layer.repack_gpt_oss(w13, w13_s, w2, w2_s, weights)
+        weights.update(b13=b13, b2=b2)
+
+        # Rows 2j / 2j + 1 of w13 (and of b13) are gate j / up j.
+        g13, d = self.dequant(w13, w13_s), self.dequant(w2, w2_s)
+        tokens = 5
+        hidden = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k]
+                           for _ in range(tokens)]).to(torch.int32)
+        topk = torch.rand(tokens, k, device="cuda", generator=gen)
+        x = hidden.double()
+        want = torch.zeros(tokens, h, dtype=torch.float64, device="cuda")
+        for t in range(tokens):
+            for s in range(k):
+                ex = int(ids[t, s])
+                fc1 = g13[ex] @ x[t] + b13[ex].double()
+                gate, up = fc1[0::2].clamp(max=7.0), fc1[1::2].clamp(-7.0, 7.0)
+                act = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+                want[t] += float(topk[t, s]) * (d[ex] @ act + b2[ex].double())
+        workspace = torch.empty(layer.workspace_bytes(tokens), dtype=torch.uint8, device="cuda")
+        for path in ("auto", "marlin"):
+            out = torch.full((tokens, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+            layer.forward(hidden, ids, topk, weights, workspace, out, path=path)
+            torch.cuda.synchronize()
+            got = out.double()
+            self.assertTrue(bool(torch.isfinite(got).all()), path)
+            error = float((got - want).norm() / want.norm())
+            self.assertLess(error, 1e-2, path)
+            print("gpt-oss with biases, T = {} {}: rel L2 {:.2e}".format(tokens, path, error))
+        with self.assertRaises(moejit.Unsupported) as e:
+            layer.forward(hidden, ids, topk, weights, workspace, out, path="decode")
+        self.assertIn("bias", str(e.exception))
 
     def test_append_shared_matches_its_definition(self):
         torch = self.torch
