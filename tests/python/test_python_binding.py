@@ -306,6 +306,27 @@ class GpuTests(unittest.TestCase):
         values = values * torch.pow(2.0, scales.double() - 127).unsqueeze(-1)
         return values.reshape(blocks.shape[0], blocks.shape[1], -1)
 
+    def routed_tokens(self, gen, tokens, hidden_size, experts, top_k):
+        """hidden [T, H] bf16, distinct ids [T, K] int32 and top-k weights [T, K] fp32."""
+        torch = self.torch
+        hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen)
+        ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:top_k]
+                           for _ in range(tokens)]).to(torch.int32)
+        topk = torch.rand(tokens, top_k, device="cuda", generator=gen)
+        return hidden.to(torch.bfloat16), ids, topk
+
+    def reference(self, hidden, ids, topk, expert):
+        """fp64: out[t] = the sum over slots s with an id e >= 0 of topk[t, s] * expert(e, x[t])."""
+        torch = self.torch
+        x = hidden.double()
+        want = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        for t in range(ids.shape[0]):
+            for s in range(ids.shape[1]):
+                ex = int(ids[t, s])
+                if ex >= 0:
+                    want[t] += float(topk[t, s]) * expert(ex, x[t])
+        return want
+
     def test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph(self):
         torch = self.torch
         gen = torch.Generator(device="cuda").manual_seed(20261205)
@@ -332,21 +353,14 @@ class GpuTests(unittest.TestCase):
         g, u, d = self.dequant(w1, w1_s), self.dequant(w3, w3_s), self.dequant(w2, w2_s)
         workspace = torch.empty(layer.workspace_bytes(8), dtype=torch.uint8, device="cuda")
         for tokens in (1, 3, 8):
-            hidden = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k]
-                               for _ in range(tokens)]).to(torch.int32)
+            hidden, ids, topk = self.routed_tokens(gen, tokens, h, e, k)
             ids[0, -1] = -1  # ignored
-            topk = torch.rand(tokens, k, device="cuda", generator=gen)
-            x = hidden.double()
-            want = torch.zeros(tokens, h, dtype=torch.float64, device="cuda")
-            for t in range(tokens):
-                for s in range(k):
-                    ex = int(ids[t, s])
-                    if ex < 0:
-                        continue
-                    gate, up = g[ex] @ x[t], u[ex] @ x[t]
-                    act = gate * torch.sigmoid(gate) * up
-                    want[t] += float(topk[t, s]) * (d[ex] @ act)
+
+            def swiglu_expert(ex, x):
+                gate, up = g[ex] @ x, u[ex] @ x
+                return d[ex] @ (gate * torch.sigmoid(gate) * up)
+
+            want = self.reference(hidden, ids, topk, swiglu_expert)
             outs = {}
             bound = layer.bind_weights(weights)
             for path in ("auto", "marlin", "decode"):
@@ -400,19 +414,14 @@ class GpuTests(unittest.TestCase):
         # Rows 2j / 2j + 1 of w13 (and of b13) are gate j / up j.
         g13, d = self.dequant(w13, w13_s), self.dequant(w2, w2_s)
         tokens = 5
-        hidden = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k]
-                           for _ in range(tokens)]).to(torch.int32)
-        topk = torch.rand(tokens, k, device="cuda", generator=gen)
-        x = hidden.double()
-        want = torch.zeros(tokens, h, dtype=torch.float64, device="cuda")
-        for t in range(tokens):
-            for s in range(k):
-                ex = int(ids[t, s])
-                fc1 = g13[ex] @ x[t] + b13[ex].double()
-                gate, up = fc1[0::2].clamp(max=7.0), fc1[1::2].clamp(-7.0, 7.0)
-                act = gate * torch.sigmoid(1.702 * gate) * (up + 1)
-                want[t] += float(topk[t, s]) * (d[ex] @ act + b2[ex].double())
+        hidden, ids, topk = self.routed_tokens(gen, tokens, h, e, k)
+
+        def gpt_oss_expert(ex, x):
+            fc1 = g13[ex] @ x + b13[ex].double()
+            gate, up = fc1[0::2].clamp(max=7.0), fc1[1::2].clamp(-7.0, 7.0)
+            return d[ex] @ (gate * torch.sigmoid(1.702 * gate) * (up + 1)) + b2[ex].double()
+
+        want = self.reference(hidden, ids, topk, gpt_oss_expert)
         workspace = torch.empty(layer.workspace_bytes(tokens), dtype=torch.uint8, device="cuda")
         for path in ("auto", "marlin"):
             out = torch.full((tokens, h), float("nan"), dtype=torch.bfloat16, device="cuda")
