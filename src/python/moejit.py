@@ -507,8 +507,8 @@ class MoeLayer:
         and topk_weights [T, K] fp32. weights: the repacked buffers by name (with "b13" and "b2"
         for shapes with biases); workspace: a uint8 CUDA tensor of workspace_bytes(T) or more.
         path: "auto", "marlin" or "decode". No allocation, no host sync: capturable in a CUDA
-        graph once prewarmed. Checking a dict of weights costs ~17 us of Python a call: bind them
-        once (bind_weights) where that matters."""
+        graph once prewarmed. Checking a dict of weights costs tens of us of Python a call
+        (tools/PERF_LOG.md): bind them once (bind_weights) where that matters."""
         if path not in _PATHS:
             raise InvalidArgument("path: expected one of {}, found {!r}".format(sorted(_PATHS),
                                                                                  path))
