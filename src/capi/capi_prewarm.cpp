@@ -9,7 +9,7 @@
 #include "moejit/error.hpp"
 #include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
-#include "runtime/runtime_impl.hpp"  // detail::outcome_word
+#include "runtime/runtime_impl.hpp"  // detail::outcome_word, failures_text
 
 namespace {
 
@@ -60,19 +60,6 @@ moejit::Arch arch_named(const char* arch) {
   }
 }
 
-// Every failure: the kernel's name, then its whole error (the compile log's first lines and where
-// the failed source was saved) indented under it.
-std::string failures_text(const std::vector<moejit::BuildResult>& results, size_t failed) {
-  std::string text = std::string(kCall) + ": " + std::to_string(failed) + " of " +
-                     std::to_string(results.size()) + " kernel(s) failed (the others are ready):";
-  for (const moejit::BuildResult& r : results) {
-    if (r.error.empty()) continue;
-    text += "\n  " + r.spec.display_name() + ":\n    ";
-    for (char c : r.error) text += c == '\n' ? std::string("\n    ") : std::string(1, c);
-  }
-  return text;
-}
-
 }  // namespace
 
 extern "C" {
@@ -120,8 +107,14 @@ moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count,
     counts.milliseconds =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (result != nullptr) *result = counts;
-    if (counts.failed > 0)
-      throw Error(ErrorCode::kCompileFailed, failures_text(results, counts.failed));
+    if (counts.failed > 0) {
+      std::string failures = moejit::detail::failures_text(results);
+      failures.pop_back();  // the last line's newline
+      throw Error(ErrorCode::kCompileFailed,
+                  std::string(kCall) + ": " + std::to_string(counts.failed) + " of " +
+                      std::to_string(results.size()) +
+                      " kernel(s) failed (the others are ready):\n" + failures);
+    }
   });
 }
 

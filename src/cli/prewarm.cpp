@@ -140,16 +140,7 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
             << format_ms(wall_ms) << " (cache " << disk.dir() << ")\n";
   if (!failed.empty()) {
     std::cout << "\nfailures:\n";
-    for (const BuildResult& r : results) {
-      if (r.error.empty()) continue;
-      std::cout << "  " << r.spec.display_name() << ":\n";
-      std::string indented = "    " + r.error;
-      for (std::size_t pos = indented.find('\n'); pos != std::string::npos;
-           pos = indented.find('\n', pos + 5)) {
-        indented.insert(pos + 1, "    ");
-      }
-      std::cout << indented << "\n";
-    }
+    std::cout << detail::failures_text(results);
     return kExitWorkFailed;
   }
   if (!not_stored.empty()) {

@@ -339,7 +339,7 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
     per kernel. Returns a PrewarmResult; raises CompileFailed naming every failed kernel."""
     if isinstance(shape_names, (str, bytes)):
         shape_names = [shape_names]
-    names = [os.fsencode(n) if isinstance(n, str) else n for n in shape_names]
+    names = [n.encode() if isinstance(n, str) else n for n in shape_names]
     array = (ctypes.c_char_p * max(len(names), 1))(*names)
     raised = []
 

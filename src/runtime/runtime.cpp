@@ -483,6 +483,17 @@ const char* outcome_word(const BuildResult& r) noexcept {
   return "failed";
 }
 
+std::string failures_text(const std::vector<BuildResult>& results) {
+  std::string text;
+  for (const BuildResult& r : results) {
+    if (r.error.empty()) continue;
+    text += "  " + r.spec.display_name() + ":\n    ";
+    for (char c : r.error) text += c == '\n' ? std::string("\n    ") : std::string(1, c);
+    text += '\n';
+  }
+  return text;
+}
+
 }  // namespace detail
 
 RuntimeConfig RuntimeConfig::from_environment() {

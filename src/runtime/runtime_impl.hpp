@@ -135,5 +135,9 @@ class Runtime {
 // How a prewarm reports one kernel: "compiled", "compiled (not stored)", "cached" (a memory or disk
 // hit) or "failed" (r.error is set). The CLI's progress lines and the C ABI's callback use it.
 const char* outcome_word(const BuildResult& r) noexcept;
+// Every failed kernel of a prewarm, as the CLI and the C ABI report them: "  <kernel>:\n" then its
+// whole error (the compile log's first lines, where the source was saved), each line indented by
+// four spaces and ended by a newline. "" when none failed.
+std::string failures_text(const std::vector<BuildResult>& results);
 
 }  // namespace moejit::detail
