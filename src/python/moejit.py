@@ -274,39 +274,51 @@ class _Borrowed:
     def tensor(self):
         return DLTensor.from_address(self.address)
 
-    def nbytes(self):
-        t = self.tensor
-        count = 1
-        for i in range(t.ndim):
-            count *= t.shape[i]
-        return count * t.dtype.bits * t.dtype.lanes // 8
-
-    def device_address(self, expected_bytes):
-        """The buffer's address, once it is a contiguous CUDA tensor of at least expected_bytes."""
+    def device_buffer(self, expected_bytes=0):
+        """(address, bytes) of the buffer, once it is a contiguous CUDA tensor of at least
+        expected_bytes. Reads the DLTensor once: a forward calls this on its hot path."""
         t = self.tensor
         if t.device.device_type != _KDL_CUDA:
             raise InvalidArgument("{}: expected a CUDA tensor, found DLPack device type {}".format(
                 self.name, t.device.device_type))
-        if t.strides:
-            expected = 1
-            for i in reversed(range(t.ndim)):
-                if t.shape[i] != 1 and t.strides[i] != expected:
-                    raise InvalidArgument("{}: expected a contiguous tensor, found strides {}; "
-                                          "pass .contiguous()".format(
-                                              self.name, [t.strides[j] for j in range(t.ndim)]))
-                expected *= t.shape[i]
-        if self.nbytes() < expected_bytes:
+        ndim, shape, strides = t.ndim, t.shape, t.strides
+        count = 1
+        for i in reversed(range(ndim)):
+            if strides and shape[i] != 1 and strides[i] != count:
+                raise InvalidArgument("{}: expected a contiguous tensor, found strides {}; "
+                                      "pass .contiguous()".format(
+                                          self.name, [strides[j] for j in range(ndim)]))
+            count *= shape[i]
+        dtype = t.dtype
+        nbytes = count * dtype.bits * dtype.lanes // 8
+        if nbytes < expected_bytes:
             raise InvalidArgument("{}: expected at least {} bytes, found {}".format(
-                self.name, expected_bytes, self.nbytes()))
-        return (t.data or 0) + t.byte_offset
+                self.name, expected_bytes, nbytes))
+        return (t.data or 0) + t.byte_offset, nbytes
+
+    def device_address(self, expected_bytes):
+        """The buffer's address, once it is a contiguous CUDA tensor of at least expected_bytes."""
+        return self.device_buffer(expected_bytes)[0]
+
+
+def _torch_current_stream():
+    """torch's current stream on its current device, or None where torch has no CUDA state.
+    Why the private calls where torch has them: torch.cuda.current_stream() builds a Stream object
+    each call, 4.5-7.5 us of a forward's host time (tools/PERF_LOG.md, fifty-eighth session); the
+    raw handle of the same stream is what torch's own kernel launchers read."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is not None and get_raw is not None:
+        return get_raw(get_device()) or None
+    return torch.cuda.current_stream().cuda_stream or None
 
 
 def _stream_handle(stream):
     if stream is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            return torch.cuda.current_stream().cuda_stream
-        return None
+        return _torch_current_stream()
     if isinstance(stream, int):
         return stream or None
     if hasattr(stream, "__cuda_stream__"):
@@ -523,8 +535,7 @@ class MoeLayer:
             raise InvalidArgument("workspace: expected a uint8 CUDA tensor of at least "
                                   "workspace_bytes(T) bytes, found None")
         space = _Borrowed(workspace, "workspace")
-        size = space.nbytes()
-        address = space.device_address(0)
+        address, size = space.device_buffer()
         tensors = [_Borrowed(t, n) for t, n in ((hidden, "hidden"), (topk_ids, "topk_ids"),
                                                  (topk_weights, "topk_weights"), (out, "out"))]
         _check(_lib.moejit_moe_forward_ex(self._live(), tensors[0].address, tensors[1].address,
