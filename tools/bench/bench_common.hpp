@@ -1,12 +1,14 @@
-// libmoejit benchmarks: what both bench programs print with. Tables go to stdout, one column per
-// header cell (the first left-aligned, the rest right-aligned), flushed after each table so a run
-// cut short keeps what it measured.
+// libmoejit benchmarks: what both bench programs print with (tables go to stdout, one column per
+// header cell, the first left-aligned, the rest right-aligned, flushed after each table so a run
+// cut short keeps what it measured) and where they find the shape file.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,17 @@ inline void print_table(const std::string& title, const std::vector<std::string>
   std::cout << " " << std::string(total, '-') << "\n";
   for (const auto& r : rows) std::cout << line(r) << "\n";
   std::cout.flush();
+}
+
+// The shape file a bench reads: `given` when set, else tools/shapes/reference.json from the
+// current directory, else `built_in` (the source tree's, compiled in).
+inline std::string find_shapes_file(const std::string& given, const std::string& built_in) {
+  if (!given.empty()) return given;
+  for (const std::string& candidate : {std::string("tools/shapes/reference.json"), built_in}) {
+    if (std::filesystem::exists(candidate)) return candidate;
+  }
+  throw std::runtime_error("tools/shapes/reference.json not found from the current directory "
+                           "nor at " + built_in + "; pass --shapes PATH");
 }
 
 }  // namespace moejit::bench

@@ -98,6 +98,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_driver.hpp"
 #include "bench_nvrtc.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
@@ -109,7 +110,9 @@
 
 namespace {
 
+using moejit::bench::driver_proc_address;
 using moejit::bench::fixed;
+using moejit::bench::load_entry;
 using moejit::bench::print_table;
 using moejit::detail::bf16_bits;
 using moejit::detail::bf16_value;
@@ -151,29 +154,6 @@ struct GraphApi {
   PFN_cuGraphDestroyNode_v10000 destroy_node = nullptr;
   PFN_cuGraphAddDependencies_v12030 add_dependencies = nullptr;
 };
-
-template <typename Fn>
-void load_entry(PFN_cuGetProcAddress_v12000 get, const char* name, int version, Fn* fn) {
-  void* pointer = nullptr;
-  CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-  const CUresult result = get(name, &pointer, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);
-  if (result != CUDA_SUCCESS || pointer == nullptr || status != CU_GET_PROC_ADDRESS_SUCCESS) {
-    throw std::runtime_error(std::string("the driver has no ") + name + " (ABI of CUDA " +
-                             std::to_string(version / 1000) + "." +
-                             std::to_string(version % 1000 / 10) + "); update the NVIDIA driver");
-  }
-  *fn = reinterpret_cast<Fn>(pointer);
-}
-
-// libcuda's cuGetProcAddress_v2, for the driver calls libmoejit does not use.
-PFN_cuGetProcAddress_v12000 driver_proc_address() {
-  cu();  // loads libcuda (throws moejit::Error{kDriver} saying why when it can't)
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) throw std::runtime_error(std::string("dlopen libcuda.so.1: ") + dlerror());
-  auto get = reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(lib, "cuGetProcAddress_v2"));
-  if (get == nullptr) throw std::runtime_error("libcuda.so.1 has no cuGetProcAddress_v2");
-  return get;
-}
 
 const GraphApi& graph_api() {
   static const GraphApi api = [] {
@@ -1080,17 +1060,6 @@ struct Options {
   bool floor = true;  // the decode section's read floor
   uint64_t seed = 20261130;
 };
-
-std::string find_shapes_file(const std::string& given) {
-  if (!given.empty()) return given;
-  for (const std::string& candidate :
-       {std::string("tools/shapes/reference.json"), std::string(MOEJIT_BENCH_SHAPES_FILE)}) {
-    if (std::filesystem::exists(candidate)) return candidate;
-  }
-  throw std::runtime_error(
-      "tools/shapes/reference.json not found from the current directory nor at " +
-      std::string(MOEJIT_BENCH_SHAPES_FILE) + "; pass --shapes PATH");
-}
 
 struct Device {
   CUdevice device = 0;
@@ -2228,7 +2197,8 @@ std::string join_ints(const std::vector<int>& values) {
 
 int run(const Options& o) {
   const Clock::time_point started = Clock::now();
-  const std::string shapes_file = find_shapes_file(o.shapes_file);
+  const std::string shapes_file =
+      moejit::bench::find_shapes_file(o.shapes_file, MOEJIT_BENCH_SHAPES_FILE);
   const std::vector<moejit::ModelShape> all = moejit::load_shapes_file(shapes_file);
   std::vector<int> decode_tokens;
   std::vector<int> dropped;

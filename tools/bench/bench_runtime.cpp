@@ -9,6 +9,8 @@
 //   (c) in-memory hit: build_kernel() of a built spec, and the hot-path kernel lookup
 //   (d) host overhead of one append_shared call vs a bare cuLaunchKernelEx of the same kernel
 //   (e) append_shared device time vs the unfused sigmoid -> cast -> append sequence
+//   (f) host time of one moe_forward call (C++ and C ABI) vs bare cuLaunchKernelEx of the same
+//       kernels with the same arguments (the call captured once, its kernel nodes launched again)
 //
 // Children: the program runs itself with --child MODE (one JSON line on stdout).
 #include <dlpack/dlpack.h>
@@ -32,10 +34,12 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_driver.hpp"
 #include "bench_nvrtc.hpp"
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
 #include "driver/driver.hpp"
+#include "moejit/moejit.h"
 #include "moejit/moejit.hpp"
 #include "ops/append_shared_spec.hpp"
 #include "ops/moe_reference.hpp"
@@ -499,6 +503,10 @@ struct Options {
   int graph_launches = 100;
   int graph_replays = 20;
   int trials = 5;
+  std::string shapes_file;  // (f): "" = tools/shapes/reference.json
+  std::string moe_shape = "qwen3-30b-a3b";
+  std::vector<int> moe_tokens = {1, 6, 256};
+  int moe_calls = 2000;
 };
 
 json part_cold_compile(const Options& o, const std::vector<moejit::KernelSpec>& specs) {
@@ -805,10 +813,290 @@ json part_device_time(const Options& o, CUstream stream) {
 
 }  // namespace
 
+// ---- (f) moe_forward: host time against bare launches of its kernels ------------------------
+
+// One moe_forward call's device buffers for `shape` at `tokens`, in the C++ and the C ABI's
+// argument forms. Weight bytes 0x22 and scale bytes 127 (every nibble a finite E2M1 value, every
+// scale 2^0) and zero hidden states: the host time does not depend on the values, and the kernels
+// run on finite numbers.
+class MoeProblem {
+ public:
+  MoeProblem(const moejit::ModelShape& shape, int tokens)
+      : layout_(moejit::moe_weight_layout(shape)),
+        w13_(layout_.w13_bytes),
+        w13_scales_(layout_.w13_scale_bytes),
+        w2_(layout_.w2_bytes),
+        w2_scales_(layout_.w2_scale_bytes),
+        b13_(layout_.b13_bytes),
+        b2_(layout_.b2_bytes),
+        id_bytes_(shape.id_dtype == moejit::DType::kI64 ? 8 : 4),
+        hidden_(elements(tokens, shape.hidden) * 2),
+        ids_(elements(tokens, shape.top_k) * id_bytes_),
+        topk_(elements(tokens, shape.top_k) * 4),
+        out_(elements(tokens, shape.hidden) * 2),
+        workspace_bytes_(moejit::moe_workspace_bytes(shape, tokens)),
+        workspace_(workspace_bytes_),
+        rows_{tokens, shape.hidden},
+        slots_{tokens, shape.top_k} {
+    fill(w13_, layout_.w13_bytes, 0x22);
+    fill(w2_, layout_.w2_bytes, 0x22);
+    fill(w13_scales_, layout_.w13_scale_bytes, 127);
+    fill(w2_scales_, layout_.w2_scale_bytes, 127);
+    fill(b13_, layout_.b13_bytes, 0);
+    fill(b2_, layout_.b2_bytes, 0);
+    fill(hidden_, elements(tokens, shape.hidden) * 2, 0);
+    // Distinct experts per token, uniform over the rank's; weights 1 / K.
+    std::mt19937 rng(20261205u + static_cast<unsigned>(tokens));
+    std::vector<int64_t> experts(static_cast<std::size_t>(shape.num_experts));
+    std::vector<int64_t> ids64;
+    for (int t = 0; t < tokens; ++t) {
+      for (std::size_t e = 0; e < experts.size(); ++e) {
+        experts[e] = shape.expert_offset + static_cast<int64_t>(e);
+      }
+      std::shuffle(experts.begin(), experts.end(), rng);
+      ids64.insert(ids64.end(), experts.begin(), experts.begin() + shape.top_k);
+    }
+    if (id_bytes_ == 8) {
+      ids_.upload(ids64.data(), ids64.size() * 8);
+    } else {
+      std::vector<int32_t> ids32(ids64.begin(), ids64.end());
+      ids_.upload(ids32.data(), ids32.size() * 4);
+    }
+    std::vector<float> topk(ids64.size(), 1.f / static_cast<float>(shape.top_k));
+    topk_.upload(topk.data(), topk.size() * 4);
+    check(g_api->cuCtxSynchronize(), "cuCtxSynchronize");
+
+    const DLDevice device{kDLCUDA, 0};
+    const auto tensor = [&device](const DeviceBuffer& b, int64_t* dims, DLDataTypeCode code,
+                                  uint8_t bits) {
+      DLTensor x{};
+      x.data = b.data();
+      x.device = device;
+      x.ndim = 2;
+      x.dtype = DLDataType{static_cast<uint8_t>(code), bits, 1};
+      x.shape = dims;
+      return x;
+    };
+    hidden_t_ = tensor(hidden_, rows_.data(), kDLBfloat, 16);
+    ids_t_ = tensor(ids_, slots_.data(), kDLInt, static_cast<uint8_t>(id_bytes_ * 8));
+    topk_t_ = tensor(topk_, slots_.data(), kDLFloat, 32);
+    out_t_ = tensor(out_, rows_.data(), kDLBfloat, 16);
+    const bool bias = shape.has_bias;
+    args.hidden = &hidden_t_;
+    args.topk_ids = &ids_t_;
+    args.topk_weights = &topk_t_;
+    args.weights = {w13_.data(),       w13_scales_.data(),           w2_.data(),
+                    w2_scales_.data(), bias ? b13_.data() : nullptr, bias ? b2_.data() : nullptr};
+    args.workspace = workspace_.data();
+    args.workspace_bytes = workspace_bytes_;
+    args.out = &out_t_;
+    c_weights = {w13_.data(),       w13_scales_.data(),           w2_.data(),
+                 w2_scales_.data(), bias ? b13_.data() : nullptr, bias ? b2_.data() : nullptr};
+  }
+  MoeProblem(const MoeProblem&) = delete;
+  MoeProblem& operator=(const MoeProblem&) = delete;
+
+  moejit::MoeForwardArgs args;
+  moejit_moe_weights c_weights{};
+
+ private:
+  static std::size_t elements(int64_t rows, int64_t cols) {
+    return static_cast<std::size_t>(rows * cols);
+  }
+  static void fill(const DeviceBuffer& b, std::size_t bytes, unsigned char value) {
+    if (bytes > 0) check(g_api->cuMemsetD8Async(b.ptr(), value, bytes, nullptr), "cuMemsetD8Async");
+  }
+
+  moejit::MoeWeightLayout layout_;
+  DeviceBuffer w13_, w13_scales_, w2_, w2_scales_, b13_, b2_;
+  std::size_t id_bytes_;
+  DeviceBuffer hidden_, ids_, topk_, out_;
+  std::size_t workspace_bytes_;
+  DeviceBuffer workspace_;
+  std::array<int64_t, 2> rows_, slots_;
+  DLTensor hidden_t_{}, ids_t_{}, topk_t_{}, out_t_{};
+};
+
+// The kernel launches of one captured call, in launch order, each as the graph holds it (function,
+// geometry, a copy of its arguments) with whether it followed its predecessor programmatically
+// (the programmatic dependent launch attribute). Valid while `graph` lives.
+struct CapturedLaunch {
+  CUDA_KERNEL_NODE_PARAMS params{};
+  bool pdl = false;
+};
+
+std::vector<CapturedLaunch> captured_launches(CUgraph graph) {
+  static const PFN_cuGraphGetEdges_v12030 get_edges = [] {
+    PFN_cuGraphGetEdges_v12030 fn = nullptr;
+    moejit::bench::load_entry(moejit::bench::driver_proc_address(), "cuGraphGetEdges", 12030, &fn);
+    return fn;
+  }();
+  std::size_t count = 0;
+  check(g_api->cuGraphGetNodes(graph, nullptr, &count), "cuGraphGetNodes");
+  std::vector<CUgraphNode> nodes(count);
+  if (count > 0) check(g_api->cuGraphGetNodes(graph, nodes.data(), &count), "cuGraphGetNodes");
+  std::size_t edges = 0;
+  check(get_edges(graph, nullptr, nullptr, nullptr, &edges), "cuGraphGetEdges");
+  std::vector<CUgraphNode> from(edges), to(edges);
+  std::vector<CUgraphEdgeData> data(edges);
+  if (edges > 0)
+    check(get_edges(graph, from.data(), to.data(), data.data(), &edges), "cuGraphGetEdges");
+  // A call captured on one stream is a chain: start at the node nothing leads to, follow edges.
+  std::vector<CapturedLaunch> out;
+  CUgraphNode node = nullptr;
+  for (CUgraphNode n : nodes) {
+    if (std::find(to.begin(), to.end(), n) == to.end()) node = n;
+  }
+  bool pdl = false;
+  while (node != nullptr) {
+    CUgraphNodeType type;
+    check(g_api->cuGraphNodeGetType(node, &type), "cuGraphNodeGetType");
+    if (type != CU_GRAPH_NODE_TYPE_KERNEL) {
+      throw std::runtime_error("moe_forward captured a node that is not a kernel (type " +
+                               std::to_string(static_cast<int>(type)) + ")");
+    }
+    CapturedLaunch launch;
+    check(g_api->cuGraphKernelNodeGetParams(node, &launch.params), "cuGraphKernelNodeGetParams");
+    launch.pdl = pdl;
+    out.push_back(launch);
+    CUgraphNode next = nullptr;
+    for (std::size_t e = 0; e < edges; ++e) {
+      if (from[e] != node) continue;
+      if (next != nullptr) throw std::runtime_error("moe_forward's captured graph is not a chain");
+      next = to[e];
+      pdl = data[e].type == CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
+    }
+    node = next;
+  }
+  if (out.size() != count) throw std::runtime_error("moe_forward's captured graph is not a chain");
+  return out;
+}
+
+void launch_bare(const CapturedLaunch& l, CUstream stream) {
+  CUlaunchAttribute attribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = l.params.gridDimX;
+  config.gridDimY = l.params.gridDimY;
+  config.gridDimZ = l.params.gridDimZ;
+  config.blockDimX = l.params.blockDimX;
+  config.blockDimY = l.params.blockDimY;
+  config.blockDimZ = l.params.blockDimZ;
+  config.sharedMemBytes = l.params.sharedMemBytes;
+  config.hStream = stream;
+  config.attrs = l.pdl ? &attribute : nullptr;
+  config.numAttrs = l.pdl ? 1 : 0;
+  CUfunction f =
+      l.params.func != nullptr ? l.params.func : reinterpret_cast<CUfunction>(l.params.kern);
+  check(g_api->cuLaunchKernelEx(&config, f, l.params.kernelParams, l.params.extra),
+        "cuLaunchKernelEx");
+}
+
+json part_moe_host(const Options& o, CUstream stream) {
+  const std::string file = moejit::bench::find_shapes_file(o.shapes_file, MOEJIT_BENCH_SHAPES_FILE);
+  moejit::register_shapes_file(file);
+  moejit::ModelShape shape = moejit::registered_shape(o.moe_shape);
+  moejit_moe* handle = nullptr;
+  if (moejit_moe_create(shape.name.c_str(), &handle) != MOEJIT_OK) {
+    throw std::runtime_error(std::string("moejit_moe_create: ") + moejit_last_error());
+  }
+  const bool decode = moejit::moe_decode_problem(shape).empty() && moejit::current_arch().sm >= 90;
+  const auto c_path = [](moejit::MoePath p) {
+    return p == moejit::MoePath::kDecode   ? MOEJIT_MOE_PATH_DECODE
+           : p == moejit::MoePath::kMarlin ? MOEJIT_MOE_PATH_MARLIN
+                                           : MOEJIT_MOE_PATH_AUTO;
+  };
+  json out = json::array();
+  std::vector<std::vector<std::string>> rows;
+  try {
+    for (int t : o.moe_tokens) {
+      MoeProblem p(shape, t);
+      std::vector<moejit::MoePath> paths = {moejit::MoePath::kAuto};
+      if (decode && t > 1 && t <= 256) paths.push_back(moejit::MoePath::kDecode);
+      for (moejit::MoePath path : paths) {
+        const moejit::MoeForwardOptions options{path, 0};
+        const auto cpp_call = [&] { moejit::moe_forward(shape, p.args, stream, options); };
+        const auto c_call = [&] {
+          if (moejit_moe_forward_ex(handle, p.args.hidden, p.args.topk_ids, p.args.topk_weights,
+                                    &p.c_weights, p.args.workspace, p.args.workspace_bytes,
+                                    p.args.out, c_path(path), 0, stream) != MOEJIT_OK) {
+            throw std::runtime_error(std::string("moejit_moe_forward_ex: ") + moejit_last_error());
+          }
+        };
+        cpp_call();  // builds (or loads) the kernels
+        check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+        check(g_api->cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture");
+        CUgraph graph = nullptr;
+        try {
+          cpp_call();
+        } catch (...) {
+          g_api->cuStreamEndCapture(stream, &graph);
+          if (graph != nullptr) g_api->cuGraphDestroy(graph);
+          throw;
+        }
+        check(g_api->cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
+        std::vector<double> cpp_us, c_us, bare_us;
+        try {
+          const std::vector<CapturedLaunch> launches = captured_launches(graph);
+          const auto bare_call = [&] {
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream);
+          };
+          // Why rounds of 50 with a sync between: the host runs ahead of the GPU at large T, and
+          // a full launch queue would time the GPU; interleaved rounds see the same host state.
+          const int per_round = 50;
+          const int rounds = std::max(1, o.moe_calls / per_round);
+          const std::function<void()> calls[] = {cpp_call, c_call, bare_call};
+          std::vector<double>* samples[] = {&cpp_us, &c_us, &bare_us};
+          for (int round = 0; round < rounds; ++round) {
+            for (int k = 0; k < 3; ++k) {
+              for (int i = 0; i < per_round; ++i) {
+                const auto start = Clock::now();
+                calls[k]();
+                samples[k]->push_back(ms_since(start) * 1000);
+              }
+              check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+            }
+          }
+          const Stats cpp = summarize(cpp_us), c = summarize(c_us), bare = summarize(bare_us);
+          const std::string name = path == moejit::MoePath::kDecode ? "decode" : "auto";
+          rows.push_back(
+              {std::to_string(t), name, std::to_string(launches.size()), fixed(cpp.median, 2),
+               fixed(c.median, 2), fixed(bare.median, 2), fixed(cpp.median - bare.median, 2),
+               fixed((cpp.median - bare.median) / static_cast<double>(launches.size()), 2),
+               fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2)});
+          out.push_back({{"tokens", t},
+                         {"path", name},
+                         {"kernels", launches.size()},
+                         {"moe_forward_us", to_json(cpp)},
+                         {"c_abi_us", to_json(c)},
+                         {"bare_launches_us", to_json(bare)},
+                         {"difference_median_us", cpp.median - bare.median}});
+        } catch (...) {
+          g_api->cuGraphDestroy(graph);
+          throw;
+        }
+        g_api->cuGraphDestroy(graph);
+      }
+    }
+  } catch (...) {
+    moejit_moe_destroy(handle);
+    throw;
+  }
+  moejit_moe_destroy(handle);
+  print_table("(f) host time per moe_forward call, " + shape.name + ", " +
+                  std::to_string(o.moe_calls / 50 * 50) + " calls each (us, median)",
+              {"T", "path", "kernels", "moe_forward", "C ABI", "bare launches", "difference",
+               "a kernel", "moe_forward p10 / p90"},
+              rows);
+  return out;
+}
+
 int main(int argc, char** argv) {
   Options o;
   ChildOptions child;
-  CLI::App app{"moejit_bench_runtime: host-side costs of libmoejit and the append_shared op"};
+  CLI::App app{"moejit_bench_runtime: host-side costs of libmoejit, append_shared and moe_forward"};
   app.add_option("--json", o.json_path, "Also write the results as JSON to PATH");
   app.add_option("--arch", o.arch, "Arch to compile for (default: the GPU's, else sm_90a)");
   app.add_option("--compile-reps", o.compile_reps, "Cold compiles per family")
@@ -827,6 +1115,14 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--trials", o.trials, "Timed trials per device figure")
       ->check(CLI::PositiveNumber);
+  app.add_option("--shapes", o.shapes_file,
+                 "(f): shape file (default tools/shapes/reference.json)");
+  app.add_option("--moe-shape", o.moe_shape, "(f): the shape moe_forward runs");
+  app.add_option("--moe-tokens", o.moe_tokens, "(f): token counts, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--moe-calls", o.moe_calls, "(f): calls per figure")
+      ->check(CLI::Range(50, 1 << 24));
   app.add_option("--child", child.mode,
                  "(internal) run one request as a child: build | load | nvrtc")
       ->check(CLI::IsMember({"build", "load", "nvrtc"}));
@@ -878,14 +1174,17 @@ int main(int argc, char** argv) {
     if (gpu_parts) {
       report["launch_overhead"] = part_launch_overhead(o, stream);
       report["append_shared_device_time"] = part_device_time(o, stream);
+      report["moe_forward_host"] = part_moe_host(o, stream);
     } else {
       std::string reason =
           gpu ? "--arch " + arch.name() + " is not the GPU's arch " + runtime.current_arch().name()
               : "no GPU: " + why;
       std::cout << "\n(d) host overhead per launch: skipped (" << reason << ")\n";
       std::cout << "(e) append_shared device time: skipped (" << reason << ")\n";
+      std::cout << "(f) moe_forward host time: skipped (" << reason << ")\n";
       report["launch_overhead"] = {{"skipped", reason}};
       report["append_shared_device_time"] = {{"skipped", reason}};
+      report["moe_forward_host"] = {{"skipped", reason}};
     }
     if (stream != nullptr) g_api->cuStreamDestroy(stream);
   } catch (const std::exception& e) {
