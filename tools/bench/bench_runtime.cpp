@@ -203,6 +203,17 @@ class DeviceBuffer {
   std::size_t bytes_;
 };
 
+// A contiguous 2-D DLTensor over `b` on CUDA device 0; `dims` must outlive it.
+DLTensor matrix_view(const DeviceBuffer& b, int64_t* dims, DLDataTypeCode code, uint8_t bits) {
+  DLTensor x{};
+  x.data = b.data();
+  x.device = DLDevice{kDLCUDA, 0};
+  x.ndim = 2;
+  x.dtype = DLDataType{static_cast<uint8_t>(code), bits, 1};
+  x.shape = dims;
+  return x;
+}
+
 // The tensors of one append_shared call with T tokens, K = 8, S = 1, int32 ids, bf16 logits.
 struct AppendSharedProblem {
   static constexpr int kTopK = 8;
@@ -234,24 +245,11 @@ struct AppendSharedProblem {
     ids.upload(h_ids.data(), h_ids.size() * sizeof(int32_t));
     weights.upload(h_w.data(), h_w.size() * sizeof(float));
     logits.upload(h_l.data(), h_l.size() * sizeof(uint16_t));
-    DLDevice device{kDLCUDA, 0};
-    auto tensor = [&device](const DeviceBuffer& b, int64_t* shape, DLDataTypeCode code,
-                            uint8_t bits) {
-      DLTensor x{};
-      x.data = b.data();
-      x.device = device;
-      x.ndim = 2;
-      x.dtype = DLDataType{static_cast<uint8_t>(code), bits, 1};
-      x.shape = shape;
-      x.strides = nullptr;
-      x.byte_offset = 0;
-      return x;
-    };
-    t_ids = tensor(ids, shape_k.data(), kDLInt, 32);
-    t_weights = tensor(weights, shape_k.data(), kDLFloat, 32);
-    t_logits = tensor(logits, shape_s.data(), kDLBfloat, 16);
-    t_out_ids = tensor(out_ids, shape_out.data(), kDLInt, 32);
-    t_out_weights = tensor(out_weights, shape_out.data(), kDLFloat, 32);
+    t_ids = matrix_view(ids, shape_k.data(), kDLInt, 32);
+    t_weights = matrix_view(weights, shape_k.data(), kDLFloat, 32);
+    t_logits = matrix_view(logits, shape_s.data(), kDLBfloat, 16);
+    t_out_ids = matrix_view(out_ids, shape_out.data(), kDLInt, 32);
+    t_out_weights = matrix_view(out_weights, shape_out.data(), kDLFloat, 32);
     args.topk_ids = &t_ids;
     args.topk_weights = &t_weights;
     args.shared_logits = &t_logits;
@@ -866,21 +864,10 @@ class MoeProblem {
     topk_.upload(topk.data(), topk.size() * 4);
     check(g_api->cuCtxSynchronize(), "cuCtxSynchronize");
 
-    const DLDevice device{kDLCUDA, 0};
-    const auto tensor = [&device](const DeviceBuffer& b, int64_t* dims, DLDataTypeCode code,
-                                  uint8_t bits) {
-      DLTensor x{};
-      x.data = b.data();
-      x.device = device;
-      x.ndim = 2;
-      x.dtype = DLDataType{static_cast<uint8_t>(code), bits, 1};
-      x.shape = dims;
-      return x;
-    };
-    hidden_t_ = tensor(hidden_, rows_.data(), kDLBfloat, 16);
-    ids_t_ = tensor(ids_, slots_.data(), kDLInt, static_cast<uint8_t>(id_bytes_ * 8));
-    topk_t_ = tensor(topk_, slots_.data(), kDLFloat, 32);
-    out_t_ = tensor(out_, rows_.data(), kDLBfloat, 16);
+    hidden_t_ = matrix_view(hidden_, rows_.data(), kDLBfloat, 16);
+    ids_t_ = matrix_view(ids_, slots_.data(), kDLInt, static_cast<uint8_t>(id_bytes_ * 8));
+    topk_t_ = matrix_view(topk_, slots_.data(), kDLFloat, 32);
+    out_t_ = matrix_view(out_, rows_.data(), kDLBfloat, 16);
     const bool bias = shape.has_bias;
     args.hidden = &hidden_t_;
     args.topk_ids = &ids_t_;
