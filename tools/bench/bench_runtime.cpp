@@ -505,6 +505,7 @@ struct Options {
   std::string moe_shape = "qwen3-30b-a3b";
   std::vector<int> moe_tokens = {1, 6, 256};
   int moe_calls = 2000;
+  bool moe_only = false;  // (f) alone
 };
 
 json part_cold_compile(const Options& o, const std::vector<moejit::KernelSpec>& specs) {
@@ -959,7 +960,9 @@ std::vector<CapturedLaunch> captured_launches(CUgraph graph) {
   return out;
 }
 
-void launch_bare(const CapturedLaunch& l, CUstream stream) {
+// `as_library`: every launch with the PDL attribute and through the CUkernel handle, as
+// launch_moe_kernel does (the node's own attributes and function otherwise).
+void launch_bare(const CapturedLaunch& l, CUstream stream, bool as_library) {
   CUlaunchAttribute attribute{};
   attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attribute.value.programmaticStreamSerializationAllowed = 1;
@@ -972,10 +975,12 @@ void launch_bare(const CapturedLaunch& l, CUstream stream) {
   config.blockDimZ = l.params.blockDimZ;
   config.sharedMemBytes = l.params.sharedMemBytes;
   config.hStream = stream;
-  config.attrs = l.pdl ? &attribute : nullptr;
-  config.numAttrs = l.pdl ? 1 : 0;
-  CUfunction f =
-      l.params.func != nullptr ? l.params.func : reinterpret_cast<CUfunction>(l.params.kern);
+  const bool pdl = l.pdl || as_library;
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  CUfunction f = (as_library || l.params.func == nullptr) && l.params.kern != nullptr
+                     ? reinterpret_cast<CUfunction>(l.params.kern)
+                     : l.params.func;
   check(g_api->cuLaunchKernelEx(&config, f, l.params.kernelParams, l.params.extra),
         "cuLaunchKernelEx");
 }
@@ -1024,20 +1029,23 @@ json part_moe_host(const Options& o, CUstream stream) {
           throw;
         }
         check(g_api->cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
-        std::vector<double> cpp_us, c_us, bare_us;
+        std::vector<double> cpp_us, c_us, bare_us, as_library_us;
         try {
           const std::vector<CapturedLaunch> launches = captured_launches(graph);
           const auto bare_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream);
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream, false);
+          };
+          const auto as_library_call = [&] {
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream, true);
           };
           // Why rounds of 50 with a sync between: the host runs ahead of the GPU at large T, and
           // a full launch queue would time the GPU; interleaved rounds see the same host state.
           const int per_round = 50;
           const int rounds = std::max(1, o.moe_calls / per_round);
-          const std::function<void()> calls[] = {cpp_call, c_call, bare_call};
-          std::vector<double>* samples[] = {&cpp_us, &c_us, &bare_us};
+          const std::function<void()> calls[] = {cpp_call, c_call, bare_call, as_library_call};
+          std::vector<double>* samples[] = {&cpp_us, &c_us, &bare_us, &as_library_us};
           for (int round = 0; round < rounds; ++round) {
-            for (int k = 0; k < 3; ++k) {
+            for (int k = 0; k < 4; ++k) {
               for (int i = 0; i < per_round; ++i) {
                 const auto start = Clock::now();
                 calls[k]();
@@ -1046,19 +1054,21 @@ json part_moe_host(const Options& o, CUstream stream) {
               check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
             }
           }
-          const Stats cpp = summarize(cpp_us), c = summarize(c_us), bare = summarize(bare_us);
+          const Stats cpp = summarize(cpp_us), c = summarize(c_us), bare = summarize(bare_us),
+                      as_library = summarize(as_library_us);
           const std::string name = path == moejit::MoePath::kDecode ? "decode" : "auto";
           rows.push_back(
               {std::to_string(t), name, std::to_string(launches.size()), fixed(cpp.median, 2),
                fixed(c.median, 2), fixed(bare.median, 2), fixed(cpp.median - bare.median, 2),
                fixed((cpp.median - bare.median) / static_cast<double>(launches.size()), 2),
-               fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2)});
+               fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2), fixed(as_library.median, 2)});
           out.push_back({{"tokens", t},
                          {"path", name},
                          {"kernels", launches.size()},
                          {"moe_forward_us", to_json(cpp)},
                          {"c_abi_us", to_json(c)},
                          {"bare_launches_us", to_json(bare)},
+                         {"bare_as_library_us", to_json(as_library)},
                          {"difference_median_us", cpp.median - bare.median}});
         } catch (...) {
           g_api->cuGraphDestroy(graph);
@@ -1072,10 +1082,12 @@ json part_moe_host(const Options& o, CUstream stream) {
     throw;
   }
   moejit_moe_destroy(handle);
+  std::cout << "\nbare as the library: the same launches, each with the PDL attribute and through "
+               "its CUkernel handle (launch_moe_kernel's form)";
   print_table("(f) host time per moe_forward call, " + shape.name + ", " +
                   std::to_string(o.moe_calls / 50 * 50) + " calls each (us, median)",
               {"T", "path", "kernels", "moe_forward", "C ABI", "bare launches", "difference",
-               "a kernel", "moe_forward p10 / p90"},
+               "a kernel", "moe_forward p10 / p90", "bare as the library"},
               rows);
   return out;
 }
@@ -1108,6 +1120,7 @@ int main(int argc, char** argv) {
   app.add_option("--moe-tokens", o.moe_tokens, "(f): token counts, comma-separated")
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--moe-only", o.moe_only, "Run (f) alone (needs a GPU)");
   app.add_option("--moe-calls", o.moe_calls, "(f): calls per figure")
       ->check(CLI::Range(50, 1 << 24));
   app.add_option("--child", child.mode,
@@ -1155,12 +1168,19 @@ int main(int argc, char** argv) {
     std::vector<moejit::KernelSpec> specs = family_specs(arch);
     if (specs.empty()) throw std::runtime_error("the reference shape plans no supported kernel");
 
-    report["cold_compile"] = part_cold_compile(o, specs);
-    report["cached_load_fresh_process"] = part_disk_hit(o, specs, gpu_parts);
-    report["memory_hit"] = part_memory_hit(o, specs, gpu_parts ? stream : nullptr);
+    if (o.moe_only && !gpu_parts) {
+      throw std::runtime_error("--moe-only needs a GPU of the arch it runs for");
+    }
+    if (!o.moe_only) {
+      report["cold_compile"] = part_cold_compile(o, specs);
+      report["cached_load_fresh_process"] = part_disk_hit(o, specs, gpu_parts);
+      report["memory_hit"] = part_memory_hit(o, specs, gpu_parts ? stream : nullptr);
+    }
     if (gpu_parts) {
-      report["launch_overhead"] = part_launch_overhead(o, stream);
-      report["append_shared_device_time"] = part_device_time(o, stream);
+      if (!o.moe_only) {
+        report["launch_overhead"] = part_launch_overhead(o, stream);
+        report["append_shared_device_time"] = part_device_time(o, stream);
+      }
       report["moe_forward_host"] = part_moe_host(o, stream);
     } else {
       std::string reason =
