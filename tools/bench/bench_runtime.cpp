@@ -960,9 +960,9 @@ std::vector<CapturedLaunch> captured_launches(CUgraph graph) {
   return out;
 }
 
-// `as_library`: every launch with the PDL attribute and through the CUkernel handle, as
-// launch_moe_kernel does (the node's own attributes and function otherwise).
-void launch_bare(const CapturedLaunch& l, CUstream stream, bool as_library) {
+// `all_pdl`: every launch with the PDL attribute (else the node's own); `by_kernel`: through the
+// CUkernel handle (else the node's function). Both, as launch_moe_kernel issues them.
+void launch_bare(const CapturedLaunch& l, CUstream stream, bool all_pdl, bool by_kernel) {
   CUlaunchAttribute attribute{};
   attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attribute.value.programmaticStreamSerializationAllowed = 1;
@@ -975,10 +975,10 @@ void launch_bare(const CapturedLaunch& l, CUstream stream, bool as_library) {
   config.blockDimZ = l.params.blockDimZ;
   config.sharedMemBytes = l.params.sharedMemBytes;
   config.hStream = stream;
-  const bool pdl = l.pdl || as_library;
+  const bool pdl = l.pdl || all_pdl;
   config.attrs = pdl ? &attribute : nullptr;
   config.numAttrs = pdl ? 1 : 0;
-  CUfunction f = (as_library || l.params.func == nullptr) && l.params.kern != nullptr
+  CUfunction f = (by_kernel || l.params.func == nullptr) && l.params.kern != nullptr
                      ? reinterpret_cast<CUfunction>(l.params.kern)
                      : l.params.func;
   check(g_api->cuLaunchKernelEx(&config, f, l.params.kernelParams, l.params.extra),
@@ -1029,23 +1029,31 @@ json part_moe_host(const Options& o, CUstream stream) {
           throw;
         }
         check(g_api->cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
-        std::vector<double> cpp_us, c_us, bare_us, as_library_us;
+        std::vector<double> cpp_us, c_us, bare_us, pdl_us, kernel_us, as_library_us;
         try {
           const std::vector<CapturedLaunch> launches = captured_launches(graph);
           const auto bare_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream, false);
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream, false, false);
+          };
+          const auto pdl_call = [&] {
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream, true, false);
+          };
+          const auto kernel_call = [&] {
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream, false, true);
           };
           const auto as_library_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream, true);
+            for (const CapturedLaunch& l : launches) launch_bare(l, stream, true, true);
           };
           // Why rounds of 50 with a sync between: the host runs ahead of the GPU at large T, and
           // a full launch queue would time the GPU; interleaved rounds see the same host state.
           const int per_round = 50;
           const int rounds = std::max(1, o.moe_calls / per_round);
-          const std::function<void()> calls[] = {cpp_call, c_call, bare_call, as_library_call};
-          std::vector<double>* samples[] = {&cpp_us, &c_us, &bare_us, &as_library_us};
+          const std::function<void()> calls[] = {cpp_call, c_call,      bare_call,
+                                                 pdl_call, kernel_call, as_library_call};
+          std::vector<double>* samples[] = {&cpp_us, &c_us,      &bare_us,
+                                            &pdl_us, &kernel_us, &as_library_us};
           for (int round = 0; round < rounds; ++round) {
-            for (int k = 0; k < 4; ++k) {
+            for (int k = 0; k < 6; ++k) {
               for (int i = 0; i < per_round; ++i) {
                 const auto start = Clock::now();
                 calls[k]();
@@ -1055,19 +1063,23 @@ json part_moe_host(const Options& o, CUstream stream) {
             }
           }
           const Stats cpp = summarize(cpp_us), c = summarize(c_us), bare = summarize(bare_us),
+                      pdl = summarize(pdl_us), by_kernel = summarize(kernel_us),
                       as_library = summarize(as_library_us);
           const std::string name = path == moejit::MoePath::kDecode ? "decode" : "auto";
           rows.push_back(
               {std::to_string(t), name, std::to_string(launches.size()), fixed(cpp.median, 2),
                fixed(c.median, 2), fixed(bare.median, 2), fixed(cpp.median - bare.median, 2),
                fixed((cpp.median - bare.median) / static_cast<double>(launches.size()), 2),
-               fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2), fixed(as_library.median, 2)});
+               fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2), fixed(pdl.median, 2),
+               fixed(by_kernel.median, 2), fixed(as_library.median, 2)});
           out.push_back({{"tokens", t},
                          {"path", name},
                          {"kernels", launches.size()},
                          {"moe_forward_us", to_json(cpp)},
                          {"c_abi_us", to_json(c)},
                          {"bare_launches_us", to_json(bare)},
+                         {"bare_all_pdl_us", to_json(pdl)},
+                         {"bare_by_kernel_us", to_json(by_kernel)},
                          {"bare_as_library_us", to_json(as_library)},
                          {"difference_median_us", cpp.median - bare.median}});
         } catch (...) {
@@ -1082,13 +1094,15 @@ json part_moe_host(const Options& o, CUstream stream) {
     throw;
   }
   moejit_moe_destroy(handle);
-  std::cout << "\nbare as the library: the same launches, each with the PDL attribute and through "
-               "its CUkernel handle (launch_moe_kernel's form)";
-  print_table("(f) host time per moe_forward call, " + shape.name + ", " +
-                  std::to_string(o.moe_calls / 50 * 50) + " calls each (us, median)",
-              {"T", "path", "kernels", "moe_forward", "C ABI", "bare launches", "difference",
-               "a kernel", "moe_forward p10 / p90", "bare as the library"},
-              rows);
+  std::cout << "\nbare: the captured launches with each node's attributes and function; PDL all: "
+               "every launch with the PDL attribute; CUkernel: through the CUkernel handle; both: "
+               "launch_moe_kernel's form";
+  print_table(
+      "(f) host time per moe_forward call, " + shape.name + ", " +
+          std::to_string(o.moe_calls / 50 * 50) + " calls each (us, median)",
+      {"T", "path", "kernels", "moe_forward", "C ABI", "bare launches", "difference", "a kernel",
+       "moe_forward p10 / p90", "bare, PDL all", "bare, CUkernel", "bare, both"},
+      rows);
   return out;
 }
 
