@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plan/decode_geometry.hpp"
@@ -275,7 +277,10 @@ std::string decode_rule_problem(const MoeDecodeParams& p) {
   return os.str();
 }
 
-std::string decode_moe_problem(const ModelShape& shape) {
+namespace {
+
+// decode_moe_problem's answer, from the rules and a walk of every tile the planner can choose.
+std::string decode_moe_problem_walk(const ModelShape& shape) {
   std::vector<std::string> reasons;
   const decode::Geometry shape_tile = decode_tile(shape, kDecodeBlockN, kDecodeMaxTokens);
   const decode::Rule rule = shape_tile.rule();
@@ -310,6 +315,62 @@ std::string decode_moe_problem(const ModelShape& shape) {
   }
   out += ". Such shapes use marlin_moe";
   return out;
+}
+
+// The shape fields decode_moe_problem_walk reads (through decode_tile, choose_decode_config and
+// the message).
+struct ProblemKey {
+  std::string name;
+  int num_experts = 0;
+  int top_k = 0;
+  int hidden = 0;
+  int intermediate = 0;
+  Activation activation;
+  bool has_bias = false;
+  DType id_dtype = DType::kI32;
+
+  explicit ProblemKey(const ModelShape& s)
+      : name(s.name),
+        num_experts(s.num_experts),
+        top_k(s.top_k),
+        hidden(s.hidden),
+        intermediate(s.intermediate),
+        activation(s.activation),
+        has_bias(s.has_bias),
+        id_dtype(s.id_dtype) {}
+  bool operator==(const ProblemKey& o) const {
+    const Activation& a = activation;
+    const Activation& b = o.activation;
+    return num_experts == o.num_experts && top_k == o.top_k && hidden == o.hidden &&
+           intermediate == o.intermediate && has_bias == o.has_bias && id_dtype == o.id_dtype &&
+           a.kind == b.kind && a.limit == b.limit && a.alpha == b.alpha && a.beta == b.beta &&
+           a.linear_beta == b.linear_beta && name == o.name;
+  }
+};
+
+}  // namespace
+
+std::string decode_moe_problem(const ModelShape& shape) {
+  // Why a memo: the walk asks the planner for 768 tiles (135 us on the Debian machine), and
+  // moe_forward asks on every call that forces the decode path, which then cost 110-150 us of
+  // host time a call against 8.5-12 us for its three launches (moejit_bench_runtime (f),
+  // tools/PERF_LOG.md, fifty-eighth session). A process serves a few shapes; the memo keeps the
+  // last kMemoShapes.
+  constexpr std::size_t kMemoShapes = 64;
+  static std::mutex mutex;
+  static std::vector<std::pair<ProblemKey, std::string>> memo;
+  ProblemKey key(shape);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& entry : memo) {
+      if (entry.first == key) return entry.second;
+    }
+  }
+  std::string answer = decode_moe_problem_walk(shape);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (memo.size() == kMemoShapes) memo.erase(memo.begin());
+  memo.emplace_back(std::move(key), answer);
+  return answer;
 }
 
 // The planner's block_n at T = tokens (see kDecodeNarrowMaxTokens, kDecodeNarrowMinItemsPerCta,

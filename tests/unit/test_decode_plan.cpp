@@ -283,6 +283,33 @@ TEST_CASE("decode_moe_problem: which reference shapes decode_moe serves", "[plan
   }
 }
 
+TEST_CASE("decode_moe_problem: answers asked again come from the shape asked, not the last one",
+          "[plan][decode]") {
+  // decode_moe_problem keeps its answers per shape (moe_forward asks it on every forced call):
+  // each field it reads must tell two shapes apart, in either order.
+  const ModelShape qwen = find_shape(reference_shapes(), "qwen3-30b-a3b");
+  ModelShape biased = qwen;
+  biased.has_bias = true;
+  ModelShape renamed = biased;
+  renamed.name = "qwen3-30b-a3b-biased";
+  ModelShape wide_k = qwen;
+  wide_k.top_k = 100;
+  ModelShape narrow_i = qwen;
+  narrow_i.intermediate = 800;
+  for (int round = 0; round < 2; ++round) {
+    INFO("round " << round);
+    CHECK(detail::decode_moe_problem(qwen).empty());
+    const std::string bias_reason = detail::decode_moe_problem(biased);
+    CHECK(contains(bias_reason, "\"qwen3-30b-a3b\""));
+    CHECK(contains(bias_reason, "no bias epilogue"));
+    const std::string renamed_reason = detail::decode_moe_problem(renamed);
+    CHECK(contains(renamed_reason, "\"qwen3-30b-a3b-biased\""));
+    CHECK(contains(detail::decode_moe_problem(wide_k), "top_k = 100 is out of range"));
+    CHECK(contains(detail::decode_moe_problem(narrow_i), "intermediate = 800"));
+    CHECK(detail::decode_moe_problem(qwen).empty());
+  }
+}
+
 TEST_CASE("decode_moe planner: the tile for every T in 1..256 obeys the kernel's rules",
           "[plan][decode]") {
   std::vector<ModelShape> shapes;
