@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <moejit/kern/moe/decode_params.cuh>
 #include <moejit/kern/moe/layout.cuh>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <utility>

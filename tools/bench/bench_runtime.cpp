@@ -9,8 +9,10 @@
 //   (c) in-memory hit: build_kernel() of a built spec, and the hot-path kernel lookup
 //   (d) host overhead of one append_shared call vs a bare cuLaunchKernelEx of the same kernel
 //   (e) append_shared device time vs the unfused sigmoid -> cast -> append sequence
-//   (f) host time of one moe_forward call (C++ and C ABI) vs bare cuLaunchKernelEx of the same
-//       kernels with the same arguments (the call captured once, its kernel nodes launched again)
+//   (f) host time of one moe_forward call (C++ and C ABI), on the automatic and the decode path,
+//       vs bare cuLaunchKernelEx of the same kernels with the same arguments (the call captured
+//       once, its kernel nodes launched again), also in launch_moe_kernel's form (PDL on every
+//       launch, the CUkernel handle)
 //
 // Children: the program runs itself with --child MODE (one JSON line on stdout).
 #include <dlpack/dlpack.h>
@@ -43,6 +45,7 @@
 #include "moejit/moejit.hpp"
 #include "ops/append_shared_spec.hpp"
 #include "ops/moe_reference.hpp"
+#include "plan/decode_plan.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace {
@@ -1005,7 +1008,9 @@ json part_moe_host(const Options& o, CUstream stream) {
     for (int t : o.moe_tokens) {
       MoeProblem p(shape, t);
       std::vector<moejit::MoePath> paths = {moejit::MoePath::kAuto};
-      if (decode && t > 1 && t <= 256) paths.push_back(moejit::MoePath::kDecode);
+      if (decode && t <= moejit::detail::kDecodeMaxTokens) {
+        paths.push_back(moejit::MoePath::kDecode);
+      }
       for (moejit::MoePath path : paths) {
         const moejit::MoeForwardOptions options{path, 0};
         const auto cpp_call = [&] { moejit::moe_forward(shape, p.args, stream, options); };
