@@ -351,11 +351,10 @@ struct ProblemKey {
 }  // namespace
 
 std::string decode_moe_problem(const ModelShape& shape) {
-  // Why a memo: the walk asks the planner for 768 tiles (135 us on the Debian machine), and
-  // moe_forward asks on every call that forces the decode path, which then cost 110-150 us of
-  // host time a call against 8.5-12 us for its three launches (moejit_bench_runtime (f),
-  // tools/PERF_LOG.md, fifty-eighth session). A process serves a few shapes; the memo keeps the
-  // last kMemoShapes.
+  // Why a memo: the walk asks the planner for 768 tiles, and moe_forward asks on every call that
+  // forces the decode path, which then cost 110-150 us of host time a call against 8.5-12 us for
+  // its three launches (moejit_bench_runtime (f), tools/PERF_LOG.md, fifty-eighth session). A
+  // process serves a few shapes; the memo keeps the last kMemoShapes.
   constexpr std::size_t kMemoShapes = 64;
   static std::mutex mutex;
   static std::vector<std::pair<ProblemKey, std::string>> memo;

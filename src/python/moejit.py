@@ -304,8 +304,9 @@ class _Borrowed:
 def _torch_current_stream():
     """torch's current stream on its current device, or None where torch has no CUDA state.
     Why the private calls where torch has them: torch.cuda.current_stream() builds a Stream object
-    each call, 4.5-9.6 us of a forward's host time (tools/PERF_LOG.md, fifty-eighth session); the
-    raw handle of the same stream is what torch's own kernel launchers read."""
+    each call, 4.5-9.6 us of a forward's host time against 0.5-0.9 for the raw handle
+    (tools/bench/bench_python.py times both; tools/PERF_LOG.md, fifty-eighth session), which is
+    the same stream, as torch's own kernel launchers read it."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None

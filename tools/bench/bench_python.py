@@ -7,7 +7,8 @@ Needs torch on a CUDA GPU. Registers tools/shapes/reference.json, prewarms the s
 repacked weights with random bytes (the timing does not depend on the values), then prints
 medians over --calls calls of: the host time of `layer.forward` with a dict of weights and with
 bound weights (calls issued back to back, the stream drained after each batch of 50), one torch
-`__dlpack__`, and the layer's GPU time per call (CUDA events around a graph of 50 calls).
+`__dlpack__`, the binding's lookup of torch's current stream beside torch's public one, and the
+layer's GPU time per call (CUDA events around a graph of 50 calls).
 """
 
 import argparse
@@ -103,6 +104,10 @@ def main():
         host_us(forward_bound)))
     print("  host us, one torch __dlpack__(stream=-1)       : {:8.2f}".format(
         host_us(lambda: hidden.__dlpack__(stream=-1))))
+    print("  host us, the binding's current-stream lookup   : {:8.2f}".format(
+        host_us(lambda: moejit._stream_handle(None))))
+    print("  host us, torch.cuda.current_stream() handle    : {:8.2f}".format(
+        host_us(lambda: torch.cuda.current_stream().cuda_stream)))
     print("  GPU us a call (graph replay of 50 calls)       : {:8.2f}".format(
         statistics.median(gpu)))
     return 0

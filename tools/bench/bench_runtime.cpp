@@ -30,6 +30,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -988,126 +989,129 @@ void launch_bare(const CapturedLaunch& l, CUstream stream, bool all_pdl, bool by
         "cuLaunchKernelEx");
 }
 
+// A captured call's graph, destroyed with its owner.
+using GraphOwner = std::unique_ptr<CUgraph_st, void (*)(CUgraph)>;
+
+GraphOwner capture_one(CUstream stream, const std::function<void()>& call) {
+  const auto destroy = [](CUgraph g) { g_api->cuGraphDestroy(g); };
+  check(g_api->cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        "cuStreamBeginCapture");
+  CUgraph graph = nullptr;
+  try {
+    call();
+  } catch (...) {
+    g_api->cuStreamEndCapture(stream, &graph);
+    if (graph != nullptr) destroy(graph);
+    throw;
+  }
+  check(g_api->cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
+  return GraphOwner(graph, destroy);
+}
+
 json part_moe_host(const Options& o, CUstream stream) {
   const std::string file = moejit::bench::find_shapes_file(o.shapes_file, MOEJIT_BENCH_SHAPES_FILE);
   moejit::register_shapes_file(file);
-  moejit::ModelShape shape = moejit::registered_shape(o.moe_shape);
-  moejit_moe* handle = nullptr;
-  if (moejit_moe_create(shape.name.c_str(), &handle) != MOEJIT_OK) {
+  const moejit::ModelShape shape = moejit::registered_shape(o.moe_shape);
+  moejit_moe* raw_handle = nullptr;
+  if (moejit_moe_create(shape.name.c_str(), &raw_handle) != MOEJIT_OK) {
     throw std::runtime_error(std::string("moejit_moe_create: ") + moejit_last_error());
   }
+  const std::unique_ptr<moejit_moe, void (*)(moejit_moe*)> handle(raw_handle, moejit_moe_destroy);
   const bool decode = moejit::moe_decode_problem(shape).empty() && moejit::current_arch().sm >= 90;
-  const auto c_path = [](moejit::MoePath p) {
-    return p == moejit::MoePath::kDecode   ? MOEJIT_MOE_PATH_DECODE
-           : p == moejit::MoePath::kMarlin ? MOEJIT_MOE_PATH_MARLIN
-                                           : MOEJIT_MOE_PATH_AUTO;
+  // The captured launches again: bare (each node's attributes and function), then with the PDL
+  // attribute on every launch, through the CUkernel handle, and both (launch_moe_kernel's form).
+  struct Variant {
+    const char* column;
+    const char* json_key;
+    bool all_pdl;
+    bool by_kernel;
   };
+  static constexpr Variant kVariants[] = {{"bare launches", "bare_launches_us", false, false},
+                                          {"bare, PDL all", "bare_all_pdl_us", true, false},
+                                          {"bare, CUkernel", "bare_by_kernel_us", false, true},
+                                          {"bare, both", "bare_as_library_us", true, true}};
+  // Why rounds of kPerRound with a sync between: the host runs ahead of the GPU at large T, and
+  // a full launch queue would time the GPU; interleaved rounds see the same host state.
+  constexpr int kPerRound = 50;
+  const int rounds = std::max(1, o.moe_calls / kPerRound);
   json out = json::array();
   std::vector<std::vector<std::string>> rows;
-  try {
-    for (int t : o.moe_tokens) {
-      MoeProblem p(shape, t);
-      std::vector<moejit::MoePath> paths = {moejit::MoePath::kAuto};
-      if (decode && t <= moejit::detail::kDecodeMaxTokens) {
-        paths.push_back(moejit::MoePath::kDecode);
-      }
-      for (moejit::MoePath path : paths) {
-        const moejit::MoeForwardOptions options{path, 0};
-        const auto cpp_call = [&] { moejit::moe_forward(shape, p.args, stream, options); };
-        const auto c_call = [&] {
-          if (moejit_moe_forward_ex(handle, p.args.hidden, p.args.topk_ids, p.args.topk_weights,
-                                    &p.c_weights, p.args.workspace, p.args.workspace_bytes,
-                                    p.args.out, c_path(path), 0, stream) != MOEJIT_OK) {
-            throw std::runtime_error(std::string("moejit_moe_forward_ex: ") + moejit_last_error());
-          }
-        };
-        cpp_call();  // builds (or loads) the kernels
-        check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
-        check(g_api->cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-              "cuStreamBeginCapture");
-        CUgraph graph = nullptr;
-        try {
-          cpp_call();
-        } catch (...) {
-          g_api->cuStreamEndCapture(stream, &graph);
-          if (graph != nullptr) g_api->cuGraphDestroy(graph);
-          throw;
-        }
-        check(g_api->cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
-        std::vector<double> cpp_us, c_us, bare_us, pdl_us, kernel_us, as_library_us;
-        try {
-          const std::vector<CapturedLaunch> launches = captured_launches(graph);
-          const auto bare_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream, false, false);
-          };
-          const auto pdl_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream, true, false);
-          };
-          const auto kernel_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream, false, true);
-          };
-          const auto as_library_call = [&] {
-            for (const CapturedLaunch& l : launches) launch_bare(l, stream, true, true);
-          };
-          // Why rounds of 50 with a sync between: the host runs ahead of the GPU at large T, and
-          // a full launch queue would time the GPU; interleaved rounds see the same host state.
-          const int per_round = 50;
-          const int rounds = std::max(1, o.moe_calls / per_round);
-          const std::function<void()> calls[] = {cpp_call, c_call,      bare_call,
-                                                 pdl_call, kernel_call, as_library_call};
-          std::vector<double>* samples[] = {&cpp_us, &c_us,      &bare_us,
-                                            &pdl_us, &kernel_us, &as_library_us};
-          for (int round = 0; round < rounds; ++round) {
-            for (int k = 0; k < 6; ++k) {
-              for (int i = 0; i < per_round; ++i) {
-                const auto start = Clock::now();
-                calls[k]();
-                samples[k]->push_back(ms_since(start) * 1000);
-              }
-              check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+  for (int t : o.moe_tokens) {
+    MoeProblem p(shape, t);
+    std::vector<moejit::MoePath> paths = {moejit::MoePath::kAuto};
+    if (decode && t <= moejit::detail::kDecodeMaxTokens) paths.push_back(moejit::MoePath::kDecode);
+    for (moejit::MoePath path : paths) {
+      const moejit::MoeForwardOptions options{path, 0};
+      const moejit_moe_path c_path =
+          path == moejit::MoePath::kDecode ? MOEJIT_MOE_PATH_DECODE : MOEJIT_MOE_PATH_AUTO;
+      const auto cpp_call = [&] { moejit::moe_forward(shape, p.args, stream, options); };
+      cpp_call();  // builds (or loads) the kernels
+      check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+      const GraphOwner graph = capture_one(stream, cpp_call);
+      const std::vector<CapturedLaunch> launches = captured_launches(graph.get());
+      std::vector<std::function<void()>> calls = {
+          cpp_call, [&] {
+            if (moejit_moe_forward_ex(handle.get(), p.args.hidden, p.args.topk_ids,
+                                      p.args.topk_weights, &p.c_weights, p.args.workspace,
+                                      p.args.workspace_bytes, p.args.out, c_path, 0,
+                                      stream) != MOEJIT_OK) {
+              throw std::runtime_error(std::string("moejit_moe_forward_ex: ") +
+                                       moejit_last_error());
             }
-          }
-          const Stats cpp = summarize(cpp_us), c = summarize(c_us), bare = summarize(bare_us),
-                      pdl = summarize(pdl_us), by_kernel = summarize(kernel_us),
-                      as_library = summarize(as_library_us);
-          const std::string name = path == moejit::MoePath::kDecode ? "decode" : "auto";
-          rows.push_back(
-              {std::to_string(t), name, std::to_string(launches.size()), fixed(cpp.median, 2),
-               fixed(c.median, 2), fixed(bare.median, 2), fixed(cpp.median - bare.median, 2),
-               fixed((cpp.median - bare.median) / static_cast<double>(launches.size()), 2),
-               fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2), fixed(pdl.median, 2),
-               fixed(by_kernel.median, 2), fixed(as_library.median, 2)});
-          out.push_back({{"tokens", t},
-                         {"path", name},
-                         {"kernels", launches.size()},
-                         {"moe_forward_us", to_json(cpp)},
-                         {"c_abi_us", to_json(c)},
-                         {"bare_launches_us", to_json(bare)},
-                         {"bare_all_pdl_us", to_json(pdl)},
-                         {"bare_by_kernel_us", to_json(by_kernel)},
-                         {"bare_as_library_us", to_json(as_library)},
-                         {"difference_median_us", cpp.median - bare.median}});
-        } catch (...) {
-          g_api->cuGraphDestroy(graph);
-          throw;
-        }
-        g_api->cuGraphDestroy(graph);
+          }};
+      for (const Variant& v : kVariants) {
+        calls.push_back([&launches, &v, stream] {
+          for (const CapturedLaunch& l : launches) launch_bare(l, stream, v.all_pdl, v.by_kernel);
+        });
       }
+      std::vector<std::vector<double>> samples(calls.size());
+      for (int round = 0; round < rounds; ++round) {
+        for (std::size_t k = 0; k < calls.size(); ++k) {
+          for (int i = 0; i < kPerRound; ++i) {
+            const auto start = Clock::now();
+            calls[k]();
+            samples[k].push_back(ms_since(start) * 1000);
+          }
+          check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
+        }
+      }
+      std::vector<Stats> stats;
+      for (const std::vector<double>& s : samples) stats.push_back(summarize(s));
+      const Stats& cpp = stats[0];
+      const Stats& bare = stats[2];  // kVariants[0]
+      const double difference = cpp.median - bare.median;
+      const std::string name = path == moejit::MoePath::kDecode ? "decode" : "auto";
+      std::vector<std::string> row = {std::to_string(t),
+                                      name,
+                                      std::to_string(launches.size()),
+                                      fixed(cpp.median, 2),
+                                      fixed(stats[1].median, 2),
+                                      fixed(difference, 2),
+                                      fixed(difference / static_cast<double>(launches.size()), 2),
+                                      fixed(cpp.p10, 2) + " / " + fixed(cpp.p90, 2)};
+      json entry = {{"tokens", t},
+                    {"path", name},
+                    {"kernels", launches.size()},
+                    {"moe_forward_us", to_json(cpp)},
+                    {"c_abi_us", to_json(stats[1])},
+                    {"difference_median_us", difference}};
+      for (std::size_t v = 0; v < std::size(kVariants); ++v) {
+        row.push_back(fixed(stats[2 + v].median, 2));
+        entry[kVariants[v].json_key] = to_json(stats[2 + v]);
+      }
+      rows.push_back(std::move(row));
+      out.push_back(std::move(entry));
     }
-  } catch (...) {
-    moejit_moe_destroy(handle);
-    throw;
   }
-  moejit_moe_destroy(handle);
-  std::cout << "\nbare: the captured launches with each node's attributes and function; PDL all: "
-               "every launch with the PDL attribute; CUkernel: through the CUkernel handle; both: "
-               "launch_moe_kernel's form";
-  print_table(
-      "(f) host time per moe_forward call, " + shape.name + ", " +
-          std::to_string(o.moe_calls / 50 * 50) + " calls each (us, median)",
-      {"T", "path", "kernels", "moe_forward", "C ABI", "bare launches", "difference", "a kernel",
-       "moe_forward p10 / p90", "bare, PDL all", "bare, CUkernel", "bare, both"},
-      rows);
+  std::cout << "\nbare launches: the captured launches with each node's attributes and function; "
+               "PDL all: every launch with the PDL attribute; CUkernel: through the CUkernel "
+               "handle; both: launch_moe_kernel's form. difference: moe_forward - bare launches";
+  std::vector<std::string> header = {"T",     "path",       "kernels",  "moe_forward",
+                                     "C ABI", "difference", "a kernel", "moe_forward p10 / p90"};
+  for (const Variant& v : kVariants) header.push_back(v.column);
+  print_table("(f) host time per moe_forward call, " + shape.name + ", " +
+                  std::to_string(rounds * kPerRound) + " calls each (us, median)",
+              header, rows);
   return out;
 }
 
