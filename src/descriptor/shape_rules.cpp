@@ -84,30 +84,29 @@ std::optional<ShapeViolation> check_block(const std::string& field, const char* 
 }
 
 // An activation constant: finite and > 0 when the kind takes it, else left unset (0).
+// Why the verdict before any text: moe_forward checks its shape on every call, and formatting
+// the four constants cost ~1.7 us a call (tools/PERF_LOG.md "a shape's rules without text").
 std::optional<ShapeViolation> check_constant(const char* name, float value, bool taken,
                                              ActivationKind kind) {
-  std::string field = std::string("/activation/") + name;
+  const bool positive = std::isfinite(value) && value >= FLT_MIN;
+  if (taken ? positive && float_ratio(value) : value == 0.f) return std::nullopt;
   ShapeViolation v;
-  v.field = field;
+  v.field = std::string("/activation/") + name;
   v.found = float_text(value);
   if (!taken) {
-    if (value == 0.f) return std::nullopt;
     v.what = std::string("activation \"") + activation_kind_name(kind) + "\" takes no " + name;
     v.expected = std::string("no ") + name + " (0)";
-    return v;
-  }
-  if (!(std::isfinite(value) && value >= FLT_MIN)) {
+  } else if (!positive) {
     v.what = std::string("activation constant ") + name + " must be finite and positive";
     v.expected = "a finite number > 0";
-    return v;
+  } else {
+    // Why: the kernels take each constant as a template argument num / den (float_ratio).
+    v.what = std::string("activation constant ") + name +
+             " has no exact int ratio num / den, the form the kernels take it in";
+    v.expected =
+        "a number that some num / den with |num|, den < 2^31 rounds to (magnitudes from "
+        "about 1e-9 to 2e9)";
   }
-  // Why: the kernels take each constant as a template argument num / den (float_ratio).
-  if (float_ratio(value)) return std::nullopt;
-  v.what = std::string("activation constant ") + name +
-           " has no exact int ratio num / den, the form the kernels take it in";
-  v.expected =
-      "a number that some num / den with |num|, den < 2^31 rounds to (magnitudes from "
-      "about 1e-9 to 2e9)";
   return v;
 }
 
