@@ -1,12 +1,11 @@
-// append_shared: argument checks, spec, kernel lookup and one cuLaunchKernelEx on the caller's
-// stream. The valid path allocates nothing, formats nothing and takes only the kernel table's
-// shared lock.
+// append_shared: argument checks, spec, kernel lookup and one launch on the caller's stream
+// (moe_launch.hpp's form). The valid path formats nothing, takes only the kernel table's shared
+// lock, and allocates only the first time a thread launches the kernel in a context.
 #include <cuda.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <sstream>
 #include <string>
 
 #include "driver/driver.hpp"
@@ -14,6 +13,7 @@
 #include "moejit/kernel_spec.hpp"
 #include "moejit/ops.hpp"
 #include "ops/append_shared_spec.hpp"
+#include "ops/moe_launch.hpp"
 #include "ops/tensor_checks.hpp"
 #include "runtime/runtime_impl.hpp"
 
@@ -26,15 +26,6 @@ constexpr int64_t kMaxWidth = 1 << 16;
 
 std::string dims(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
-}
-
-[[noreturn]] __attribute__((cold, noinline)) void throw_launch_error(
-    const KernelSpec& spec, unsigned grid, unsigned block, Stream stream, CUresult result) {
-  std::ostringstream os;
-  os << kOp << ": launching " << spec.display_name() << " (grid " << grid << ", block " << block
-     << ") on stream " << static_cast<const void*>(stream)
-     << " failed: " << detail::describe(result);
-  throw Error(ErrorCode::kDriver, os.str());
 }
 
 }  // namespace
@@ -189,22 +180,11 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
                            std::to_string(grid) + " CTAs for T = " + std::to_string(tokens));
   }
 
-  CUlaunchAttribute attribute{};
-  // Why: the kernel waits on griddepcontrol before reading anything, so it may be scheduled
+  // Why PDL: the kernel waits on griddepcontrol before reading anything, so it may be scheduled
   // while the previous kernel in the stream drains (programmatic dependent launch, sm_90+).
-  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attribute.value.programmaticStreamSerializationAllowed = 1;
-  CUlaunchConfig config{};
-  config.gridDimX = static_cast<unsigned>(grid);
-  config.gridDimY = 1;
-  config.gridDimZ = 1;
-  config.blockDimX = static_cast<unsigned>(block);
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.sharedMemBytes = 0;
-  config.hStream = stream;
-  config.attrs = device.arch.sm >= 90 ? &attribute : nullptr;
-  config.numAttrs = device.arch.sm >= 90 ? 1 : 0;
+  detail::LaunchShape geometry;
+  geometry.grid_x = static_cast<unsigned>(grid);
+  geometry.block = static_cast<unsigned>(block);
 
   // Kernel parameters, in the order append_shared_kernel takes them.
   void* topk_ids_ptr = ids.data;
@@ -217,11 +197,7 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
   int num_tokens = static_cast<int>(tokens);
   void* kernel_args[] = {&topk_ids_ptr, &topk_weights_ptr, &logits_ptr,  &out_ids_ptr,
                          &out_weights_ptr, &shared_base,    &scale,       &num_tokens};
-  const CUresult result = detail::driver().cuLaunchKernelEx(
-      &config, reinterpret_cast<CUfunction>(kernel), kernel_args, nullptr);
-  if (result != CUDA_SUCCESS) {
-    throw_launch_error(spec, config.gridDimX, config.blockDimX, stream, result);
-  }
+  detail::launch_moe_kernel(kOp, spec, kernel, geometry, true, stream, kernel_args);
 }
 
 }  // namespace moejit

@@ -22,9 +22,15 @@ struct LaunchShape {
   unsigned smem = 0;  // dynamic shared memory bytes
 };
 
-// Launches `kernel` on `stream`. `pdl`: the kernel starts with griddepcontrol.wait, so it may be
-// scheduled while the previous kernel drains (the attribute is set on sm_90+ only). Throws
-// Error{kDriver} naming the op, the kernel and the geometry.
+// `kernel`'s function in the calling thread's current context (cuKernelGetFunction), kept per
+// thread and context. Throws Error{kDriver} naming the op and the kernel when there is no current
+// context or the driver can't give the function.
+CUfunction context_function(const char* op, const KernelSpec& spec, CUkernel kernel);
+
+// Launches `kernel` on `stream`, through its function in the current context (context_function).
+// `pdl`: the kernel starts with griddepcontrol.wait, so it may be scheduled while the previous
+// kernel drains (the attribute is set on sm_90+ only). Throws Error{kDriver} naming the op, the
+// kernel and the geometry.
 void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
                        const LaunchShape& shape, bool pdl, CUstream stream, void** args);
 

@@ -757,6 +757,74 @@ TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alon
               kRounds);
 }
 
+namespace {
+
+// A context created on device 0 for one run, with what was made in it: however the test ends,
+// the run's buffers go with the context current, then the context is destroyed and `restore` is
+// current again.
+struct CreatedContext {
+  CUcontext context = nullptr;
+  CUcontext restore = nullptr;
+  std::unique_ptr<ContextRun> run;
+
+  ~CreatedContext() {
+    const moejit::detail::DriverApi& api = cu();
+    if (context != nullptr) api.cuCtxSetCurrent(context);
+    run.reset();
+    if (context != nullptr) api.cuCtxDestroy(context);
+    api.cuCtxSetCurrent(restore);
+  }
+};
+
+}  // namespace
+
+// The library launches each kernel through its function in the current context, kept per
+// context. A context created after another was destroyed often gets the destroyed one's handle,
+// and the destroyed context's functions are gone: each new context must run its own and give the
+// primary context's bits (marlin_moe and, where it serves, decode_moe).
+TEST_CASE("moe_forward: a context created after another was destroyed runs its own kernels",
+          "[gpu][moe]") {
+  const GpuEnv& env = gpu();
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
+  prewarm_shapes({shape});
+  const Checkpoint ck = make_checkpoint(shape, false, rng());
+  IdPlan plan;
+  plan.lo = 0;
+  plan.hi = shape.num_experts;
+  const std::vector<Tokens> calls = {make_tokens(shape, 7, plan, rng)};
+  std::vector<MoeForwardOptions> paths = {kMarlin};
+  if (decode_serves(shape, 7)) paths.push_back(kDecode);
+
+  std::vector<std::vector<std::vector<uint16_t>>> expected(1);
+  {
+    const std::unique_ptr<ContextRun> first = context_run(env.context, shape, ck, calls);
+    for (const MoeForwardOptions& options : paths) {
+      expected[0].push_back(first->io[0]->run(*first->model, first->stream->get(), options));
+      CHECK(count_nonfinite(expected[0].back()) == 0);
+    }
+  }
+  constexpr int kContexts = 3;
+  std::vector<CUcontext> handles;
+  for (int i = 0; i < kContexts; ++i) {
+    std::string problem;
+    {
+      CreatedContext created;
+      created.restore = env.context;
+      MOEJIT_TEST_CU(cu().cuCtxCreate(&created.context, nullptr, 0, env.device));
+      handles.push_back(created.context);
+      created.run = context_run(created.context, shape, ck, calls);
+      problem = forwards_match(*created.run, paths, expected, 2);
+    }
+    INFO("context " << i << " created after " << i << " destroyed");
+    CHECK(problem.empty());
+  }
+  std::sort(handles.begin(), handles.end());
+  const auto distinct = std::unique(handles.begin(), handles.end()) - handles.begin();
+  std::printf("moe_forward in %d contexts created one after another's end: %td distinct handles\n",
+              kContexts, distinct);
+}
+
 TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][moe]") {
   gpu();
   TestStream stream;

@@ -12,7 +12,7 @@
 //   (f) host time of one moe_forward call (C++ and C ABI), on the automatic and the decode path,
 //       vs bare cuLaunchKernelEx of the same kernels with the same arguments (the call captured
 //       once, its kernel nodes launched again), also in launch_moe_kernel's form (PDL on every
-//       launch, the CUkernel handle)
+//       launch)
 //
 // Children: the program runs itself with --child MODE (one JSON line on stdout).
 #include <dlpack/dlpack.h>
@@ -964,9 +964,9 @@ std::vector<CapturedLaunch> captured_launches(CUgraph graph) {
   return out;
 }
 
-// `all_pdl`: every launch with the PDL attribute (else the node's own); `by_kernel`: through the
-// CUkernel handle (else the node's function). Both, as launch_moe_kernel issues them.
-void launch_bare(const CapturedLaunch& l, CUstream stream, bool all_pdl, bool by_kernel) {
+// `all_pdl`: every launch with the PDL attribute, as launch_moe_kernel issues them (else the
+// node's own). Through the node's function, as the library launches (its function in the context).
+void launch_bare(const CapturedLaunch& l, CUstream stream, bool all_pdl) {
   CUlaunchAttribute attribute{};
   attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attribute.value.programmaticStreamSerializationAllowed = 1;
@@ -982,9 +982,8 @@ void launch_bare(const CapturedLaunch& l, CUstream stream, bool all_pdl, bool by
   const bool pdl = l.pdl || all_pdl;
   config.attrs = pdl ? &attribute : nullptr;
   config.numAttrs = pdl ? 1 : 0;
-  CUfunction f = (by_kernel || l.params.func == nullptr) && l.params.kern != nullptr
-                     ? reinterpret_cast<CUfunction>(l.params.kern)
-                     : l.params.func;
+  CUfunction f =
+      l.params.func != nullptr ? l.params.func : reinterpret_cast<CUfunction>(l.params.kern);
   check(g_api->cuLaunchKernelEx(&config, f, l.params.kernelParams, l.params.extra),
         "cuLaunchKernelEx");
 }
@@ -1019,17 +1018,16 @@ json part_moe_host(const Options& o, CUstream stream) {
   const std::unique_ptr<moejit_moe, void (*)(moejit_moe*)> handle(raw_handle, moejit_moe_destroy);
   const bool decode = moejit::moe_decode_problem(shape).empty() && moejit::current_arch().sm >= 90;
   // The captured launches again: bare (each node's attributes and function), then with the PDL
-  // attribute on every launch, through the CUkernel handle, and both (launch_moe_kernel's form).
+  // attribute on every launch (launch_moe_kernel's form). Why no CUkernel column: the library
+  // launches through each kernel's function in the context (moe_launch.hpp's context_function),
+  // so the captured nodes carry no CUkernel handle.
   struct Variant {
     const char* column;
     const char* json_key;
     bool all_pdl;
-    bool by_kernel;
   };
-  static constexpr Variant kVariants[] = {{"bare launches", "bare_launches_us", false, false},
-                                          {"bare, PDL all", "bare_all_pdl_us", true, false},
-                                          {"bare, CUkernel", "bare_by_kernel_us", false, true},
-                                          {"bare, both", "bare_as_library_us", true, true}};
+  static constexpr Variant kVariants[] = {{"bare launches", "bare_launches_us", false},
+                                          {"bare, PDL all", "bare_as_library_us", true}};
   // Why rounds of kPerRound with a sync between: the host runs ahead of the GPU at large T, and
   // a full launch queue would time the GPU; interleaved rounds see the same host state.
   constexpr int kPerRound = 50;
@@ -1061,7 +1059,7 @@ json part_moe_host(const Options& o, CUstream stream) {
           }};
       for (const Variant& v : kVariants) {
         calls.push_back([&launches, &v, stream] {
-          for (const CapturedLaunch& l : launches) launch_bare(l, stream, v.all_pdl, v.by_kernel);
+          for (const CapturedLaunch& l : launches) launch_bare(l, stream, v.all_pdl);
         });
       }
       std::vector<std::vector<double>> samples(calls.size());
@@ -1104,8 +1102,8 @@ json part_moe_host(const Options& o, CUstream stream) {
     }
   }
   std::cout << "\nbare launches: the captured launches with each node's attributes and function; "
-               "PDL all: every launch with the PDL attribute; CUkernel: through the CUkernel "
-               "handle; both: launch_moe_kernel's form. difference: moe_forward - bare launches";
+               "PDL all: every launch with the PDL attribute, launch_moe_kernel's form. "
+               "difference: moe_forward - bare launches";
   std::vector<std::string> header = {"T",     "path",       "kernels",  "moe_forward",
                                      "C ABI", "difference", "a kernel", "moe_forward p10 / p90"};
   for (const Variant& v : kVariants) header.push_back(v.column);
