@@ -8,6 +8,7 @@
 //       verify, cuLibraryLoadData); without a GPU only the disk hit (request -> verified cubin)
 //   (c) in-memory hit: build_kernel() of a built spec, and the hot-path kernel lookup
 //   (d) host overhead of one append_shared call vs a bare cuLaunchKernelEx of the same kernel
+//       (through its function in the context, as the library launches)
 //   (e) append_shared device time vs the unfused sigmoid -> cast -> append sequence
 //   (f) host time of one moe_forward call (C++ and C ABI), on the automatic and the decode path,
 //       vs bare cuLaunchKernelEx of the same kernels with the same arguments (the call captured
@@ -437,15 +438,22 @@ void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
         "cuLibraryGetKernel(append)");
 }
 
+// `kernel`'s function in the current context, the handle the library launches through
+// (moe_launch.hpp's context_function); through the CUkernel the driver would find it every launch.
+CUfunction function_of(CUkernel kernel) {
+  CUfunction function = nullptr;
+  check(g_api->cuKernelGetFunction(&function, kernel), "cuKernelGetFunction");
+  return function;
+}
+
 // One cuLaunchKernelEx. `pdl`: allow programmatic dependent launch, as the op does on sm_90+
 // (only for kernels that wait on griddepcontrol before reading, like append_shared_kernel).
-void launch(CUkernel kernel, unsigned grid, unsigned block, CUstream stream, void** params,
+void launch(CUfunction function, unsigned grid, unsigned block, CUstream stream, void** params,
             bool pdl = false) {
   CUlaunchAttribute attribute;
   const CUlaunchConfig config =
       moejit::bench::launch_config(std::max(grid, 1u), block, 0, stream, pdl, attribute);
-  check(g_api->cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel), params, nullptr),
-        "cuLaunchKernelEx");
+  check(g_api->cuLaunchKernelEx(&config, function, params, nullptr), "cuLaunchKernelEx");
 }
 
 unsigned blocks_for(long long elements, unsigned block) {
@@ -656,7 +664,7 @@ json part_launch_overhead(const Options& o, CUstream stream) {
       AppendSharedProblem::kTopK, AppendSharedProblem::kShared, moejit::DType::kI32,
       moejit::SharedGate::kSigmoid, moejit::DType::kBF16);
   spec.params = params;
-  CUkernel kernel = runtime.kernel(spec, stream);
+  const CUfunction function = function_of(runtime.kernel(spec, stream));
   const bool pdl = spec.arch.sm >= 90;
   void* ids = p.ids.data();
   void* weights = p.weights.data();
@@ -686,7 +694,7 @@ json part_launch_overhead(const Options& o, CUstream stream) {
     check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
     for (int i = 0; i < per_round; ++i) {
       auto start = Clock::now();
-      launch(kernel, grid, block, stream, kernel_params, pdl);
+      launch(function, grid, block, stream, kernel_params, pdl);
       bare_us.push_back(ms_since(start) * 1000);
     }
     check(g_api->cuStreamSynchronize(stream), "cuStreamSynchronize");
@@ -746,9 +754,12 @@ json part_device_time(const Options& o, CUstream stream) {
     unsigned grid_shared = blocks_for(n_shared, block);
     unsigned grid_append =
         blocks_for(static_cast<long long>(tokens) * AppendSharedProblem::kWidth, block);
-    auto run_sigmoid = [&] { launch(unfused.sigmoid, grid_shared, block, stream, sigmoid_params); };
-    auto run_cast = [&] { launch(unfused.cast, grid_shared, block, stream, cast_params); };
-    auto run_append = [&] { launch(unfused.append, grid_append, block, stream, append_params); };
+    const CUfunction sigmoid = function_of(unfused.sigmoid);
+    const CUfunction cast = function_of(unfused.cast);
+    const CUfunction append = function_of(unfused.append);
+    auto run_sigmoid = [&] { launch(sigmoid, grid_shared, block, stream, sigmoid_params); };
+    auto run_cast = [&] { launch(cast, grid_shared, block, stream, cast_params); };
+    auto run_append = [&] { launch(append, grid_append, block, stream, append_params); };
     auto run_unfused = [&] {
       run_sigmoid();
       run_cast();
