@@ -594,6 +594,31 @@ std::unique_ptr<ContextRun> context_run(CUcontext context, const ModelShape& sha
   return run;
 }
 
+// What both context cases run: qwen3-30b-a3b cut to 32 experts and I = 256, prewarmed, a random
+// checkpoint, one call per T in `tokens` (ids over every local expert, a share `drop` of the
+// slots -1), on marlin_moe and, where it serves T = 7, decode_moe.
+struct ContextCase {
+  ModelShape shape;
+  Checkpoint ck;
+  std::vector<Tokens> calls;
+  std::vector<MoeForwardOptions> paths;
+};
+
+ContextCase context_case(std::mt19937_64& rng, std::initializer_list<int> tokens, double drop) {
+  ContextCase c;
+  c.shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
+  prewarm_shapes({c.shape});
+  c.ck = make_checkpoint(c.shape, false, rng());
+  IdPlan plan;
+  plan.lo = 0;
+  plan.hi = c.shape.num_experts;
+  plan.drop = drop;
+  for (int t : tokens) c.calls.push_back(make_tokens(c.shape, t, plan, rng));
+  c.paths = {kMarlin};
+  if (decode_serves(c.shape, 7)) c.paths.push_back(kDecode);
+  return c;
+}
+
 // `rounds` x every (call, path) in `run`'s context from the calling thread, output and workspace
 // poisoned before each call (ForwardIo::try_run), each output compared with
 // `expected[call][path]`. No Catch2 macro here (it runs beside another thread): "" when every
@@ -667,17 +692,11 @@ TEST_CASE("moe_forward: a second device (or context) gives device 0's bits, alon
                     "device 1's shared-memory opt-ins are not exercised");
   }
   MOEJIT_TEST_SEEDED_RNG(seed, rng);
-  const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
-  prewarm_shapes({shape});
-  const Checkpoint ck = make_checkpoint(shape, false, rng());
-  IdPlan plan;
-  plan.lo = 0;
-  plan.hi = shape.num_experts;
-  plan.drop = 0.05;
-  std::vector<Tokens> calls;
-  for (int tokens : {7, 256}) calls.push_back(make_tokens(shape, tokens, plan, rng));
-  std::vector<MoeForwardOptions> paths = {kMarlin};
-  if (decode_serves(shape, 7)) paths.push_back(kDecode);
+  const ContextCase c = context_case(rng, {7, 256}, 0.05);
+  const ModelShape& shape = c.shape;
+  const Checkpoint& ck = c.ck;
+  const std::vector<Tokens>& calls = c.calls;
+  const std::vector<MoeForwardOptions>& paths = c.paths;
   REQUIRE(std::all_of(calls.begin(), calls.end(), [&](const Tokens& tk) {
     return paths.size() == 1 || decode_serves(shape, tk.count);
   }));
@@ -788,15 +807,11 @@ TEST_CASE("moe_forward: a context created after another was destroyed runs its o
           "[gpu][moe]") {
   const GpuEnv& env = gpu();
   MOEJIT_TEST_SEEDED_RNG(seed, rng);
-  const ModelShape shape = resized(reference_shape("qwen3-30b-a3b"), 32, 0, 32, 256);
-  prewarm_shapes({shape});
-  const Checkpoint ck = make_checkpoint(shape, false, rng());
-  IdPlan plan;
-  plan.lo = 0;
-  plan.hi = shape.num_experts;
-  const std::vector<Tokens> calls = {make_tokens(shape, 7, plan, rng)};
-  std::vector<MoeForwardOptions> paths = {kMarlin};
-  if (decode_serves(shape, 7)) paths.push_back(kDecode);
+  const ContextCase c = context_case(rng, {7}, 0);
+  const ModelShape& shape = c.shape;
+  const Checkpoint& ck = c.ck;
+  const std::vector<Tokens>& calls = c.calls;
+  const std::vector<MoeForwardOptions>& paths = c.paths;
 
   std::vector<std::vector<std::vector<uint16_t>>> expected(1);
   {
