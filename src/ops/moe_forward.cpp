@@ -1,8 +1,9 @@
 // moe_forward: argument checks, the config for T (detail::choose_moe_config, the function the
 // planner uses, so a prewarmed cache holds every kernel looked up here), the path (decode_moe's
 // reset -> fused layer, or [narrow_ids] -> route -> FC1 -> FC2 -> combine), workspace carving,
-// and the launches on the caller's stream. The valid path allocates nothing and never
-// synchronizes: it is CUDA-graph capturable.
+// and the launches on the caller's stream. The valid path allocates no device memory (host
+// memory only for the first launch of a kernel in a thread and context) and never synchronizes:
+// it is CUDA-graph capturable.
 #include <cuda.h>
 
 #include <algorithm>

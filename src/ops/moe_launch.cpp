@@ -68,8 +68,9 @@ std::string dims_text(const DLTensor& tensor) { return shape_text(tensor); }
 
 CUfunction context_function(const char* op, const KernelSpec& spec, CUkernel kernel) {
   // Why: cuLaunchKernelEx given a CUkernel finds its function in the current context on every
-  // launch, which cost 0.15-0.3 us a launch more than the function itself on the H200
-  // (moejit_bench_runtime (f): "bare, CUkernel" against "bare launches"). Why the context's id
+  // launch, which cost 0.15-0.3 us a launch more than the function itself on the H200; with this
+  // table the library's time over bare launches fell from 0.8-2.3 to 0.4-0.9 us a moe_forward
+  // call (tools/PERF_LOG.md "each kernel launched through its function"). Why the context's id
   // (cuCtxGetId, unique for the life of the process) and not its handle: a context created after
   // another was destroyed may reuse the handle, and the old context's functions are gone. Why per
   // thread: no lock on the launch path.
