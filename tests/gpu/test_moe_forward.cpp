@@ -798,7 +798,7 @@ struct CreatedContext {
 }  // namespace
 
 // The library launches each kernel through its function in the current context, kept per
-// context. A context created after another was destroyed often gets the destroyed one's handle,
+// context. A context created after another was destroyed may get the destroyed one's handle,
 // and the destroyed context's functions are gone: each new context must run its own and give the
 // primary context's bits (marlin_moe and, where it serves, decode_moe). Each new context's first
 // forward is captured into a graph (global capture mode), so the functions are first asked for
