@@ -19,9 +19,11 @@ enum class CacheMode {
 };
 
 struct RuntimeConfig {
-  std::string cache_dir;          // "" = MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else ~/.cache/moejit
+  // "" = MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else ~/.cache/moejit.
+  std::string cache_dir;
   CacheMode cache_mode = CacheMode::kReadWrite;
-  bool allow_compile_during_capture = false;  // a miss during stream capture compiles instead of throwing
+  // A miss during stream capture compiles instead of throwing.
+  bool allow_compile_during_capture = false;
   // Kernels carry SASS-to-source line tables (NVRTC -lineinfo) for profilers. Off by default:
   // the tables make the large kernels' cubins ~4x bigger (slower to read, verify and load) and
   // change no instruction. A kernel built with them is a cache entry of its own.

@@ -93,11 +93,12 @@ void forward(const char* call, const moejit_moe* moe, const DLTensor* hidden,
   options.path = path_of(call, path);
   // Checked here so the message names the C argument (moe_forward's names the C++ field).
   if (decode_block_n != 0 && decode_block_n != 8 && decode_block_n != 16 && decode_block_n != 32) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(call) +
-                    ": decode_block_n: expected 0 (the planner's choice), 8, 16 or 32 (decode_moe's "
-                    "block_n), found " +
-                    std::to_string(decode_block_n));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        std::string(call) +
+            ": decode_block_n: expected 0 (the planner's choice), 8, 16 or 32 (decode_moe's "
+            "block_n), found " +
+            std::to_string(decode_block_n));
   }
   options.decode_block_n = decode_block_n;
   moejit::moe_forward(shape, args, static_cast<moejit::Stream>(stream), options);

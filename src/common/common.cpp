@@ -81,7 +81,9 @@ Digest hash_bytes(const void* data, std::size_t size) {
 }
 
 Hasher::Hasher() : state_(XXH3_createState()) {
-  if (state_ == nullptr) throw Error(ErrorCode::kInternal, "XXH3_createState failed (out of memory)");
+  if (state_ == nullptr) {
+    throw Error(ErrorCode::kInternal, "XXH3_createState failed (out of memory)");
+  }
   XXH3_128bits_reset(static_cast<XXH3_state_t*>(state_));
 }
 Hasher::~Hasher() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }

@@ -345,7 +345,9 @@ class ShapeFileParser {
   }
 
   void expect_object(const Json& v, const std::string& pointer, const std::string& what) const {
-    if (!v.is_object()) fail(pointer, what + " is not an object", "an object", describe(v, pointer));
+    if (!v.is_object()) {
+      fail(pointer, what + " is not an object", "an object", describe(v, pointer));
+    }
   }
 
   // An integer field. The range is checked with the shape rules; here only that the value is
@@ -400,7 +402,8 @@ class ShapeFileParser {
     if (v == nullptr) return std::nullopt;
     std::string pointer = json_pointer_child(obj_ptr, key);
     if (!v->is_boolean()) {
-      fail(pointer, std::string(key) + " must be a boolean", "true or false", describe(*v, pointer));
+      fail(pointer, std::string(key) + " must be a boolean", "true or false",
+           describe(*v, pointer));
     }
     return v->get<bool>();
   }
@@ -615,9 +618,10 @@ class ShapeFileParser {
     s.gate = read_enum(obj, pointer, "gate", kGates).value_or(SharedGate::kConstant);
     const std::string gate_text = in_quotes(shared_gate_name(s.gate));
     if (s.gate != SharedGate::kSigmoid && member(obj, "logit_dtype") != nullptr) {
-      fail(json_pointer_child(pointer, "logit_dtype"),
-           "logit_dtype has no effect with gate " + gate_text + ": only a sigmoid gate reads logits",
-           "no logit_dtype, or gate \"sigmoid\"", in_quotes("logit_dtype"), {}, true);
+      fail(
+          json_pointer_child(pointer, "logit_dtype"),
+          "logit_dtype has no effect with gate " + gate_text + ": only a sigmoid gate reads logits",
+          "no logit_dtype, or gate \"sigmoid\"", in_quotes("logit_dtype"), {}, true);
     }
     if (s.gate == SharedGate::kGiven && member(obj, "scale") != nullptr) {
       fail(json_pointer_child(pointer, "scale"),

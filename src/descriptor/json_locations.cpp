@@ -175,7 +175,8 @@ JsonScan scan_json(std::string_view text, int max_depth) {
     std::string pointer;
     if (!stack.empty()) {
       Frame& top = stack.back();
-      pointer = top.object ? top.member : json_pointer_child(top.pointer, std::to_string(top.index));
+      pointer =
+          top.object ? top.member : json_pointer_child(top.pointer, std::to_string(top.index));
     }
     ValueSpan& span = scan.spans[pointer];
     span.begin = pos;

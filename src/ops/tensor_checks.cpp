@@ -105,9 +105,10 @@ Matrix check_matrix(const char* op, const char* arg, const DLTensor* tensor, int
     throw_device(op, arg, *tensor, device);
   }
   if (tensor->ndim != 2 || tensor->shape == nullptr) {
-    throw_argument(op, arg, "a 2-D tensor",
-                   std::to_string(tensor->ndim) + " dimensions" +
-                       (tensor->shape == nullptr ? " and a null shape" : " " + shape_text(*tensor)));
+    throw_argument(
+        op, arg, "a 2-D tensor",
+        std::to_string(tensor->ndim) + " dimensions" +
+            (tensor->shape == nullptr ? " and a null shape" : " " + shape_text(*tensor)));
   }
   Matrix m;
   if (!dtype_from_dlpack(tensor->dtype, &m.dtype)) {

@@ -62,8 +62,8 @@ std::string home_from_passwd() {
   std::string buffer(size > 0 ? static_cast<std::size_t>(size) : 16384, '\0');
   passwd entry{};
   passwd* found = nullptr;
-  if (getpwuid_r(geteuid(), &entry, buffer.data(), buffer.size(), &found) != 0 || found == nullptr ||
-      found->pw_dir == nullptr) {
+  if (getpwuid_r(geteuid(), &entry, buffer.data(), buffer.size(), &found) != 0 ||
+      found == nullptr || found->pw_dir == nullptr) {
     return "";
   }
   return found->pw_dir;
@@ -370,7 +370,8 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
                     " is " + device.arch.name() + ": build the spec with Runtime::current_arch()");
   }
   const bool capturing = stream_capturing(api, stream);
-  const std::string capture_context = "stream " + stream_text(stream) + " is capturing a CUDA graph";
+  const std::string capture_context =
+      "stream " + stream_text(stream) + " is capturing a CUDA graph";
   if (capturing) {
     // Why first: a spec no kernel serves fails whatever was prewarmed, so the capture error's
     // advice (prewarm first) would send the caller the wrong way.

@@ -51,7 +51,8 @@ struct Summary {
 // "prewarm: 4 kernel(s) for sm_90a,sm_100a: 4 compiled, 0 already cached, 0 failed in ..."
 Summary parse_summary(const std::string& out) {
   static const std::regex pattern(
-      R"(prewarm: (\d+) kernel\(s\) for [^:]*: (\d+) compiled, (\d+) already cached, (\d+) failed)");
+      R"(prewarm: (\d+) kernel\(s\) for [^:]*: (\d+) compiled, )"
+      R"((\d+) already cached, (\d+) failed)");
   Summary s;
   std::smatch m;
   if (std::regex_search(out, m, pattern)) {

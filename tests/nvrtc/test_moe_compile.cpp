@@ -670,7 +670,8 @@ TEST_CASE("decode_moe pair: its static_asserts fire under NVRTC and match suppor
   std::vector<Case> cases;
   MoeDecodeParams p = good;
   p.hidden = 2816;  // a multiple of 256 (the persistent tile's rule), not of 512
-  cases.push_back({p, "hidden must be a multiple of 512", "hidden = 2816 is not a multiple of 512"});
+  cases.push_back(
+      {p, "hidden must be a multiple of 512", "hidden = 2816 is not a multiple of 512"});
   p = good;
   p.intermediate = 800;
   cases.push_back({p, "inter must be a multiple of 64", "intermediate = 800"});

@@ -381,7 +381,8 @@ TEST_CASE("runtime: a corrupt entry is healed by the next build", "[runtime]") {
   use_cache(cache, CacheMode::kReadWrite);
   const BuildResult built = moejit::build_kernel(spec);
   REQUIRE(built.outcome == CacheOutcome::kCompiled);
-  const std::string entry = moejit::detail::Runtime::instance().store().disk().entry_path(built.key);
+  const std::string entry =
+      moejit::detail::Runtime::instance().store().disk().entry_path(built.key);
   REQUIRE(fs::is_regular_file(entry));
   const uintmax_t size = fs::file_size(entry);
 
@@ -489,7 +490,9 @@ TEST_CASE("runtime: prewarm of the reference shapes for sm_90a reports no errors
 
   // Every kernel is distinct, and a second prewarm finds them all in memory.
   for (std::size_t i = 0; i < results.size(); ++i) {
-    for (std::size_t j = i + 1; j < results.size(); ++j) CHECK_FALSE(results[i].spec == results[j].spec);
+    for (std::size_t j = i + 1; j < results.size(); ++j) {
+      CHECK_FALSE(results[i].spec == results[j].spec);
+    }
   }
   for (const BuildResult& again : moejit::prewarm(shapes, {Arch::parse("sm_90a")}, 4)) {
     CHECK(again.outcome == CacheOutcome::kMemoryHit);

@@ -220,7 +220,9 @@ int run_command(const std::string& command, std::string* output) {
   std::array<char, 4096> buffer{};
   output->clear();
   size_t n = 0;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output->append(buffer.data(), n);
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
+    output->append(buffer.data(), n);
+  }
   int status = pclose(pipe);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }

@@ -209,7 +209,8 @@ TEST_CASE("the three layouts of a shape file", "[descriptor]") {
   CHECK(single[0].activation.limit == 10.f);
   CHECK(single[0].source == "single.json:1");
 
-  auto array = parse_shapes("[" + shape + ",\n" + edit(shape, "\"one\"", "\"two\"") + "]", "a.json");
+  auto array =
+      parse_shapes("[" + shape + ",\n" + edit(shape, "\"one\"", "\"two\"") + "]", "a.json");
   REQUIRE(array.size() == 2);
   CHECK(array[1].name == "two");
   CHECK(array[1].source == "a.json:3");  // the first shape takes two lines
@@ -460,9 +461,9 @@ TEST_CASE("sizes that break the MXFP4 block invariant are refused", "[descriptor
                        {"MXFP4 block invariant", "FC1 reduces over K = hidden",
                         "one E8M0 scale per 32", "a multiple of 32", "found 2050",
                         "2048 and 2080"});
-  expect_value_refusal("\"intermediate\": 768", "\"intermediate\": 770", "770",
-                       "/shapes/0/intermediate",
-                       {"MXFP4 block invariant", "FC2 reduces over K = intermediate", "768 and 800"});
+  expect_value_refusal(
+      "\"intermediate\": 768", "\"intermediate\": 770", "770", "/shapes/0/intermediate",
+      {"MXFP4 block invariant", "FC2 reduces over K = intermediate", "768 and 800"});
   expect_value_refusal("\"hidden\": 2048", "\"hidden\": 16", "16", "/shapes/0/hidden",
                        {"a multiple of 32", "the nearest valid values are 32"});
   expect_value_refusal("{\"kind\": \"swiglu\"}",
@@ -505,8 +506,9 @@ TEST_CASE("non-finite and non-positive constants are refused", "[descriptor]") {
   };
   const std::string act = "{\"kind\": \"swiglu\"}";
   const std::string ptr = "/shapes/0/activation/limit";
-  expect_value_refusal(act, limit("1e999"), "1e999", ptr,
-                       {"limit is not finite", "overflows to infinity", "a finite number", "found 1e999"});
+  expect_value_refusal(
+      act, limit("1e999"), "1e999", ptr,
+      {"limit is not finite", "overflows to infinity", "a finite number", "found 1e999"});
   expect_value_refusal(act, limit("-1e999"), "-1e999", ptr, {"limit is not finite"});
   expect_value_refusal(act, limit("1e39"), "1e39", ptr, {"does not fit a 32-bit float"});
   expect_value_refusal(act, limit("1e-50"), "1e-50", ptr, {"too small for a 32-bit float"});
@@ -546,7 +548,8 @@ TEST_CASE("shared experts rules", "[descriptor]") {
                        {"missing required field \"count\""});
   expect_value_refusal(act, shared("{\"count\": 0, \"intermediate\": 64}"), "\"intermediate\": 64",
                        ptr + "/intermediate", {"has no effect when count is 0"});
-  expect_value_refusal(act, shared("{\"count\": 1, \"intermediate\": 64, \"logit_dtype\": \"fp32\"}"),
+  expect_value_refusal(act,
+                       shared("{\"count\": 1, \"intermediate\": 64, \"logit_dtype\": \"fp32\"}"),
                        "\"logit_dtype\"", ptr + "/logit_dtype",
                        {"logit_dtype has no effect with gate \"constant\"", "only a sigmoid gate"});
   expect_value_refusal(act, shared("{\"count\": 1, \"intermediate\": 64, \"gate\": \"given\", "

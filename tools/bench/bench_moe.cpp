@@ -767,7 +767,11 @@ std::string floor_variant_name(const FloorVariant& v) {
 }
 const char* const kReadFloorSource = R"(
 struct Piece { unsigned x, y, z, w; };
-struct FloorRegion { const Piece* data; unsigned long long pieces; unsigned long long first_block; };
+struct FloorRegion {
+  const Piece* data;
+  unsigned long long pieces;
+  unsigned long long first_block;
+};
 // This CTA's chunk: pieces [begin, end) of the region whose first CTA is the last at or below it.
 __device__ const Piece* my_chunk(const FloorRegion* regions, int count, unsigned long long chunk,
                                  unsigned long long& begin, unsigned long long& end) {
