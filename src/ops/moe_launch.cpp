@@ -56,18 +56,10 @@ class SmemOptIns {
 
 std::string dims_text(const DLTensor& tensor) { return shape_text(tensor); }
 
-[[noreturn]] __attribute__((cold, noinline)) void throw_function_error(const char* op,
-                                                                       const KernelSpec& spec,
-                                                                       const char* step,
-                                                                       CUresult result) {
-  throw Error(ErrorCode::kDriver, std::string(op) + ": " + spec.display_name() + ": " + step +
-                                      " failed: " + describe(result));
-}
-
 }  // namespace
 
-CUfunction context_function(const char* op, const KernelSpec& spec, CUkernel kernel) {
-  // Why: cuLaunchKernelEx given a CUkernel finds its function in the current context on every
+CUfunction launch_function(CUkernel kernel, CUstream stream) noexcept {
+  // Why: cuLaunchKernelEx given a CUkernel finds its function in the stream's context on every
   // launch, which cost 0.15-0.3 us a launch more than the function itself on the H200; with this
   // table the library's time over bare launches fell from 0.8-2.3 to 0.4-0.9 us a moe_forward
   // call (tools/PERF_LOG.md "each kernel launched through its function"). Why the context's id
@@ -89,19 +81,31 @@ CUfunction context_function(const char* op, const KernelSpec& spec, CUkernel ker
   constexpr std::size_t kMaxFunctions = 4096;
   thread_local std::unordered_map<Key, CUfunction, KeyHash> functions;
 
+  // Every failure below leaves the launch to the CUkernel, as the driver takes it: a real
+  // problem (no context, a bad stream) is then reported by the launch, with the op and geometry.
+  const auto as_kernel = reinterpret_cast<CUfunction>(kernel);
   const DriverApi& api = driver();
+  CUcontext context = nullptr;
   Key key{kernel, 0};
-  const CUresult id = api.cuCtxGetId(nullptr, &key.context);
-  if (id != CUDA_SUCCESS) throw_function_error(op, spec, "reading the current context's id", id);
+  if (api.cuStreamGetCtx(stream, &context) != CUDA_SUCCESS ||
+      api.cuCtxGetId(context, &key.context) != CUDA_SUCCESS) {
+    return as_kernel;
+  }
   const auto it = functions.find(key);
   if (it != functions.end()) return it->second;
+  // cuKernelGetFunction answers for the current context; a stream of another one keeps the
+  // CUkernel (the driver launches it in the stream's context).
+  CUcontext current = nullptr;
   CUfunction function = nullptr;
-  const CUresult result = api.cuKernelGetFunction(&function, kernel);
-  if (result != CUDA_SUCCESS) {
-    throw_function_error(op, spec, "finding its function in the current context", result);
+  if (api.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current != context ||
+      api.cuKernelGetFunction(&function, kernel) != CUDA_SUCCESS) {
+    return as_kernel;
   }
-  if (functions.size() >= kMaxFunctions) functions.clear();
-  functions.emplace(key, function);
+  try {
+    if (functions.size() >= kMaxFunctions) functions.clear();
+    functions.emplace(key, function);
+  } catch (...) {  // out of memory: launch without keeping it
+  }
   return function;
 }
 
@@ -123,7 +127,7 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
   config.attrs = use_pdl ? &attribute : nullptr;
   config.numAttrs = use_pdl ? 1 : 0;
   const CUresult result =
-      driver().cuLaunchKernelEx(&config, context_function(op, spec, kernel), args, nullptr);
+      driver().cuLaunchKernelEx(&config, launch_function(kernel, stream), args, nullptr);
   if (result != CUDA_SUCCESS) {
     std::ostringstream os;
     os << op << ": launching " << spec.display_name() << " (grid " << shape.grid_x << 'x'

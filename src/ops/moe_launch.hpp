@@ -22,12 +22,12 @@ struct LaunchShape {
   unsigned smem = 0;  // dynamic shared memory bytes
 };
 
-// `kernel`'s function in the calling thread's current context (cuKernelGetFunction), kept per
-// thread and context. Throws Error{kDriver} naming the op and the kernel when there is no current
-// context or the driver can't give the function.
-CUfunction context_function(const char* op, const KernelSpec& spec, CUkernel kernel);
+// The handle to launch `kernel` on `stream` through: its function in the stream's context
+// (cuKernelGetFunction), kept per thread and context, where that context is current; else the
+// CUkernel itself (the driver then finds the function in the stream's context at each launch).
+CUfunction launch_function(CUkernel kernel, CUstream stream) noexcept;
 
-// Launches `kernel` on `stream`, through its function in the current context (context_function).
+// Launches `kernel` on `stream`, through its function in the stream's context (launch_function).
 // `pdl`: the kernel starts with griddepcontrol.wait, so it may be scheduled while the previous
 // kernel drains (the attribute is set on sm_90+ only). Throws Error{kDriver} naming the op, the
 // kernel and the geometry.

@@ -439,7 +439,7 @@ void load_unfused(const moejit::Arch& arch, UnfusedKernels* k) {
 }
 
 // `kernel`'s function in the current context, the handle the library launches through
-// (moe_launch.hpp's context_function); through the CUkernel the driver would find it every launch.
+// (moe_launch.hpp's launch_function); through the CUkernel the driver would find it every launch.
 CUfunction function_of(CUkernel kernel) {
   CUfunction function = nullptr;
   check(g_api->cuKernelGetFunction(&function, kernel), "cuKernelGetFunction");
@@ -1030,7 +1030,7 @@ json part_moe_host(const Options& o, CUstream stream) {
   const bool decode = moejit::moe_decode_problem(shape).empty() && moejit::current_arch().sm >= 90;
   // The captured launches again: bare (each node's attributes and function), then with the PDL
   // attribute on every launch (launch_moe_kernel's form). Why no CUkernel column: the library
-  // launches through each kernel's function in the context (moe_launch.hpp's context_function),
+  // launches through each kernel's function in the context (moe_launch.hpp's launch_function),
   // so the captured nodes carry no CUkernel handle.
   struct Variant {
     const char* column;
