@@ -25,7 +25,7 @@ struct LaunchShape {
 // The handle to launch `kernel` on `stream` through: its function in the stream's context
 // (cuKernelGetFunction), kept per thread and context, where that context is current; else the
 // CUkernel itself (the driver then finds the function in the stream's context at each launch).
-CUfunction launch_function(CUkernel kernel, CUstream stream) noexcept;
+CUfunction launch_function(CUkernel kernel, CUstream stream);
 
 // Launches `kernel` on `stream`, through its function in the stream's context (launch_function).
 // `pdl`: the kernel starts with griddepcontrol.wait, so it may be scheduled while the previous
