@@ -797,7 +797,7 @@ struct CreatedContext {
 
 }  // namespace
 
-// The library launches each kernel through its function in the current context, kept per
+// The library launches each kernel through its function in the stream's context, kept per
 // context. A context created after another was destroyed may get the destroyed one's handle,
 // and the destroyed context's functions are gone: each new context must run its own and give the
 // primary context's bits (marlin_moe and, where it serves, decode_moe). Each new context's first
