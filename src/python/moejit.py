@@ -1,7 +1,8 @@
 """libmoejit from Python: the C ABI (include/moejit/moejit.h) through ctypes, tensors by DLPack.
 
 No build step: the module loads the shared library and declares its calls. Tensors are any objects
-with ``__dlpack__`` (torch.Tensor, CuPy arrays, ...), borrowed for the length of one call; raw
+with ``__dlpack__`` (torch.Tensor, CuPy arrays, ...), borrowed for the length of one call (a plain
+torch.Tensor is described from its own accessors instead, which is cheaper and says the same); raw
 buffers (repacked weights, the workspace) are such tensors too, checked against the sizes the
 library asks for before their addresses are passed. Every failed call raises MoejitError (a
 subclass per status) with the library's message, which names the argument and what was wrong.
@@ -28,7 +29,9 @@ import ctypes
 import glob
 import json
 import os
+from struct import Struct
 import sys
+import threading
 
 # The library minor this binding is written for: before 1.0 a minor release may change the ABI,
 # and the shared library's soname carries it (libmoejit.so.0.2).
@@ -103,7 +106,7 @@ _ERRORS = {cls.status: cls for cls in (InvalidDescriptor, InvalidArgument, Unsup
 # ---- C types ------------------------------------------------------------------------------------
 # DLPack's DLTensor (dlpack.h 0.6; unchanged in 1.x) and the structs of moejit.h.
 
-_KDL_CUDA = 2
+_KDL_CPU, _KDL_CUDA = 1, 2
 
 
 class DLDevice(ctypes.Structure):
@@ -301,6 +304,105 @@ class _Borrowed:
         return self.device_buffer(expected_bytes)[0]
 
 
+# ---- torch tensors, filled in without DLPack ----------------------------------------------------
+# Why: a torch tensor's __dlpack__ costs 3-5 us of Python per tensor (torch builds a managed tensor
+# and a capsule each time), and a forward takes five, weights aside. For an exact torch.Tensor the
+# hot calls refill a DLTensor of their own instead, one per argument and thread, from the tensor's
+# accessors (1.6 us here; tools/PERF_LOG.md, sixtieth session); the library checks it as it checks
+# DLPack's. Buffers (the workspace, weights) are read the same way and checked here as DLPack's
+# are. Anything else goes through DLPack: other producers, subclasses, tensors that require grad
+# or carry the negative bit (torch's export refuses those, with its message), dtypes and devices
+# the table below does not name, more than _FILL_DIMS dimensions.
+
+_FILL_DIMS = 8
+_DLTENSOR_HEAD = Struct("=QiiiBBH")  # DLTensor's data, device, ndim and dtype: 24 bytes
+_torch_fill = None  # (torch.Tensor, {torch dtype: (DLPack code, bits, lanes)}) once torch is seen
+
+
+def _torch_fill_types():
+    global _torch_fill
+    torch = sys.modules.get("torch")
+    if torch is not None and _torch_fill is None:
+        _torch_fill = (torch.Tensor, {
+            torch.bfloat16: (4, 16, 1), torch.float16: (2, 16, 1), torch.float32: (2, 32, 1),
+            torch.float64: (2, 64, 1), torch.uint8: (1, 8, 1), torch.int8: (0, 8, 1),
+            torch.int16: (0, 16, 1), torch.int32: (0, 32, 1), torch.int64: (0, 64, 1)})
+    return _torch_fill
+
+
+class _Slot:
+    """A DLTensor of the binding's own with room for _FILL_DIMS dimensions, refilled per call."""
+
+    __slots__ = ("tensor", "address", "shape", "strides")
+
+    def __init__(self):
+        self.shape = (ctypes.c_int64 * _FILL_DIMS)()
+        self.strides = (ctypes.c_int64 * _FILL_DIMS)()
+        self.tensor = DLTensor()
+        self.tensor.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
+        self.tensor.strides = ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64))
+        self.address = ctypes.addressof(self.tensor)
+
+    def fill(self, obj):
+        """This slot's address, filled from obj where obj is an exact torch.Tensor the fill
+        describes (see above), else None."""
+        fill = _torch_fill or _torch_fill_types()
+        if fill is None or type(obj) is not fill[0] or obj.requires_grad or obj.is_neg():
+            return None
+        dtype = fill[1].get(obj.dtype)
+        ndim = obj.dim()
+        if dtype is None or ndim > _FILL_DIMS:
+            return None
+        if obj.is_cuda:
+            device_type, device_id = _KDL_CUDA, obj.get_device()
+        elif obj.is_cpu:
+            device_type, device_id = _KDL_CPU, 0
+        else:
+            return None
+        _DLTENSOR_HEAD.pack_into(self.tensor, 0, obj.data_ptr(), device_type, device_id, ndim,
+                                 *dtype)
+        self.shape[:ndim] = obj.shape
+        self.strides[:ndim] = obj.stride()
+        return self.address
+
+
+class _CallSlots(threading.local):
+    """One call site's slots, a set per thread, so concurrent calls never share a DLTensor."""
+
+    def __init__(self, count):
+        self.slots = tuple(_Slot() for _ in range(count))
+
+
+def _dltensor(slot, obj, name, kept):
+    """The address of a DLTensor describing obj for the length of the call: slot, refilled, or
+    obj's own DLPack export, appended to kept (the caller holds kept until the call returns)."""
+    address = slot.fill(obj)
+    if address is None:
+        borrowed = _Borrowed(obj, name)
+        kept.append(borrowed)
+        address = borrowed.address
+    return address
+
+
+def _device_buffer(obj, name, expected_bytes=0):
+    """(address, bytes, keep-alive) of a buffer argument, once it is a contiguous CUDA tensor of at
+    least expected_bytes; an exact torch.Tensor is read through its accessors, as _Slot.fill does,
+    anything else through DLPack (keep-alive: the borrow, held until the call returns)."""
+    fill = _torch_fill or _torch_fill_types()
+    if (fill is not None and type(obj) is fill[0] and obj.is_cuda and not obj.requires_grad and
+            not obj.is_neg()):
+        if not obj.is_contiguous():
+            raise InvalidArgument("{}: expected a contiguous tensor, found strides {}; pass "
+                                  ".contiguous()".format(name, list(obj.stride())))
+        nbytes = obj.nbytes
+        if nbytes < expected_bytes:
+            raise InvalidArgument("{}: expected at least {} bytes, found {}".format(
+                name, expected_bytes, nbytes))
+        return obj.data_ptr(), nbytes, None
+    borrowed = _Borrowed(obj, name)
+    return borrowed.device_buffer(expected_bytes) + (borrowed,)
+
+
 def _torch_current_stream():
     """torch's current stream on its current device, or None where torch has no CUDA state.
     Why the private calls where torch has them: torch.cuda.current_stream() builds a Stream object
@@ -376,6 +478,9 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
 
 # ---- ops ----------------------------------------------------------------------------------------
 
+_append_slots = _CallSlots(5)
+
+
 def append_shared(topk_ids, topk_weights, shared_logits, out_ids, out_weights, shared_base, scale,
                   gate="sigmoid", stream=None):
     """out_ids / out_weights [T, K + S] = the routed top-k, then the shared experts with weight
@@ -383,10 +488,13 @@ def append_shared(topk_ids, topk_weights, shared_logits, out_ids, out_weights, s
     ("given"). See moejit::append_shared."""
     if gate not in _GATES:
         raise InvalidArgument("gate: expected one of {}, found {!r}".format(sorted(_GATES), gate))
-    args = [_Borrowed(t, n) for t, n in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights"),
-                                          (shared_logits, "shared_logits"), (out_ids, "out_ids"),
-                                          (out_weights, "out_weights"))]
-    _check(_lib.moejit_append_shared(*[a.address for a in args], int(shared_base), float(scale),
+    slots, kept = _append_slots.slots, []
+    _check(_lib.moejit_append_shared(_dltensor(slots[0], topk_ids, "topk_ids", kept),
+                                     _dltensor(slots[1], topk_weights, "topk_weights", kept),
+                                     _dltensor(slots[2], shared_logits, "shared_logits", kept),
+                                     _dltensor(slots[3], out_ids, "out_ids", kept),
+                                     _dltensor(slots[4], out_weights, "out_weights", kept),
+                                     int(shared_base), float(scale),
                                      _GATES[gate], _stream_handle(stream)))
 
 
@@ -398,6 +506,9 @@ class BoundWeights:
         self.shape_name = shape_name
         self.struct = struct
         self._tensors = tensors
+
+
+_forward_slots = _CallSlots(4)
 
 
 class MoeLayer:
@@ -473,9 +584,9 @@ class MoeLayer:
             if not size:
                 raise InvalidArgument("{}[{!r}]: {} has no biases; pass none".format(
                     what, name, self.shape_name))
-            borrowed = _Borrowed(tensor, "{}[{!r}]".format(what, name))
-            setattr(struct, name, borrowed.device_address(size))
-            kept.append(borrowed)
+            address, _, borrowed = _device_buffer(tensor, "{}[{!r}]".format(what, name), size)
+            setattr(struct, name, address)
+            kept.append(borrowed if borrowed is not None else tensor)
         return struct, kept
 
     def repack_gpt_oss(self, w13_blocks, w13_scales, w2_blocks, w2_scales, target, first_expert=0,
@@ -535,11 +646,12 @@ class MoeLayer:
         if workspace is None:
             raise InvalidArgument("workspace: expected a uint8 CUDA tensor of at least "
                                   "workspace_bytes(T) bytes, found None")
-        space = _Borrowed(workspace, "workspace")
-        address, size = space.device_buffer()
-        tensors = [_Borrowed(t, n) for t, n in ((hidden, "hidden"), (topk_ids, "topk_ids"),
-                                                 (topk_weights, "topk_weights"), (out, "out"))]
-        _check(_lib.moejit_moe_forward_ex(self._live(), tensors[0].address, tensors[1].address,
-                                          tensors[2].address, ctypes.byref(struct), address, size,
-                                          tensors[3].address, _PATHS[path], int(decode_block_n),
-                                          _stream_handle(stream)))
+        address, size, space = _device_buffer(workspace, "workspace")
+        slots, kept = _forward_slots.slots, []
+        _check(_lib.moejit_moe_forward_ex(self._live(),
+                                          _dltensor(slots[0], hidden, "hidden", kept),
+                                          _dltensor(slots[1], topk_ids, "topk_ids", kept),
+                                          _dltensor(slots[2], topk_weights, "topk_weights", kept),
+                                          ctypes.byref(struct), address, size,
+                                          _dltensor(slots[3], out, "out", kept), _PATHS[path],
+                                          int(decode_block_n), _stream_handle(stream)))

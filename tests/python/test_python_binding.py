@@ -269,6 +269,131 @@ class CpuTests(unittest.TestCase):
         self.assertIn("gate", str(e.exception))
 
 
+# ---- torch tensors without a GPU ----------------------------------------------------------------
+
+def _torch_or_skip(case):
+    try:
+        import torch
+    except ImportError as e:
+        case.skipTest("torch is not importable ({}): the binding's torch fill is untested "
+                      "here".format(e))
+    return torch
+
+
+def _dlpack_view(tensor):
+    """(data + byte_offset, device, ndim, dtype, shape, strides or None) of torch's own export."""
+    capsule = tensor.__dlpack__()
+    t = moejit.DLTensor.from_address(moejit._capsule_pointer(capsule, _DLTENSOR))
+    shape = [t.shape[i] for i in range(t.ndim)]
+    strides = [t.strides[i] for i in range(t.ndim)] if t.strides else None
+    return ((t.data or 0) + t.byte_offset, (t.device.device_type, t.device.device_id), t.ndim,
+            (t.dtype.code, t.dtype.bits, t.dtype.lanes), shape, strides, capsule)
+
+
+class TorchFillTests(unittest.TestCase):
+    """forward and append_shared describe exact torch tensors in DLTensors of their own (the
+    binding's fill), not through __dlpack__: each must say what torch's export says."""
+
+    def test_filled_tensors_say_what_torch_exports(self):
+        torch = _torch_or_skip(self)
+        base = torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40)
+        cases = {
+            "bf16 [4, 512]": torch.randn(4, 512).to(torch.bfloat16),
+            "int32 [3, 2]": torch.arange(6, dtype=torch.int32).reshape(3, 2),
+            "uint8 [1000]": torch.zeros(1000, dtype=torch.uint8),
+            "float32 transposed": base.t(),
+            "float32 slice with an offset": base[2:, 3:17],
+            "int64 expanded row": torch.arange(5).expand(3, 5),
+            "float16 0-dim": torch.tensor(1.5, dtype=torch.float16),
+            "int8 8-dim": torch.zeros([2, 1, 3, 1, 2, 1, 2, 1], dtype=torch.int8),
+            "float64 empty": torch.empty(0, 7, dtype=torch.float64),
+        }
+        slot = moejit._Slot()
+        for what, tensor in cases.items():
+            address = slot.fill(tensor)
+            self.assertEqual(address, slot.address, what)
+            got = moejit.DLTensor.from_address(address)
+            data, device, ndim, dtype, shape, strides, _ = _dlpack_view(tensor)
+            self.assertEqual(got.data or 0, data, what)
+            self.assertEqual(got.byte_offset, 0, what)
+            self.assertEqual((got.device.device_type, got.device.device_id), device, what)
+            self.assertEqual(got.ndim, ndim, what)
+            self.assertEqual((got.dtype.code, got.dtype.bits, got.dtype.lanes), dtype, what)
+            self.assertEqual([got.shape[i] for i in range(ndim)], shape, what)
+            # A dimension of one element has no meaningful stride (torch's export may rewrite it,
+            # and the library ignores it); every other stride must agree, or be compact where the
+            # export gives none.
+            if strides is None:
+                strides, count = [0] * ndim, 1
+                for i in reversed(range(ndim)):
+                    strides[i], count = count, count * shape[i]
+            for i in range(ndim):
+                if shape[i] != 1:
+                    self.assertEqual(got.strides[i], strides[i], "{}: dim {}".format(what, i))
+
+    def test_what_the_fill_leaves_to_dlpack(self):
+        torch = _torch_or_skip(self)
+        slot = moejit._Slot()
+        leaves = {
+            "a tensor that requires grad": torch.zeros(4, requires_grad=True),
+            "a subclass": torch.nn.Parameter(torch.zeros(4), requires_grad=False),
+            "complex64": torch.zeros(4, dtype=torch.complex64),
+            "bool": torch.zeros(4, dtype=torch.bool),
+            "nine dims": torch.zeros([1] * 9),
+            "the negative bit": torch._neg_view(torch.zeros(4)),
+            "not a tensor": FakeTensor([4]),
+            "None": None,
+        }
+        for what, obj in leaves.items():
+            self.assertIsNone(slot.fill(obj), what)
+        # What DLPack refuses reaches the caller with torch's own message.
+        kept = []
+        with self.assertRaises((RuntimeError, BufferError)) as e:
+            moejit._dltensor(slot, leaves["a tensor that requires grad"], "hidden", kept)
+        self.assertIn("grad", str(e.exception))
+        # What it accepts is borrowed and kept for the call.
+        address = moejit._dltensor(slot, leaves["a subclass"], "hidden", kept)
+        self.assertEqual(len(kept), 1)
+        self.assertEqual(address, kept[0].address)
+        self.assertEqual(moejit.DLTensor.from_address(address).data,
+                         leaves["a subclass"].data_ptr())
+
+    def test_each_thread_fills_its_own_tensors(self):
+        import threading
+        _torch_or_skip(self)
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(moejit._forward_slots.slots))
+        worker.start()
+        worker.join()
+        mine = moejit._forward_slots.slots
+        self.assertEqual(len(mine), 4)
+        self.assertEqual(len(seen), 1)
+        self.assertTrue(all(a.address != b.address for a in mine for b in seen[0]))
+
+    def test_torch_host_tensors_are_refused_by_name(self):
+        torch = _torch_or_skip(self)
+        _register_once()
+        layer = moejit.MoeLayer("py-tiny")
+        weights = {name: FakeTensor([n], device=CUDA, address=0x10000)
+                   for name, n in layer.weight_bytes.items() if n}
+        hidden = torch.zeros(1, 512, dtype=torch.bfloat16)
+        ids = torch.zeros(1, 2, dtype=torch.int32)
+        topk = torch.zeros(1, 2)
+        out = torch.zeros(1, 512, dtype=torch.bfloat16)
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.forward(hidden, ids, topk, weights, torch.zeros(1 << 20, dtype=torch.uint8), out)
+        self.assertIn("workspace: expected a CUDA tensor", str(e.exception))
+        space = FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000)
+        if _driver_present():
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(hidden, ids, topk, weights, space, out)
+            self.assertIn("moejit_moe_forward_ex: hidden", str(e.exception))
+        else:
+            with self.assertRaises(moejit.DriverError) as e:
+                layer.forward(hidden, ids, topk, weights, space, out)
+            self.assertEqual(e.exception.status, 7)
+
+
 # ---- on a GPU, with torch -----------------------------------------------------------------------
 
 def gpu_unavailable():
@@ -388,6 +513,49 @@ class GpuTests(unittest.TestCase):
             graph.replay()
             torch.cuda.synchronize()
             self.assertTrue(torch.equal(out, outs["auto"]), tokens)
+            if tokens == 3:
+                self.check_torch_arguments(layer, weights, bound, hidden, ids, topk, workspace,
+                                           outs["auto"])
+
+    def check_torch_arguments(self, layer, weights, bound, hidden, ids, topk, workspace, want):
+        """The binding fills a DLTensor of its own for each torch argument: the library must read
+        each as torch lays it out (a view's offset, its strides, its dtype) and refuse by name."""
+        torch = self.torch
+        tokens, h = hidden.shape
+        rows = torch.full((tokens + 2, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer.forward(hidden, ids, topk, bound, workspace, rows[1:1 + tokens])
+        torch.cuda.synchronize()
+        self.assertTrue(torch.equal(rows[1:1 + tokens], want))
+        self.assertTrue(bool(rows[0].isnan().all() and rows[-1].isnan().all()))
+
+        def refused(parts, **changes):
+            args = dict(hidden=hidden, topk_ids=ids, topk_weights=topk, weights=bound,
+                        workspace=workspace,
+                        out=torch.empty_like(hidden))
+            args.update(changes)
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(**args)
+            for part in parts:
+                self.assertIn(part, str(e.exception))
+
+        wide = torch.empty(tokens, 2 * h, dtype=torch.bfloat16, device="cuda")
+        refused(["out: expected a contiguous row-major tensor", "strides [{}, 1]".format(2 * h)],
+                out=wide[:, :h])
+        refused(["topk_ids: expected dtype int32", "found dtype int64"], topk_ids=ids.long())
+        refused(["hidden: expected dtype bfloat16", "found dtype float32"], hidden=hidden.float())
+        refused(["topk_weights: expected shape"], topk_weights=topk[:, :1])
+        refused(["workspace: expected a contiguous tensor"],
+                workspace=workspace.view(2, -1)[:, :workspace.numel() // 4])
+        w2 = weights["w2"]
+        refused(["weights['w2']: expected at least {} bytes, found {}".format(
+            w2.numel(), w2.numel() - 1)], weights=dict(weights, w2=w2[1:]))
+        refused(["weights['w2']: expected a contiguous tensor"],
+                weights=dict(weights, w2=w2.view(2, -1)[:, ::2]))
+        # The dict's buffers, read from torch's accessors, are the bound ones.
+        out = torch.full_like(hidden, float("nan"))
+        layer.forward(hidden, ids, topk, weights, workspace, out)
+        torch.cuda.synchronize()
+        self.assertTrue(torch.equal(out, want))
 
 
     def test_gpt_oss_checkpoint_with_biases_matches_fp64(self):
@@ -460,7 +628,7 @@ class GpuTests(unittest.TestCase):
 
 
 def main(argv):
-    groups = {"cpu": CpuTests, "gpu": GpuTests}
+    groups = {"cpu": (CpuTests, TorchFillTests), "gpu": (GpuTests,)}
     if len(argv) != 2 or argv[1] not in groups:
         print("usage: test_python_binding.py cpu|gpu", file=sys.stderr)
         return 2
@@ -469,7 +637,8 @@ def main(argv):
         if why:
             print("skipped: the GPU group needs torch on a CUDA GPU: " + why)
             return 77
-    suite = unittest.defaultTestLoader.loadTestsFromTestCase(groups[argv[1]])
+    suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(group)
+                               for group in groups[argv[1]])
     result = unittest.TextTestRunner(verbosity=2).run(suite)
     return 0 if result.wasSuccessful() else 1
 

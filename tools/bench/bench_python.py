@@ -2,13 +2,16 @@
 
     MOEJIT_LIBRARY=build/libmoejit.so PYTHONPATH=src/python \
         python3 tools/bench/bench_python.py [--shape qwen3-30b-a3b] [--tokens 1] [--calls 2000]
+            [--warmup 3000]
 
 Needs torch on a CUDA GPU. Registers tools/shapes/reference.json, prewarms the shape, fills its
-repacked weights with random bytes (the timing does not depend on the values), then prints
-medians over --calls calls of: the host time of `layer.forward` with a dict of weights and with
-bound weights (calls issued back to back, the stream drained after each batch of 50), one torch
-`__dlpack__`, the binding's lookup of torch's current stream beside torch's public one, and the
-layer's GPU time per call (CUDA events around a graph of 50 calls).
+repacked weights with random bytes (the timing does not depend on the values), runs --warmup
+forwards (a process's first ~2000 forwards ran ~25 us slower than later ones, tools/PERF_LOG.md,
+fifty-eighth session), then prints medians over --calls calls of: the host time of
+`layer.forward` with a dict of weights and with bound weights (calls issued back to back, the
+stream drained after each batch of 50), one torch `__dlpack__` beside the binding's own
+description of the same tensor, the binding's lookup of torch's current stream beside torch's
+public one, and the layer's GPU time per call (CUDA events around a graph of 50 calls).
 """
 
 import argparse
@@ -24,6 +27,7 @@ def main():
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=3000)
     args = parser.parse_args()
 
     import torch
@@ -96,14 +100,22 @@ def main():
         end.synchronize()
         gpu.append(begin.elapsed_time(end) * 1e3 / 50)
 
-    print("shape {}, T = {}, {} calls, libmoejit {}".format(args.shape, t, args.calls,
-                                                             moejit.version()))
+    for _ in range(args.warmup):
+        forward_bound()
+    torch.cuda.synchronize()
+
+    print("shape {}, T = {}, {} calls after {} warm-up forwards, libmoejit {}, binding {}".format(
+        args.shape, t, args.calls, args.warmup, moejit.version(), moejit.__file__))
     print("  host us a call, forward with a dict of weights : {:8.2f}".format(
         host_us(forward_dict)))
     print("  host us a call, forward with bound weights     : {:8.2f}".format(
         host_us(forward_bound)))
     print("  host us, one torch __dlpack__(stream=-1)       : {:8.2f}".format(
         host_us(lambda: hidden.__dlpack__(stream=-1))))
+    if hasattr(moejit, "_Slot"):  # a binding that describes torch tensors itself
+        slot = moejit._Slot()
+        print("  host us, the binding's own DLTensor of it      : {:8.2f}".format(
+            host_us(lambda: slot.fill(hidden))))
     print("  host us, the binding's current-stream lookup   : {:8.2f}".format(
         host_us(lambda: moejit._stream_handle(None))))
     print("  host us, torch.cuda.current_stream() handle    : {:8.2f}".format(
