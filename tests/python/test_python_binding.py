@@ -88,6 +88,17 @@ def _driver_present():
         return False
 
 
+def _context_current():
+    """Whether a CUDA context is current on this thread: only then does the library read a
+    forward's tensors; without one it refuses the call (DriverError) before it looks at them."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    context = ctypes.c_void_p()
+    return cuda.cuCtxGetCurrent(ctypes.byref(context)) == 0 and bool(context.value)
+
+
 # ---- without a GPU ------------------------------------------------------------------------------
 
 class CpuTests(unittest.TestCase):
@@ -251,8 +262,8 @@ class CpuTests(unittest.TestCase):
         layer = moejit.MoeLayer("py-tiny")
         hidden = FakeTensor([1, 512], BF16)
         space = FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000)
-        if _driver_present():
-            # A driver: the library refuses the host tensor before any launch.
+        if _context_current():
+            # A current context: the library refuses the host tensor before any launch.
             with self.assertRaises(moejit.InvalidArgument) as e:
                 layer.forward(hidden, FakeTensor([1, 2], INT32), FakeTensor([1, 2], (2, 32)),
                               self._weights(layer), space, FakeTensor([1, 512], BF16))
@@ -384,7 +395,7 @@ class TorchFillTests(unittest.TestCase):
             layer.forward(hidden, ids, topk, weights, torch.zeros(1 << 20, dtype=torch.uint8), out)
         self.assertIn("workspace: expected a CUDA tensor", str(e.exception))
         space = FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000)
-        if _driver_present():
+        if _context_current():
             with self.assertRaises(moejit.InvalidArgument) as e:
                 layer.forward(hidden, ids, topk, weights, space, out)
             self.assertIn("moejit_moe_forward_ex: hidden", str(e.exception))
@@ -543,7 +554,9 @@ class GpuTests(unittest.TestCase):
                 out=wide[:, :h])
         refused(["topk_ids: expected dtype int32", "found dtype int64"], topk_ids=ids.long())
         refused(["hidden: expected dtype bfloat16", "found dtype float32"], hidden=hidden.float())
-        refused(["topk_weights: expected shape"], topk_weights=topk[:, :1])
+        refused(["topk_weights: expected a contiguous row-major tensor", "strides [2, 1]"],
+                topk_weights=topk[:, :1])
+        refused(["topk_weights: expected shape"], topk_weights=topk[:, :1].contiguous())
         refused(["workspace: expected a contiguous tensor"],
                 workspace=workspace.view(2, -1)[:, :workspace.numel() // 4])
         w2 = weights["w2"]
