@@ -463,10 +463,11 @@ class GpuTests(unittest.TestCase):
                     want[t] += float(topk[t, s]) * expert(ex, x[t])
         return want
 
-    def test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph(self):
+    def tiny_layer(self, gen):
+        """py-tiny's layer, its repacked weights (a dict of CUDA buffers) and the checkpoint they
+        came from: random nibbles, scales 2^-7 .. 2^3 (w1, w1_s, w3, w3_s, w2, w2_s)."""
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(20261205)
-        e, k, h, i = TINY["num_experts"], TINY["top_k"], TINY["hidden"], TINY["intermediate"]
+        e, h, i = TINY["num_experts"], TINY["hidden"], TINY["intermediate"]
 
         def nibbles(rows, cols):
             return torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8,
@@ -476,16 +477,22 @@ class GpuTests(unittest.TestCase):
             return torch.randint(120, 131, (e, rows, cols // 32), dtype=torch.uint8,
                                  device="cuda", generator=gen)
 
-        w1, w1_s, w3, w3_s = nibbles(i, h), scales(i, h), nibbles(i, h), scales(i, h)
-        w2, w2_s = nibbles(h, i), scales(h, i)
+        checkpoint = (nibbles(i, h), scales(i, h), nibbles(i, h), scales(i, h), nibbles(h, i),
+                      scales(h, i))
         layer = moejit.MoeLayer("py-tiny")
         weights = {name: torch.empty(n, dtype=torch.uint8, device="cuda")
                    for name, n in layer.weight_bytes.items() if n}
         bad = torch.zeros(1, dtype=torch.int32, device="cuda")
-        layer.repack_separate(w1, w1_s, w3, w3_s, w2, w2_s, weights, bad_scale_count=bad)
+        layer.repack_separate(*checkpoint, weights, bad_scale_count=bad)
         torch.cuda.synchronize()
         self.assertEqual(int(bad.item()), 0)
+        return layer, weights, checkpoint
 
+    def test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph(self):
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(20261205)
+        e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
+        layer, weights, (w1, w1_s, w3, w3_s, w2, w2_s) = self.tiny_layer(gen)
         g, u, d = self.dequant(w1, w1_s), self.dequant(w3, w3_s), self.dequant(w2, w2_s)
         workspace = torch.empty(layer.workspace_bytes(8), dtype=torch.uint8, device="cuda")
         for tokens in (1, 3, 8):
@@ -570,6 +577,51 @@ class GpuTests(unittest.TestCase):
         torch.cuda.synchronize()
         self.assertTrue(torch.equal(out, want))
 
+
+    def test_threads_forward_at_once_each_with_its_own_tensors(self):
+        """Forwards from several threads at once, each on its own stream with its own tensors
+        and T: the ctypes call releases the GIL, so a DLTensor shared between threads would be
+        refilled by one thread while the library reads it for another. Every output must be the
+        bits the same forward gives alone."""
+        import threading
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(20261207)
+        e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
+        layer, weights, _ = self.tiny_layer(gen)
+        bound = layer.bind_weights(weights)
+        jobs = []
+        for tokens in (1, 2, 3, 5, 6, 8):
+            hidden, ids, topk = self.routed_tokens(gen, tokens, h, e, k)
+            workspace = torch.empty(layer.workspace_bytes(tokens), dtype=torch.uint8,
+                                    device="cuda")
+            alone = torch.full((tokens, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+            layer.forward(hidden, ids, topk, bound, workspace, alone)
+            jobs.append((hidden, ids, topk, workspace, alone))
+        torch.cuda.synchronize()
+        rounds, mismatches, errors = 40, [], []
+
+        def run(job_index):
+            hidden, ids, topk, workspace, alone = jobs[job_index]
+            stream = torch.cuda.Stream()
+            try:
+                with torch.cuda.stream(stream):
+                    for r in range(rounds):
+                        out = torch.full_like(alone, float("nan"))
+                        layer.forward(hidden, ids, topk, bound, workspace, out)
+                        stream.synchronize()
+                        if not torch.equal(out, alone):
+                            mismatches.append((job_index, r))
+            except Exception as error:  # reported below, with the thread's job
+                errors.append((job_index, repr(error)))
+
+        threads = [threading.Thread(target=run, args=(j,)) for j in range(len(jobs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(mismatches, [])
+        self.assertTrue(all(bool(torch.isfinite(job[4].float()).all()) for job in jobs))
 
     def test_gpt_oss_checkpoint_with_biases_matches_fp64(self):
         torch = self.torch
