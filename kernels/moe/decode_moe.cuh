@@ -479,9 +479,12 @@ struct CtaShared {
 };
 
 // The end of the routing, for every warp: the routing warps after their tables, the producer
-// after its first claim.
+// after its first claim. Why barrier.sync and not bar.sync: the two roles reach this barrier
+// from different instructions, and bar.sync is barrier.sync.aligned, which the PTX ISA leaves
+// undefined unless every thread executes the same instruction (compute-sanitizer's synccheck
+// reported it: tools/PERF_LOG.md "main's kernels under compute-sanitizer").
 __device__ __forceinline__ void routing_done() {
-  asm volatile("bar.sync 3, %0;" ::"n"(kThreads) : "memory");
+  asm volatile("barrier.sync 3, %0;" ::"n"(kThreads) : "memory");
 }
 
 // The routing's count of virtual experts (route()'s scan total, low 16 bits), after routing_done().

@@ -22,6 +22,13 @@
 #       moejit_bench_moe --section SECTION --gap-ms 5 for each build in turn, per seed in $SEEDS
 #       (default "1 2"), so builds alternate on the same machine state; BENCH_ARGS go to every
 #       run (e.g. --models qwen3-30b-a3b --tokens 256 --no-dense).
+#   tools/prof/device.sh sanitize NAME TOOL
+#       compute-sanitizer's TOOL (memcheck, initcheck, synccheck or racecheck) over the GPU tests
+#       that run every kernel family and tile against the fp64 reference, each with a time limit
+#       (a run cut short still reports the kernels it ran): the error summary and the distinct
+#       reports by kernel and instruction offset. For synccheck and racecheck, first
+#       tools/prof/sanitizer_patterns.cu under the same tool (built with the GPU machine's nvcc):
+#       which correct patterns the tool reports anyway.
 #   tools/prof/device.sh stalls NAME KERNEL_REGEX LAUNCH_SKIP [BENCH_ARGS...]
 #       ncu of one launch (the LAUNCH_SKIP-th match of KERNEL_REGEX) inside moejit_bench_moe
 #       BENCH_ARGS: the warp stall metrics, then the per-instruction export read by
@@ -191,6 +198,64 @@ cmd_ab() {
   done
 }
 
+cmd_sanitize() {
+  [[ $# -eq 2 ]] || usage
+  local name=$1 tool=$2 dir cs
+  dir=$(build_of "$name")
+  [[ $tool =~ ^(memcheck|initcheck|synccheck|racecheck)$ ]] ||
+    die "tool '$tool': memcheck, initcheck, synccheck or racecheck"
+  cs=$(command -v compute-sanitizer) || cs=""
+  if [[ -z $cs ]]; then
+    local candidate
+    for candidate in /usr/local/cuda*/bin/compute-sanitizer; do
+      [[ -x $candidate ]] && cs=$candidate && break
+    done
+  fi
+  [[ -n $cs ]] || die "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"
+  if [[ $tool == synccheck || $tool == racecheck ]]; then
+    local nvcc patterns=$out/sanitizer_patterns c
+    nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -n 1) ||
+      die "nvcc not found: needed to build tools/prof/sanitizer_patterns.cu"
+    "$nvcc" -std=c++17 -arch=sm_90a -O2 -o "$patterns" "$root/tools/prof/sanitizer_patterns.cu" ||
+      die "tools/prof/sanitizer_patterns.cu did not build"
+    echo "== $tool on tools/prof/sanitizer_patterns.cu (a case a process)"
+    for c in 0 1 2 3 4 5 6 7 8; do
+      "$cs" --tool "$tool" --print-limit 1 "$patterns" "$c" >"$out/patterns-$tool-$c.txt" 2>&1 ||
+        true
+      echo "case $c: $(grep -m 1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/patterns-$tool-$c.txt")" \
+        "$(grep -m 1 -oE 'Barrier error detected\. [^.]*\.|Race reported' "$out/patterns-$tool-$c.txt")"
+    done
+  fi
+  # The cases and their limits (s): together they launch every kernel family and tile.
+  local runs=("decode_moe: served*|150" "moe_forward: reference shapes*|150"
+    "moe_forward: the short-K*,moe_forward: the prefill tiles*|100"
+    "append_shared: every size*,moe repack: GPU round trip*,moe route: workspace*|60")
+  local run spec limit log rc i=0
+  for run in "${runs[@]}"; do
+    spec=${run%|*}
+    limit=${run##*|}
+    log=$out/sanitize-$tool-$name-$i.txt
+    i=$((i + 1))
+    rc=0
+    (device_env "$name" && timeout --kill-after=5 "$limit" "$cs" --tool "$tool" \
+      --report-api-errors no --print-limit 200 --error-exitcode 99 \
+      "$dir/moejit_gpu_tests" "$spec" -d yes) >"$log" 2>&1 || rc=$?
+    echo "== $tool, '$spec': rc $rc$([[ $rc -eq 124 ]] && echo " (cut at $limit s)") ($(elapsed))"
+    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|^test cases:' "$log" | tail -n 3 || true
+    # Each report's kind and place: the kernel (template arguments dropped) and the offset of
+    # its instruction, to look up in the SASS of the kernel's cubin (cuobjdump -sass).
+    awk '/^========= (Error|Invalid|Barrier|Uninitialized|Misaligned|Out of)/ {
+        kind = $0; sub(/^========= /, "", kind); sub(/ at void .*/, "", kind)
+        place = $0; if (place !~ / at void /) getline place
+        if (match(place, /at void [^<(]+/)) {
+          name = substr(place, RSTART + 8, RLENGTH - 8); off = ""
+          if (match(place, /[+]0x[0-9a-f]+/)) off = substr(place, RSTART, RLENGTH)
+          print kind " at " name off
+        }
+      }' "$log" | sort | uniq -c | sort -rn | head -n 12 || true
+  done
+}
+
 cmd_stalls() {
   [[ $# -ge 3 ]] || usage
   local name=$1 regex=$2 skip=$3 dir ncu
@@ -236,10 +301,10 @@ shift
 t0=$(date +%s)
 case $command in
   stage) cmd_stage "$@" ;;
-  suite | tables | ab | stalls)
+  suite | tables | ab | sanitize | stalls)
     mkdir -p "$out"
     "cmd_$command" "$@"
     ;;
   -h | --help | help) usage 0 ;;
-  *) die "unknown command '$command' (stage, suite, tables, ab, stalls; --help)" ;;
+  *) die "unknown command '$command' (stage, suite, tables, ab, sanitize, stalls; --help)" ;;
 esac

@@ -1,0 +1,194 @@
+// libmoejit tools/prof: the synchronization patterns of the decode kernels, each alone in a small
+// kernel, to read compute-sanitizer's racecheck and synccheck reports on the library's kernels
+// against (`tools/prof/device.sh sanitize`; tools/PERF_LOG.md "main's kernels under
+// compute-sanitizer"). One CTA of 320 threads (10 warps) a case; warp 9 plays the producer,
+// warps 0-7 the consumers. Every case but 0 and 1 is correct by the PTX ISA.
+//
+//   case  pattern                                                  racecheck  synccheck
+//   0     a store and a load with no synchronization (control)     race       -
+//   1     barrier 3 reached from two instructions as bar.sync      -          divergent
+//         (bar.sync is barrier.sync.aligned: undefined unless every thread runs the same one)
+//   2     plain stores handed over by mbarrier arrive / try_wait   race       -
+//   3     a bulk copy completing on an mbarrier (arrive.expect_tx) -          -
+//   4     plain stores handed over by st.release / ld.acquire      race       -
+//   5     loads, then an mbarrier arrive; the overwrite after      race       -
+//         the producer's wait (write after read)
+//   6     cp.async, each lane's cp.async.mbarrier.arrive, then     -          overflow
+//         one counted arrive (the PTX ISA's own example)
+//   7     case 1 with barrier.sync (not aligned)                   -          -
+//   8     expect_tx alone, a bulk copy, then a plain arrive        -          -
+// (compute-sanitizer 2025.3.1 on an H100, 2026-12-05.) So racecheck does not see an mbarrier's
+// or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
+// non-.noinc arrive-on as an arrival without its increment (6).
+//
+// Build: nvcc -std=c++17 -arch=sm_90a -O2 -o sanitizer_patterns sanitizer_patterns.cu
+// Run: sanitizer_patterns [CASE]: every case, or only CASE (synccheck ends a process at its
+// first barrier error).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+namespace {
+
+__device__ __forceinline__ uint32_t su32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(su32(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(su32(p)) : "memory");
+  return v;
+}
+
+template <int kCase>
+__global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* out) {
+  __shared__ alignas(128) uint32_t data[256];
+  __shared__ alignas(8) uint64_t bar[2];
+  __shared__ uint32_t flag;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) {
+    mbar_init(su32(&bar[0]), 1);
+    mbar_init(su32(&bar[1]), 8);
+    flag = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint32_t acc = 0;
+  if constexpr (kCase == 0) {
+    if (warp == 9) data[lane] = lane;
+    if (warp == 0) acc = data[31 - lane];
+  } else if constexpr (kCase == 1 || kCase == 7) {
+    if (warp < 9) {
+      if (tid < 256) data[tid] = tid;
+      asm volatile("bar.sync 2, 288;" ::: "memory");
+      if constexpr (kCase == 1) {
+        asm volatile("bar.sync 3, 320;" ::: "memory");
+      } else {
+        asm volatile("barrier.sync 3, 320;" ::: "memory");
+      }
+    } else {
+      if constexpr (kCase == 1) {
+        asm volatile("bar.sync 3, 320;" ::: "memory");
+      } else {
+        asm volatile("barrier.sync 3, 320;" ::: "memory");
+      }
+      acc = data[(tid * 7) % 256];
+    }
+  } else if constexpr (kCase == 2) {
+    if (warp == 9) {
+      data[lane] = lane + 1;
+      __syncwarp();
+      if (lane == 0) mbar_arrive(su32(&bar[0]));
+    } else if (warp < 8) {
+      mbar_wait(su32(&bar[0]), 0);
+      acc = data[31 - lane];
+    }
+  } else if constexpr (kCase == 3) {
+    if (warp == 9 && lane == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(&bar[0])),
+                   "r"(1024)
+                   : "memory");
+      bulk_copy(su32(data), src, 1024, su32(&bar[0]));
+    } else if (warp < 8) {
+      mbar_wait(su32(&bar[0]), 0);
+      acc = data[(tid * 5) % 256];
+    }
+  } else if constexpr (kCase == 4) {
+    if (warp == 9) {
+      data[lane] = lane + 2;
+      __syncwarp();
+      if (lane == 0) st_release(&flag, 1);
+    } else if (warp < 8) {
+      while (ld_acquire(&flag) == 0) {
+      }
+      acc = data[31 - lane];
+    }
+  } else if constexpr (kCase == 5) {
+    if (warp < 8) {
+      acc = data[(tid * 3) % 256];
+      __syncwarp();
+      if (lane == 0) mbar_arrive(su32(&bar[1]));
+    } else if (warp == 9) {
+      mbar_wait(su32(&bar[1]), 0);
+      data[lane] = 7;
+    }
+  } else if constexpr (kCase == 6) {
+    if (warp == 9) {
+      // Each lane's arrive-on raises the pending count and arrives once its copy has landed; lane
+      // 0 then makes the one counted arrival.
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(su32(data + 4 * lane)),
+                   "l"(src + 4 * lane)
+                   : "memory");
+      asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(su32(&bar[0]))
+                   : "memory");
+      __syncwarp();
+      if (lane == 0) mbar_arrive(su32(&bar[0]));
+    } else if (warp < 8) {
+      mbar_wait(su32(&bar[0]), 0);
+      acc = data[(tid * 5) % 128];
+    }
+  } else if constexpr (kCase == 8) {
+    if (warp == 9 && lane == 0) {
+      asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(
+                       su32(&bar[0])),
+                   "r"(1024)
+                   : "memory");
+      bulk_copy(su32(data), src, 1024, su32(&bar[0]));
+      mbar_arrive(su32(&bar[0]));
+    } else if (warp < 8) {
+      mbar_wait(su32(&bar[0]), 0);
+      acc = data[(tid * 5) % 256];
+    }
+  }
+  out[tid] = acc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int only = argc > 1 ? atoi(argv[1]) : -1;
+  uint32_t* src = nullptr;
+  uint32_t* out = nullptr;
+  if (cudaMalloc(&src, 4096) != cudaSuccess || cudaMalloc(&out, 320 * 4) != cudaSuccess ||
+      cudaMemset(src, 1, 4096) != cudaSuccess) {
+    fprintf(stderr, "sanitizer_patterns: no GPU memory\n");
+    return 2;
+  }
+  void (*cases[])(const uint32_t*, uint32_t*) = {pattern<0>, pattern<1>, pattern<2>,
+                                                 pattern<3>, pattern<4>, pattern<5>,
+                                                 pattern<6>, pattern<7>, pattern<8>};
+  constexpr int kCases = sizeof(cases) / sizeof(cases[0]);
+  for (int c = 0; c < kCases; ++c) {
+    if (only < 0 || only == c) cases[c]<<<1, 320>>>(src, out);
+  }
+  const cudaError_t e = cudaDeviceSynchronize();
+  printf("cases done: %s\n", cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 1;
+}
