@@ -216,8 +216,11 @@ cmd_sanitize() {
     local nvcc patterns=$out/sanitizer_patterns c
     nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -n 1) ||
       die "nvcc not found: needed to build tools/prof/sanitizer_patterns.cu"
-    "$nvcc" -std=c++17 -arch=sm_90a -O2 -o "$patterns" "$root/tools/prof/sanitizer_patterns.cu" ||
-      die "tools/prof/sanitizer_patterns.cu did not build"
+    # It includes the kernels' own wrappers as the library embeds them: moejit/kern = kernels/.
+    mkdir -p "$out/include/moejit"
+    ln -sfn "$root/kernels" "$out/include/moejit/kern"
+    "$nvcc" -std=c++17 -arch=sm_90a -O2 -I "$out/include" -o "$patterns" \
+      "$root/tools/prof/sanitizer_patterns.cu" || die "tools/prof/sanitizer_patterns.cu did not build"
     echo "== $tool on tools/prof/sanitizer_patterns.cu (a case a process)"
     for c in 0 1 2 3 4 5 6 7 8; do
       "$cs" --tool "$tool" --print-limit 1 "$patterns" "$c" >"$out/patterns-$tool-$c.txt" 2>&1 ||

@@ -16,56 +16,28 @@
 //   6     cp.async, each lane's cp.async.mbarrier.arrive, then     -          overflow
 //         one counted arrive (the PTX ISA's own example)
 //   7     case 1 with barrier.sync (not aligned)                   -          -
-//   8     expect_tx alone, a bulk copy, then a plain arrive        -          -
-// (compute-sanitizer 2025.3.1 on an H100, 2026-12-05.) So racecheck does not see an mbarrier's
+//   8     expect_tx alone, a bulk copy, then a plain arrive        (not run)  -
+// (compute-sanitizer 2025.3.1 on an H100, 2026-12-05, with the same PTX written out in this file;
+// it now calls the kernels' own wrappers, pipe.cuh and ptx.cuh, and was not rerun.) So racecheck does not see an mbarrier's
 // or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
 // non-.noinc arrive-on as an arrival without its increment (6).
 //
-// Build: nvcc -std=c++17 -arch=sm_90a -O2 -o sanitizer_patterns sanitizer_patterns.cu
+// Build (an include directory in which moejit/kern is the repository's kernels/, as the library
+// embeds them): nvcc -std=c++17 -arch=sm_90a -O2 -I INC -o sanitizer_patterns
+// sanitizer_patterns.cu
 // Run: sanitizer_patterns [CASE]: every case, or only CASE (synccheck ends a process at its
 // first barrier error).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
+#include <moejit/kern/moe/pipe.cuh>
+#include <moejit/kern/moe/ptx.cuh>
+
 namespace {
 
-__device__ __forceinline__ uint32_t su32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(su32(p)), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(su32(p)) : "memory");
-  return v;
-}
+namespace pipe = moejit::kern::moe::decode::pipe;
+using moejit::kern::moe::ptx::smem_u32;
 
 template <int kCase>
 __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* out) {
@@ -74,10 +46,10 @@ __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* ou
   __shared__ uint32_t flag;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   if (tid == 0) {
-    mbar_init(su32(&bar[0]), 1);
-    mbar_init(su32(&bar[1]), 8);
+    pipe::mbar_init(smem_u32(&bar[0]), 1);
+    pipe::mbar_init(smem_u32(&bar[1]), 8);
     flag = 0;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    pipe::fence_mbar_init();
   }
   __syncthreads();
   uint32_t acc = 0;
@@ -105,28 +77,30 @@ __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* ou
     if (warp == 9) {
       data[lane] = lane + 1;
       __syncwarp();
-      if (lane == 0) mbar_arrive(su32(&bar[0]));
+      if (lane == 0) pipe::arrive(smem_u32(&bar[0]));
     } else if (warp < 8) {
-      mbar_wait(su32(&bar[0]), 0);
+      pipe::wait(smem_u32(&bar[0]), 0);
       acc = data[31 - lane];
     }
   } else if constexpr (kCase == 3) {
     if (warp == 9 && lane == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(&bar[0])),
+      // The combined arrive and expect_tx (pipe.cuh has them apart: case 8).
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                       smem_u32(&bar[0])),
                    "r"(1024)
                    : "memory");
-      bulk_copy(su32(data), src, 1024, su32(&bar[0]));
+      pipe::copy(smem_u32(data), src, 1024, smem_u32(&bar[0]));
     } else if (warp < 8) {
-      mbar_wait(su32(&bar[0]), 0);
+      pipe::wait(smem_u32(&bar[0]), 0);
       acc = data[(tid * 5) % 256];
     }
   } else if constexpr (kCase == 4) {
     if (warp == 9) {
       data[lane] = lane + 2;
       __syncwarp();
-      if (lane == 0) st_release(&flag, 1);
+      if (lane == 0) pipe::store_release_cta(&flag, 1);
     } else if (warp < 8) {
-      while (ld_acquire(&flag) == 0) {
+      while (pipe::load_acquire_cta(&flag) == 0) {
       }
       acc = data[31 - lane];
     }
@@ -134,36 +108,30 @@ __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* ou
     if (warp < 8) {
       acc = data[(tid * 3) % 256];
       __syncwarp();
-      if (lane == 0) mbar_arrive(su32(&bar[1]));
+      if (lane == 0) pipe::arrive(smem_u32(&bar[1]));
     } else if (warp == 9) {
-      mbar_wait(su32(&bar[1]), 0);
+      pipe::wait(smem_u32(&bar[1]), 0);
       data[lane] = 7;
     }
   } else if constexpr (kCase == 6) {
     if (warp == 9) {
       // Each lane's arrive-on raises the pending count and arrives once its copy has landed; lane
       // 0 then makes the one counted arrival.
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(su32(data + 4 * lane)),
-                   "l"(src + 4 * lane)
-                   : "memory");
-      asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(su32(&bar[0]))
-                   : "memory");
+      moejit::kern::moe::ptx::cp_async_16(smem_u32(data + 4 * lane), src + 4 * lane, 16);
+      pipe::arrive_on_copies(smem_u32(&bar[0]));
       __syncwarp();
-      if (lane == 0) mbar_arrive(su32(&bar[0]));
+      if (lane == 0) pipe::arrive(smem_u32(&bar[0]));
     } else if (warp < 8) {
-      mbar_wait(su32(&bar[0]), 0);
+      pipe::wait(smem_u32(&bar[0]), 0);
       acc = data[(tid * 5) % 128];
     }
   } else if constexpr (kCase == 8) {
     if (warp == 9 && lane == 0) {
-      asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(
-                       su32(&bar[0])),
-                   "r"(1024)
-                   : "memory");
-      bulk_copy(su32(data), src, 1024, su32(&bar[0]));
-      mbar_arrive(su32(&bar[0]));
+      pipe::expect_tx(smem_u32(&bar[0]), 1024);
+      pipe::copy(smem_u32(data), src, 1024, smem_u32(&bar[0]));
+      pipe::arrive(smem_u32(&bar[0]));
     } else if (warp < 8) {
-      mbar_wait(su32(&bar[0]), 0);
+      pipe::wait(smem_u32(&bar[0]), 0);
       acc = data[(tid * 5) % 256];
     }
   }
