@@ -247,6 +247,19 @@ def weight_layout_version():
 
 # ---- tensors and streams ------------------------------------------------------------------------
 
+def _not_contiguous(name, strides):
+    """The error for a buffer argument (the workspace, a weight) that is not contiguous."""
+    return InvalidArgument("{}: expected a contiguous tensor, found strides {}; pass "
+                           ".contiguous()".format(name, list(strides)))
+
+
+def _check_buffer_bytes(name, nbytes, expected_bytes):
+    """Refuses a buffer argument shorter than the library asks for."""
+    if nbytes < expected_bytes:
+        raise InvalidArgument("{}: expected at least {} bytes, found {}".format(
+            name, expected_bytes, nbytes))
+
+
 class _Borrowed:
     """The DLTensor of one object's __dlpack__ capsule, by address; the capsule (and so the
     tensor's memory) stays alive as long as this object. `None` borrows nothing: a null pointer."""
@@ -288,15 +301,11 @@ class _Borrowed:
         count = 1
         for i in reversed(range(ndim)):
             if strides and shape[i] != 1 and strides[i] != count:
-                raise InvalidArgument("{}: expected a contiguous tensor, found strides {}; "
-                                      "pass .contiguous()".format(
-                                          self.name, [strides[j] for j in range(ndim)]))
+                raise _not_contiguous(self.name, (strides[j] for j in range(ndim)))
             count *= shape[i]
         dtype = t.dtype
         nbytes = count * dtype.bits * dtype.lanes // 8
-        if nbytes < expected_bytes:
-            raise InvalidArgument("{}: expected at least {} bytes, found {}".format(
-                self.name, expected_bytes, nbytes))
+        _check_buffer_bytes(self.name, nbytes, expected_bytes)
         return (t.data or 0) + t.byte_offset, nbytes
 
     def device_address(self, expected_bytes):
@@ -399,12 +408,9 @@ def _device_buffer(obj, name, expected_bytes=0):
     anything else through DLPack (keep-alive: the borrow, held until the call returns)."""
     if _plain_torch(obj) is not None and obj.is_cuda:
         if not obj.is_contiguous():
-            raise InvalidArgument("{}: expected a contiguous tensor, found strides {}; pass "
-                                  ".contiguous()".format(name, list(obj.stride())))
+            raise _not_contiguous(name, obj.stride())
         nbytes = obj.nbytes
-        if nbytes < expected_bytes:
-            raise InvalidArgument("{}: expected at least {} bytes, found {}".format(
-                name, expected_bytes, nbytes))
+        _check_buffer_bytes(name, nbytes, expected_bytes)
         return obj.data_ptr(), nbytes, None
     borrowed = _Borrowed(obj, name)
     return borrowed.device_buffer(expected_bytes) + (borrowed,)

@@ -576,7 +576,6 @@ class GpuTests(unittest.TestCase):
         torch.cuda.synchronize()
         self.assertTrue(torch.equal(out, want))
 
-
     def test_threads_forward_at_once_each_with_its_own_tensors(self):
         """Forwards from several threads at once, each on its own stream with its own tensors
         and T: the ctypes call releases the GIL, so a DLTensor shared between threads would be
