@@ -611,7 +611,7 @@ class MoeLayer:
                                                 (w13_scales, "w13_scales"),
                                                 (w2_blocks, "w2_blocks"), (w2_scales, "w2_scales"))]
         struct, keep_alive = self._weights(target, "target", with_biases=False)
-        counter = self._counter(bad_scale_count)
+        counter, counter_borrow = self._counter(bad_scale_count)
         _check(_lib.moejit_moe_repack_gpt_oss(self._live(), *[b.address for b in inputs],
                                               ctypes.byref(struct), int(first_expert), counter,
                                               _stream_handle(stream)))
@@ -623,20 +623,22 @@ class MoeLayer:
                                                 (w3_blocks, "w3_blocks"), (w3_scales, "w3_scales"),
                                                 (w2_blocks, "w2_blocks"), (w2_scales, "w2_scales"))]
         struct, keep_alive = self._weights(target, "target", with_biases=False)
-        counter = self._counter(bad_scale_count)
+        counter, counter_borrow = self._counter(bad_scale_count)
         _check(_lib.moejit_moe_repack_separate(self._live(), *[b.address for b in inputs],
                                                ctypes.byref(struct), int(first_expert), counter,
                                                _stream_handle(stream)))
 
     @staticmethod
     def _counter(bad_scale_count):
+        """(address, borrow) of the optional counter; the caller holds the borrow until the call
+        returns, as the address is only valid while the capsule lives."""
         if bad_scale_count is None:
-            return None
+            return None, None
         borrowed = _Borrowed(bad_scale_count, "bad_scale_count")
         t = borrowed.tensor
         if t.dtype.code != 0 or t.dtype.bits != 32 or t.dtype.lanes != 1:
             raise InvalidArgument("bad_scale_count: expected an int32 tensor [1]")
-        return borrowed.device_address(4)
+        return borrowed.device_address(4), borrowed
 
     def forward(self, hidden, topk_ids, topk_weights, weights, workspace, out, path="auto",
                 decode_block_n=0, stream=None):
