@@ -22,13 +22,16 @@
 #       moejit_bench_moe --section SECTION --gap-ms 5 for each build in turn, per seed in $SEEDS
 #       (default "1 2"), so builds alternate on the same machine state; BENCH_ARGS go to every
 #       run (e.g. --models qwen3-30b-a3b --tokens 256 --no-dense).
-#   tools/prof/device.sh sanitize NAME TOOL
+#   tools/prof/device.sh sanitize NAME TOOL [TEST_SPEC LIMIT_S]
 #       compute-sanitizer's TOOL (memcheck, initcheck, synccheck or racecheck) over the GPU tests
 #       that run every kernel family and tile against the fp64 reference, each with a time limit
-#       (a run cut short still reports the kernels it ran): the error summary and the distinct
+#       (a run cut short still reports the kernels it ran), or over TEST_SPEC alone (a Catch2
+#       test spec of moejit_gpu_tests) for LIMIT_S seconds: the error summary and the distinct
 #       reports by kernel and instruction offset. For synccheck and racecheck, first
 #       tools/prof/sanitizer_patterns.cu under the same tool (built with the GPU machine's nvcc):
-#       which correct patterns the tool reports anyway.
+#       which correct patterns the tool reports anyway. RACECHECK_REPORT=hazard (or all) prints
+#       racecheck's hazards one by one, with their threads and shared-memory addresses, in place
+#       of its analysis; the first of them are shown.
 #   tools/prof/device.sh stalls NAME KERNEL_REGEX LAUNCH_SKIP [BENCH_ARGS...]
 #       ncu of one launch (the LAUNCH_SKIP-th match of KERNEL_REGEX) inside moejit_bench_moe
 #       BENCH_ARGS: the warp stall metrics, then the per-instruction export read by
@@ -199,11 +202,15 @@ cmd_ab() {
 }
 
 cmd_sanitize() {
-  [[ $# -eq 2 ]] || usage
-  local name=$1 tool=$2 dir cs
+  [[ $# -eq 2 || $# -eq 4 ]] || usage
+  local name=$1 tool=$2 dir cs report=${RACECHECK_REPORT:-analysis}
   dir=$(build_of "$name")
   [[ $tool =~ ^(memcheck|initcheck|synccheck|racecheck)$ ]] ||
     die "tool '$tool': memcheck, initcheck, synccheck or racecheck"
+  [[ $report =~ ^(analysis|hazard|all)$ ]] ||
+    die "RACECHECK_REPORT '$report': analysis, hazard or all"
+  local tool_args=(--tool "$tool")
+  [[ $tool == racecheck ]] && tool_args+=(--racecheck-report "$report")
   cs=$(command -v compute-sanitizer) || cs=""
   if [[ -z $cs ]]; then
     local candidate
@@ -222,17 +229,21 @@ cmd_sanitize() {
     "$nvcc" -std=c++17 -arch=sm_90a -O2 -I "$out/include" -o "$patterns" \
       "$root/tools/prof/sanitizer_patterns.cu" || die "tools/prof/sanitizer_patterns.cu did not build"
     echo "== $tool on tools/prof/sanitizer_patterns.cu (a case a process)"
-    for c in 0 1 2 3 4 5 6 7 8; do
-      "$cs" --tool "$tool" --print-limit 1 "$patterns" "$c" >"$out/patterns-$tool-$c.txt" 2>&1 ||
+    for c in 0 1 2 3 4 5 6 7 8 9 10; do
+      "$cs" "${tool_args[@]}" --print-limit 1 "$patterns" "$c" >"$out/patterns-$tool-$c.txt" 2>&1 ||
         true
       echo "case $c: $(grep -m 1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/patterns-$tool-$c.txt")" \
-        "$(grep -m 1 -oE 'Barrier error detected\. [^.]*\.|Race reported' "$out/patterns-$tool-$c.txt")"
+        "$(grep -m 1 -oE 'Barrier error detected\. [^.]*\.|Race reported|[A-Z]{3} hazard detected' "$out/patterns-$tool-$c.txt")"
     done
   fi
   # The cases and their limits (s): together they launch every kernel family and tile.
   local runs=("decode_moe: served*|150" "moe_forward: reference shapes*|150"
     "moe_forward: the short-K*,moe_forward: the prefill tiles*|100"
     "append_shared: every size*,moe repack: GPU round trip*,moe route: workspace*|60")
+  if [[ $# -eq 4 ]]; then
+    [[ $4 =~ ^[1-9][0-9]*$ ]] || die "LIMIT_S '$4': a whole number of seconds"
+    runs=("$3|$4")
+  fi
   local run spec limit log rc i=0
   for run in "${runs[@]}"; do
     spec=${run%|*}
@@ -240,7 +251,7 @@ cmd_sanitize() {
     log=$out/sanitize-$tool-$name-$i.txt
     i=$((i + 1))
     rc=0
-    (device_env "$name" && timeout --kill-after=5 "$limit" "$cs" --tool "$tool" \
+    (device_env "$name" && timeout --kill-after=5 "$limit" "$cs" "${tool_args[@]}" \
       --report-api-errors no --print-limit 200 --error-exitcode 99 \
       "$dir/moejit_gpu_tests" "$spec" -d yes) >"$log" 2>&1 || rc=$?
     echo "== $tool, '$spec': rc $rc$([[ $rc -eq 124 ]] && echo " (cut at $limit s)") ($(elapsed))"
@@ -256,6 +267,10 @@ cmd_sanitize() {
           print kind " at " name off
         }
       }' "$log" | sort | uniq -c | sort -rn | head -n 12 || true
+    # Hazard by hazard: each names the shared-memory address and the two threads' instructions.
+    if [[ $tool == racecheck && $report != analysis ]]; then
+      grep -m 8 -A 3 -E 'hazard detected' "$log" || true
+    fi
   done
 }
 

@@ -17,10 +17,22 @@
 //         one counted arrive (the PTX ISA's own example)
 //   7     case 1 with barrier.sync (not aligned)                   -          -
 //   8     expect_tx alone, a bulk copy, then a plain arrive        (not run)  -
+//   9     decode_moe's routing hand-over: the routing warps store  (not run)  (not run)
+//         a table after their last barrier 2 (as route() stores
+//         vinfo), then barrier.sync 3; the producer claims an item
+//         (atomicAdd), reaches barrier 3 from its own instruction
+//         and every lane loads the table
+//   10    case 9 with bar.sync 3 (decode_moe before the fix)       (not run)  divergent?
 // (compute-sanitizer 2025.3.1 on an H100, 2026-12-05, with the same PTX written out in this file;
 // it now calls the kernels' own wrappers, pipe.cuh and ptx.cuh, and was not rerun.) So racecheck does not see an mbarrier's
 // or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
 // non-.noinc arrive-on as an arrival without its increment (6).
+// Cases 9 and 10 (written 2026-12-05, not yet run) are for racecheck's one unexplained report on
+// decode_moe: route()'s store of vinfo against the producer's load of it after routing_done
+// (tools/PERF_LOG.md "main's kernels under compute-sanitizer"). Cases 1 and 7 hand over data
+// stored before the routing warps' barrier 2; vinfo is stored after their last one. A race
+// reported in 10 and not in 9 puts the report on the aligned barrier that the fix replaced; a
+// race in both, on racecheck's model of a barrier that follows a partial one.
 //
 // Build (an include directory in which moejit/kern is the repository's kernels/, as the library
 // embeds them): nvcc -std=c++17 -arch=sm_90a -O2 -I INC -o sanitizer_patterns
@@ -125,6 +137,27 @@ __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* ou
       pipe::wait(smem_u32(&bar[0]), 0);
       acc = data[(tid * 5) % 128];
     }
+  } else if constexpr (kCase == 9 || kCase == 10) {
+    if (warp < 9) {
+      if (tid < 256) data[tid] = 0;
+      asm volatile("bar.sync 2, 288;" ::: "memory");
+      for (int i = tid; i < 200; i += 288) data[i] = static_cast<uint32_t>(i) * 3u + 1u;
+      if constexpr (kCase == 9) {
+        asm volatile("barrier.sync 3, 320;" ::: "memory");
+      } else {
+        asm volatile("bar.sync 3, 320;" ::: "memory");
+      }
+    } else {
+      uint32_t item = 0;
+      if (lane == 0) item = atomicAdd(out + 320, 1u);
+      if constexpr (kCase == 9) {
+        asm volatile("barrier.sync 3, 320;" ::: "memory");
+      } else {
+        asm volatile("bar.sync 3, 320;" ::: "memory");
+      }
+      item = __shfl_sync(0xffffffffu, item, 0);
+      for (int v = 0; v < 8; ++v) acc += data[(item + v * 25) % 200];
+    }
   } else if constexpr (kCase == 8) {
     if (warp == 9 && lane == 0) {
       pipe::expect_tx(smem_u32(&bar[0]), 1024);
@@ -144,14 +177,16 @@ int main(int argc, char** argv) {
   const int only = argc > 1 ? atoi(argv[1]) : -1;
   uint32_t* src = nullptr;
   uint32_t* out = nullptr;
-  if (cudaMalloc(&src, 4096) != cudaSuccess || cudaMalloc(&out, 320 * 4) != cudaSuccess ||
+  if (cudaMalloc(&src, 4096) != cudaSuccess || cudaMalloc(&out, 321 * 4) != cudaSuccess ||
+      cudaMemset(out, 0, 321 * 4) != cudaSuccess ||
       cudaMemset(src, 1, 4096) != cudaSuccess) {
     fprintf(stderr, "sanitizer_patterns: no GPU memory\n");
     return 2;
   }
   void (*cases[])(const uint32_t*, uint32_t*) = {pattern<0>, pattern<1>, pattern<2>,
                                                  pattern<3>, pattern<4>, pattern<5>,
-                                                 pattern<6>, pattern<7>, pattern<8>};
+                                                 pattern<6>, pattern<7>, pattern<8>,
+                                                 pattern<9>, pattern<10>};
   constexpr int kCases = sizeof(cases) / sizeof(cases[0]);
   for (int c = 0; c < kCases; ++c) {
     if (only < 0 || only == c) cases[c]<<<1, 320>>>(src, out);
