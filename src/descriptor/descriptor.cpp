@@ -65,7 +65,8 @@ std::string join(const std::vector<std::string>& items, const char* last_sep = "
   return out;
 }
 
-std::string in_quotes(const std::string& s) { return "\"" + s + "\""; }
+// Why printable: a key or value from the file may be long or hold control characters.
+std::string in_quotes(const std::string& s) { return "\"" + printable(s, 60) + "\""; }
 
 template <class T>
 std::string enum_choices(const std::vector<EnumName<T>>& names) {
@@ -138,7 +139,7 @@ class ShapeFileParser {
     if (scan_.duplicate) {
       const DuplicateKey& d = *scan_.duplicate;
       TextPosition first = lines_.at(d.first);
-      std::string key = d.pointer.substr(d.pointer.rfind('/') + 1);
+      std::string key = printable(d.pointer.substr(d.pointer.rfind('/') + 1), 60);
       fail_at(d.second, d.pointer, "key \"" + key + "\" appears twice in one object",
               "each key once (JSON readers disagree on which copy wins)",
               "a second \"" + key + "\" (the first is at line " + std::to_string(first.line) +
@@ -211,14 +212,9 @@ class ShapeFileParser {
     std::string number = open != std::string::npos && close > open + 9
                              ? what.substr(open + 9, close - open - 9)
                              : std::string();
-    const std::pair<const std::string, ValueSpan>* first = nullptr;
-    for (const auto& entry : scan_.spans) {
-      const ValueSpan& span = entry.second;
-      if (span.end == kNoOffset || text_.compare(span.begin, span.end - span.begin, number) != 0)
-        continue;
-      if (first == nullptr || span.begin < first->second.begin) first = &entry;
-    }
-    if (first == nullptr) {
+    const std::optional<std::pair<std::string, ValueSpan>> first =
+        number.empty() ? std::nullopt : scan_.first_scalar(number);
+    if (!first) {
       fail_at(0, "", "a number overflows a double", "finite numbers", number);
     }
     const std::string& pointer = first->first;
@@ -241,11 +237,9 @@ class ShapeFileParser {
   // is placed at its nearest enclosing value.
   std::size_t offset_of(std::string pointer, bool at_key) const {
     while (true) {
-      auto it = scan_.spans.find(pointer);
-      if (it != scan_.spans.end()) {
-        const ValueSpan& s = it->second;
-        if (at_key && s.key != kNoOffset) return s.key;
-        if (s.begin != kNoOffset) return s.begin;
+      if (const ValueSpan* s = scan_.find(pointer)) {
+        if (at_key && s->key != kNoOffset) return s->key;
+        if (s->begin != kNoOffset) return s->begin;
       }
       if (pointer.empty()) return 0;
       pointer.erase(pointer.rfind('/'));
@@ -261,9 +255,9 @@ class ShapeFileParser {
 
   // The value as written in the file (shortened), or nothing for containers and defaults.
   std::optional<std::string> token(const std::string& pointer) const {
-    auto it = scan_.spans.find(pointer);
-    if (it == scan_.spans.end() || it->second.end == kNoOffset) return std::nullopt;
-    std::string t = text_.substr(it->second.begin, it->second.end - it->second.begin);
+    const ValueSpan* span = scan_.find(pointer);
+    if (span == nullptr || span->end == kNoOffset) return std::nullopt;
+    std::string t = text_.substr(span->begin, span->end - span->begin);
     constexpr std::size_t kMax = 60;
     if (t.size() > kMax) {
       std::size_t cut = kMax;
@@ -291,19 +285,27 @@ class ShapeFileParser {
   }
 
   // Keys of `obj` in the order the file writes them.
+  // Why from the scan's list and not a lookup per key: a lookup walks the object's keys, so an
+  // object of many keys would take quadratic time.
   std::vector<std::string> keys_in_order(const Json& obj, const std::string& pointer) const {
-    std::vector<std::pair<std::size_t, std::string>> keyed;
-    for (const auto& item : obj.items()) {
-      keyed.emplace_back(offset_of(json_pointer_child(pointer, item.key()), true), item.key());
-    }
-    std::sort(keyed.begin(), keyed.end());
     std::vector<std::string> keys;
-    for (auto& k : keyed) keys.push_back(std::move(k.second));
+    for (std::string& key : scan_.keys(pointer)) {
+      if (obj.contains(key)) keys.push_back(std::move(key));
+    }
+    // Only a scan that disagrees with the parse leaves keys out; they go last.
+    if (keys.size() != obj.size()) {
+      for (const auto& item : obj.items()) {
+        if (std::find(keys.begin(), keys.end(), item.key()) == keys.end()) {
+          keys.push_back(item.key());
+        }
+      }
+    }
     return keys;
   }
 
   std::string present_fields(const Json& obj, const std::string& pointer) const {
     std::vector<std::string> keys = keys_in_order(obj, pointer);
+    for (std::string& key : keys) key = printable(key, 60);
     return keys.empty() ? "an empty object" : "fields " + join(keys);
   }
 
@@ -326,7 +328,7 @@ class ShapeFileParser {
           }
         }
       }
-      fail(json_pointer_child(pointer, key), "unknown field \"" + key + "\" in " + object_name,
+      fail(json_pointer_child(pointer, key), "unknown field " + in_quotes(key) + " in " + object_name,
            "one of " + join(accepted), in_quotes(key), hint, true);
     }
   }
@@ -575,7 +577,7 @@ class ShapeFileParser {
       std::string hint;
       if (key == "limit") hint = "a clamp needs kind \"clamped_swiglu\" or \"gpt_oss\"";
       fail(json_pointer_child(pointer, key),
-           "activation " + kind_text + " takes no constant \"" + key + "\"",
+           "activation " + kind_text + " takes no constant " + in_quotes(key),
            "only " + join(wanted, " and "), in_quotes(key), hint, true);
     }
     for (const std::string& key : taken) {
@@ -605,8 +607,8 @@ class ShapeFileParser {
       for (const std::string& key : keys_in_order(obj, pointer)) {
         if (key == "count") continue;
         fail(json_pointer_child(pointer, key),
-             "shared_experts." + key + " has no effect when count is 0", "only count",
-             in_quotes(key), "set count, or remove " + key, true);
+             "shared_experts." + printable(key, 60) + " has no effect when count is 0",
+             "only count", in_quotes(key), "set count, or remove " + printable(key, 60), true);
       }
       return s;
     }

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moejit/shape.hpp"
@@ -88,7 +89,13 @@ const std::vector<std::string>& shape_fields();
 const std::vector<std::string>& activation_fields();
 const std::vector<std::string>& shared_experts_fields();
 
+// `text` as a message shows it: control characters escaped as JSON writes them (\n, \u001b,
+// \u0000: a key may hold any of them), and at most `max_bytes` of it, cut at a character's
+// start, with "..." after a cut.
+std::string printable(std::string_view text, std::size_t max_bytes);
+
 // "<file>:<line>:<column>: <pointer>: <what>; expected <expected>, found <found>[; <hint>]".
+// The pointer (at most 200 bytes of it), what, found and hint are shown through printable().
 // line 0 leaves out line and column, column 0 the column; an empty pointer reads "(root)".
 std::string descriptor_message(const std::string& file, int line, int column,
                                const std::string& pointer, const std::string& what,

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <unordered_set>
+#include <unordered_map>
 
 namespace moejit::detail {
 namespace {
@@ -99,13 +99,48 @@ std::size_t read_string(std::string_view text, std::size_t pos, std::string* dec
 }
 
 struct Frame {
+  std::uint32_t node = 0;
   bool object = false;
-  bool expect_key = false;  // object: the next string is a key
-  std::string pointer;      // of the container
-  std::size_t index = 0;    // array: index of the next element
-  std::string member;       // object: pointer of the member whose value comes next
-  std::unordered_set<std::string> keys;
+  bool expect_key = false;               // object: the next string is a key
+  std::size_t key = kNoOffset;           // object: the key of the member whose value comes next
+  std::unordered_map<std::string, std::size_t> keys;  // object: each key read, at its offset
 };
+
+// The RFC 6901 tokens of `pointer`, unescaped; nullopt when it is neither "" nor "/...".
+std::optional<std::vector<std::string>> pointer_tokens(std::string_view pointer) {
+  std::vector<std::string> tokens;
+  if (pointer.empty()) return tokens;
+  if (pointer[0] != '/') return std::nullopt;
+  std::size_t pos = 1;
+  while (true) {
+    const std::size_t slash = std::min(pointer.find('/', pos), pointer.size());
+    std::string token;
+    for (std::size_t i = pos; i < slash; ++i) {
+      if (pointer[i] == '~' && i + 1 < slash && (pointer[i + 1] == '0' || pointer[i + 1] == '1')) {
+        token += pointer[i + 1] == '0' ? '~' : '/';
+        ++i;
+      } else {
+        token += pointer[i];
+      }
+    }
+    tokens.push_back(std::move(token));
+    if (slash == pointer.size()) return tokens;
+    pos = slash + 1;
+  }
+}
+
+// An array index as RFC 6901 writes it (no sign, no leading zero), or nullopt.
+std::optional<std::size_t> array_index(const std::string& token) {
+  if (token.empty() || token.size() > 18 || (token.size() > 1 && token[0] == '0')) {
+    return std::nullopt;
+  }
+  std::size_t value = 0;
+  for (char c : token) {
+    if (c < '0' || c > '9') return std::nullopt;
+    value = value * 10 + static_cast<std::size_t>(c - '0');
+  }
+  return value;
+}
 
 }  // namespace
 
@@ -124,8 +159,85 @@ std::string json_pointer_child(const std::string& parent, std::string_view token
   return out;
 }
 
+std::string JsonScan::key_of(const Node& node) const {
+  std::string key;
+  if (node.span.key < text_.size() && text_[node.span.key] == '"') {
+    read_string(text_, node.span.key, &key);
+  }
+  return key;
+}
+
+std::optional<std::uint32_t> JsonScan::node_at(std::string_view pointer) const {
+  std::optional<std::vector<std::string>> tokens = pointer_tokens(pointer);
+  if (!tokens || nodes_.empty()) return std::nullopt;
+  std::uint32_t at = 0;
+  for (const std::string& token : *tokens) {
+    const Node& node = nodes_[at];
+    if (node.children == kNone) return std::nullopt;
+    const std::vector<std::uint32_t>& children = children_[node.children];
+    if (node.object) {
+      // The last member of that name, as nlohmann keeps the last of duplicate keys.
+      std::uint32_t found = kNone;
+      for (std::uint32_t child : children) {
+        if (key_of(nodes_[child]) == token) found = child;
+      }
+      if (found == kNone) return std::nullopt;
+      at = found;
+    } else {
+      std::optional<std::size_t> index = array_index(token);
+      if (!index || *index >= children.size()) return std::nullopt;
+      at = children[*index];
+    }
+  }
+  return at;
+}
+
+const ValueSpan* JsonScan::find(std::string_view pointer) const {
+  std::optional<std::uint32_t> at = node_at(pointer);
+  return at ? &nodes_[*at].span : nullptr;
+}
+
+std::vector<std::string> JsonScan::keys(std::string_view pointer) const {
+  std::vector<std::string> out;
+  std::optional<std::uint32_t> at = node_at(pointer);
+  if (!at || !nodes_[*at].object || nodes_[*at].children == kNone) return out;
+  for (std::uint32_t child : children_[nodes_[*at].children]) out.push_back(key_of(nodes_[child]));
+  return out;
+}
+
+std::string JsonScan::pointer_of(std::uint32_t node) const {
+  std::vector<std::string> tokens;
+  for (std::uint32_t at = node; nodes_[at].parent != kNone; at = nodes_[at].parent) {
+    const Node& parent = nodes_[nodes_[at].parent];
+    if (parent.object) {
+      tokens.push_back(key_of(nodes_[at]));
+    } else {
+      const std::vector<std::uint32_t>& siblings = children_[parent.children];
+      const auto it = std::find(siblings.begin(), siblings.end(), at);
+      tokens.push_back(std::to_string(it - siblings.begin()));
+    }
+  }
+  std::string pointer;
+  for (auto it = tokens.rbegin(); it != tokens.rend(); ++it) {
+    pointer = json_pointer_child(pointer, *it);
+  }
+  return pointer;
+}
+
+std::optional<std::pair<std::string, ValueSpan>> JsonScan::first_scalar(
+    std::string_view token) const {
+  for (std::uint32_t i = 0; i < nodes_.size(); ++i) {
+    const ValueSpan& span = nodes_[i].span;
+    if (span.end != kNoOffset && text_.substr(span.begin, span.end - span.begin) == token) {
+      return std::make_pair(pointer_of(i), span);
+    }
+  }
+  return std::nullopt;
+}
+
 JsonScan scan_json(std::string_view text, int max_depth) {
   JsonScan scan;
+  scan.text_ = text;
   std::vector<Frame> stack;
   bool root_done = false;
   std::size_t pos = has_bom(text) ? 3 : 0;
@@ -144,51 +256,49 @@ JsonScan scan_json(std::string_view text, int max_depth) {
       continue;
     }
     if (c == ',') {
-      if (!stack.empty()) {
-        Frame& top = stack.back();
-        if (top.object) {
-          top.expect_key = true;
-        } else {
-          ++top.index;
-        }
-      }
+      if (!stack.empty() && stack.back().object) stack.back().expect_key = true;
       ++pos;
       continue;
     }
     if (!stack.empty() && stack.back().object && stack.back().expect_key) {
       Frame& top = stack.back();
       std::string key;
-      std::size_t key_begin = pos;
+      const std::size_t key_begin = pos;
       pos = c == '"' ? read_string(text, pos, &key) : pos + 1;
       top.expect_key = false;
-      top.member = json_pointer_child(top.pointer, key);
-      if (!top.keys.insert(key).second) {
-        if (!scan.duplicate) {
-          scan.duplicate = DuplicateKey{top.member, scan.spans[top.member].key, key_begin};
-        }
+      top.key = key_begin;
+      auto [first, fresh] = top.keys.emplace(key, key_begin);
+      if (!fresh && !scan.duplicate) {
+        scan.duplicate = DuplicateKey{json_pointer_child(scan.pointer_of(top.node), key),
+                                      first->second, key_begin};
       }
-      scan.spans[top.member] = ValueSpan{kNoOffset, kNoOffset, key_begin};
       continue;
     }
 
     // A value starts here.
-    std::string pointer;
+    if (scan.nodes_.size() >= JsonScan::kNone) return scan;  // 4 G values: no text is that big
+    const auto index = static_cast<std::uint32_t>(scan.nodes_.size());
+    JsonScan::Node node;
+    node.span.begin = pos;
     if (!stack.empty()) {
       Frame& top = stack.back();
-      pointer =
-          top.object ? top.member : json_pointer_child(top.pointer, std::to_string(top.index));
+      node.parent = top.node;
+      if (top.object) node.span.key = top.key;
+      scan.children_[scan.nodes_[top.node].children].push_back(index);
     }
-    ValueSpan& span = scan.spans[pointer];
-    span.begin = pos;
     if (c == '{' || c == '[') {
       if (static_cast<int>(stack.size()) > max_depth) {
         scan.too_deep = pos;
         return scan;
       }
+      node.object = c == '{';
+      node.children = static_cast<std::uint32_t>(scan.children_.size());
+      scan.children_.emplace_back();
+      scan.nodes_.push_back(node);
       Frame frame;
-      frame.object = c == '{';
-      frame.expect_key = frame.object;
-      frame.pointer = std::move(pointer);
+      frame.node = index;
+      frame.object = node.object;
+      frame.expect_key = node.object;
       stack.push_back(std::move(frame));
       ++pos;
       continue;
@@ -199,7 +309,8 @@ JsonScan scan_json(std::string_view text, int max_depth) {
       ++pos;
       while (pos < n && !ends_scalar(text[pos])) ++pos;
     }
-    span.end = pos;
+    node.span.end = pos;
+    scan.nodes_.push_back(node);
     root_done = stack.empty();
   }
   return scan;
@@ -219,11 +330,17 @@ TextPosition LineIndex::at(std::size_t offset) const {
   std::size_t begin = starts_[line - 1];
   if (line == 1 && has_bom(text_)) begin = std::min<std::size_t>(3, offset);
   int column = 1;
+  if (last_.line == static_cast<int>(line) && last_offset_ >= begin && last_offset_ <= offset) {
+    begin = last_offset_;
+    column = last_.column;
+  }
   for (std::size_t i = begin; i < offset; ++i) {
     // Why: count code points, not bytes, so a name with accents doesn't shift the column.
     if ((static_cast<unsigned char>(text_[i]) & 0xC0) != 0x80) ++column;
   }
-  return TextPosition{static_cast<int>(line), column};
+  last_offset_ = offset;
+  last_ = TextPosition{static_cast<int>(line), column};
+  return last_;
 }
 
 }  // namespace moejit::detail

@@ -329,16 +329,47 @@ void check_shape(const ModelShape& shape) {
   throw DescriptorError(message, file, line, 0, v->field);
 }
 
+std::string printable(std::string_view text, std::size_t max_bytes) {
+  std::size_t cut = text.size();
+  if (cut > max_bytes) {
+    cut = max_bytes;
+    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  }
+  std::string out;
+  out.reserve(cut + 3);
+  for (std::size_t i = 0; i < cut; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c != 0x7F) {
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else {
+      constexpr char kHex[] = "0123456789abcdef";
+      out += "\\u00";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xF];
+    }
+  }
+  if (cut < text.size()) out += "...";
+  return out;
+}
+
 std::string descriptor_message(const std::string& file, int line, int column,
                                const std::string& pointer, const std::string& what,
                                const std::string& expected, const std::string& found,
                                const std::string& hint) {
+  constexpr std::size_t kAll = static_cast<std::size_t>(-1);
   std::string m = file;
   if (line > 0) m += ":" + std::to_string(line);
   if (line > 0 && column > 0) m += ":" + std::to_string(column);
-  m += ": " + (pointer.empty() ? std::string("(root)") : pointer) + ": " + what;
-  m += "; expected " + expected + ", found " + found;
-  if (!hint.empty()) m += "; " + hint;
+  m += ": " + (pointer.empty() ? std::string("(root)") : printable(pointer, 200)) + ": " +
+       printable(what, kAll);
+  m += "; expected " + expected + ", found " + printable(found, kAll);
+  if (!hint.empty()) m += "; " + printable(hint, kAll);
   return m;
 }
 

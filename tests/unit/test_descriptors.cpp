@@ -755,9 +755,9 @@ TEST_CASE("the position scanner", "[descriptor]") {
   CHECK_FALSE(scan.too_deep);
   moejit::detail::LineIndex lines(text);
   auto at = [&](const std::string& pointer) {
-    auto it = scan.spans.find(pointer);
-    REQUIRE(it != scan.spans.end());
-    auto p = lines.at(it->second.begin);
+    const moejit::detail::ValueSpan* span = scan.find(pointer);
+    REQUIRE(span != nullptr);
+    auto p = lines.at(span->begin);
     return std::make_pair(p.line, p.column);
   };
   CHECK(at("") == std::make_pair(1, 1));  // the BOM takes no column
@@ -768,10 +768,31 @@ TEST_CASE("the position scanner", "[descriptor]") {
   CHECK(at("/\xC3\xA9t\xC3\xA9") == std::make_pair(2, 20));
   CHECK(at("/caf\xC3\xA9") == std::make_pair(2, 34));  // é counts as one column
   CHECK(at("/\xF0\x9F\x98\x80") == std::make_pair(2, 56));
-  auto s = scan.spans.at("/a~1b~0c/1/x");
+  // Asked again, out of order: the line index's memory of its last answer must not leak.
+  CHECK(at("/a~1b~0c/1") == std::make_pair(1, 15));
+  CHECK(at("/caf\xC3\xA9") == std::make_pair(2, 34));
+  CHECK(at("/\xC3\xA9t\xC3\xA9") == std::make_pair(2, 20));
+  CHECK(at("") == std::make_pair(1, 1));
+  REQUIRE(scan.find("/a~1b~0c/1/x") != nullptr);
+  auto s = *scan.find("/a~1b~0c/1/x");
   CHECK(text.substr(s.begin, s.end - s.begin) == "\"s\\\"}\"");
-  auto n = scan.spans.at("/\xF0\x9F\x98\x80");
+  auto n = *scan.find("/\xF0\x9F\x98\x80");
   CHECK(text.substr(n.begin, n.end - n.begin) == "-2.5e3");
+  // Not in the text: a missing key, an index past the end, an index with a leading zero, a
+  // member of a scalar, a pointer that does not start with "/".
+  CHECK(scan.find("/nope") == nullptr);
+  CHECK(scan.find("/a~1b~0c/2") == nullptr);
+  CHECK(scan.find("/a~1b~0c/01") == nullptr);
+  CHECK(scan.find("/a~1b~0c/0/x") == nullptr);
+  CHECK(scan.find("a~1b~0c") == nullptr);
+  CHECK(scan.keys("") == std::vector<std::string>{"a/b~c", "\xC3\xA9t\xC3\xA9", "caf\xC3\xA9",
+                                                  "\xF0\x9F\x98\x80"});
+  CHECK(scan.keys("/a~1b~0c").empty());  // an array
+  auto first = scan.first_scalar("-2.5e3");
+  REQUIRE(first);
+  CHECK(first->first == "/\xF0\x9F\x98\x80");
+  CHECK(first->second.begin == n.begin);
+  CHECK_FALSE(scan.first_scalar("-2.5"));
 
   auto dup = scan_json(R"({"a": {"k": 1, "j": 2, "k": 3}})", 8);
   REQUIRE(dup.duplicate);
@@ -788,4 +809,63 @@ TEST_CASE("the position scanner", "[descriptor]") {
   CHECK(*deep.too_deep == 3);
 
   CHECK(moejit::detail::json_pointer_child("/a", "b/c~d") == "/a/b~1c~0d");
+}
+
+// A long key over a large array: a scanner that keeps each value's whole JSON pointer needs
+// key length x elements bytes (here 20 GB); the tree needs about the text's size. And a
+// minified file (one line): its column lookups count on from the last one.
+TEST_CASE("the position scanner stays linear in the text", "[descriptor]") {
+  using moejit::detail::scan_json;
+  const std::string key(100000, 'k');
+  std::string text = "{\"" + key + "\": [";
+  for (int i = 0; i < 200000; ++i) text += i == 0 ? "0" : ",0";
+  text += "]}";
+  auto scan = scan_json(text, 8);
+  const moejit::detail::ValueSpan* last = scan.find("/" + key + "/199999");
+  REQUIRE(last != nullptr);
+  CHECK(last->begin == text.size() - 3);
+  CHECK(scan.find("/" + key + "/200000") == nullptr);
+  auto first = scan.first_scalar("0");
+  REQUIRE(first);
+  CHECK(first->first == "/" + key + "/0");
+
+  moejit::detail::LineIndex lines(text);
+  for (std::size_t offset = 0; offset < text.size(); offset += 7) {
+    REQUIRE(lines.at(offset).column == static_cast<int>(offset) + 1);
+  }
+  CHECK(lines.at(5).column == 6);  // and backwards
+
+  // Through the parser: the file is refused at its unknown key, the key shortened.
+  try {
+    parse_shapes(text, "long_key.json");
+    FAIL("a file whose only key is unknown was accepted");
+  } catch (const DescriptorError& e) {
+    const std::string what = e.what();
+    CHECK(what.size() < 2000);
+    CHECK(what.find("unknown field \"kkkk") != std::string::npos);
+    CHECK(what.find("...") != std::string::npos);
+  }
+}
+
+TEST_CASE("shape-file messages escape control characters and shorten long keys",
+          "[descriptor]") {
+  CHECK(moejit::detail::printable("a\nb\tc", 100) == "a\\nb\\tc");
+  CHECK(moejit::detail::printable(std::string("a\0b", 3), 100) == "a\\u0000b");
+  CHECK(moejit::detail::printable("\x1b[31m", 100) == "\\u001b[31m");
+  CHECK(moejit::detail::printable("abcdef", 3) == "abc...");
+  CHECK(moejit::detail::printable("\xC3\xA9\xC3\xA9", 3) == "\xC3\xA9...");  // cut at a character
+  for (const std::string& key : {std::string("a\\u0000b"), std::string("\\u001b[31mred"),
+                                 std::string("x\\ny")}) {
+    const std::string text = R"({"name": "s", ")" + key + R"(": 1})";
+    try {
+      parse_shapes(text, "control.json");
+      FAIL("an unknown key was accepted: " << key);
+    } catch (const DescriptorError& e) {
+      const std::string what = e.what();
+      CAPTURE(what);
+      CHECK(what.find("unknown field") != std::string::npos);
+      CHECK(what.find("; expected") != std::string::npos);  // nothing after a NUL was lost
+      for (char c : what) CHECK(static_cast<unsigned char>(c) >= 0x20);
+    }
+  }
 }
