@@ -242,8 +242,9 @@ __device__ __forceinline__ void gemm_tile(const MoeGemmParams& p, const MoeGemmC
   const i32 in_j = tid % kChunksPerRow;
   const u32 in_dst = static_cast<u32>((tid / kChunksPerRow) * T::kInputRowBytes +
                                       ((in_j ^ ((tid / kChunksPerRow) & 7)) * 16));
-  // Element offsets of the copies' sources from p.input, + 64 per tile (32 bits: an input of
-  // 2^32 elements would be 8 GB), from the CTA's first K tile kt0.
+  // Element offsets of the copies' sources from p.input, + 64 per tile, from the CTA's first K
+  // tile kt0. 32 bits: the planner takes this tile only for inputs under 2^32 elements
+  // (moe_plan.cpp wgmma_offsets_fit).
   u32 in_off[kNI];
   u32 in_real = 0;  // bit i: copy i is of a real token row (else zero-filled, nothing read)
   auto setup_inputs = [&] {

@@ -388,9 +388,23 @@ int wgmma_min_rows(const WgmmaTile& wg, const ModelShape& shape) {
   return wg.min_rows_per_expert;
 }
 
+// Whether the warpgroup tile's input offsets fit: it keeps each input copy's source as a 32-bit
+// element offset from the input (moe_gemm_wg.cuh setup_inputs), which holds FC1's T x H hidden
+// rows and FC2's padded rows x I activations only below 2^32 elements (8 GB of bf16). Above, the
+// mma.sync tile of the same bucket (64-bit offsets) runs instead; e.g. E = 8, k = 2, H = 4096,
+// I = 14336 from T ~ 149000, where FC2's input passes 2^32 elements.
+bool wgmma_offsets_fit(const GemmTile& tile, const ModelShape& shape, int tokens) {
+  constexpr long long kElements = 1LL << 32;
+  const long long rows = static_cast<long long>(tokens) * shape.top_k;
+  const long long padded = kern::moe::route_max_padded_rows(rows, shape.num_experts, tile.block_n);
+  return static_cast<long long>(tokens) * shape.hidden < kElements &&
+         padded * shape.intermediate < kElements;
+}
+
 // The wgmma variant of `tile`'s bucket for T, or null where the bucket has none at T's rows per
-// expert.
+// expert, or where its input offsets would not fit (wgmma_offsets_fit).
 const WgmmaTile* wgmma_tile_for(const GemmTile& tile, const ModelShape& shape, int tokens) {
+  if (!wgmma_offsets_fit(tile, shape, tokens)) return nullptr;
   const long long rows = static_cast<long long>(tokens) * shape.top_k;
   // The shorter GEMM's 64-wide K tiles (FC1 runs H, FC2 I).
   const int k_tiles =
@@ -837,6 +851,23 @@ std::vector<int> moe_config_segment_ends(const ModelShape& shape, int max_tokens
     for (const int bound : {wgmma_min_rows(wg, shape), wg.below_rows_per_expert}) {
       const long long need = static_cast<long long>(bound) * routed_experts(shape);
       if (need > 0) thresholds.push_back((need + k - 1) / k - 1);
+    }
+  }
+  // The last T whose warpgroup tiles' input offsets fit 32 bits (wgmma_offsets_fit), where a
+  // larger T reaches max_tokens: above it the mma.sync tiles run. The fit only fails at T far
+  // past the last bucket's start, where the tile no longer changes, so it holds up to one T.
+  {
+    const auto fits = [&](long long t) {
+      return wgmma_offsets_fit(tile_for(shape, static_cast<int>(t)), shape, static_cast<int>(t));
+    };
+    if (!fits(max_tokens)) {
+      long long fit = 0;  // fits(fit) (or fit = 0); !fits(miss)
+      long long miss = max_tokens;
+      while (miss - fit > 1) {
+        const long long mid = fit + (miss - fit) / 2;
+        (fits(mid) ? fit : miss) = mid;
+      }
+      thresholds.push_back(fit);
     }
   }
   // marlin_moe: the last T of 8-row route blocks, and where FC1 and FC2 change tiles inside

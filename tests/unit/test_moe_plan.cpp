@@ -1001,6 +1001,59 @@ TEST_CASE("moe plan: segment ends cover [1, max_tokens]", "[plan]") {
   }
 }
 
+// The warpgroup tile keeps its input copies' sources as 32-bit element offsets: FC1's hidden
+// (T x H) and FC2's activations (padded rows x I) must stay under 2^32 elements, or it would read
+// the wrong rows without a fault. Above that T the mma.sync tile (64-bit offsets) runs, and the
+// plan's segments end there so a prewarm lists it.
+TEST_CASE("moe plan: no warpgroup tile where its input offsets pass 32 bits", "[plan]") {
+  ModelShape big = find_shape(reference_shapes(), "gpt-oss-120b");
+  big.name = "mixtral-like";
+  big.num_experts = 8;
+  big.global_experts = 8;
+  big.top_k = 2;
+  big.hidden = 4096;
+  big.intermediate = 14336;
+  big.has_bias = false;
+  big.max_tokens = 200000;
+  const auto fc2_input_elements = [&](int t) {
+    const detail::MoeForwardConfig c = detail::choose_moe_config(big, t);
+    return moejit::kern::moe::route_max_padded_rows(static_cast<long long>(t) * big.top_k,
+                                            big.num_experts, c.route.block_m) *
+           big.intermediate;
+  };
+  const std::vector<int> ends = detail::moe_config_segment_ends(big, big.max_tokens);
+  // The last T with the warpgroup tile is a segment end, and past it the inputs pass 2^32.
+  int last_wgmma = 0;
+  for (int t : ends) {
+    if (detail::choose_moe_config(big, t).wgmma) last_wgmma = t;
+  }
+  INFO("last T on the warpgroup tile " << last_wgmma);
+  REQUIRE(last_wgmma > 100000);
+  REQUIRE(last_wgmma < big.max_tokens);
+  CHECK(fc2_input_elements(last_wgmma) < (1LL << 32));
+  CHECK(fc2_input_elements(last_wgmma + 1) >= (1LL << 32));
+  CHECK_FALSE(detail::choose_moe_config(big, last_wgmma + 1).wgmma);
+  CHECK_FALSE(detail::choose_moe_config(big, big.max_tokens).wgmma);
+  // Every T from there on runs kernels plan_kernels lists (on sm_90a).
+  const Arch arch = Arch::parse("sm_90a");
+  const std::vector<KernelSpec> planned = moejit::plan_kernels(big, arch);
+  const SpecSet plan(planned.begin(), planned.end());
+  for (int t : {last_wgmma, last_wgmma + 1, (last_wgmma + big.max_tokens) / 2, big.max_tokens}) {
+    INFO("T = " << t);
+    for (const KernelSpec& spec :
+         detail::moe_config_specs(detail::choose_moe_config(big, t), arch)) {
+      CHECK(plan.count(spec) == 1);
+    }
+  }
+  // FC1's hidden rows alone: H = 65536 passes 2^32 elements at T = 65536.
+  ModelShape wide = big;
+  wide.hidden = 65536;
+  wide.intermediate = 256;
+  wide.max_tokens = 70000;
+  CHECK(detail::choose_moe_config(wide, 65535).wgmma);
+  CHECK_FALSE(detail::choose_moe_config(wide, 65536).wgmma);
+}
+
 TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the reason", "[plan]") {
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_fc1())).empty());
   CHECK(moejit::supports(spec_of(Family::kMarlinMoe, good_fc2())).empty());
