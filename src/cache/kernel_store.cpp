@@ -1,9 +1,14 @@
 #include "cache/kernel_store.hpp"
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <exception>
 #include <future>
+#include <mutex>
 #include <optional>
+#include <unordered_set>
 #include <utility>
 
 #include "common/check.hpp"
@@ -14,12 +19,55 @@
 namespace moejit::detail {
 
 // One key being resolved: the leader fulfils the promise, everyone else waits on the future.
+// `pid` is the leader's process: after a fork the child holds a copy of the flight but not the
+// thread that would fulfil it.
 struct KernelStore::Flight {
+  pid_t pid = ::getpid();
   std::promise<Result> promise;
   std::shared_future<Result> future = promise.get_future().share();
 };
 
 namespace {
+
+// Every live store, so that a fork can take each one's mutex first: a child that copied a mutex
+// while another thread held it would block on it forever. Why a process-wide registry: the
+// pthread_atfork handlers are registered once and can't be removed.
+struct ForkGuard {
+  std::mutex mutex;  // guards `stores`; taken before any store's mutex
+  std::unordered_set<std::mutex*> stores;
+};
+
+ForkGuard& fork_guard() {
+  // Why never destroyed: a fork may happen while static destructors run.
+  static ForkGuard* guard = new ForkGuard;
+  return *guard;
+}
+
+void fork_prepare() {
+  ForkGuard& g = fork_guard();
+  g.mutex.lock();
+  for (std::mutex* m : g.stores) m->lock();
+}
+
+void fork_release() {  // in the parent and in the child: the thread that forked holds them
+  ForkGuard& g = fork_guard();
+  for (std::mutex* m : g.stores) m->unlock();
+  g.mutex.unlock();
+}
+
+void register_store(std::mutex* m) {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
+  ForkGuard& g = fork_guard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.stores.insert(m);
+}
+
+void unregister_store(std::mutex* m) {
+  ForkGuard& g = fork_guard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.stores.erase(m);
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -81,7 +129,10 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
 
 KernelStore::KernelStore(std::shared_ptr<const DiskCache> disk) : disk_(std::move(disk)) {
   MOEJIT_CHECK(disk_ != nullptr, ErrorCode::kInternal, "KernelStore needs a DiskCache");
+  register_store(&mutex_);
 }
+
+KernelStore::~KernelStore() { unregister_store(&mutex_); }
 
 KernelStore::Result KernelStore::get(const std::string& key,
                                      const std::function<Entry()>& build) {
@@ -95,7 +146,8 @@ KernelStore::Result KernelStore::get(const std::string& key,
     auto hit = memory_.find(key);
     if (hit != memory_.end()) return {hit->second, CacheOutcome::kMemoryHit, ms_since(start)};
     std::shared_ptr<Flight>& slot = flights_[key];
-    if (!slot) {
+    // A flight of another process is the parent's, copied by a fork: nobody here finishes it.
+    if (!slot || slot->pid != ::getpid()) {
       slot = std::make_shared<Flight>();
       leader = true;
     }

@@ -17,6 +17,9 @@ class KernelStore {
  public:
   // `disk` must not be null (use a kMemoryOnly DiskCache for no disk).
   explicit KernelStore(std::shared_ptr<const DiskCache> disk);
+  ~KernelStore();
+  KernelStore(const KernelStore&) = delete;
+  KernelStore& operator=(const KernelStore&) = delete;
 
   struct Result {
     std::shared_ptr<const Entry> entry;
@@ -36,6 +39,9 @@ class KernelStore {
   // gets manifest.key = `key` when empty (another key is an Error{kInternal}); cubin_size,
   // cubin_hash, created_unix and (when 0) compile_ms are filled. Throws Error{kInvalidArgument} for
   // a malformed key, and whatever `build` throws.
+  // Fork: a child process does not wait for a key its parent had in flight at the fork (no
+  // thread of the child would ever finish it); its first caller for that key leads anew. And a
+  // fork never copies the table's mutex locked (pthread_atfork).
   Result get(const std::string& key, const std::function<Entry()>& build);
 
   const DiskCache& disk() const { return *disk_; }

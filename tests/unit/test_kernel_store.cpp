@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -436,6 +437,71 @@ TEST_CASE("an unwritable cache dir still builds, without storing", "[store]") {
     CHECK(store.get(key, build).outcome == CacheOutcome::kCompiledNotStored);
     CHECK(store.get(cached, build).outcome == CacheOutcome::kDiskHit);
   }
+}
+
+// What a forked child (a prefork server, Python multiprocessing) finds: its parent's flights and
+// a copy of the store's mutex. Each child gets 10 s (SIGALRM) and exits 0 only with the entry.
+TEST_CASE("a forked child neither waits for its parent's flight nor for a copied mutex",
+          "[store]") {
+  moejit::test::TempDir tmp;
+  KernelStore store(open_disk(tmp.path() + "/cache", CacheMode::kMemoryOnly));
+  const auto child_status = [](const std::function<bool()>& body) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(10);
+      bool ok = false;
+      try {
+        ok = body();
+      } catch (...) {
+      }
+      ::_exit(ok ? 0 : 1);
+    }
+    REQUIRE(pid > 0);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    return status;
+  };
+
+  // A key the parent is still compiling when it forks.
+  const std::string slow = key_for("parent-in-flight");
+  std::atomic<bool> started{false};
+  std::thread leader([&] {
+    store.get(slow, [&] {
+      started = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return built_entry(slow, "parent");
+    });
+  });
+  while (!started) std::this_thread::yield();
+  const int status = child_status([&] {
+    KernelStore::Result r = store.get(slow, [&] { return built_entry(slow, "child"); });
+    return r.outcome == CacheOutcome::kCompiledNotStored && r.entry->cubin == "child";
+  });
+  {
+    INFO("child status " << status << (WIFSIGNALED(status) ? " (killed: it waited)" : ""));
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  }
+  leader.join();
+  CHECK(store.get(slow, [&] { return built_entry(slow, "again"); }).entry->cubin == "parent");
+
+  // Forks while another thread takes the store's mutex in a loop (memory hits).
+  const std::string hot = key_for("memory-hot");
+  store.get(hot, [&] { return built_entry(hot, "hot"); });
+  std::atomic<bool> stop{false};
+  std::thread hammer([&] {
+    while (!stop) store.get(hot, [&] { return built_entry(hot, "unused"); });
+  });
+  int failed = 0;
+  // (Without the fork handlers about half of these children block, each until its alarm.)
+  for (int i = 0; i < 100; ++i) {
+    const int s = child_status([&] {
+      return store.get(hot, [&] { return built_entry(hot, "unused"); }).entry->cubin == "hot";
+    });
+    if (!(WIFEXITED(s) && WEXITSTATUS(s) == 0)) ++failed;
+  }
+  stop = true;
+  hammer.join();
+  CHECK(failed == 0);
 }
 
 TEST_CASE("memory-only store never touches the disk", "[store]") {
