@@ -479,8 +479,11 @@ std::optional<Entry> DiskCache::load(const std::string& key) const {
     } else if (error == ELOOP) {
       log().warn("cache entry {} is a symbolic link; ignored (treated as a miss)", path);
     } else {
-      log().warn("cache entry {} cannot be opened: {}; treated as a miss", path,
-                 errno_text(error));
+      log().warn("cache entry {} cannot be opened: {}; treated as a miss{}", path,
+                 errno_text(error),
+                 error == EACCES ? " (a cache is private to the user who wrote it unless it "
+                                   "was prewarmed with `moejit prewarm --readable`)"
+                                 : "");
     }
     return std::nullopt;
   }

@@ -48,6 +48,10 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
                              const std::string& file);
 
 // "500M", "2G", "1.5GiB", "4096" -> bytes (K/M/G/T are powers of 1024). nullopt when malformed.
+// A usage Failure naming the first kernel a shape needs that `arch` can't run (e.g. marlin_moe
+// below sm_80), before anything is planned or compiled for it.
+void require_arch_serves(const std::vector<ModelShape>& shapes, const Arch& arch);
+
 std::optional<uint64_t> parse_size(const std::string& text);
 std::string format_bytes(uint64_t bytes);       // "1.5 MiB"
 std::string format_ms(double ms);               // "312 ms", "1.25 s"
@@ -77,8 +81,10 @@ Arch arch_for_compute_capability(int major, int minor);
 void configure_from_environment();
 const char* cache_mode_name(CacheMode mode);
 
+// `readable`: afterwards, the cache's directories and files this user owns are made readable by
+// every user (never writable): a cache baked into an image as root, read by a service user.
 int run_prewarm(const std::vector<std::string>& files, const std::vector<std::string>& arch_names,
-                int jobs);
+                int jobs, bool readable);
 int run_source(const std::string& file, const std::string& shape_name, const std::string& family,
                const std::string& arch_name);
 int run_plan(const std::string& file, const std::string& shape_name, const std::string& arch_name);

@@ -79,6 +79,17 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
                 "no shape named '" + name + "' in " + file + " (it has: " + names + ")"};
 }
 
+void require_arch_serves(const std::vector<ModelShape>& shapes, const Arch& arch) {
+  for (const ModelShape& shape : shapes) {
+    for (const KernelSpec& spec : plan_kernels(shape, arch)) {
+      if (std::string why = supports(spec); !why.empty()) {
+        throw Failure{kExitUsage, "arch " + arch.name() + " can't run shape \"" + shape.name +
+                                      "\": " + why};
+      }
+    }
+  }
+}
+
 std::optional<uint64_t> parse_size(const std::string& text) {
   std::size_t i = 0;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))

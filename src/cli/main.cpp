@@ -50,7 +50,12 @@ int main(int argc, char** argv) {
       ->add_option("-j,--jobs", prewarm_jobs,
                    "Parallel compiles (default: hardware threads, " + std::to_string(prewarm_jobs) +
                        " here)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 65536));
+  bool prewarm_readable = false;
+  prewarm->add_flag(
+      "--readable", prewarm_readable,
+      "Afterwards make the cache readable by every user, writable only by its owner (it is "
+      "created private): for a cache prewarmed as root into an image and read by a service user");
   prewarm->footer(help_footer());
 
   // source
@@ -107,6 +112,24 @@ int main(int argc, char** argv) {
       "library, and whether it compiles), and the cache (dir, mode, writable, entries, size).");
   doctor->footer(help_footer());
 
+  // Why before parsing: CLI11 answers an unknown first word, command or option, with only "A
+  // subcommand is required"; name it, and the commands.
+  if (argc > 1) {
+    const std::string first = argv[1];
+    std::string names;
+    bool known = first == "-h" || first == "--help" || first == "--version";
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+      known = known || first == sub->get_name();
+    }
+    if (!known) {
+      std::cerr << "moejit: unknown " << (first.rfind('-', 0) == 0 ? "option" : "command")
+                << " '" << first << "'; the commands are " << names
+                << " (moejit --help, moejit COMMAND --help)\n";
+      return kExitUsage;
+    }
+  }
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -117,7 +140,9 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (prewarm->parsed()) return run_prewarm(prewarm_files, prewarm_archs, prewarm_jobs);
+    if (prewarm->parsed()) {
+      return run_prewarm(prewarm_files, prewarm_archs, prewarm_jobs, prewarm_readable);
+    }
     if (source->parsed()) return run_source(source_file, source_shape, source_kernel, source_arch);
     if (plan->parsed()) return run_plan(plan_file, plan_shape, plan_arch);
     if (list->parsed()) return run_list();

@@ -26,8 +26,11 @@ struct PathKernels {
 };
 
 // What moe_forward runs at one T on `arch`: the automatic path first, then the path a call can
-// force instead (none where no other path runs on `arch`).
-std::vector<PathKernels> forward_paths(const detail::MoeForwardConfig& config, const Arch& arch) {
+// force instead (none where no other path runs on `arch`, and no forced decode path where
+// `decode_forcible` is false: moe_forward refuses MoePath::kDecode for the whole shape where
+// decode_moe_problem names a T it can't serve).
+std::vector<PathKernels> forward_paths(const detail::MoeForwardConfig& config, const Arch& arch,
+                                       bool decode_forcible) {
   const detail::MoeForwardSpecs s = detail::moe_forward_specs(config, arch);
   PathKernels decode{config.decode_pair ? "decode_moe, two-launch tile"
                                          : "decode_moe, persistent tile",
@@ -39,7 +42,7 @@ std::vector<PathKernels> forward_paths(const detail::MoeForwardConfig& config, c
     return {decode, marlin};
   }
   marlin.what += " (automatic)";
-  if (!s.decode) return {marlin};
+  if (!s.decode || !decode_forcible) return {marlin};
   decode.what += " (MoePath::kDecode)";
   return {marlin, decode};
 }
@@ -109,7 +112,8 @@ void print_plan(const ModelShape& shape, const Arch& arch) {
   int run_first = 1;
   int run_last = 0;  // 0: no run yet
   for (int last : detail::moe_config_segment_ends(shape, shape.max_tokens)) {
-    std::vector<PathKernels> paths = forward_paths(detail::choose_moe_config(shape, last), arch);
+    std::vector<PathKernels> paths =
+        forward_paths(detail::choose_moe_config(shape, last), arch, decode_problem.empty());
     if (run_last > 0 && paths == run) {
       run_last = last;
       continue;
@@ -133,6 +137,7 @@ int run_plan(const std::string& file, const std::string& shape_name, const std::
     throw Failure{kExitUsage, e.what()};
   }
   if (!shape_name.empty()) shapes = {find_shape(shapes, shape_name, file)};
+  require_arch_serves(shapes, arch);
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     if (i > 0) std::cout << "\n";
     print_plan(shapes[i], arch);

@@ -1,7 +1,14 @@
-// `moejit prewarm FILE... [--arch A[,B]] [-j N]`: fill the cache before a server starts.
+// `moejit prewarm FILE... [--arch A[,B]] [-j N] [--readable]`: fill the cache before a server
+// starts.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <string>
@@ -66,13 +73,63 @@ void print_row(const char* outcome, const std::vector<double>& ms) {
   std::cout << line;
 }
 
+// --readable: the cache's directories and files that this user owns, readable (and the
+// directories searchable) by every user; nothing is made writable. Why: a cache is created
+// private (0700 directories, 0600 entries), and one prewarmed as root into an image must be
+// read by the unprivileged service that runs there. Returns how many modes changed; a path
+// whose mode can't be changed is a Failure.
+std::size_t make_readable(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::size_t changed = 0;
+  const auto open_up = [&changed](const std::string& path) {
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0 || S_ISLNK(st.st_mode) || st.st_uid != ::geteuid()) {
+      return;  // gone, a link (never followed) or another user's
+    }
+    mode_t mode = st.st_mode & 07777;
+    mode_t want = mode | S_IRGRP | S_IROTH;
+    if (S_ISDIR(st.st_mode)) want |= S_IXGRP | S_IXOTH;
+    if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) return;
+    if (want == mode) return;
+    if (::chmod(path.c_str(), want) != 0) {
+      throw Failure{kExitEnvironment, "--readable: cannot change the mode of " + path + ": " +
+                                          std::strerror(errno)};
+    }
+    ++changed;
+  };
+  open_up(dir);
+  std::error_code error;
+  fs::recursive_directory_iterator it(dir, fs::directory_options::none, error);
+  for (; !error && it != fs::recursive_directory_iterator(); it.increment(error)) {
+    open_up(it->path().string());
+  }
+  if (error) {
+    throw Failure{kExitEnvironment,
+                  "--readable: cannot walk the cache " + dir + ": " + error.message()};
+  }
+  return changed;
+}
+
+// The first directory above `dir` that other users can't search, or "" (--readable's note).
+std::string closed_ancestor(const std::string& dir) {
+  namespace fs = std::filesystem;
+  fs::path at = fs::absolute(fs::path(dir)).lexically_normal().parent_path();
+  for (; !at.empty(); at = at.parent_path()) {
+    struct stat st {};
+    if (::stat(at.c_str(), &st) == 0 && (st.st_mode & S_IXOTH) == 0) return at.string();
+    if (at == at.root_path()) break;
+  }
+  return "";
+}
+
 }  // namespace
 
 int run_prewarm(const std::vector<std::string>& files, const std::vector<std::string>& arch_names,
-                int jobs) {
+                int jobs, bool readable) {
   // All-or-nothing: every file is parsed and validated before anything else happens.
   std::vector<ModelShape> shapes = load_shape_files(files);
   std::vector<Arch> archs = resolve_archs(arch_names);
+  for (const Arch& arch : archs) require_arch_serves(shapes, arch);
 
   configure_from_environment();
   detail::Runtime& runtime = detail::Runtime::instance();
@@ -138,6 +195,15 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
   if (!not_stored.empty()) std::cout << not_stored.size() << " compiled but not stored, ";
   std::cout << cached.size() << " already cached, " << failed.size() << " failed in "
             << format_ms(wall_ms) << " (cache " << disk.dir() << ")\n";
+  if (readable) {
+    const std::size_t changed = make_readable(disk.dir());
+    std::cout << "prewarm: the cache is readable by every user, writable only by its owner ("
+              << changed << " mode(s) changed)\n";
+    if (std::string closed = closed_ancestor(disk.dir()); !closed.empty()) {
+      std::cout << "prewarm: note: other users can't reach it: " << closed
+                << " is not searchable by them\n";
+    }
+  }
   if (!failed.empty()) {
     std::cout << "\nfailures:\n";
     std::cout << detail::failures_text(results);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <map>
 #include <regex>
 #include <string>
 #include <vector>
@@ -135,8 +136,24 @@ TEST_CASE("prewarm fills a cache that list, verify, gc and clear then maintain",
     CHECK(out.find("@sm_100a") != std::string::npos);
   }
 
-  // Second run: nothing to do.
-  rc = cli(cache, prewarm, &out);
+  // The cache is created private: directories 0700, entries 0600.
+  namespace fs = std::filesystem;
+  const auto modes = [&cache] {
+    std::map<std::string, fs::perms> out;
+    out[cache] = fs::status(cache).permissions();
+    for (const auto& e : fs::recursive_directory_iterator(cache)) {
+      if (!e.is_symlink()) out[e.path().string()] = e.symlink_status().permissions();
+    }
+    return out;
+  };
+  const fs::perms others = fs::perms::group_all | fs::perms::others_all;
+  for (const auto& [path, perms] : modes()) {
+    INFO(path);
+    CHECK((perms & others) == fs::perms::none);
+  }
+
+  // Second run: nothing to do; --readable opens the cache to reading, never to writing.
+  rc = cli(cache, prewarm + " --readable", &out);
   {
     INFO(out);
     REQUIRE(rc == 0);
@@ -145,6 +162,15 @@ TEST_CASE("prewarm fills a cache that list, verify, gc and clear then maintain",
     CHECK(s.compiled == 0);
     CHECK(s.cached == s.kernels);
     CHECK(s.failed == 0);
+    CHECK(out.find("readable by every user") != std::string::npos);
+  }
+  for (const auto& [path, perms] : modes()) {
+    INFO(path);
+    const bool dir = fs::is_directory(path);
+    CHECK((perms & fs::perms::others_read) != fs::perms::none);
+    CHECK((perms & fs::perms::group_read) != fs::perms::none);
+    if (dir) CHECK((perms & fs::perms::others_exec) != fs::perms::none);
+    CHECK((perms & (fs::perms::group_write | fs::perms::others_write)) == fs::perms::none);
   }
 
   // list shows every entry, with its arch.

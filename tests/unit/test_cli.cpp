@@ -112,10 +112,26 @@ TEST_CASE("usage errors exit 2", "[cli]") {
     return out;
   };
   const std::string shapes = quote(reference_shapes());
-  usage_error("frobnicate");                                 // unknown subcommand
-  usage_error("");                                           // no subcommand
-  usage_error("list --bogus");                               // unknown flag
-  usage_error("prewarm " + shapes + " --arch sm_90a -j 0");  // -j must be positive
+  // An unknown first word is named, with the commands there are.
+  std::string first = usage_error("frobnicate");
+  CHECK(first.find("unknown command 'frobnicate'") != std::string::npos);
+  CHECK(first.find("prewarm, ") != std::string::npos);
+  CHECK(usage_error("--frobnicate").find("unknown option '--frobnicate'") != std::string::npos);
+  usage_error("");              // no subcommand
+  usage_error("list --bogus");  // unknown flag
+  for (const char* jobs : {"0", "-1", "abc"}) {  // -j must be a positive whole number
+    const std::string said = usage_error("prewarm " + shapes + " --arch sm_90a -j " + jobs);
+    CHECK(said.find("--jobs") != std::string::npos);
+    CHECK(said.size() < 300);  // not the range's upper bound as a 300-digit number
+  }
+  // An arch the MoE kernels can't run on (marlin_moe needs sm_80) is refused before anything
+  // is planned or compiled.
+  for (const char* arch : {"sm_70", "sm_75"}) {
+    CHECK(usage_error("plan " + shapes + " --arch " + arch).find("needs sm_80") !=
+          std::string::npos);
+    CHECK(usage_error("prewarm " + shapes + " --arch sm_90a," + arch).find("needs sm_80") !=
+          std::string::npos);
+  }
   usage_error("gc");                                         // --max-size is required
   CHECK(usage_error("gc --max-size 12Q").find("12Q") != std::string::npos);
   CHECK(usage_error("prewarm " + shapes + " --arch sm_nine").find("sm_nine") != std::string::npos);
@@ -313,6 +329,22 @@ TEST_CASE("plan names every kernel prewarm compiles, per range of T, and the siz
                      std::to_string(moejit::moe_workspace_bytes(shape, shape.max_tokens)) +
                      " bytes") != std::string::npos);
     }
+  }
+
+  SECTION("no forced decode path where moe_forward refuses it for the whole shape") {
+    // decode_moe's tiles fit this shape at T = 6..16 but not at T = 1 with block_n 8, so
+    // decode_moe_problem names it and moe_forward refuses MoePath::kDecode at every T.
+    TempDir dir;
+    const std::string file = dir.path() + "/wide.json";
+    write_file(file,
+               R"({"shapes": [{"name": "wide", "num_experts": 3509, "top_k": 64, "hidden": 4096,)"
+               R"( "intermediate": 512, "activation": {"kind": "swiglu"}, "max_tokens": 300}]})");
+    const moejit::ModelShape wide = moejit::load_shapes_file(file).front();
+    REQUIRE_FALSE(moejit::moe_decode_problem(wide).empty());
+    std::string out;
+    REQUIRE(cli("plan " + quote(file) + " --arch sm_90a", &out) == 0);
+    INFO(out);
+    CHECK(out.find("(MoePath::kDecode)") == std::string::npos);
   }
 
   SECTION("without --shape, every shape of the file") {
