@@ -261,7 +261,11 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     detail::launch_decode_pair(kOp, config.decode_first, device, params, stream);
     return;
   }
-  if (want_decode && config.decode) {
+  // Why not kAuto's own choice: kAuto takes decode_moe in the two-launch tile (decode_by_default),
+  // and where the pair does not run on this device (its shared memory) marlin_moe, the faster
+  // path there (the persistent tile at T = 1 took 1.14-1.59x marlin_moe's time, moe_plan.hpp),
+  // unless the call forced a block_n, which asks for the persistent tile.
+  if (want_decode && config.decode && (forced_decode || options.decode_block_n != 0)) {
     // The persistent tile: the planner's (T >= 3, or where the pair does not serve the shape) or,
     // with a forced block_n, the one of that block_n at any T.
     const MoeDecodeParams main =
