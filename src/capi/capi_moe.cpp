@@ -116,7 +116,12 @@ moejit_status moejit_moe_create(const char* shape_name, moejit_moe** out) {
       throw Error(ErrorCode::kInvalidArgument,
                   "moejit_moe_create: shape_name: expected a registered shape's name, found null");
     }
-    moejit::ModelShape shape = moejit::registered_shape(shape_name);
+    moejit::ModelShape shape;
+    try {
+      shape = moejit::registered_shape(shape_name);
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("moejit_moe_create: shape_name: ") + e.what());
+    }
     // Why here: a shape the MoE kernels can't serve is refused when the handle is made, not on
     // the first forward.
     moejit::moe_weight_layout(shape);

@@ -4,6 +4,8 @@
 #include <cuda.h>
 
 #include <climits>
+#include <initializer_list>
+#include <iterator>
 #include <cstdint>
 #include <moejit/kern/moe/params.cuh>
 #include <string>
@@ -64,18 +66,43 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
   return context;
 }
 
+// `count` is the leading extent n of the checkpoint's tensors (`count_arg` the first of them).
 void check_experts(const char* op, const ModelShape& shape, const MoeRepackTarget& target,
-                   int64_t count) {
+                   int64_t count, const char* count_arg) {
+  const std::string range = "[first_expert, first_expert + n) inside the shape's local experts "
+                            "[0, " + std::to_string(shape.num_experts) + ")";
+  const std::string found = "first_expert = " + std::to_string(target.first_expert) +
+                            " with n = " + std::to_string(count) + " experts";
+  if (target.first_expert < 0 || target.first_expert > shape.num_experts) {
+    detail::throw_argument(op, "target.first_expert", range, found);
+  }
   // Why count against the room left, not first_expert + count: count is the caller's tensor
-  // dimension and the sum could overflow.
-  if (target.first_expert < 0 || target.first_expert > shape.num_experts || count < 0 ||
-      count > static_cast<int64_t>(shape.num_experts) - target.first_expert) {
-    detail::throw_argument(
-        op, "target.first_expert",
-        "[first_expert, first_expert + n) inside the shape's local experts [0, " +
-            std::to_string(shape.num_experts) + ")",
-        "first_expert = " + std::to_string(target.first_expert) +
-            " with n = " + std::to_string(count) + " experts");
+  // dimension and the sum could overflow. A first_expert in range leaves n to blame.
+  if (count < 0 || count > static_cast<int64_t>(shape.num_experts) - target.first_expert) {
+    detail::throw_argument(op, count_arg, "a leading extent n with " + range, found);
+  }
+}
+
+// The repacked tensors (the shape's whole buffers, moe_weight_layout) and the counter are
+// written while the checkpoint is read: no two may share a byte (as the forward op refuses for
+// its buffers), or the experts come out corrupt, silently.
+void check_repack_disjoint(const char* op, const RepackContext& context,
+                           const MoeRepackTarget& target,
+                           std::initializer_list<detail::Span> reads) {
+  const detail::MoeWeightSizes& z = context.sizes;
+  const detail::Span writes[] = {
+      {"target.weights.w13", target.weights.w13, static_cast<int64_t>(z.w13)},
+      {"target.weights.w13_scales", target.weights.w13_scales,
+       static_cast<int64_t>(z.w13_scales)},
+      {"target.weights.w2", target.weights.w2, static_cast<int64_t>(z.w2)},
+      {"target.weights.w2_scales", target.weights.w2_scales, static_cast<int64_t>(z.w2_scales)},
+      {"target.bad_scale_count", target.bad_scale_count,
+       target.bad_scale_count != nullptr ? 4 : 0}};
+  for (std::size_t a = 0; a < std::size(writes); ++a) {
+    for (std::size_t b = a + 1; b < std::size(writes); ++b) {
+      detail::check_disjoint(op, writes[a], writes[b]);
+    }
+    for (const detail::Span& read : reads) detail::check_disjoint(op, read, writes[a]);
   }
 }
 
@@ -173,7 +200,12 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
   if (s13.count != n) throw_count_mismatch(op, "w13_scales", s13.count, n);
   if (w2.count != n) throw_count_mismatch(op, "w2_blocks", w2.count, n);
   if (s2.count != n) throw_count_mismatch(op, "w2_scales", s2.count, n);
-  check_experts(op, shape, target, n);
+  check_experts(op, shape, target, n, "w13_blocks");
+  check_repack_disjoint(op, context, target,
+                        {{"w13_blocks", w13.data, n * 2 * i * h / 2},
+                         {"w13_scales", s13.data, n * 2 * i * h / 32},
+                         {"w2_blocks", w2.data, n * h * i / 2},
+                         {"w2_scales", s2.data, n * h * i / 32}});
 
   // w13 row r of expert e: gate j = row 2j, up j = row 2j + 1 (openai's x[..., ::2] and
   // x[..., 1::2]), each H/2 bytes of nibbles and H/32 scales. So gate and up are both views with
@@ -216,7 +248,14 @@ void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& chec
   if (s3.count != n) throw_count_mismatch(op, "w3_scales", s3.count, n);
   if (w2.count != n) throw_count_mismatch(op, "w2_blocks", w2.count, n);
   if (s2.count != n) throw_count_mismatch(op, "w2_scales", s2.count, n);
-  check_experts(op, shape, target, n);
+  check_experts(op, shape, target, n, "w1_blocks");
+  check_repack_disjoint(op, context, target,
+                        {{"w1_blocks", w1.data, n * i * h / 2},
+                         {"w1_scales", s1.data, n * i * h / 32},
+                         {"w3_blocks", w3.data, n * i * h / 2},
+                         {"w3_scales", s3.data, n * i * h / 32},
+                         {"w2_blocks", w2.data, n * h * i / 2},
+                         {"w2_scales", s2.data, n * h * i / 32}});
 
   // w1 / w3 [n, I, H/32, 16]: row j is H/2 bytes of nibbles and H/32 scales.
   kern::moe::RepackParams fc1 = fc1_params(shape, context, target, n);

@@ -1126,6 +1126,71 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
   }
 }
 
+// The repack reads the checkpoint while it writes the target: a target that shares a byte with
+// a checkpoint tensor (an in-place attempt) or with another target would come out corrupt, so it
+// is refused, naming both. And more checkpoint experts than the shape has room for from
+// first_expert blames the checkpoint's leading extent, not a first_expert of 0.
+TEST_CASE("moe repack: overlapping buffers and too many experts are refused, named",
+          "[gpu][moe]") {
+  gpu();
+  TestStream stream;
+  ModelShape shape = reference_shape("gpt-oss-120b");
+  shape.name = "repack overlap";
+  shape.num_experts = 2;
+  shape.global_experts = 2;
+  shape.hidden = 160;
+  shape.intermediate = 96;
+  shape.top_k = 2;
+  const int64_t h = shape.hidden;
+  const int64_t i = shape.intermediate;
+  ModelShape stack = shape;
+  stack.num_experts = 3;  // one expert more than the shape holds
+  const Checkpoint ck = make_checkpoint(stack, true, 7);
+  const DeviceCheckpoint dck(ck);
+  auto model = allocate_model(shape);
+  const auto call = [&](int64_t n, const moejit::MoeRepackTarget& target) {
+    TensorView w13b(dck.w13_blocks.data(), 0, {n, 2 * i, h / 32, 16}, dl_u8());
+    TensorView w13s(dck.w13_scales.data(), 0, {n, 2 * i, h / 32}, dl_u8());
+    TensorView w2b(dck.w2_blocks.data(), 0, {n, h, i / 32, 16}, dl_u8());
+    TensorView w2s(dck.w2_scales.data(), 0, {n, h, i / 32}, dl_u8());
+    moejit::GptOssCheckpoint c;
+    c.w13_blocks = w13b.dl();
+    c.w13_scales = w13s.dl();
+    c.w2_blocks = w2b.dl();
+    c.w2_scales = w2s.dl();
+    try {
+      moejit::moe_repack_gpt_oss(shape, c, target, stream.get());
+    } catch (const Error& e) {
+      CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  moejit::MoeRepackTarget good;
+  good.weights = model->weights();
+
+  moejit::MoeRepackTarget in_place = good;
+  in_place.weights.w13 = dck.w13_blocks.data();
+  std::string what = call(2, in_place);
+  INFO(what);
+  CHECK(what.find("w13_blocks") != std::string::npos);
+  CHECK(what.find("target.weights.w13") != std::string::npos);
+  CHECK(what.find("overlaps") != std::string::npos);
+
+  moejit::MoeRepackTarget shared = good;
+  shared.weights.w2_scales = good.weights.w2;  // two targets in one buffer
+  what = call(2, shared);
+  CHECK(what.find("target.weights.w2") != std::string::npos);
+  CHECK(what.find("overlaps") != std::string::npos);
+
+  what = call(3, good);  // 3 experts into a shape of 2, first_expert 0
+  CHECK(what.find("w13_blocks") != std::string::npos);
+  CHECK(what.find("n = 3") != std::string::npos);
+
+  CHECK(call(2, good) == "(no error)");
+  stream.sync();
+}
+
 TEST_CASE("moe repack: scale bytes the kernels can't dequantize are counted", "[gpu][moe]") {
   gpu();
   TestStream stream;

@@ -1783,6 +1783,7 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
   CHECK(moejit_moe_create("capi-moe-no-such-shape", &none) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(none == nullptr);
   CHECK(contains(moejit_last_error(), "capi-moe-no-such-shape"));
+  CHECK(contains(moejit_last_error(), "moejit_moe_create: shape_name: "));
   CHECK(moejit_moe_create(nullptr, &none) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(none == nullptr);
   CHECK(moejit_moe_create("capi-moe-qwen3", nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
