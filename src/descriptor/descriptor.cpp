@@ -130,12 +130,12 @@ class ShapeFileParser {
       }
       fail_at(offset, "", "the file is not valid JSON: " + reason, expected, found);
     } catch (const Json::out_of_range& e) {
+      // Why the depth first: a number that overflows inside nesting too deep is reported at the
+      // nesting, the rule the file breaks first (its scan stopped there).
+      fail_if_too_deep();
       fail_overflow(e);
     }
-    if (scan_.too_deep) {
-      fail_at(*scan_.too_deep, "", "the JSON nests too deeply for a shape file",
-              "at most " + std::to_string(kMaxJsonDepth) + " levels", "deeper nesting");
-    }
+    fail_if_too_deep();
     if (scan_.duplicate) {
       const DuplicateKey& d = *scan_.duplicate;
       TextPosition first = lines_.at(d.first);
@@ -201,6 +201,13 @@ class ShapeFileParser {
       if (static_cast<unsigned char>(c) < 0x20) c = ' ';
     }
     return "'" + t + (end - offset > kMax ? "...'" : "'");
+  }
+
+  void fail_if_too_deep() const {
+    if (scan_.too_deep) {
+      fail_at(*scan_.too_deep, "", "the JSON nests too deeply for a shape file",
+              "at most " + std::to_string(kMaxJsonDepth) + " levels", "deeper nesting");
+    }
   }
 
   // nlohmann refuses a number that overflows a double (out_of_range 406) without a place; the

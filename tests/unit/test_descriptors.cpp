@@ -745,6 +745,24 @@ TEST_CASE("damaged files are refused with a DescriptorError, never anything else
   }
 }
 
+TEST_CASE("a number that overflows inside nesting too deep is refused for the nesting",
+          "[descriptor]") {
+  std::string text = "{\"shapes\": ";
+  for (int i = 0; i < 20; ++i) text += "[";
+  text += "1e999";
+  for (int i = 0; i < 20; ++i) text += "]";
+  text += "}";
+  try {
+    parse_shapes(text, "deep.json");
+    FAIL("accepted");
+  } catch (const DescriptorError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("nests too deeply") != std::string::npos);
+    CHECK(e.column() > 1);
+  }
+}
+
 TEST_CASE("the position scanner", "[descriptor]") {
   using moejit::detail::scan_json;
   std::string text =
