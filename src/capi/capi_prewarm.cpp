@@ -113,7 +113,9 @@ moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count,
       throw Error(ErrorCode::kCompileFailed,
                   std::string(kCall) + ": " + std::to_string(counts.failed) + " of " +
                       std::to_string(results.size()) +
-                      " kernel(s) failed (the others are ready):\n" + failures);
+                      " kernel(s) failed" +
+                      (counts.failed < results.size() ? " (the others are ready)" : "") + ":\n" +
+                      failures);
     }
   });
 }
