@@ -403,17 +403,45 @@ def _dltensor(slot, obj, name, kept):
 
 
 def _device_buffer(obj, name, expected_bytes=0):
-    """(address, bytes, keep-alive) of a buffer argument, once it is a contiguous CUDA tensor of at
-    least expected_bytes; a plain torch tensor (_plain_torch) is read through its accessors,
-    anything else through DLPack (keep-alive: the borrow, held until the call returns)."""
+    """(address, bytes, keep-alive, device index) of a buffer argument, once it is a contiguous
+    CUDA tensor of at least expected_bytes; a plain torch tensor (_plain_torch) is read through its
+    accessors, anything else through DLPack (keep-alive: the borrow, held until the call returns).
+    The device index is for _check_device: a buffer reaches the library as an address alone."""
     if _plain_torch(obj) is not None and obj.is_cuda:
         if not obj.is_contiguous():
             raise _not_contiguous(name, obj.stride())
         nbytes = obj.nbytes
         _check_buffer_bytes(name, nbytes, expected_bytes)
-        return obj.data_ptr(), nbytes, None
+        return obj.data_ptr(), nbytes, None, obj.get_device()
     borrowed = _Borrowed(obj, name)
-    return borrowed.device_buffer(expected_bytes) + (borrowed,)
+    address, nbytes = borrowed.device_buffer(expected_bytes)
+    return address, nbytes, borrowed, borrowed.tensor.device.device_id
+
+
+def _check_device(name, device, expected, reference):
+    """A buffer on another GPU than the call's tensors would be read by kernels that can't reach
+    it (an illegal-address fault that breaks the context) or reach it over the interconnect."""
+    if device != expected:
+        raise InvalidArgument("{}: expected a buffer on CUDA device {}, where {} is; found device "
+                              "{}".format(name, expected, reference, device))
+
+
+def _tensor_device(obj, address):
+    """The CUDA device index of a call tensor, from torch or from the DLTensor at address; None
+    for a tensor in host memory (the library refuses it, with its own message)."""
+    if _plain_torch(obj) is not None:
+        return obj.get_device() if obj.is_cuda else None
+    device = DLTensor.from_address(address).device
+    return device.device_id if device.device_type == _KDL_CUDA else None
+
+
+def _c_int(name, value, bits=32):
+    """value as a C int of `bits` bits; ctypes would keep the low bits of a larger one silently
+    (first_expert = 2**32 would repack into expert 0)."""
+    value = int(value)
+    if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
+        raise InvalidArgument("{}: expected a {}-bit integer, found {}".format(name, bits, value))
+    return value
 
 
 def _torch_current_stream():
@@ -481,7 +509,8 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
 
     callback = _PROGRESS(report) if progress is not None else _PROGRESS()
     result = PrewarmResult()
-    status = _lib.moejit_prewarm(array, len(names), arch.encode() if arch else None, int(jobs),
+    status = _lib.moejit_prewarm(array, len(names), arch.encode() if arch else None,
+                                 _c_int("jobs", jobs),
                                  callback, None, ctypes.byref(result))
     if raised:
         raise raised[0]
@@ -507,7 +536,7 @@ def append_shared(topk_ids, topk_weights, shared_logits, out_ids, out_weights, s
                                      _dltensor(slots[2], shared_logits, "shared_logits", kept),
                                      _dltensor(slots[3], out_ids, "out_ids", kept),
                                      _dltensor(slots[4], out_weights, "out_weights", kept),
-                                     int(shared_base), float(scale),
+                                     _c_int("shared_base", shared_base, 64), float(scale),
                                      _GATES[gate], _stream_handle(stream)))
 
 
@@ -515,9 +544,10 @@ class BoundWeights:
     """A layer's repacked buffers, checked once against its layout (MoeLayer.bind_weights). Holds
     the tensors, so their memory lives as long as this object."""
 
-    def __init__(self, shape_name, struct, tensors):
+    def __init__(self, shape_name, struct, tensors, device):
         self.shape_name = shape_name
         self.struct = struct
+        self.device = device  # the buffers' CUDA device index
         self._tensors = tensors
 
 
@@ -528,6 +558,8 @@ class MoeLayer:
     """One registered shape's MoE layer: repack its checkpoint, size its buffers, run it."""
 
     def __init__(self, shape_name):
+        # Why a lock: close() from two threads would destroy the handle twice.
+        self._close_lock = threading.Lock()
         handle = ctypes.c_void_p()
         _check(_lib.moejit_moe_create(shape_name.encode(), ctypes.byref(handle)))
         self._handle = handle
@@ -542,13 +574,23 @@ class MoeLayer:
         self.decode_problem = problem.value.decode()
 
     def close(self):
-        if self._handle:
-            _lib.moejit_moe_destroy(self._handle)
-            self._handle = None
+        """Release the library's handle. A call on this layer still running in another thread
+        when close() is called is the caller's error (its handle is gone)."""
+        with self._close_lock:
+            handle, self._handle = self._handle, None
+        if handle:
+            _lib.moejit_moe_destroy(handle)
 
     def __del__(self):
         if getattr(self, "_handle", None) and _lib is not None:
             self.close()
+
+    # Why no copies: a copy would share the handle, and each would destroy it.
+    def __copy__(self):
+        raise TypeError("MoeLayer can't be copied: it owns a library handle; share the object")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("MoeLayer can't be copied: it owns a library handle; share the object")
 
     def __enter__(self):
         return self
@@ -563,18 +605,20 @@ class MoeLayer:
 
     def bind_weights(self, weights):
         """The repacked buffers (a dict, as forward takes them) checked once, for many forwards."""
-        struct, kept = self._weights(weights, "weights", with_biases=True)
-        return BoundWeights(self.shape_name, struct, kept)
+        struct, kept, device = self._weights(weights, "weights", with_biases=True)
+        return BoundWeights(self.shape_name, struct, kept, device)
 
     def workspace_bytes(self, max_tokens):
         """Device workspace bytes forward() needs for any T <= max_tokens."""
         out = ctypes.c_size_t()
-        _check(_lib.moejit_moe_workspace_bytes(self._live(), int(max_tokens), ctypes.byref(out)))
+        _check(_lib.moejit_moe_workspace_bytes(self._live(), _c_int("max_tokens", max_tokens),
+                                               ctypes.byref(out)))
         return out.value
 
     def _weights(self, weights, what, with_biases):
-        """moejit_moe_weights from a dict of CUDA tensors, each checked against its layout size;
-        the borrowed tensors are returned too: the caller keeps them until the call returns."""
+        """moejit_moe_weights from a dict of CUDA tensors, each checked against its layout size,
+        all on one device; the borrowed tensors are returned too (the caller keeps them until the
+        call returns), and that device's index (None for no buffer)."""
         if not hasattr(weights, "get"):
             raise TypeError("{}: expected a dict of tensors named {}, found {}".format(
                 what, [n for n, _ in _WEIGHT_FIELDS], type(weights).__name__))
@@ -584,6 +628,7 @@ class MoeLayer:
                 what, unknown, [n for n, _ in _WEIGHT_FIELDS]))
         struct = _Weights()
         kept = []
+        device, first = None, None
         for name, _ in _WEIGHT_FIELDS:
             size = self.weight_bytes[name]
             tensor = weights.get(name)
@@ -597,10 +642,14 @@ class MoeLayer:
             if not size:
                 raise InvalidArgument("{}[{!r}]: {} has no biases; pass none".format(
                     what, name, self.shape_name))
-            address, _, borrowed = _device_buffer(tensor, "{}[{!r}]".format(what, name), size)
+            arg = "{}[{!r}]".format(what, name)
+            address, _, borrowed, on = _device_buffer(tensor, arg, size)
+            if first is None:
+                device, first = on, arg
+            _check_device(arg, on, device, first)
             setattr(struct, name, address)
             kept.append(borrowed if borrowed is not None else tensor)
-        return struct, kept
+        return struct, kept, device
 
     def repack_gpt_oss(self, w13_blocks, w13_scales, w2_blocks, w2_scales, target, first_expert=0,
                        bad_scale_count=None, stream=None):
@@ -610,11 +659,12 @@ class MoeLayer:
         inputs = [_Borrowed(t, n) for t, n in ((w13_blocks, "w13_blocks"),
                                                 (w13_scales, "w13_scales"),
                                                 (w2_blocks, "w2_blocks"), (w2_scales, "w2_scales"))]
-        struct, keep_alive = self._weights(target, "target", with_biases=False)
-        counter, counter_borrow = self._counter(bad_scale_count)
+        struct, keep_alive, counter, counter_borrow = self._repack_target(inputs, target,
+                                                                          bad_scale_count)
         _check(_lib.moejit_moe_repack_gpt_oss(self._live(), *[b.address for b in inputs],
-                                              ctypes.byref(struct), int(first_expert), counter,
-                                              _stream_handle(stream)))
+                                              ctypes.byref(struct),
+                                              _c_int("first_expert", first_expert),
+                                              counter, _stream_handle(stream)))
 
     def repack_separate(self, w1_blocks, w1_scales, w3_blocks, w3_scales, w2_blocks, w2_scales,
                         target, first_expert=0, bad_scale_count=None, stream=None):
@@ -622,23 +672,35 @@ class MoeLayer:
         inputs = [_Borrowed(t, n) for t, n in ((w1_blocks, "w1_blocks"), (w1_scales, "w1_scales"),
                                                 (w3_blocks, "w3_blocks"), (w3_scales, "w3_scales"),
                                                 (w2_blocks, "w2_blocks"), (w2_scales, "w2_scales"))]
-        struct, keep_alive = self._weights(target, "target", with_biases=False)
-        counter, counter_borrow = self._counter(bad_scale_count)
+        struct, keep_alive, counter, counter_borrow = self._repack_target(inputs, target,
+                                                                          bad_scale_count)
         _check(_lib.moejit_moe_repack_separate(self._live(), *[b.address for b in inputs],
-                                               ctypes.byref(struct), int(first_expert), counter,
-                                               _stream_handle(stream)))
+                                               ctypes.byref(struct),
+                                               _c_int("first_expert", first_expert),
+                                               counter, _stream_handle(stream)))
 
-    @staticmethod
-    def _counter(bad_scale_count):
-        """(address, borrow) of the optional counter; the caller holds the borrow until the call
-        returns, as the address is only valid while the capsule lives."""
+    def _repack_target(self, inputs, target, bad_scale_count):
+        """A repack's target struct and its borrows, and the optional counter's address and
+        borrow (the caller holds the borrows until the call returns, as an address is valid only
+        while its capsule lives), each on the checkpoint's device."""
+        struct, keep_alive, on = self._weights(target, "target", with_biases=False)
+        # A missing or host checkpoint is the library's to refuse, with its own message.
+        checkpoint = inputs[0].tensor.device if inputs[0].address else None
+        cuda = checkpoint is not None and checkpoint.device_type == _KDL_CUDA
+        device = checkpoint.device_id if cuda else None
+        reference = inputs[0].name
+        if device is not None:
+            _check_device("target", on, device, reference)
         if bad_scale_count is None:
-            return None, None
+            return struct, keep_alive, None, None
         borrowed = _Borrowed(bad_scale_count, "bad_scale_count")
         t = borrowed.tensor
         if t.dtype.code != 0 or t.dtype.bits != 32 or t.dtype.lanes != 1:
             raise InvalidArgument("bad_scale_count: expected an int32 tensor [1]")
-        return borrowed.device_address(4), borrowed
+        counter = borrowed.device_address(4)
+        if device is not None:
+            _check_device("bad_scale_count", t.device.device_id, device, reference)
+        return struct, keep_alive, counter, borrowed
 
     def forward(self, hidden, topk_ids, topk_weights, weights, workspace, out, path="auto",
                 decode_block_n=0, stream=None):
@@ -656,18 +718,26 @@ class MoeLayer:
             if weights.shape_name != self.shape_name:
                 raise InvalidArgument("weights: bound for shape {!r}, not {!r}".format(
                     weights.shape_name, self.shape_name))
-            struct = weights.struct
+            struct, weights_device = weights.struct, weights.device
         else:
-            struct, keep_alive = self._weights(weights, "weights", with_biases=True)
+            struct, keep_alive, weights_device = self._weights(weights, "weights",
+                                                               with_biases=True)
         if workspace is None:
             raise InvalidArgument("workspace: expected a uint8 CUDA tensor of at least "
                                   "workspace_bytes(T) bytes, found None")
-        address, size, space = _device_buffer(workspace, "workspace")
+        address, size, space, workspace_device = _device_buffer(workspace, "workspace")
         slots, kept = _forward_slots.slots, []
-        _check(_lib.moejit_moe_forward_ex(self._live(),
-                                          _dltensor(slots[0], hidden, "hidden", kept),
+        hidden_address = _dltensor(slots[0], hidden, "hidden", kept)
+        # The library checks each tensor's device; the buffers reach it as addresses alone.
+        device = _tensor_device(hidden, hidden_address)
+        if device is not None:
+            _check_device("workspace", workspace_device, device, "hidden")
+            if weights_device is not None:
+                _check_device("weights", weights_device, device, "hidden")
+        _check(_lib.moejit_moe_forward_ex(self._live(), hidden_address,
                                           _dltensor(slots[1], topk_ids, "topk_ids", kept),
                                           _dltensor(slots[2], topk_weights, "topk_weights", kept),
                                           ctypes.byref(struct), address, size,
                                           _dltensor(slots[3], out, "out", kept), _PATHS[path],
-                                          int(decode_block_n), _stream_handle(stream)))
+                                          _c_int("decode_block_n", decode_block_n),
+                                          _stream_handle(stream)))

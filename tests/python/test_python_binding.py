@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import unittest
 
 _CACHE = tempfile.TemporaryDirectory(prefix="moejit-python-test-")
@@ -257,6 +258,83 @@ class CpuTests(unittest.TestCase):
                                   self._weights(layer, w2=None))
         with self.assertRaises(TypeError):
             layer.forward(hidden, ids, topk, self._weights(layer), space, out, stream="s")
+
+    def test_buffers_on_another_device_and_wide_ints_are_refused(self):
+        layer = moejit.MoeLayer("py-tiny")
+
+        def on(device, tensor):
+            tensor.managed.dl_tensor.device.device_id = device
+            return tensor
+
+        hidden = FakeTensor([1, 512], BF16, device=CUDA, address=0x30000)
+        ids = FakeTensor([1, 2], INT32, device=CUDA, address=0x40000)
+        topk = FakeTensor([1, 2], (2, 32), device=CUDA, address=0x50000)
+        out = FakeTensor([1, 512], BF16, device=CUDA, address=0x60000)
+        space = FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000)
+        # The buffers reach the library as addresses: the binding compares their devices.
+        elsewhere = {n: on(3, FakeTensor([b], device=CUDA, address=0x10000))
+                     for n, b in layer.weight_bytes.items() if b}
+        for weights in (elsewhere, layer.bind_weights(elsewhere)):
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(hidden, ids, topk, weights, space, out)
+            self.assertIn("weights: expected a buffer on CUDA device 0, where hidden is; found "
+                          "device 3", str(e.exception))
+        far = on(5, FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000))
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.forward(hidden, ids, topk, self._weights(layer), far, out)
+        self.assertIn("workspace: expected a buffer on CUDA device 0, where hidden is; found "
+                      "device 5", str(e.exception))
+        mixed = self._weights(layer, w2=on(1, FakeTensor([layer.weight_bytes["w2"]], device=CUDA,
+                                                         address=0x10000)))
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.bind_weights(mixed)
+        self.assertIn("weights['w2']: expected a buffer on CUDA device 0, where weights['w13'] "
+                      "is; found device 1", str(e.exception))
+        # A repack target or counter away from the checkpoint.
+        blocks = FakeTensor([1], device=CUDA, address=0x70000)
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks, elsewhere)
+        self.assertIn("target: expected a buffer on CUDA device 0, where w1_blocks is",
+                      str(e.exception))
+        counter = on(2, FakeTensor([1], INT32, device=CUDA, address=0x80000))
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
+                                  self._weights(layer), bad_scale_count=counter)
+        self.assertIn("bad_scale_count: expected a buffer on CUDA device 0", str(e.exception))
+        # ctypes keeps an int's low bits: 2**32 + 1 tokens must not read as 1.
+        for bad in (2**32 + 1, -2**31 - 1):
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.workspace_bytes(bad)
+            self.assertIn("max_tokens: expected a 32-bit integer", str(e.exception))
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
+                                  self._weights(layer), first_expert=2**32)
+        self.assertIn("first_expert: expected a 32-bit integer", str(e.exception))
+
+    def test_a_layer_is_never_copied_and_closes_once(self):
+        import copy
+        layer = moejit.MoeLayer("py-tiny")
+        for duplicate in (copy.copy, copy.deepcopy):
+            with self.assertRaises(TypeError):
+                duplicate(layer)
+        # Closed from many threads at once, the handle is destroyed once (a double destroy
+        # aborted the interpreter); then every call says the layer is closed.
+        for _ in range(20):
+            layer = moejit.MoeLayer("py-tiny")
+            start = threading.Barrier(8)
+
+            def close():
+                start.wait()
+                layer.close()
+
+            threads = [threading.Thread(target=close) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.workspace_bytes(1)
+            self.assertIn("is closed", str(e.exception))
 
     def test_library_errors_reach_python_with_the_c_names(self):
         layer = moejit.MoeLayer("py-tiny")
