@@ -29,7 +29,7 @@ class DeviceFacts {
     static DeviceFacts table;
     return table;
   }
-  int multiprocessors(int ordinal) {
+  int multiprocessors(const char* op, int ordinal) {
     const bool cached = ordinal >= 0 && ordinal < kDevices;
     if (cached) {
       const int count = sms_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
@@ -40,7 +40,7 @@ class DeviceFacts {
         driver().cuDeviceGetAttribute(&count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ordinal);
     if (result != CUDA_SUCCESS || count < 1) {
       std::ostringstream os;
-      os << "decode_moe: querying the multiprocessor count of device " << ordinal
+      os << op << ": querying the multiprocessor count of device " << ordinal
          << " failed: " << (result != CUDA_SUCCESS ? describe(result) : "the driver returned 0");
       throw Error(ErrorCode::kDriver, os.str());
     }
@@ -138,7 +138,9 @@ void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, cons
              args.w2_scales);
 }
 
-int multiprocessor_count(int ordinal) { return DeviceFacts::instance().multiprocessors(ordinal); }
+int multiprocessor_count(const char* op, int ordinal) {
+  return DeviceFacts::instance().multiprocessors(op, ordinal);
+}
 
 std::uint32_t dram_bytes_per_us(int ordinal) {
   return DeviceFacts::instance().dram_bytes_per_us(ordinal);
@@ -156,7 +158,7 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   const CUkernel combine_kernel = runtime.kernel(combine_spec, stream);
   const int smem = static_cast<int>(decode_moe_smem_bytes(main));
   ensure_dynamic_smem(op, main_spec, main_kernel, device.ordinal, smem);
-  const int sms = multiprocessor_count(device.ordinal);
+  const int sms = multiprocessor_count(op, device.ordinal);
 
   kern::moe::decode::DecodeMoeParams params = args;
   void* kernel_args[] = {&params};
@@ -201,7 +203,7 @@ void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const Curren
   const int fc2_smem = static_cast<int>(decode_moe_smem_bytes(fc2));
   ensure_dynamic_smem(op, fc1_spec, fc1_kernel, device.ordinal, fc1_smem, true);
   ensure_dynamic_smem(op, fc2_spec, fc2_kernel, device.ordinal, fc2_smem, true);
-  const int sms = multiprocessor_count(device.ordinal);
+  const int sms = multiprocessor_count(op, device.ordinal);
 
   kern::moe::decode::DecodePairParams params = args;
   params.dram_bytes_per_us = dram_bytes_per_us(device.ordinal);

@@ -18,8 +18,9 @@
 namespace moejit::detail {
 
 // Multiprocessors of device `ordinal` (CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT): a driver call
-// the first time per device, a table read after. Throws Error{kDriver} when the query fails.
-int multiprocessor_count(int ordinal);
+// the first time per device, a table read after. Throws Error{kDriver} naming `op` when the query
+// fails.
+int multiprocessor_count(const char* op, int ordinal);
 // Peak DRAM rate of device `ordinal` in bytes per microsecond (peak_dram_bytes_per_second), 0
 // where the driver does not report it or reports under 100 GB/s: a driver call the first time
 // per device, a table read after.

@@ -323,6 +323,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   const int fc2_smem = static_cast<int>(detail::marlin_moe_smem_bytes(specs.fc2_params));
   detail::ensure_dynamic_smem(kOp, specs.fc1, fc1_kernel, device.ordinal, fc1_smem);
   detail::ensure_dynamic_smem(kOp, specs.fc2, fc2_kernel, device.ordinal, fc2_smem);
+  // Here, with the kernels: a failed query must come before the first launch.
+  const int sms = detail::multiprocessor_count(kOp, device.ordinal);
 
   char* const base = static_cast<char*>(args.workspace);
   const int64_t rows = tokens * top_k;
@@ -415,7 +417,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   fc1.blocks = static_cast<int>(gemm_tiles(specs.fc1_params));
   const detail::GemmPrefetch prefetch =
       detail::fc1_prefetch(shape, config, specs.fc1_params, sizes, fc1.blocks,
-                           detail::multiprocessor_count(device.ordinal), device.arch);
+                           sms, device.arch);
   fc1.prefetch_experts = prefetch.experts;
   fc1.prefetch_m_tiles = prefetch.m_tiles;
   fc1.prefetch_k_atoms = prefetch.k_atoms;

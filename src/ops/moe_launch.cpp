@@ -22,8 +22,9 @@ namespace {
 class SmemOptIns {
  public:
   static SmemOptIns& instance() {
-    static SmemOptIns table;
-    return table;
+    // Why leaked, as the runtime is: ops may run from threads that outlive static destruction.
+    static SmemOptIns* table = new SmemOptIns;
+    return *table;
   }
   bool contains(CUkernel kernel, int device, int bytes) {
     std::shared_lock<std::shared_mutex> lock(mutex_);

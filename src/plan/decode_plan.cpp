@@ -356,8 +356,10 @@ std::string decode_moe_problem(const ModelShape& shape) {
   // its three launches (moejit_bench_runtime (f), tools/PERF_LOG.md, fifty-eighth session). A
   // process serves a few shapes; the memo keeps the last kMemoShapes.
   constexpr std::size_t kMemoShapes = 64;
-  static std::mutex mutex;
-  static std::vector<std::pair<ProblemKey, std::string>> memo;
+  // Why leaked, as the runtime is: ops may run from threads that outlive static destruction.
+  static std::mutex& mutex = *new std::mutex;
+  static std::vector<std::pair<ProblemKey, std::string>>& memo =
+      *new std::vector<std::pair<ProblemKey, std::string>>;
   ProblemKey key(shape);
   {
     std::lock_guard<std::mutex> lock(mutex);

@@ -16,8 +16,9 @@ namespace {
 class ShapeRegistry {
  public:
   static ShapeRegistry& instance() {
-    static ShapeRegistry registry;
-    return registry;
+    // Why leaked, as the runtime is: ops may run from threads that outlive static destruction.
+    static ShapeRegistry* registry = new ShapeRegistry;
+    return *registry;
   }
 
   std::vector<std::string> add(std::vector<detail::LocatedShape> shapes,

@@ -91,7 +91,7 @@ TEST_CASE("runtime gpu: the device facts the decode launches read", "[gpu]") {
       cu().cuDeviceGetAttribute(&clock_khz, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, env.device));
   MOEJIT_TEST_CU(cu().cuDeviceGetAttribute(&bus_bits, CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
                                            env.device));
-  CHECK(moejit::detail::multiprocessor_count(0) == sms);
+  CHECK(moejit::detail::multiprocessor_count("test", 0) == sms);
   // Double data rate over the whole bus, in bytes per microsecond (an H200: ~4.8e6).
   const long long expected = 2LL * clock_khz * 1000 * (bus_bits / 8) / 1000000;
   const long long rate = moejit::detail::dram_bytes_per_us(0);
