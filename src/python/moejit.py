@@ -430,7 +430,8 @@ def _tensor_device(obj, address):
     """The CUDA device index of a call tensor, from torch or from the DLTensor at address; None
     for a tensor in host memory (the library refuses it, with its own message)."""
     if _plain_torch(obj) is not None:
-        return obj.get_device() if obj.is_cuda else None
+        device = obj.get_device()  # -1 in host memory
+        return device if device >= 0 else None
     device = DLTensor.from_address(address).device
     return device.device_id if device.device_type == _KDL_CUDA else None
 
@@ -438,7 +439,8 @@ def _tensor_device(obj, address):
 def _c_int(name, value, bits=32):
     """value as a C int of `bits` bits; ctypes would keep the low bits of a larger one silently
     (first_expert = 2**32 would repack into expert 0)."""
-    value = int(value)
+    if type(value) is not int:
+        value = int(value)
     if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
         raise InvalidArgument("{}: expected a {}-bit integer, found {}".format(name, bits, value))
     return value
