@@ -47,11 +47,11 @@ std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths);
 const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name,
                              const std::string& file);
 
-// "500M", "2G", "1.5GiB", "4096" -> bytes (K/M/G/T are powers of 1024). nullopt when malformed.
 // A usage Failure naming the first kernel a shape needs that `arch` can't run (e.g. marlin_moe
 // below sm_80), before anything is planned or compiled for it.
 void require_arch_serves(const std::vector<ModelShape>& shapes, const Arch& arch);
 
+// "500M", "2G", "1.5GiB", "4096" -> bytes (K/M/G/T are powers of 1024). nullopt when malformed.
 std::optional<uint64_t> parse_size(const std::string& text);
 std::string format_bytes(uint64_t bytes);       // "1.5 MiB"
 std::string format_ms(double ms);               // "312 ms", "1.25 s"

@@ -99,7 +99,8 @@ std::size_t make_readable(const std::string& dir) {
   };
   open_up(dir);
   std::error_code error;
-  fs::recursive_directory_iterator it(dir, fs::directory_options::none, error);
+  // Why skip: a directory another user made private is theirs to open, not this walk's to fail.
+  fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, error);
   for (; !error && it != fs::recursive_directory_iterator(); it.increment(error)) {
     open_up(it->path().string());
   }
