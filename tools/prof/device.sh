@@ -229,7 +229,7 @@ cmd_sanitize() {
     "$nvcc" -std=c++17 -arch=sm_90a -O2 -I "$out/include" -o "$patterns" \
       "$root/tools/prof/sanitizer_patterns.cu" || die "tools/prof/sanitizer_patterns.cu did not build"
     echo "== $tool on tools/prof/sanitizer_patterns.cu (a case a process)"
-    for c in 0 1 2 3 4 5 6 7 8 9 10; do
+    for c in 0 1 2 3 4 5 6 7 8 9 10 11 12 13; do
       "$cs" "${tool_args[@]}" --print-limit 1 "$patterns" "$c" >"$out/patterns-$tool-$c.txt" 2>&1 ||
         true
       echo "case $c: $(grep -m 1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/patterns-$tool-$c.txt")" \

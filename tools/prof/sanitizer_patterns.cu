@@ -23,6 +23,11 @@
 //         (atomicAdd), reaches barrier 3 from its own instruction
 //         and every lane loads the table
 //   10    case 9 with bar.sync 3 (decode_moe before the fix)       (not run)  divergent?
+//   11    case 9, the producer initializing and fencing an         (not run)  (not run)
+//         mbarrier before barrier 3
+//   12    case 9, the producer's griddepcontrol.wait and           (not run)  (not run)
+//         launch_dependents before barrier 3
+//   13    cases 11 and 12 together (decode_moe's producer start)   (not run)  (not run)
 // (compute-sanitizer 2025.3.1 on an H100, 2026-12-05, with the same PTX written out in this file;
 // it now calls the kernels' own wrappers, pipe.cuh and ptx.cuh, and was not rerun.) So racecheck does not see an mbarrier's
 // or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
@@ -43,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <moejit/kern/common/ptx.cuh>
 #include <moejit/kern/moe/pipe.cuh>
 #include <moejit/kern/moe/ptx.cuh>
 
@@ -54,7 +60,7 @@ using moejit::kern::moe::ptx::smem_u32;
 template <int kCase>
 __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* out) {
   __shared__ alignas(128) uint32_t data[256];
-  __shared__ alignas(8) uint64_t bar[2];
+  __shared__ alignas(8) uint64_t bar[3];
   __shared__ uint32_t flag;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   if (tid == 0) {
@@ -137,20 +143,29 @@ __global__ void __launch_bounds__(320) pattern(const uint32_t* src, uint32_t* ou
       pipe::wait(smem_u32(&bar[0]), 0);
       acc = data[(tid * 5) % 128];
     }
-  } else if constexpr (kCase == 9 || kCase == 10) {
+  } else if constexpr (kCase >= 9 && kCase <= 13) {
     if (warp < 9) {
       if (tid < 256) data[tid] = 0;
       asm volatile("bar.sync 2, 288;" ::: "memory");
       for (int i = tid; i < 200; i += 288) data[i] = static_cast<uint32_t>(i) * 3u + 1u;
-      if constexpr (kCase == 9) {
+      if constexpr (kCase != 10) {
         asm volatile("barrier.sync 3, 320;" ::: "memory");
       } else {
         asm volatile("bar.sync 3, 320;" ::: "memory");
       }
     } else {
       uint32_t item = 0;
+      if constexpr (kCase == 11 || kCase == 13) {
+        // As decode_moe's producer: its own barriers initialized and fenced before barrier 3.
+        pipe::mbar_init(smem_u32(&bar[2]), 1);
+        pipe::fence_mbar_init();
+      }
+      if constexpr (kCase == 12 || kCase == 13) {
+        ::moejit::kern::ptx::grid_dependency_wait();
+        ::moejit::kern::ptx::launch_dependents();
+      }
       if (lane == 0) item = atomicAdd(out + 320, 1u);
-      if constexpr (kCase == 9) {
+      if constexpr (kCase != 10) {
         asm volatile("barrier.sync 3, 320;" ::: "memory");
       } else {
         asm volatile("bar.sync 3, 320;" ::: "memory");
@@ -186,7 +201,8 @@ int main(int argc, char** argv) {
   void (*cases[])(const uint32_t*, uint32_t*) = {pattern<0>, pattern<1>, pattern<2>,
                                                  pattern<3>, pattern<4>, pattern<5>,
                                                  pattern<6>, pattern<7>, pattern<8>,
-                                                 pattern<9>, pattern<10>};
+                                                 pattern<9>, pattern<10>, pattern<11>,
+                                                 pattern<12>, pattern<13>};
   constexpr int kCases = sizeof(cases) / sizeof(cases[0]);
   for (int c = 0; c < kCases; ++c) {
     if (only < 0 || only == c) cases[c]<<<1, 320>>>(src, out);
