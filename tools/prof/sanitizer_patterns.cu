@@ -17,12 +17,12 @@
 //         one counted arrive (the PTX ISA's own example)
 //   7     case 1 with barrier.sync (not aligned)                   -          -
 //   8     expect_tx alone, a bulk copy, then a plain arrive        (not run)  -
-//   9     decode_moe's routing hand-over: the routing warps store  (not run)  (not run)
+//   9     decode_moe's routing hand-over: the routing warps store  -          (not run)
 //         a table after their last barrier 2 (as route() stores
 //         vinfo), then barrier.sync 3; the producer claims an item
 //         (atomicAdd), reaches barrier 3 from its own instruction
 //         and every lane loads the table
-//   10    case 9 with bar.sync 3 (decode_moe before the fix)       (not run)  divergent?
+//   10    case 9 with bar.sync 3 (decode_moe before the fix)       race       divergent?
 //   11    case 9, the producer initializing and fencing an         (not run)  (not run)
 //         mbarrier before barrier 3
 //   12    case 9, the producer's griddepcontrol.wait and           (not run)  (not run)
@@ -32,12 +32,12 @@
 // it now calls the kernels' own wrappers, pipe.cuh and ptx.cuh, and was not rerun.) So racecheck does not see an mbarrier's
 // or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
 // non-.noinc arrive-on as an arrival without its increment (6).
-// Cases 9 and 10 (written 2026-12-05, not yet run) are for racecheck's one unexplained report on
-// decode_moe: route()'s store of vinfo against the producer's load of it after routing_done
-// (tools/PERF_LOG.md "main's kernels under compute-sanitizer"). Cases 1 and 7 hand over data
-// stored before the routing warps' barrier 2; vinfo is stored after their last one. A race
-// reported in 10 and not in 9 puts the report on the aligned barrier that the fix replaced; a
-// race in both, on racecheck's model of a barrier that follows a partial one.
+// Cases 9-13 are for racecheck's one unexplained report on decode_moe: route()'s store of vinfo
+// against the producer's load of it after routing_done (tools/PERF_LOG.md "main's kernels under
+// compute-sanitizer"). Cases 1 and 7 hand over data stored before the routing warps' barrier 2;
+// vinfo is stored after their last one. Run on an H100 (2026-12-05): 10 races, 9 does not, yet
+// decode_moe with barrier.sync still reports it; 11-13 add the producer's other work before
+// barrier 3, one part at a time (not run yet).
 //
 // Build (an include directory in which moejit/kern is the repository's kernels/, as the library
 // embeds them): nvcc -std=c++17 -arch=sm_90a -O2 -I INC -o sanitizer_patterns
