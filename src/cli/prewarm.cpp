@@ -86,10 +86,10 @@ std::size_t make_readable(const std::string& dir) {
     if (::lstat(path.c_str(), &st) != 0 || S_ISLNK(st.st_mode) || st.st_uid != ::geteuid()) {
       return;  // gone, a link (never followed) or another user's
     }
-    mode_t mode = st.st_mode & 07777;
-    mode_t want = mode | S_IRGRP | S_IROTH;
-    if (S_ISDIR(st.st_mode)) want |= S_IXGRP | S_IXOTH;
     if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) return;
+    const mode_t mode = st.st_mode & 07777;
+    const mode_t want =
+        mode | S_IRGRP | S_IROTH | (S_ISDIR(st.st_mode) ? S_IXGRP | S_IXOTH : 0);
     if (want == mode) return;
     if (::chmod(path.c_str(), want) != 0) {
       throw Failure{kExitEnvironment, "--readable: cannot change the mode of " + path + ": " +

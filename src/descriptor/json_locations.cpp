@@ -99,8 +99,7 @@ std::size_t read_string(std::string_view text, std::size_t pos, std::string* dec
 }
 
 struct Frame {
-  std::uint32_t node = 0;
-  bool object = false;
+  std::uint32_t node = 0;  // the container (its node says whether it is an object)
   bool expect_key = false;               // object: the next string is a key
   std::size_t key = kNoOffset;           // object: the key of the member whose value comes next
   std::unordered_map<std::string, std::size_t> keys;  // object: each key read, at its offset
@@ -256,11 +255,13 @@ JsonScan scan_json(std::string_view text, int max_depth) {
       continue;
     }
     if (c == ',') {
-      if (!stack.empty() && stack.back().object) stack.back().expect_key = true;
+      if (!stack.empty() && scan.nodes_[stack.back().node].object) {
+        stack.back().expect_key = true;
+      }
       ++pos;
       continue;
     }
-    if (!stack.empty() && stack.back().object && stack.back().expect_key) {
+    if (!stack.empty() && stack.back().expect_key) {
       Frame& top = stack.back();
       std::string key;
       const std::size_t key_begin = pos;
@@ -283,7 +284,7 @@ JsonScan scan_json(std::string_view text, int max_depth) {
     if (!stack.empty()) {
       Frame& top = stack.back();
       node.parent = top.node;
-      if (top.object) node.span.key = top.key;
+      if (scan.nodes_[top.node].object) node.span.key = top.key;
       scan.children_[scan.nodes_[top.node].children].push_back(index);
     }
     if (c == '{' || c == '[') {
@@ -297,7 +298,6 @@ JsonScan scan_json(std::string_view text, int max_depth) {
       scan.nodes_.push_back(node);
       Frame frame;
       frame.node = index;
-      frame.object = node.object;
       frame.expect_key = node.object;
       stack.push_back(std::move(frame));
       ++pos;

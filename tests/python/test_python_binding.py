@@ -318,8 +318,12 @@ class CpuTests(unittest.TestCase):
             with self.assertRaises(TypeError):
                 duplicate(layer)
         # Closed from many threads at once, the handle is destroyed once (a double destroy
-        # aborted the interpreter); then every call says the layer is closed.
-        for _ in range(20):
+        # aborted the interpreter); then every call says the layer is closed. A short switch
+        # interval lets another thread run inside close() (the double destroy came in ~20 tries).
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        self.addCleanup(sys.setswitchinterval, interval)
+        for _ in range(50):
             layer = moejit.MoeLayer("py-tiny")
             start = threading.Barrier(8)
 
