@@ -319,6 +319,35 @@ __device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
   }
 }
 
+// FC2 chained on FC1's counts (MoeGemmChain) never waits for FC1's grid, and the grid after it
+// (the combine) waits for FC2's grid alone: without more, FC2's grid could complete while an FC1
+// CTA that had triggered it was still to read its tile's expert (a tile FC2 skips: padding, past
+// the route's blocks), and the next forward's route could rewrite that table first. So one thread
+// of the grid's last CTA waits for FC1's grid as it leaves, on every return path (this guard's
+// destructor): FC2's grid then completes only after FC1's. It costs that CTA the end of FC1's
+// last wave at most, which FC2's own last tile waited for already. Whether PDL orders a grid
+// after one it never waited for is what tools/prof/pdl_order.cu measures. kFc2: the kernel is an
+// FC2 (FC1 is never chained this way; its instance holds no guard).
+template <bool kFc2>
+class ChainedExitWait {
+ public:
+  __device__ explicit ChainedExitWait(const MoeGemmChain& chain) : chain_(chain) {}
+  // Decided here, from the parameter bank and fresh special-register reads, so nothing is kept
+  // live through the main loop for it.
+  __device__ ~ChainedExitWait() {
+    if constexpr (kFc2) {
+      if (chain_.wait != nullptr && ::moejit::kern::ptx::is_grid_last_thread()) {
+        ::moejit::kern::ptx::grid_dependency_wait();
+      }
+    }
+  }
+  ChainedExitWait(const ChainedExitWait&) = delete;
+  ChainedExitWait& operator=(const ChainedExitWait&) = delete;
+
+ private:
+  const MoeGemmChain& chain_;  // the kernel's parameter
+};
+
 // FC1's count of this CTA's tile (MoeGemmChain): call after a barrier that every thread which
 // stored outputs has passed; the release makes those stores visible before the count. Why a
 // release reduction, not a fence and atomicAdd: the same MEMBAR.GPU, without the L1 invalidation
@@ -347,6 +376,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 wk = warp / (T::kWarpsM * T::kWarpsN);
   const CtaTile cta = cta_tile();
   const i32 block = cta.block;
+  const ChainedExitWait<!Epi::kGatherTokens> exit_wait(chain);  // a chained FC2 ends after FC1
   // With K splits, x = split * m_tiles + m_tile (the host's grid: m_tiles * kKSplits in x).
   const i32 m_tiles = ceil_div(p.m_atoms, T::kAtomsM);
   const i32 split = T::kKSplits == 1 ? 0 : cta.m_tile / m_tiles;
