@@ -210,9 +210,32 @@ Runtime::Runtime() {
   }
 }
 
+class Runtime::GpuLoadScope {
+ public:
+  explicit GpuLoadScope(Runtime& runtime) : runtime_(runtime) {
+    std::lock_guard<std::mutex> lock(runtime_.setup_mutex_);
+    ++runtime_.gpu_loads_in_flight_;
+  }
+  ~GpuLoadScope() {
+    std::lock_guard<std::mutex> lock(runtime_.setup_mutex_);
+    --runtime_.gpu_loads_in_flight_;
+  }
+  GpuLoadScope(const GpuLoadScope&) = delete;
+  GpuLoadScope& operator=(const GpuLoadScope&) = delete;
+
+ private:
+  Runtime& runtime_;
+};
+
 void Runtime::configure(const RuntimeConfig& config) {
   RuntimeConfig next = resolved(config);
   std::lock_guard<std::mutex> lock(setup_mutex_);
+  if (gpu_loads_in_flight_ > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "moejit::configure() called while another thread is loading a kernel on a GPU "
+                "under the current configuration; configure the runtime once, before the first "
+                "op or kernel load");
+  }
   if (gpu_loaded_.load()) {
     throw Error(ErrorCode::kInvalidArgument,
                 "moejit::configure() called after kernels were loaded on a GPU (from cache " +
@@ -398,6 +421,7 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
   }
   log().debug("kernel table miss: {}{}", spec.display_name(),
               capturing ? " (stream capturing; allowed by MOEJIT_ALLOW_CAPTURE_COMPILE)" : "");
+  const GpuLoadScope in_flight(*this);
   std::shared_ptr<const Entry> entry;
   const BuildResult built = build_impl(spec, &entry);
   CUresult failure = CUDA_SUCCESS;
@@ -416,6 +440,7 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
 }
 
 BuildResult Runtime::build_and_load(const KernelSpec& spec) {
+  const GpuLoadScope in_flight(*this);
   std::shared_ptr<const Entry> entry;
   BuildResult built = build_impl(spec, &entry);
   CUresult failure = CUDA_SUCCESS;

@@ -105,6 +105,12 @@ class Runtime {
   std::shared_ptr<KernelStore> store_;
   std::vector<std::shared_ptr<KernelStore>> retired_stores_;  // keeps store() refs valid
   std::atomic<bool> gpu_loaded_{false};
+  // Loads (build then load, for a GPU) begun and not yet ended, under setup_mutex_. Why counted:
+  // a load reads the configuration when it builds and sets gpu_loaded_ only once the driver
+  // holds the kernel, so configure() in between would succeed and leave a kernel of the old
+  // configuration loaded. configure() refuses while any is in flight.
+  int gpu_loads_in_flight_ = 0;
+  class GpuLoadScope;  // counts one load in gpu_loads_in_flight_ for its lifetime
 
   // memoized_key's table. What a key depends on besides the spec: line_info; the NVRTC version
   // and the embedded headers are fixed for the process.

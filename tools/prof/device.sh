@@ -14,7 +14,8 @@
 #   tools/prof/device.sh suite NAME [CATCH2_ARGS...]
 #       Prewarms tools/shapes/reference.json for sm_90a, then runs NAME's moejit_gpu_tests
 #       (several test names go in one comma-separated argument); no test run is a failure.
-#       Without CATCH2_ARGS, also the Python binding's GPU group (torch) on NAME's libmoejit.so.
+#       Without CATCH2_ARGS, also the cases that need a process of their own ("[.fresh]") and
+#       the Python binding's GPU group (torch) on NAME's libmoejit.so.
 #   tools/prof/device.sh tables NAME [SEED]
 #       The decode section (with the read floor), the marlin section (with the dense baseline)
 #       and moejit_bench_runtime: the closing tables of a session.
@@ -145,6 +146,13 @@ cmd_suite() {
   grep -i -m 5 'skip' "$log" || true
   grep -B 3 -A 12 ': FAILED:' "$log" | head -n 80 || true
   if [[ $# -eq 0 ]]; then
+    # The cases that need a process of their own ([.fresh], ctest's moejit_gpu_tests_fresh).
+    local fresh_rc=0 fresh_log=$out/gpu-tests-fresh-$name.txt
+    (device_env "$name" && "$dir/moejit_gpu_tests" "[.fresh]") >"$fresh_log" 2>&1 || fresh_rc=$?
+    echo "gpu tests [.fresh] $name rc=$fresh_rc: $(grep -E '^(All tests passed|test cases:)' \
+      "$fresh_log" | tail -n 1)"
+    grep -B 3 -A 12 ': FAILED:' "$fresh_log" | head -n 40 || true
+    [[ $fresh_rc -eq 0 ]] || rc=$fresh_rc
     # The whole suite includes the Python binding's GPU group (torch on the GPU machine).
     local py_rc=0 py_log=$out/python-gpu-$name.txt
     (device_env "$name" && MOEJIT_LIBRARY=$dir/libmoejit.so PYTHONPATH=$root/src/python \
