@@ -135,20 +135,32 @@ bool is_capture_error(CUresult result) {
 }
 
 // Whether `stream` (or, for the legacy default stream, any stream in global mode) is capturing.
-bool stream_capturing(const DriverApi& api, CUstream stream) {
-  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  const CUresult result = api.cuStreamIsCapturing(stream, &status);
-  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
-  if (result != CUDA_SUCCESS) {
-    throw_driver_error(result, "cuStreamIsCapturing(stream, &status)", __FILE__, __LINE__);
-  }
-  return status != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 std::string stream_text(CUstream stream) {
   std::ostringstream os;
   os << static_cast<const void*>(stream);
   return os.str();
+}
+
+// Whether `stream` is capturing, asked on `spec`'s first request in this process. A failure names
+// the kernel and the stream: it is the first driver call that sees the caller's stream.
+bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUresult result = api.cuStreamIsCapturing(stream, &status);
+  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+  if (result != CUDA_SUCCESS) {
+    std::string message = "kernel " + spec.display_name() + ": asking whether stream " +
+                          stream_text(stream) +
+                          " is capturing (cuStreamIsCapturing) failed: " + describe(result);
+    if (result == CUDA_ERROR_INVALID_CONTEXT) {
+      message +=
+          ". Make a CUDA context current on this thread first (e.g. cudaSetDevice, or "
+          "cuDevicePrimaryCtxRetain + cuCtxSetCurrent)";
+    } else if (result == CUDA_ERROR_INVALID_HANDLE || result == CUDA_ERROR_INVALID_VALUE) {
+      message += ". Pass a live stream of the current context (or 0 for its default stream)";
+    }
+    throw Error(ErrorCode::kDriver, message);
+  }
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 [[noreturn]] void throw_no_context(const DriverApi& api, CUresult result) {
@@ -392,7 +404,7 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
                     ", but the current context's device " + std::to_string(device.ordinal) +
                     " is " + device.arch.name() + ": build the spec with Runtime::current_arch()");
   }
-  const bool capturing = stream_capturing(api, stream);
+  const bool capturing = stream_capturing(api, spec, stream);
   const std::string capture_context =
       "stream " + stream_text(stream) + " is capturing a CUDA graph";
   if (capturing) {
