@@ -376,7 +376,7 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   version_dir_ = dir_ + "/v" + std::to_string(kCacheSchemaVersion);
   if (mode_ == CacheMode::kMemoryOnly) return;
   if (dir_.empty()) {
-    degrade(CacheMode::kMemoryOnly, "no cache directory was given", false);
+    degrade(CacheMode::kMemoryOnly, "no cache directory was given");
     return;
   }
 
@@ -388,23 +388,23 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
         log().info("cache directory {} does not exist; read-only cache, every lookup misses",
                    dir_);
       } else {
-        degrade(CacheMode::kMemoryOnly, "cannot use " + dir_ + ": " + errno_text(error), false);
+        degrade(CacheMode::kMemoryOnly, "cannot use " + dir_ + ": " + errno_text(error));
       }
       return;
     }
     std::string failed;
     if (int made = make_dirs(dir_, &failed); made != 0) {
       degrade(CacheMode::kMemoryOnly,
-              "cannot create cache directory " + failed + ": " + errno_text(made), false);
+              "cannot create cache directory " + failed + ": " + errno_text(made));
       return;
     }
     if (::stat(dir_.c_str(), &st) != 0) {
-      degrade(CacheMode::kMemoryOnly, "cannot use " + dir_ + ": " + errno_text(errno), false);
+      degrade(CacheMode::kMemoryOnly, "cannot use " + dir_ + ": " + errno_text(errno));
       return;
     }
   }
   if (!S_ISDIR(st.st_mode)) {
-    degrade(CacheMode::kMemoryOnly, dir_ + " is not a directory", false);
+    degrade(CacheMode::kMemoryOnly, dir_ + " is not a directory");
     return;
   }
   if (std::string why = distrust_reason(st); !why.empty()) {
@@ -412,7 +412,7 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
                                "; a cache others can write lets them inject GPU code (fix: "
                                "chmod go-w it, or set MOEJIT_CACHE_DIR to a private directory)";
     if (mode_ == CacheMode::kReadWrite) {
-      degrade(CacheMode::kReadOnly, reason, true);
+      degrade(CacheMode::kReadOnly, reason);
     } else {
       log().warn("{}; only entries owned by you or root, and not writable by others, are loaded",
                  reason);
@@ -421,18 +421,18 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   if (mode_ != CacheMode::kReadWrite) return;
 
   if (int e = ensure_dir(version_dir_); e != 0) {
-    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e), false);
+    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e));
     return;
   }
   if (::lstat(version_dir_.c_str(), &st) == 0) {
     if (std::string why = distrust_reason(st); !why.empty()) {
       degrade(CacheMode::kReadOnly, "cache directory " + version_dir_ + " is " + why +
-                                        " (fix: chmod go-w it, or remove it)", true);
+                                        " (fix: chmod go-w it, or remove it)");
       return;
     }
   }
   if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
-    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e), false);
+    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e));
     return;
   }
   // Why: permissions alone don't tell (root ignores them, a read-only mount overrides them);
@@ -441,22 +441,26 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
                             random_hex() + kTempSuffix;
   Fd fd(open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
   if (!fd.ok()) {
-    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(errno),
-            false);
+    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(errno));
     return;
   }
   fd.reset();
   ::unlink(probe.c_str());
 }
 
-void DiskCache::degrade(CacheMode to, const std::string& reason, bool warn) {
+void DiskCache::degrade(CacheMode to, const std::string& reason) {
+  // Why a warning whatever the cause: the mode asked for is not what runs, and kernels compiled
+  // from now on are not kept (read-only) or every process compiles its own (memory-only), which
+  // a service would otherwise find only by its start-up time. A cache meant to be read-only (an
+  // image) says so with MOEJIT_CACHE_MODE=ro, and is then not degraded.
+  const CacheMode asked = mode_;
   mode_ = to;
   mode_reason_ = reason;
-  if (warn) {
-    log().warn("{}; using the cache {}", reason, mode_name(to));
-  } else {
-    log().info("{}; using the cache {}", reason, mode_name(to));
-  }
+  log().warn("{}; using the cache {} instead of {}{}", reason, mode_name(to), mode_name(asked),
+             asked == CacheMode::kReadWrite
+                 ? " (kernels compiled now are not kept; MOEJIT_CACHE_MODE=ro says a cache is "
+                   "meant to be read-only)"
+                 : "");
 }
 
 std::string DiskCache::entry_path(const std::string& key) const {

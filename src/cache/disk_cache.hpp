@@ -171,7 +171,8 @@ class DiskCache {
   static constexpr int64_t kQuarantineKeepSeconds = 7 * 24 * 3600;
 
  private:
-  void degrade(CacheMode to, const std::string& reason, bool warn);
+  // Uses the cache in mode `to` from now on, for `reason`; logs a warning.
+  void degrade(CacheMode to, const std::string& reason);
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;

@@ -513,9 +513,14 @@ TEST_CASE("a cache dir that can't be created or written degrades, never throws",
   SECTION("a path through a regular file (even root can't create it)") {
     write_file(tmp.path() + "/plain-file", "not a directory");
     const auto before = snapshot(tmp.path());
+    moejit::test::WarningCapture warnings;
     DiskCache cache(tmp.path() + "/plain-file/cache", CacheMode::kReadWrite);
     CHECK(cache.effective_mode() == CacheMode::kMemoryOnly);
     CHECK(cache.mode_reason().find("plain-file") != std::string::npos);
+    // Said at warn (the default level), not only by `moejit doctor`: nothing compiled is kept.
+    INFO(warnings.all());
+    CHECK(warnings.warned({"plain-file", "memory-only instead of read-write", "not kept",
+                           "MOEJIT_CACHE_MODE=ro"}));
     CHECK_FALSE(cache.store(make_entry(key, 100, 1)));
     CHECK_FALSE(cache.load(key).has_value());
     CHECK_FALSE(cache.lock(key).held());
