@@ -134,15 +134,15 @@ bool is_capture_error(CUresult result) {
          result == CUDA_ERROR_CAPTURED_EVENT || result == CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
 }
 
-// Whether `stream` (or, for the legacy default stream, any stream in global mode) is capturing.
 std::string stream_text(CUstream stream) {
   std::ostringstream os;
   os << static_cast<const void*>(stream);
   return os.str();
 }
 
-// Whether `stream` is capturing, asked on `spec`'s first request in this process. A failure names
-// the kernel and the stream: it is the first driver call that sees the caller's stream.
+// Whether `stream` (or, for the legacy default stream, any stream in global mode) is capturing,
+// asked on `spec`'s first request in this process. A failure names the kernel and the stream: it
+// is the first driver call that sees the caller's stream.
 bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream stream) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   const CUresult result = api.cuStreamIsCapturing(stream, &status);

@@ -4,10 +4,12 @@
 // FC1's grid, and the combine after it waits only for FC2's grid. Whether the stream's order then
 // still reaches FC1 is what this probe measures, on three grids in one stream:
 //   A  triggers its dependents at once, then one thread spins for kSpinNs and stores a flag;
-//   B  launched with programmatic stream serialization; triggers at once and never waits for A,
-//      or (--b-waits) waits for A at its very end, as marlin_moe's FC2 now does in one CTA;
-//   C  launched with programmatic stream serialization and griddepcontrol.wait first, or (--plain)
-//      in plain stream order; it reads A's flag.
+//   B  launched with programmatic stream serialization; triggers at once and either never waits
+//      for A, or waits for A as it leaves (one thread of its last CTA, as marlin_moe's chained
+//      FC2 does);
+//   C  launched with programmatic stream serialization and griddepcontrol.wait first, or in plain
+//      stream order; it reads A's flag.
+// The four combinations of B and C run in turn.
 // C reading 0 means C ran while A had not finished: its wait (or the stream) covered B alone.
 //
 // Build and run on the GPU machine:
@@ -30,7 +32,9 @@ __device__ unsigned long long global_ns() {
   return t;
 }
 __device__ void wait_for_primary() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ void trigger_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ void trigger_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 __global__ void grid_a(int* flag) {
   trigger_dependents();
