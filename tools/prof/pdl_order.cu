@@ -9,7 +9,7 @@
 //      FC2 does);
 //   C  launched with programmatic stream serialization and griddepcontrol.wait first, or in plain
 //      stream order; it reads A's flag.
-// The four combinations of B and C run in turn.
+// The four combinations of B and C run in turn, after two controls.
 // C reading 0 means C ran while A had not finished: its wait (or the stream) covered B alone.
 //
 // Build and run on the GPU machine:
@@ -52,8 +52,8 @@ __global__ void grid_b(bool wait_at_exit) {
   if (wait_at_exit && blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) wait_for_primary();
 }
 
-__global__ void grid_c(const int* flag, int* seen, bool pdl) {
-  if (pdl) wait_for_primary();
+__global__ void grid_c(const int* flag, int* seen, bool wait) {
+  if (wait) wait_for_primary();
   if (blockIdx.x == 0 && threadIdx.x == 0) *seen = atomicAdd(const_cast<int*>(flag), 0);
 }
 
@@ -78,15 +78,16 @@ void launch(void (*kernel)(Args...), bool pdl, cudaStream_t stream, Args... args
   check(cudaLaunchKernelEx(&config, kernel, args...), "cudaLaunchKernelEx");
 }
 
-// Trials in which C read A's flag unset.
-int run_case(bool b_waits, bool c_pdl, int* flag, int* seen, cudaStream_t stream) {
+// Trials in which C read A's flag unset. Without B, C follows A directly.
+int run_case(bool with_b, bool b_waits, bool c_pdl, bool c_waits, int* flag, int* seen,
+             cudaStream_t stream) {
   int early = 0;
   for (int trial = 0; trial < kTrials; ++trial) {
     check(cudaMemsetAsync(flag, 0, sizeof(int), stream), "cudaMemsetAsync");
     check(cudaMemsetAsync(seen, 0xff, sizeof(int), stream), "cudaMemsetAsync");
     launch(grid_a, false, stream, flag);
-    launch(grid_b, true, stream, b_waits);
-    launch(grid_c, c_pdl, stream, static_cast<const int*>(flag), seen, c_pdl);
+    if (with_b) launch(grid_b, true, stream, b_waits);
+    launch(grid_c, c_pdl, stream, static_cast<const int*>(flag), seen, c_waits);
     int host_seen = -1;
     check(cudaMemcpyAsync(&host_seen, seen, sizeof(int), cudaMemcpyDeviceToHost, stream),
           "cudaMemcpyAsync");
@@ -113,17 +114,24 @@ int main() {
   check(cudaMalloc(&buffers, 2 * sizeof(int)), "cudaMalloc");
   struct Case {
     const char* name;
+    bool with_b;
     bool b_waits;
     bool c_pdl;
+    bool c_waits;
   };
+  // The first two are controls: they show A's trigger really lets a dependent run before A's
+  // store (else every case would read the flag set and the others would show nothing).
   const Case cases[] = {
-      {"B never waits,   C (PDL) waits for B", false, true},
-      {"B never waits,   C in plain order   ", false, false},
-      {"B waits at exit, C (PDL) waits for B", true, true},
-      {"B waits at exit, C in plain order   ", true, false},
+      {"control: no B,   C (PDL) never waits", false, false, true, false},
+      {"control: B never waits, C (PDL) never waits", true, false, true, false},
+      {"B never waits,   C (PDL) waits for B", true, false, true, true},
+      {"B never waits,   C in plain order   ", true, false, false, false},
+      {"B waits at exit, C (PDL) waits for B", true, true, true, true},
+      {"B waits at exit, C in plain order   ", true, true, false, false},
   };
   for (const Case& c : cases) {
-    const int early = run_case(c.b_waits, c.c_pdl, buffers, buffers + 1, stream);
+    const int early =
+        run_case(c.with_b, c.b_waits, c.c_pdl, c.c_waits, buffers, buffers + 1, stream);
     std::printf("%s: C read A's flag unset in %d of %d trials\n", c.name, early, kTrials);
   }
   check(cudaFree(buffers), "cudaFree");
