@@ -337,6 +337,10 @@ class ChainedExitWait {
   __device__ ~ChainedExitWait() {
     if constexpr (kFc2) {
       if (chain_.wait != nullptr && ::moejit::kern::ptx::is_grid_last_thread()) {
+        // The trigger first: a CTA that returned before its own (a padding tile) would otherwise
+        // hold the combine's launch until FC1's grid ended; the combine still waits for this
+        // grid, and so for FC1's, before it reads a row.
+        ::moejit::kern::ptx::launch_dependents();
         ::moejit::kern::ptx::grid_dependency_wait();
       }
     }
