@@ -47,17 +47,5 @@ __device__ __forceinline__ int block_index_z_reread() {
   asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(block));
   return block;
 }
-// Whether this is thread 0 of the grid's last CTA (the highest x, y and z), read afresh.
-__device__ __forceinline__ bool is_grid_last_thread() {
-  unsigned tid, x, y, z, nx, ny, nz;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
-  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
-  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(nx));
-  asm volatile("mov.u32 %0, %%nctaid.y;" : "=r"(ny));
-  asm volatile("mov.u32 %0, %%nctaid.z;" : "=r"(nz));
-  return tid == 0 && x == nx - 1 && y == ny - 1 && z == nz - 1;
-}
 
 }  // namespace moejit::kern::ptx

@@ -307,6 +307,13 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
 // the round trip overlaps the other warps' wait for their rows instead of following it
 // (measured: with thread 0 after the rows, FC2 at kimi-k3.1-tp8 T = 4096, short K and many CTAs,
 // was 5% slower; tools/PERF_LOG.md "FC2 waits for its own tile of FC1").
+// Why a chained FC2 need not wait for FC1's grid as well, though the combine's wait covers FC2's
+// grid alone: griddepcontrol.wait waits for all prerequisite grids in flight, and a grid that
+// never waited for its own does not end that chain. Measured by tools/prof/pdl_order.cu (H100,
+// 2 x 20 trials a case, with controls in which a dependent did run before its primary's store in
+// 19 of 20): a grid after one that never waited still saw the first grid's last store every time,
+// with PDL and in plain order. One thread of FC2's last CTA waiting at its exit cost kimi-k3.1-tp8
+// 0.2-0.6 us (tools/PERF_LOG.md "the guard's CTA triggers the combine before it waits").
 template <i32 kThreads>
 __device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
   if (chain.wait == nullptr) {
@@ -318,39 +325,6 @@ __device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
     }
   }
 }
-
-// FC2 chained on FC1's counts (MoeGemmChain) never waits for FC1's grid, and the grid after it
-// (the combine) waits for FC2's grid alone: without more, FC2's grid could complete while an FC1
-// CTA that had triggered it was still to read its tile's expert (a tile FC2 skips: padding, past
-// the route's blocks), and the next forward's route could rewrite that table first. So one thread
-// of the grid's last CTA waits for FC1's grid as it leaves, on every return path (this guard's
-// destructor): FC2's grid then completes only after FC1's. It costs that CTA the end of FC1's
-// last wave at most, which FC2's own last tile waited for already. Whether PDL orders a grid
-// after one it never waited for is what tools/prof/pdl_order.cu measures. kFc2: the kernel is an
-// FC2 (FC1 is never chained this way; its instance holds no guard).
-template <bool kFc2>
-class ChainedExitWait {
- public:
-  __device__ explicit ChainedExitWait(const MoeGemmChain& chain) : chain_(chain) {}
-  // Decided here, from the parameter bank and fresh special-register reads, so nothing is kept
-  // live through the main loop for it.
-  __device__ ~ChainedExitWait() {
-    if constexpr (kFc2) {
-      if (chain_.wait != nullptr && ::moejit::kern::ptx::is_grid_last_thread()) {
-        // The trigger first: a CTA that returned before its own (a padding tile) would otherwise
-        // hold the combine's launch until FC1's grid ended; the combine still waits for this
-        // grid, and so for FC1's, before it reads a row.
-        ::moejit::kern::ptx::launch_dependents();
-        ::moejit::kern::ptx::grid_dependency_wait();
-      }
-    }
-  }
-  ChainedExitWait(const ChainedExitWait&) = delete;
-  ChainedExitWait& operator=(const ChainedExitWait&) = delete;
-
- private:
-  const MoeGemmChain& chain_;  // the kernel's parameter
-};
 
 // FC1's count of this CTA's tile (MoeGemmChain): call after a barrier that every thread which
 // stored outputs has passed; the release makes those stores visible before the count. Why a
@@ -380,7 +354,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const i32 wk = warp / (T::kWarpsM * T::kWarpsN);
   const CtaTile cta = cta_tile();
   const i32 block = cta.block;
-  const ChainedExitWait<!Epi::kGatherTokens> exit_wait(chain);  // a chained FC2 ends after FC1
   // With K splits, x = split * m_tiles + m_tile (the host's grid: m_tiles * kKSplits in x).
   const i32 m_tiles = ceil_div(p.m_atoms, T::kAtomsM);
   const i32 split = T::kKSplits == 1 ? 0 : cta.m_tile / m_tiles;

@@ -506,8 +506,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   i32* s_ids = reinterpret_cast<i32*>(smem + (T::kSmemBytes - 1024 - 3 * T::kBlockN * 4));
   i32* s_rows = s_ids + T::kBlockN;
 
-  // A chained FC2's grid ends only after FC1's (moe_gemm.cuh).
-  const ChainedExitWait<!T::Epilogue::kGatherTokens> exit_wait(chain);
   if constexpr (!T::kEarlyWeights) {
     prefetch_first_weights<T::kAtomsM>(p);
     ::moejit::kern::ptx::grid_dependency_wait();

@@ -17,17 +17,19 @@
 //         one counted arrive (the PTX ISA's own example)
 //   7     case 1 with barrier.sync (not aligned)                   -          -
 //   8     expect_tx alone, a bulk copy, then a plain arrive        (not run)  -
-//   9     decode_moe's routing hand-over: the routing warps store  -          (not run)
+//   9     decode_moe's routing hand-over: the routing warps store  race (*)   (not run)
 //         a table after their last barrier 2 (as route() stores
 //         vinfo), then barrier.sync 3; the producer claims an item
 //         (atomicAdd), reaches barrier 3 from its own instruction
 //         and every lane loads the table
-//   10    case 9 with bar.sync 3 (decode_moe before the fix)       race       divergent?
-//   11    case 9, the producer initializing and fencing an         (not run)  (not run)
+//   10    case 9 with bar.sync 3 (decode_moe before the fix)       race (*)   divergent?
+//   11    case 9, the producer initializing and fencing an         race       (not run)
 //         mbarrier before barrier 3
-//   12    case 9, the producer's griddepcontrol.wait and           (not run)  (not run)
+//   12    case 9, the producer's griddepcontrol.wait and           race       (not run)
 //         launch_dependents before barrier 3
-//   13    cases 11 and 12 together (decode_moe's producer start)   (not run)  (not run)
+//   13    cases 11 and 12 together (decode_moe's producer start)   race       (not run)
+// (*) Cases 9 and 10 swap from run to run: 10 raced and 9 did not on 2026-12-05, 9 raced and
+//     10 did not on 2026-12-06 (same source, same tool, H100 machines).
 // (compute-sanitizer 2025.3.1 on an H100, 2026-12-05, with the same PTX written out in this file;
 // it now calls the kernels' own wrappers, pipe.cuh and ptx.cuh, and was not rerun.) So racecheck does not see an mbarrier's
 // or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
@@ -35,9 +37,10 @@
 // Cases 9-13 are for racecheck's one unexplained report on decode_moe: route()'s store of vinfo
 // against the producer's load of it after routing_done (tools/PERF_LOG.md "main's kernels under
 // compute-sanitizer"). Cases 1 and 7 hand over data stored before the routing warps' barrier 2;
-// vinfo is stored after their last one. Run on an H100 (2026-12-05): 10 races, 9 does not, yet
-// decode_moe with barrier.sync still reports it; 11-13 add the producer's other work before
-// barrier 3, one part at a time (not run yet).
+// vinfo is stored after their last one. 11-13 add the producer's other work before barrier 3,
+// one part at a time. Every one of 9-13 has been reported in some run, 9 and 10 each in one run
+// of two: racecheck's report on this hand-over depends on the run, not on the barrier's form, so
+// decode_moe's vinfo report is read as the tool's, on a hand-over the PTX ISA orders.
 //
 // Build (an include directory in which moejit/kern is the repository's kernels/, as the library
 // embeds them): nvcc -std=c++17 -arch=sm_90a -O2 -I INC -o sanitizer_patterns
