@@ -16,7 +16,7 @@
 //   6     cp.async, each lane's cp.async.mbarrier.arrive, then     -          overflow
 //         one counted arrive (the PTX ISA's own example)
 //   7     case 1 with barrier.sync (not aligned)                   -          -
-//   8     expect_tx alone, a bulk copy, then a plain arrive        (not run)  -
+//   8     expect_tx alone, a bulk copy, then a plain arrive        -          -
 //   9     decode_moe's routing hand-over: the routing warps store  race (*)   (not run)
 //         a table after their last barrier 2 (as route() stores
 //         vinfo), then barrier.sync 3; the producer claims an item
