@@ -32,9 +32,9 @@
 //     10 did not on 2026-12-06 (same source, same tool, H100 machines).
 // (compute-sanitizer 2025.3.1 on H100 machines: 0-8 on 2026-12-05 with the same PTX written out
 // in this file, and racecheck on 0-13 on 2026-12-06 through the kernels' own wrappers, pipe.cuh
-// and ptx.cuh, with the same results for 0-7 and no report for 8.) So racecheck does not see an mbarrier's or a
-// release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck counts the
-// non-.noinc arrive-on as an arrival without its increment (6).
+// and ptx.cuh, with the same results for 0-7 and no report for 8.) So racecheck does not see an
+// mbarrier's or a release/acquire pair's ordering of plain accesses (2, 4, 5), and synccheck
+// counts the non-.noinc arrive-on as an arrival without its increment (6).
 // Cases 9-13 are for racecheck's one unexplained report on decode_moe: route()'s store of vinfo
 // against the producer's load of it after routing_done (tools/PERF_LOG.md "main's kernels under
 // compute-sanitizer"). Cases 1 and 7 hand over data stored before the routing warps' barrier 2;
