@@ -1,6 +1,7 @@
 // The runtime on a GPU: the current device's arch, context-independent kernel handles that work
 // from a second context (a created one, and a second device's primary context when there is
-// one), the no-context error, and configure() refused once kernels are loaded.
+// one), the no-context error, and configure() refused once kernels are loaded or while another
+// thread loads one.
 #include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
