@@ -21,8 +21,9 @@
 #       and moejit_bench_runtime: the closing tables of a session.
 #   tools/prof/device.sh ab "NAME1 NAME2 ..." SECTION [BENCH_ARGS...]
 #       moejit_bench_moe --section SECTION --gap-ms 5 for each build in turn, per seed in $SEEDS
-#       (default "1 2"), so builds alternate on the same machine state; BENCH_ARGS go to every
-#       run (e.g. --models qwen3-30b-a3b --tokens 256 --no-dense).
+#       (default "1 2"), so builds alternate on the same machine state, in reverse order every
+#       other seed; BENCH_ARGS go to every run (e.g. --models qwen3-30b-a3b --tokens 256
+#       --no-dense).
 #   tools/prof/device.sh sanitize NAME TOOL [TEST_SPEC LIMIT_S]
 #       compute-sanitizer's TOOL (memcheck, initcheck, synccheck or racecheck) over the GPU tests
 #       that run every kernel family and tile against the fp64 reference, each with a time limit
@@ -197,8 +198,18 @@ cmd_ab() {
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || die "a prewarm failed (logs: $out/prewarm-*.txt)"; done
+  # Why the order turns every other seed: in one order the build that ran second was the slower
+  # on every cell (tools/PERF_LOG.md, sixty-third session), so a fixed order can pass for a change.
+  local order=() turn=0 name_list=($names)
   for seed in ${SEEDS:-1 2}; do
-    for name in $names; do
+    order=("${name_list[@]}")
+    if ((turn % 2 == 1)); then
+      local i
+      order=()
+      for ((i = ${#name_list[@]} - 1; i >= 0; i--)); do order+=("${name_list[i]}"); done
+    fi
+    turn=$((turn + 1))
+    for name in "${order[@]}"; do
       local log=$out/$section-$name-$seed.txt
       (device_env "$name" &&
         "$stage_dir/$name/moejit_bench_moe" --section "$section" --gap-ms 5 --seed "$seed" "$@") \
