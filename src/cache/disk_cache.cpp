@@ -420,8 +420,10 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   }
   if (mode_ != CacheMode::kReadWrite) return;
 
+  // A cache that can't be written may be meant read-only (an image, a read-only mount).
+  const std::string meant = " (a cache meant to be read-only: MOEJIT_CACHE_MODE=ro)";
   if (int e = ensure_dir(version_dir_); e != 0) {
-    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e));
+    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e) + meant);
     return;
   }
   if (::lstat(version_dir_.c_str(), &st) == 0) {
@@ -432,7 +434,7 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
     }
   }
   if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
-    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e));
+    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e) + meant);
     return;
   }
   // Why: permissions alone don't tell (root ignores them, a read-only mount overrides them);
@@ -441,7 +443,8 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
                             random_hex() + kTempSuffix;
   Fd fd(open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
   if (!fd.ok()) {
-    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(errno));
+    degrade(CacheMode::kReadOnly,
+            "cannot write in " + version_dir_ + ": " + errno_text(errno) + meant);
     return;
   }
   fd.reset();
@@ -450,17 +453,14 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
 
 void DiskCache::degrade(CacheMode to, const std::string& reason) {
   // Why a warning whatever the cause: the mode asked for is not what runs, and kernels compiled
-  // from now on are not kept (read-only) or every process compiles its own (memory-only), which
-  // a service would otherwise find only by its start-up time. A cache meant to be read-only (an
-  // image) says so with MOEJIT_CACHE_MODE=ro, and is then not degraded.
+  // from now on are not kept, so every process compiles its own, which a service would otherwise
+  // find only by its start-up time. A cache meant to be read-only (an image) says so with
+  // MOEJIT_CACHE_MODE=ro, and is then not degraded (the write failures' reasons say so).
   const CacheMode asked = mode_;
   mode_ = to;
   mode_reason_ = reason;
   log().warn("{}; using the cache {} instead of {}{}", reason, mode_name(to), mode_name(asked),
-             asked == CacheMode::kReadWrite
-                 ? " (kernels compiled now are not kept; MOEJIT_CACHE_MODE=ro says a cache is "
-                   "meant to be read-only)"
-                 : "");
+             asked == CacheMode::kReadWrite ? " (kernels compiled now are not kept)" : "");
 }
 
 std::string DiskCache::entry_path(const std::string& key) const {
