@@ -312,8 +312,9 @@ __device__ __forceinline__ void prefetch_first_weights(const MoeGemmParams& p) {
 // never waited for its own does not end that chain. Measured by tools/prof/pdl_order.cu (H100,
 // 2 x 20 trials a case, with controls in which a dependent did run before its primary's store in
 // 19 of 20): a grid after one that never waited still saw the first grid's last store every time,
-// with PDL and in plain order. One thread of FC2's last CTA waiting at its exit cost kimi-k3.1-tp8
-// 0.2-0.6 us (tools/PERF_LOG.md "the guard's CTA triggers the combine before it waits").
+// with PDL and in plain order. One thread of FC2's last CTA waiting at its exit measured 0.2-0.6
+// us slower at kimi-k3.1-tp8, in runs that did not rule out the builds' order (tools/PERF_LOG.md
+// "the guard's CTA triggers the combine before it waits").
 template <i32 kThreads>
 __device__ __forceinline__ void wait_for_inputs(const MoeGemmChain& chain) {
   if (chain.wait == nullptr) {

@@ -420,10 +420,11 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   }
   if (mode_ != CacheMode::kReadWrite) return;
 
-  // A cache that can't be written may be meant read-only (an image, a read-only mount).
-  const std::string meant = " (a cache meant to be read-only: MOEJIT_CACHE_MODE=ro)";
+  // A cache that can't be written may be meant read-only (an image, a read-only mount): said in
+  // the warning only, not in mode_reason(), which commands that need to write quote.
+  const char* const meant = " (for a cache meant to be read-only, set MOEJIT_CACHE_MODE=ro)";
   if (int e = ensure_dir(version_dir_); e != 0) {
-    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e) + meant);
+    degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e), meant);
     return;
   }
   if (::lstat(version_dir_.c_str(), &st) == 0) {
@@ -434,7 +435,7 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
     }
   }
   if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
-    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e) + meant);
+    degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e), meant);
     return;
   }
   // Why: permissions alone don't tell (root ignores them, a read-only mount overrides them);
@@ -443,23 +444,25 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
                             random_hex() + kTempSuffix;
   Fd fd(open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
   if (!fd.ok()) {
-    degrade(CacheMode::kReadOnly,
-            "cannot write in " + version_dir_ + ": " + errno_text(errno) + meant);
+    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(errno),
+            meant);
     return;
   }
   fd.reset();
   ::unlink(probe.c_str());
 }
 
-void DiskCache::degrade(CacheMode to, const std::string& reason) {
+void DiskCache::degrade(CacheMode to, const std::string& reason, const char* hint) {
   // Why a warning whatever the cause: the mode asked for is not what runs, and kernels compiled
   // from now on are not kept, so every process compiles its own, which a service would otherwise
   // find only by its start-up time. A cache meant to be read-only (an image) says so with
-  // MOEJIT_CACHE_MODE=ro, and is then not degraded (the write failures' reasons say so).
+  // MOEJIT_CACHE_MODE=ro, and is then not degraded for being unwritable (the write failures'
+  // hint says so).
   const CacheMode asked = mode_;
   mode_ = to;
   mode_reason_ = reason;
-  log().warn("{}; using the cache {} instead of {}{}", reason, mode_name(to), mode_name(asked),
+  log().warn("{}{}; using the cache {} instead of {}{}", reason, hint, mode_name(to),
+             mode_name(asked),
              asked == CacheMode::kReadWrite ? " (kernels compiled now are not kept)" : "");
 }
 

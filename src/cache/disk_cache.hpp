@@ -85,7 +85,7 @@ bool is_cache_key(const std::string& key);
 class DiskCache {
  public:
   // Opens `dir` (creating it and its parents 0700 when writable). Never throws for a directory
-  // that can't be used; it degrades instead, logged at info (warn for an untrusted dir):
+  // that can't be used; it degrades instead, with a warning:
   //  - kReadWrite: a dir that exists but can't be written -> kReadOnly; one that doesn't exist
   //    and can't be created (read-only parent, a path through a regular file) -> kMemoryOnly.
   //  - kReadOnly: never creates, writes, touches or moves anything.
@@ -171,8 +171,9 @@ class DiskCache {
   static constexpr int64_t kQuarantineKeepSeconds = 7 * 24 * 3600;
 
  private:
-  // Uses the cache in mode `to` from now on, for `reason`; logs a warning.
-  void degrade(CacheMode to, const std::string& reason);
+  // Uses the cache in mode `to` from now on, for `reason` (mode_reason()); logs a warning, with
+  // `hint` after the reason when given.
+  void degrade(CacheMode to, const std::string& reason, const char* hint = "");
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;

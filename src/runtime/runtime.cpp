@@ -151,12 +151,9 @@ bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream str
     std::string message = "kernel " + spec.display_name() + ": asking whether stream " +
                           stream_text(stream) +
                           " is capturing (cuStreamIsCapturing) failed: " + describe(result);
-    if (result == CUDA_ERROR_INVALID_CONTEXT) {
-      message +=
-          ". Make a CUDA context current on this thread first (e.g. cudaSetDevice, or "
-          "cuDevicePrimaryCtxRetain + cuCtxSetCurrent)";
-    } else if (result == CUDA_ERROR_INVALID_HANDLE || result == CUDA_ERROR_INVALID_VALUE) {
-      message += ". Pass a live stream of the current context (or 0 for its default stream)";
+    if (result == CUDA_ERROR_INVALID_HANDLE || result == CUDA_ERROR_INVALID_VALUE ||
+        result == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
+      message += ". Pass a live stream (or 0, the current context's default stream)";
     }
     throw Error(ErrorCode::kDriver, message);
   }
@@ -404,6 +401,9 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
                     ", but the current context's device " + std::to_string(device.ordinal) +
                     " is " + device.arch.name() + ": build the spec with Runtime::current_arch()");
   }
+  // Counted from here, before anything below reads the configuration (configure() refuses
+  // while a load is in flight).
+  const GpuLoadScope in_flight(*this);
   const bool capturing = stream_capturing(api, spec, stream);
   const std::string capture_context =
       "stream " + stream_text(stream) + " is capturing a CUDA graph";
@@ -433,7 +433,6 @@ CUkernel Runtime::load(const KernelSpec& spec, CUstream stream) {
   }
   log().debug("kernel table miss: {}{}", spec.display_name(),
               capturing ? " (stream capturing; allowed by MOEJIT_ALLOW_CAPTURE_COMPILE)" : "");
-  const GpuLoadScope in_flight(*this);
   std::shared_ptr<const Entry> entry;
   const BuildResult built = build_impl(spec, &entry);
   CUresult failure = CUDA_SUCCESS;

@@ -45,7 +45,8 @@ class Runtime {
   // Not synchronized with configure(): read it from one thread while nothing reconfigures.
   const RuntimeConfig& config() const { return config_; }
   // Replaces the configuration (empty cache_dir = the environment's), and with it a bad
-  // environment's error. Throws Error{kInvalidArgument} once a kernel has been loaded on a GPU.
+  // environment's error. Throws Error{kInvalidArgument} once a kernel has been loaded on a GPU,
+  // or while another thread is loading one.
   void configure(const RuntimeConfig& config);
 
   // Build (memory / disk / compile) one kernel; never loads it on a GPU. Throws on failure.

@@ -23,6 +23,7 @@
 #include "ops/decode_forward.hpp"
 #include "plan/decode_plan.hpp"
 #include "runtime/runtime_impl.hpp"
+#include "support/log_capture.hpp"
 
 namespace {
 
@@ -230,10 +231,12 @@ TEST_CASE("runtime gpu: configure() is refused while another thread loads a kern
     FAIL("run this case in a process of its own (ctest moejit_gpu_tests_fresh): " << e.what());
   }
   // A kernel whose cold compile takes hundreds of milliseconds (decode_moe's main tile), loaded
-  // on another thread; configure() comes while that thread builds it, before anything is loaded.
+  // on another thread; configure() comes once that load has begun (its "kernel table miss" line,
+  // logged after the load is counted) and while it builds, before anything is loaded.
   const moejit::ModelShape shape = moejit::test::reference_shape("qwen3-30b-a3b");
   const KernelSpec spec = moejit::detail::decode_moe_spec(
       moejit::detail::choose_decode_config(shape, 24, 16), runtime.current_arch());
+  moejit::test::LogWatch miss("kernel table miss: " + spec.display_name());
   std::atomic<bool> loaded{false};
   std::string load_error;
   std::thread loader([&] {
@@ -247,7 +250,11 @@ TEST_CASE("runtime gpu: configure() is refused while another thread loads a kern
     }
     loaded.store(true);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!miss.seen() && !loaded.load() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  const bool began = miss.seen();
   const bool still_loading = !loaded.load();
   moejit::RuntimeConfig next = before;
   next.cache_dir = before.cache_dir + "-other";
@@ -259,10 +266,11 @@ TEST_CASE("runtime gpu: configure() is refused while another thread loads a kern
     refusal = e.what();
   }
   loader.join();
-  INFO("load error: " << load_error);
+  INFO("load error: " << load_error << "; configure: " << refusal);
   REQUIRE(load_error.empty());
-  // Why asked after the fact: were the compile ever done within 50 ms, the case would show
-  // nothing, so it says so instead of passing.
+  REQUIRE(began);
+  // Why asked: were the compile ever done before configure() came, the case would show nothing,
+  // so it says so instead of passing.
   REQUIRE(still_loading);
   CHECK(refusal.find("while another thread is loading a kernel") != std::string::npos);
   CHECK(moejit::config().cache_dir == before.cache_dir);

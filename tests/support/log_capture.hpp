@@ -1,9 +1,11 @@
-// Captures what the library's "moejit" logger emits at warn and above while alive (tests only).
+// Captures what the library's "moejit" logger emits at warn and above while alive, or watches for
+// one debug line (tests only).
 #pragma once
 
 #include <spdlog/sinks/base_sink.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -57,6 +59,42 @@ class WarningCapture {
       if (msg.level < spdlog::level::warn) return;
       std::lock_guard<std::mutex> guard(lines_mutex);
       lines.emplace_back(msg.payload.data(), msg.payload.size());
+    }
+    void flush_() override {}
+  };
+  std::shared_ptr<Sink> sink_;
+  spdlog::level::level_enum previous_;
+};
+
+// Whether the logger emitted a line containing `text` (any level) while alive; the logger runs at
+// debug meanwhile (its other sinks print those lines too). Construct and destroy it while no other
+// thread logs: spdlog's sink list is not guarded.
+class LogWatch {
+ public:
+  explicit LogWatch(std::string text)
+      : sink_(std::make_shared<Sink>(std::move(text))), previous_(detail::log().level()) {
+    detail::log().sinks().push_back(sink_);
+    detail::log().set_level(spdlog::level::debug);
+  }
+  ~LogWatch() {
+    auto& sinks = detail::log().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    detail::log().set_level(previous_);
+  }
+  LogWatch(const LogWatch&) = delete;
+  LogWatch& operator=(const LogWatch&) = delete;
+
+  bool seen() const { return sink_->seen.load(); }
+
+ private:
+  struct Sink : spdlog::sinks::base_sink<std::mutex> {
+    explicit Sink(std::string t) : text(std::move(t)) {}
+    const std::string text;
+    std::atomic<bool> seen{false};
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      if (std::string(msg.payload.data(), msg.payload.size()).find(text) != std::string::npos) {
+        seen.store(true);
+      }
     }
     void flush_() override {}
   };
