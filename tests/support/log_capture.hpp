@@ -15,17 +15,32 @@
 
 namespace moejit::test {
 
-class WarningCapture {
+// `sink` attached to the library's logger, which runs at `at_least` or finer, for the holder's
+// lifetime; then the logger's level as it was. Attach and detach while no other thread logs:
+// spdlog's sink list is not guarded.
+class AttachedSink {
  public:
-  WarningCapture() : sink_(std::make_shared<Sink>()), previous_(detail::log().level()) {
+  AttachedSink(std::shared_ptr<spdlog::sinks::sink> sink, spdlog::level::level_enum at_least)
+      : sink_(std::move(sink)), previous_(detail::log().level()) {
     detail::log().sinks().push_back(sink_);
-    if (previous_ > spdlog::level::warn) detail::log().set_level(spdlog::level::warn);
+    if (previous_ > at_least) detail::log().set_level(at_least);
   }
-  ~WarningCapture() {
+  ~AttachedSink() {
     auto& sinks = detail::log().sinks();
     sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
     detail::log().set_level(previous_);
   }
+  AttachedSink(const AttachedSink&) = delete;
+  AttachedSink& operator=(const AttachedSink&) = delete;
+
+ private:
+  std::shared_ptr<spdlog::sinks::sink> sink_;
+  spdlog::level::level_enum previous_;
+};
+
+class WarningCapture {
+ public:
+  WarningCapture() : sink_(std::make_shared<Sink>()), attached_(sink_, spdlog::level::warn) {}
   WarningCapture(const WarningCapture&) = delete;
   WarningCapture& operator=(const WarningCapture&) = delete;
 
@@ -63,24 +78,16 @@ class WarningCapture {
     void flush_() override {}
   };
   std::shared_ptr<Sink> sink_;
-  spdlog::level::level_enum previous_;
+  AttachedSink attached_;
 };
 
 // Whether the logger emitted a line containing `text` (any level) while alive; the logger runs at
 // debug meanwhile (its other sinks print those lines too). Construct and destroy it while no other
-// thread logs: spdlog's sink list is not guarded.
+// thread logs.
 class LogWatch {
  public:
   explicit LogWatch(std::string text)
-      : sink_(std::make_shared<Sink>(std::move(text))), previous_(detail::log().level()) {
-    detail::log().sinks().push_back(sink_);
-    detail::log().set_level(spdlog::level::debug);
-  }
-  ~LogWatch() {
-    auto& sinks = detail::log().sinks();
-    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
-    detail::log().set_level(previous_);
-  }
+      : sink_(std::make_shared<Sink>(std::move(text))), attached_(sink_, spdlog::level::debug) {}
   LogWatch(const LogWatch&) = delete;
   LogWatch& operator=(const LogWatch&) = delete;
 
@@ -99,7 +106,7 @@ class LogWatch {
     void flush_() override {}
   };
   std::shared_ptr<Sink> sink_;
-  spdlog::level::level_enum previous_;
+  AttachedSink attached_;
 };
 
 }  // namespace moejit::test
