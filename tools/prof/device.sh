@@ -128,14 +128,12 @@ cmd_stage() {
   du -sh "$stage_dir" | awk -v n="$name" '{print "staged " n "; .stage holds " $1 " (the carry limit is 64 MiB)"}'
 }
 
-cmd_suite() {
-  [[ $# -ge 1 ]] || usage
-  local name=$1 dir
-  shift
-  dir=$(build_of "$name")
-  prewarm "$name"
-  local rc=0 log=$out/gpu-tests-$name.txt summary
-  (device_env "$name" && "$dir/moejit_gpu_tests" "$@") >"$log" 2>&1 || rc=$?
+# One run of NAME's moejit_gpu_tests (ARGS: Catch2's) into LOG: its summary line, labelled LABEL,
+# the skips and the failures. Returns its exit status, 1 when no test ran.
+gpu_tests() {
+  local name=$1 label=$2 log=$3 rc=0 summary
+  shift 3
+  (device_env "$name" && "$stage_dir/$name/moejit_gpu_tests" "$@") >"$log" 2>&1 || rc=$?
   summary=$(grep -E '^(All tests passed|test cases:)' "$log" | tail -n 1) || true
   # Why: Catch2 exits 0 when its filter matches nothing (as Catch2 2.13 did for three names given
   # as separate arguments, which it joined into one; one comma-separated argument works).
@@ -143,18 +141,23 @@ cmd_suite() {
     summary="no test ran: $(grep -m 1 -E 'No test cases matched|No tests ran' "$log" || true)"
     [[ $rc -ne 0 ]] || rc=1
   fi
-  echo "gpu tests $name rc=$rc: $summary ($(elapsed))"
+  echo "gpu tests $label rc=$rc: $summary ($(elapsed))"
   grep -i -m 5 'skip' "$log" || true
   grep -B 3 -A 12 ': FAILED:' "$log" | head -n 80 || true
+  return "$rc"
+}
+
+cmd_suite() {
+  [[ $# -ge 1 ]] || usage
+  local name=$1 dir
+  shift
+  dir=$(build_of "$name")
+  prewarm "$name"
+  local rc=0
+  gpu_tests "$name" "$name" "$out/gpu-tests-$name.txt" "$@" || rc=$?
   if [[ $# -eq 0 ]]; then
     # The cases that need a process of their own ([.fresh], ctest's moejit_gpu_tests_fresh).
-    local fresh_rc=0 fresh_log=$out/gpu-tests-fresh-$name.txt
-    (device_env "$name" && "$dir/moejit_gpu_tests" "[.fresh]" --warn NoTests) >"$fresh_log" 2>&1 ||
-      fresh_rc=$?
-    echo "gpu tests [.fresh] $name rc=$fresh_rc: $(grep -E '^(All tests passed|test cases:)' \
-      "$fresh_log" | tail -n 1)"
-    grep -B 3 -A 12 ': FAILED:' "$fresh_log" | head -n 40 || true
-    [[ $fresh_rc -eq 0 ]] || rc=$fresh_rc
+    gpu_tests "$name" "[.fresh] $name" "$out/gpu-tests-fresh-$name.txt" "[.fresh]" || rc=$?
     # The whole suite includes the Python binding's GPU group (torch on the GPU machine).
     local py_rc=0 py_log=$out/python-gpu-$name.txt
     (device_env "$name" && MOEJIT_LIBRARY=$dir/libmoejit.so PYTHONPATH=$root/src/python \
@@ -201,15 +204,10 @@ cmd_ab() {
   for pid in "${pids[@]}"; do wait "$pid" || die "a prewarm failed (logs: $out/prewarm-*.txt)"; done
   # Why the order turns every other seed: in one order the build that ran second was the slower
   # on every cell (tools/PERF_LOG.md, sixty-third session), so a fixed order can pass for a change.
-  local order=() turn=0 name_list=($names)
+  local forward=($names) reverse=() order turn=0 i
+  for ((i = ${#forward[@]} - 1; i >= 0; i--)); do reverse+=("${forward[i]}"); done
   for seed in ${SEEDS:-1 2}; do
-    order=("${name_list[@]}")
-    if ((turn % 2 == 1)); then
-      local i
-      order=()
-      for ((i = ${#name_list[@]} - 1; i >= 0; i--)); do order+=("${name_list[i]}"); done
-    fi
-    turn=$((turn + 1))
+    if ((turn++ % 2 == 0)); then order=("${forward[@]}"); else order=("${reverse[@]}"); fi
     for name in "${order[@]}"; do
       local log=$out/$section-$name-$seed.txt
       (device_env "$name" &&
