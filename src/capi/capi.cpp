@@ -1,5 +1,7 @@
 // The C ABI: every call catches everything, maps the error code to a moejit_status and keeps the
 // message for moejit_last_error() on the calling thread.
+#include <cctype>
+#include <cstddef>
 #include <exception>
 #include <new>
 #include <string>
@@ -35,18 +37,12 @@ moejit_status status_of(moejit::ErrorCode code) {
   return MOEJIT_ERROR_INTERNAL;
 }
 
-// Records `message`, under the C call's name where it starts with the C++ op's (see CapiNames);
-// never throws (a failed assignment leaves a fixed text).
+// Records `message` as the C caller reads it (moejit::detail::capi_message); never throws (a
+// failed assignment leaves a fixed text).
 moejit_status fail(moejit_status status, const char* message,
                    moejit::detail::CapiNames names = {}) noexcept {
   try {
-    last_error = message;
-    if (names.c_call != nullptr && names.cxx_op != nullptr) {
-      const std::string prefix = std::string(names.cxx_op) + ": ";
-      if (last_error.compare(0, prefix.size(), prefix) == 0) {
-        last_error.replace(0, prefix.size() - 2, names.c_call);
-      }
-    }
+    last_error = moejit::detail::capi_message(message, names);
     fixed_error = nullptr;
   } catch (...) {
     fixed_error = "libmoejit: out of host memory while recording an error";
@@ -74,6 +70,31 @@ moejit_status guarded(moejit::detail::CapiNames names, Body&& body) noexcept {
 }
 
 }  // namespace
+
+std::string moejit::detail::capi_message(const char* message, CapiNames names) {
+  std::string text = message;
+  if (names.c_call != nullptr && names.cxx_op != nullptr) {
+    const std::string prefix = std::string(names.cxx_op) + ": ";
+    if (text.compare(0, prefix.size(), prefix) == 0)
+      text.replace(0, prefix.size() - 2, names.c_call);
+  }
+  for (const CapiRename* r = names.renames; r != nullptr && r->cxx != nullptr; ++r) {
+    const std::string cxx = r->cxx;
+    const std::string c = r->c;
+    for (std::size_t at = text.find(cxx); at != std::string::npos; at = text.find(cxx, at)) {
+      const char before = at > 0 ? text[at - 1] : ' ';
+      const bool starts_word =
+          std::isalnum(static_cast<unsigned char>(before)) == 0 && before != '_' && before != '.';
+      if (!starts_word) {
+        at += cxx.size();
+        continue;
+      }
+      text.replace(at, cxx.size(), c);
+      at += c.size();
+    }
+  }
+  return text;
+}
 
 moejit_status moejit::detail::capi_guarded(void (*body)(void*), void* context,
                                            CapiNames names) noexcept {

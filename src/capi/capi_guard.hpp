@@ -2,19 +2,34 @@
 // a moejit_status and this thread's moejit_last_error() message (capi.cpp owns that message).
 #pragma once
 
+#include <string>
 #include <type_traits>
 
 #include "moejit/moejit.h"
 
 namespace moejit::detail {
 
+// A C++ argument path and how the C caller spells it: a struct the C call takes by pointer
+// ("weights.w13" -> "weights->w13"), or a C++ struct field the C call takes as an argument of its
+// own ("target.first_expert" -> "first_expert").
+struct CapiRename {
+  const char* cxx = nullptr;
+  const char* c = nullptr;
+};
+
 // The C function a call serves, and the C++ op it wraps: a message the op starts with its own
 // name ("moe_forward: hidden: ...") is given to the C caller under the name it called
-// ("moejit_moe_forward: hidden: ..."). Either may be null: no renaming.
+// ("moejit_moe_forward: hidden: ..."). Either may be null: no renaming. `renames`, if not null,
+// ends with {nullptr, nullptr}; each path in the message that starts a word (no letter, digit,
+// '_' or '.' before it) is replaced by its C spelling.
 struct CapiNames {
   const char* c_call = nullptr;
   const char* cxx_op = nullptr;
+  const CapiRename* renames = nullptr;
 };
+
+// `message` as the C caller of `names` reads it (see CapiNames).
+std::string capi_message(const char* message, CapiNames names);
 
 // Runs body(context) and returns MOEJIT_OK, or the status of what it threw (the message is kept
 // for moejit_last_error()). Never throws.

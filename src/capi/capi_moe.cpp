@@ -41,6 +41,24 @@ moejit::MoeWeights weights_of(const char* call, const char* arg, const moejit_mo
   return out;
 }
 
+using moejit::detail::CapiNames;
+using moejit::detail::CapiRename;
+
+// The C++ argument paths of the forward and repack ops as their C callers spell them:
+// moejit_moe_weights comes by pointer, and the repack target's first expert and counter are
+// arguments of their own.
+constexpr CapiRename kForwardRenames[] = {{"weights.", "weights->"}, {nullptr, nullptr}};
+constexpr CapiRename kRepackRenames[] = {{"target.weights.", "target->"},
+                                         {"target.first_expert", "first_expert"},
+                                         {"target.bad_scale_count", "bad_scale_count"},
+                                         {nullptr, nullptr}};
+constexpr CapiNames kForward{"moejit_moe_forward", "moe_forward", kForwardRenames};
+constexpr CapiNames kForwardEx{"moejit_moe_forward_ex", "moe_forward", kForwardRenames};
+constexpr CapiNames kRepackGptOss{"moejit_moe_repack_gpt_oss", "moe_repack_gpt_oss",
+                                  kRepackRenames};
+constexpr CapiNames kRepackSeparate{"moejit_moe_repack_separate", "moe_repack_separate",
+                                    kRepackRenames};
+
 // Where a repack writes: the target weights, its first expert and the bad-scale counter.
 moejit::MoeRepackTarget repack_target(const char* call, const moejit_moe_weights* target,
                                       int first_expert, int32_t* bad_scale_count) {
@@ -153,7 +171,7 @@ moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w
                                         const DLTensor* w13_scales, const DLTensor* w2_blocks,
                                         const DLTensor* w2_scales, const moejit_moe_weights* target,
                                         int first_expert, int32_t* bad_scale_count, void* stream) {
-  return moejit::detail::capi_call({"moejit_moe_repack_gpt_oss", "moe_repack_gpt_oss"}, [&] {
+  return moejit::detail::capi_call(kRepackGptOss, [&] {
     const char* call = "moejit_moe_repack_gpt_oss";
     const moejit::ModelShape& shape = shape_of(call, moe);
     moejit::GptOssCheckpoint checkpoint;
@@ -173,7 +191,7 @@ moejit_status moejit_moe_repack_separate(const moejit_moe* moe, const DLTensor* 
                                          const DLTensor* w2_scales,
                                          const moejit_moe_weights* target, int first_expert,
                                          int32_t* bad_scale_count, void* stream) {
-  return moejit::detail::capi_call({"moejit_moe_repack_separate", "moe_repack_separate"}, [&] {
+  return moejit::detail::capi_call(kRepackSeparate, [&] {
     const char* call = "moejit_moe_repack_separate";
     const moejit::ModelShape& shape = shape_of(call, moe);
     moejit::SeparateCheckpoint checkpoint;
@@ -202,7 +220,7 @@ moejit_status moejit_moe_forward(const moejit_moe* moe, const DLTensor* hidden,
                                  const DLTensor* topk_ids, const DLTensor* topk_weights,
                                  const moejit_moe_weights* weights, void* workspace,
                                  size_t workspace_bytes, DLTensor* out, void* stream) {
-  return moejit::detail::capi_call({"moejit_moe_forward", "moe_forward"}, [&] {
+  return moejit::detail::capi_call(kForward, [&] {
     forward("moejit_moe_forward", moe, hidden, topk_ids, topk_weights, weights, workspace,
             workspace_bytes, out, MOEJIT_MOE_PATH_AUTO, 0, stream);
   });
@@ -213,7 +231,7 @@ moejit_status moejit_moe_forward_ex(const moejit_moe* moe, const DLTensor* hidde
                                     const moejit_moe_weights* weights, void* workspace,
                                     size_t workspace_bytes, DLTensor* out, moejit_moe_path path,
                                     int decode_block_n, void* stream) {
-  return moejit::detail::capi_call({"moejit_moe_forward_ex", "moe_forward"}, [&] {
+  return moejit::detail::capi_call(kForwardEx, [&] {
     forward("moejit_moe_forward_ex", moe, hidden, topk_ids, topk_weights, weights, workspace,
             workspace_bytes, out, path, decode_block_n, stream);
   });

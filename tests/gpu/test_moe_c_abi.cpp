@@ -412,13 +412,38 @@ TEST_CASE(
         const std::size_t offset = model->sizes.w2_bytes - out_bytes;
         TensorView out_on_w2(model->w2.data(), offset, {tokens, shape.hidden}, dl_bf16());
         refused("out on the repacked w2",
-                {"out: expected a buffer that shares no byte with weights.w2"}, [&] {
+                {"out: expected a buffer that shares no byte with weights->w2"}, [&] {
                   return forward(a.hidden, a.topk_ids, a.topk_weights, a.workspace_bytes,
                                  out_on_w2.dl());
                 });
         const std::vector<uint8_t> w2 = download_at<uint8_t>(model->w2, offset, out_bytes);
         CHECK(std::count(w2.begin(), w2.end(), uint8_t{0x22}) ==
               static_cast<std::ptrdiff_t>(out_bytes));
+      }
+      {  // repack targets the C caller passes: named as its arguments, not as C++ fields
+        const bool gpt_oss = uses_gpt_oss_layout(shape);
+        const auto repack = [&](const moejit_moe_weights& target, int32_t* bad_scale_count) {
+          return gpt_oss ? moejit_moe_repack_gpt_oss(moe.get(), nullptr, nullptr, nullptr, nullptr,
+                                                     &target, 0, bad_scale_count, stream.get())
+                         : moejit_moe_repack_separate(moe.get(), nullptr, nullptr, nullptr, nullptr,
+                                                      nullptr, nullptr, &target, 0, bad_scale_count,
+                                                      stream.get());
+        };
+        const char* call = gpt_oss ? "moejit_moe_repack_gpt_oss: " : "moejit_moe_repack_separate: ";
+        moejit_moe_weights target = weights;
+        target.w13_scales = static_cast<uint8_t*>(target.w13_scales) + 2;
+        refused("repack into a misaligned w13_scales",
+                {call + std::string("target->w13_scales: expected a pointer aligned to 4 bytes")},
+                [&] { return repack(target, nullptr); });
+        CHECK_FALSE(contains(moejit_last_error(), "target.weights"));
+        DeviceBuffer counter(8);
+        refused("a misaligned bad_scale_count",
+                {call + std::string("bad_scale_count: expected a pointer aligned to 4 bytes")},
+                [&] {
+                  return repack(weights,
+                                reinterpret_cast<int32_t*>(static_cast<char*>(counter.data()) + 2));
+                });
+        CHECK_FALSE(contains(moejit_last_error(), "target."));
       }
       // After a refusal, a success leaves moejit_last_error() empty (checked in expect_runs).
       expect_runs();

@@ -20,6 +20,7 @@
 #include <variant>
 #include <vector>
 
+#include "capi/capi_guard.hpp"
 #include "codegen/codegen.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
@@ -1810,4 +1811,42 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
   CHECK(std::string(moejit_last_error()).empty());
   moejit_moe_destroy(moe);
   moejit_moe_destroy(nullptr);
+}
+
+// The C ABI hands the C++ ops' messages on under the names its caller used: the call's name for
+// the op's, and each C++ argument path in its C spelling where it starts a word, so that
+// "topk_weights." or "target.weights." never match "weights.".
+TEST_CASE("moe C ABI: messages name the C call and its arguments, not the C++ ones",
+          "[plan][capi]") {
+  using moejit::detail::CapiNames;
+  using moejit::detail::CapiRename;
+  constexpr CapiRename kRenames[] = {{"target.weights.", "target->"},
+                                     {"target.first_expert", "first_expert"},
+                                     {"weights.", "weights->"},
+                                     {nullptr, nullptr}};
+  const CapiNames names{"moejit_moe_repack_gpt_oss", "moe_repack_gpt_oss", kRenames};
+  const auto message = [&](const char* text) { return moejit::detail::capi_message(text, names); };
+  CHECK(message("moe_repack_gpt_oss: target.weights.w13: expected 16-byte alignment") ==
+        "moejit_moe_repack_gpt_oss: target->w13: expected 16-byte alignment");
+  CHECK(message("moe_repack_gpt_oss: w13_blocks: expected a buffer that shares no byte with "
+                "target.weights.w2_scales; target.first_expert = -1") ==
+        "moejit_moe_repack_gpt_oss: w13_blocks: expected a buffer that shares no byte with "
+        "target->w2_scales; first_expert = -1");
+  // Paths inside longer names stay; a path at the start or after punctuation is renamed.
+  CHECK(message("x: topk_weights.dtype, my_weights.w2, a.weights.w2, (weights.b13)") ==
+        "x: topk_weights.dtype, my_weights.w2, a.weights.w2, (weights->b13)");
+  CHECK(message("weights.w2 then weights.w2") == "weights->w2 then weights->w2");
+  // Another op's message keeps its name; no renames: the message as thrown.
+  CHECK(message("moe_forward: weights.w2: x") == "moe_forward: weights->w2: x");
+  CHECK(moejit::detail::capi_message("moe_forward: weights.w2: x", {}) ==
+        "moe_forward: weights.w2: x");
+
+  // Through the guard, as every C call records it.
+  const moejit_status status = moejit::detail::capi_call(names, [] {
+    throw Error(moejit::ErrorCode::kInvalidArgument,
+                "moe_repack_gpt_oss: target.weights.w13_scales: expected 4-byte alignment");
+  });
+  CHECK(status == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moejit_last_error()) ==
+        "moejit_moe_repack_gpt_oss: target->w13_scales: expected 4-byte alignment");
 }
