@@ -170,7 +170,7 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
       detail::append_shared_params(static_cast<int>(top_k), static_cast<int>(num_shared),
                                    ids.dtype, args.gate, logit_dtype);
   spec.params = params;
-  const CUkernel kernel = runtime.kernel(spec, stream);
+  const CUkernel kernel = detail::op_kernel(kOp, runtime, spec, stream);
 
   const uint64_t total = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(width);
   const uint64_t block = static_cast<uint64_t>(params.block_threads);

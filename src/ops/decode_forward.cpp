@@ -153,9 +153,9 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   const KernelSpec main_spec = decode_moe_spec(main, device.arch);
   const KernelSpec combine_spec = decode_moe_spec(decode_combine_params(main), device.arch);
   // Every kernel first, so a capture miss (or any build failure) launches nothing.
-  const CUkernel reset_kernel = runtime.kernel(reset_spec, stream);
-  const CUkernel main_kernel = runtime.kernel(main_spec, stream);
-  const CUkernel combine_kernel = runtime.kernel(combine_spec, stream);
+  const CUkernel reset_kernel = op_kernel(op, runtime, reset_spec, stream);
+  const CUkernel main_kernel = op_kernel(op, runtime, main_spec, stream);
+  const CUkernel combine_kernel = op_kernel(op, runtime, combine_spec, stream);
   const int smem = static_cast<int>(decode_moe_smem_bytes(main));
   ensure_dynamic_smem(op, main_spec, main_kernel, device.ordinal, smem);
   const int sms = multiprocessor_count(op, device.ordinal);
@@ -197,8 +197,8 @@ void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const Curren
   const KernelSpec fc1_spec = decode_moe_spec(fc1, device.arch);
   const KernelSpec fc2_spec = decode_moe_spec(fc2, device.arch);
   // Both kernels first, so a capture miss (or any build failure) launches nothing.
-  const CUkernel fc1_kernel = runtime.kernel(fc1_spec, stream);
-  const CUkernel fc2_kernel = runtime.kernel(fc2_spec, stream);
+  const CUkernel fc1_kernel = op_kernel(op, runtime, fc1_spec, stream);
+  const CUkernel fc2_kernel = op_kernel(op, runtime, fc2_spec, stream);
   const int fc1_smem = static_cast<int>(decode_moe_smem_bytes(fc1));
   const int fc2_smem = static_cast<int>(decode_moe_smem_bytes(fc2));
   ensure_dynamic_smem(op, fc1_spec, fc1_kernel, device.ordinal, fc1_smem, true);

@@ -311,14 +311,14 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   // Every kernel first, so a capture miss (or any build failure) launches nothing.
   const detail::MoeForwardSpecs specs = detail::moe_forward_specs(config, device.arch);
   CUkernel narrow_kernel = nullptr;
-  if (specs.has_narrow) narrow_kernel = runtime.kernel(specs.narrow, stream);
+  if (specs.has_narrow) narrow_kernel = detail::op_kernel(kOp, runtime, specs.narrow, stream);
   CUkernel route_kernels[3] = {nullptr, nullptr, nullptr};
   for (int i = 0; i < specs.route_count; ++i) {
-    route_kernels[i] = runtime.kernel(specs.route[i], stream);
+    route_kernels[i] = detail::op_kernel(kOp, runtime, specs.route[i], stream);
   }
-  const CUkernel fc1_kernel = runtime.kernel(specs.fc1, stream);
-  const CUkernel fc2_kernel = runtime.kernel(specs.fc2, stream);
-  const CUkernel combine_kernel = runtime.kernel(specs.combine, stream);
+  const CUkernel fc1_kernel = detail::op_kernel(kOp, runtime, specs.fc1, stream);
+  const CUkernel fc2_kernel = detail::op_kernel(kOp, runtime, specs.fc2, stream);
+  const CUkernel combine_kernel = detail::op_kernel(kOp, runtime, specs.combine, stream);
   const int fc1_smem = static_cast<int>(detail::marlin_moe_smem_bytes(specs.fc1_params));
   const int fc2_smem = static_cast<int>(detail::marlin_moe_smem_bytes(specs.fc2_params));
   detail::ensure_dynamic_smem(kOp, specs.fc1, fc1_kernel, device.ordinal, fc1_smem);

@@ -59,6 +59,19 @@ std::string dims_text(const DLTensor& tensor) { return shape_text(tensor); }
 
 }  // namespace
 
+void rethrow_for_op(const char* op) {
+  const std::string prefix = std::string(op) + ": ";
+  try {
+    throw;
+  } catch (const CompileError& e) {
+    throw CompileError(prefix + e.what(), e.kernel(), e.options(), e.log(), e.source_path());
+  } catch (const DescriptorError& e) {
+    throw DescriptorError(prefix + e.what(), e.file(), e.line(), e.column(), e.pointer());
+  } catch (const Error& e) {
+    throw Error(e.code(), prefix + e.what());
+  }
+}
+
 CUfunction launch_function(CUkernel kernel, CUstream stream) {
   // Why: cuLaunchKernelEx given a CUkernel finds its function in the stream's context on every
   // launch, which cost 0.15-0.3 us a launch more than the function itself on the H200; with this

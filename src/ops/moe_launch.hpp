@@ -10,9 +10,28 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
+#include "runtime/runtime_impl.hpp"
 
 namespace moejit::detail {
+
+// Rethrows the moejit::Error being handled with "<op>: " in front of its message, as the op's own
+// argument errors have it, keeping its type and fields (a CompileError keeps its log). Call only
+// inside a catch block of moejit::Error.
+[[noreturn]] void rethrow_for_op(const char* op);
+
+// Runtime::kernel for an op: a kernel it can't have (a failed compile, a capture miss, a driver
+// refusal) is refused under the op's name ("moe_forward: kernel ... is not loaded in this process
+// yet, ..."), which the C ABI then gives its caller as the C call's.
+inline CUkernel op_kernel(const char* op, Runtime& runtime, const KernelSpec& spec,
+                          CUstream stream) {
+  try {
+    return runtime.kernel(spec, stream);
+  } catch (const Error&) {
+    rethrow_for_op(op);
+  }
+}
 
 struct LaunchShape {
   unsigned grid_x = 1;

@@ -114,7 +114,7 @@ void launch_repack(const char* op, RepackContext& context, bool gate_up, kern::m
   spec.arch = context.device.arch;
   spec.params = detail::moe_repack_params(gate_up);
   const MoeRepackParams& params = std::get<MoeRepackParams>(spec.params);
-  const CUkernel kernel = context.runtime.kernel(spec, stream);
+  const CUkernel kernel = detail::op_kernel(op, context.runtime, spec, stream);
   const uint64_t threads = static_cast<uint64_t>(p.num_experts) * static_cast<uint64_t>(p.m_atoms) *
                            static_cast<uint64_t>(p.k_atoms) * 32u;
   const uint64_t block = static_cast<uint64_t>(params.block_threads);

@@ -884,6 +884,7 @@ TEST_CASE("moe_forward: a kernel not built during capture is refused", "[gpu][mo
   if (graph != nullptr) cu().cuGraphDestroy(graph);
   INFO(message);
   CHECK(code == ErrorCode::kCaptureMiss);
+  CHECK_THAT(message, Catch::StartsWith("moe_forward: kernel "));
   // Nothing ran: the output is still the poison.
   CHECK(still_poisoned(io.output()));
 }

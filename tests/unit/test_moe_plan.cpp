@@ -29,6 +29,7 @@
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
 #include "moejit/version.hpp"
+#include "ops/moe_launch.hpp"
 #include "plan/moe_plan.hpp"
 #include "support/support.hpp"
 
@@ -1811,6 +1812,52 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
   CHECK(std::string(moejit_last_error()).empty());
   moejit_moe_destroy(moe);
   moejit_moe_destroy(nullptr);
+}
+
+// An op's kernel that can't be had (a failed compile, a capture miss) is refused under the op's
+// name, as its argument errors are, and keeps its type: a CompileError its log and options.
+TEST_CASE("ops: a kernel's error is given the op's name and keeps its type", "[plan][capi]") {
+  const auto rethrown = [](const auto& thrown) -> std::exception_ptr {
+    try {
+      try {
+        throw thrown;
+      } catch (const Error&) {
+        moejit::detail::rethrow_for_op("moe_forward");
+      }
+    } catch (...) {
+      return std::current_exception();
+    }
+    return nullptr;
+  };
+  try {
+    std::rethrow_exception(rethrown(moejit::CompileError("NVRTC refused kernel k", "k<e8>@sm_90a",
+                                                         {"-arch=sm_90a"}, "log text", "/t/k.cu")));
+  } catch (const moejit::CompileError& e) {
+    CHECK(std::string(e.what()) == "moe_forward: NVRTC refused kernel k");
+    CHECK(e.code() == moejit::ErrorCode::kCompileFailed);
+    CHECK(e.kernel() == "k<e8>@sm_90a");
+    CHECK(e.options() == std::vector<std::string>{"-arch=sm_90a"});
+    CHECK(e.log() == "log text");
+    CHECK(e.source_path() == "/t/k.cu");
+  } catch (...) {
+    FAIL("not a CompileError");
+  }
+  try {
+    std::rethrow_exception(
+        rethrown(Error(moejit::ErrorCode::kCaptureMiss, "kernel k is not loaded in this process")));
+  } catch (const moejit::CompileError&) {
+    FAIL("became a CompileError");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) == "moe_forward: kernel k is not loaded in this process");
+    CHECK(e.code() == moejit::ErrorCode::kCaptureMiss);
+  }
+  // Through the C ABI's guard, the C call's name replaces the op's.
+  const moejit_status status =
+      moejit::detail::capi_call({"moejit_moe_forward", "moe_forward"}, [&] {
+        std::rethrow_exception(rethrown(Error(moejit::ErrorCode::kCaptureMiss, "kernel k")));
+      });
+  CHECK(status == MOEJIT_ERROR_CAPTURE_MISS);
+  CHECK(std::string(moejit_last_error()) == "moejit_moe_forward: kernel k");
 }
 
 // The C ABI hands the C++ ops' messages on under the names its caller used: the call's name for
