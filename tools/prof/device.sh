@@ -21,8 +21,8 @@
 #       and moejit_bench_runtime: the closing tables of a session.
 #   tools/prof/device.sh ab "NAME1 NAME2 ..." SECTION [BENCH_ARGS...]
 #       moejit_bench_moe --section SECTION --gap-ms 5 for each build in turn, per seed in $SEEDS
-#       (default "1 2"), so builds alternate on the same machine state, in reverse order every
-#       other seed; BENCH_ARGS go to every run (e.g. --models qwen3-30b-a3b --tokens 256
+#       (default "1 2"), so builds alternate on the same machine state, the k-th seed starting
+#       at the k-th build; BENCH_ARGS go to every run (e.g. --models qwen3-30b-a3b --tokens 256
 #       --no-dense).
 #   tools/prof/device.sh sanitize NAME TOOL [TEST_SPEC LIMIT_S]
 #       compute-sanitizer's TOOL (memcheck, initcheck, synccheck or racecheck) over the GPU tests
@@ -202,12 +202,17 @@ cmd_ab() {
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || die "a prewarm failed (logs: $out/prewarm-*.txt)"; done
-  # Why the order turns every other seed: in one order the build that ran second was the slower
-  # on every cell (tools/PERF_LOG.md, sixty-third session), so a fixed order can pass for a change.
-  local forward=($names) reverse=() order turn=0 i
-  for ((i = ${#forward[@]} - 1; i >= 0; i--)); do reverse+=("${forward[i]}"); done
+  # Why the order turns with each seed: in one order the build that ran second was the slower on
+  # every cell (tools/PERF_LOG.md, sixty-third session), so a fixed order can pass for a change.
+  # The k-th seed starts at the k-th build (a rotation), so over as many seeds as builds each
+  # build runs once in each place.
+  local builds=($names) order turn=0 i
   for seed in ${SEEDS:-1 2}; do
-    if ((turn++ % 2 == 0)); then order=("${forward[@]}"); else order=("${reverse[@]}"); fi
+    order=()
+    for ((i = 0; i < ${#builds[@]}; i++)); do
+      order+=("${builds[(i + turn) % ${#builds[@]}]}")
+    done
+    turn=$((turn + 1))
     for name in "${order[@]}"; do
       local log=$out/$section-$name-$seed.txt
       (device_env "$name" &&
