@@ -78,15 +78,23 @@ std::string moejit::detail::capi_message(const char* message, CapiNames names) {
     if (text.compare(0, prefix.size(), prefix) == 0)
       text.replace(0, prefix.size() - 2, names.c_call);
   }
+  // A letter, digit or one of "_.-/" next to a path makes it part of a longer word: a shape
+  // name, a file path, another field.
+  const auto joins = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == '.' || c == '-' ||
+           c == '/';
+  };
   for (const CapiRename* r = names.renames; r != nullptr && r->cxx != nullptr; ++r) {
     const std::string cxx = r->cxx;
     const std::string c = r->c;
+    if (cxx.empty()) continue;
     for (std::size_t at = text.find(cxx); at != std::string::npos; at = text.find(cxx, at)) {
-      const char before = at > 0 ? text[at - 1] : ' ';
-      const bool starts_word =
-          std::isalnum(static_cast<unsigned char>(before)) == 0 && before != '_' && before != '.';
-      if (!starts_word) {
-        at += cxx.size();
+      const std::size_t end = at + cxx.size();
+      const bool whole = (at == 0 || !joins(text[at - 1])) &&
+                         (end == text.size() || !joins(text[end]) ||
+                          (text[end] == '.' && (end + 1 == text.size() || !joins(text[end + 1]))));
+      if (!whole) {
+        at = end;
         continue;
       }
       text.replace(at, cxx.size(), c);

@@ -47,8 +47,17 @@ using moejit::detail::CapiRename;
 // The C++ argument paths of the forward and repack ops as their C callers spell them:
 // moejit_moe_weights comes by pointer, and the repack target's first expert and counter are
 // arguments of their own.
-constexpr CapiRename kForwardRenames[] = {{"weights.", "weights->"}, {nullptr, nullptr}};
-constexpr CapiRename kRepackRenames[] = {{"target.weights.", "target->"},
+constexpr CapiRename kForwardRenames[] = {{"weights.w13", "weights->w13"},
+                                          {"weights.w13_scales", "weights->w13_scales"},
+                                          {"weights.w2", "weights->w2"},
+                                          {"weights.w2_scales", "weights->w2_scales"},
+                                          {"weights.b13", "weights->b13"},
+                                          {"weights.b2", "weights->b2"},
+                                          {nullptr, nullptr}};
+constexpr CapiRename kRepackRenames[] = {{"target.weights.w13", "target->w13"},
+                                         {"target.weights.w13_scales", "target->w13_scales"},
+                                         {"target.weights.w2", "target->w2"},
+                                         {"target.weights.w2_scales", "target->w2_scales"},
                                          {"target.first_expert", "first_expert"},
                                          {"target.bad_scale_count", "bad_scale_count"},
                                          {nullptr, nullptr}};

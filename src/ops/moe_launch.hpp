@@ -21,6 +21,16 @@ namespace moejit::detail {
 // inside a catch block of moejit::Error.
 [[noreturn]] void rethrow_for_op(const char* op);
 
+// Runtime::current_device for an op: no usable context (or no driver) is refused under the op's
+// name, as op_kernel's errors are.
+inline CurrentDevice op_device(const char* op, Runtime& runtime) {
+  try {
+    return runtime.current_device();
+  } catch (const Error&) {
+    rethrow_for_op(op);
+  }
+}
+
 // Runtime::kernel for an op: a kernel it can't have (a failed compile, a capture miss, a driver
 // refusal) is refused under the op's name ("moe_forward: kernel ... is not loaded in this process
 // yet, ..."), which the C ABI then gives its caller as the C call's.

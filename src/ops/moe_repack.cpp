@@ -53,7 +53,7 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
   const std::string reason = detail::moe_shape_problem(shape);
   if (!reason.empty()) throw Error(ErrorCode::kInvalidDescriptor, std::string(op) + ": " + reason);
   detail::Runtime& runtime = detail::Runtime::instance();
-  RepackContext context{runtime, runtime.current_device(), detail::moe_weight_sizes(shape)};
+  RepackContext context{runtime, detail::op_device(op, runtime), detail::moe_weight_sizes(shape)};
   // Why 16 and 4: each thread writes its lane's 16 weight bytes with one store, and lanes 4g
   // write four scale bytes with one 32-bit store.
   detail::check_device_pointer(op, "target.weights.w13", target.weights.w13, 16);

@@ -16,6 +16,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_set>
 #include <variant>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "moejit/kernel_spec.hpp"
 #include "moejit/moe.hpp"
 #include "moejit/moejit.h"
+#include "moejit/ops.hpp"
 #include "moejit/runtime.hpp"
 #include "moejit/shape.hpp"
 #include "moejit/version.hpp"
@@ -1860,16 +1862,46 @@ TEST_CASE("ops: a kernel's error is given the op's name and keeps its type", "[p
   CHECK(std::string(moejit_last_error()) == "moejit_moe_forward: kernel k");
 }
 
+// The first thing an op asks the runtime, the calling thread's device, fails under the op's name
+// too: here in a thread of its own, where no context is current (with no driver at all, the same
+// error code).
+TEST_CASE("ops: no current context is refused under the op's name", "[plan][capi]") {
+  std::string message;
+  moejit::ErrorCode code = moejit::ErrorCode::kInternal;
+  std::string c_message;
+  moejit_status c_status = MOEJIT_OK;
+  std::thread([&] {
+    try {
+      moejit::append_shared(moejit::AppendSharedArgs{}, nullptr);
+    } catch (const Error& e) {
+      code = e.code();
+      message = e.what();
+    }
+    c_status = moejit_append_shared(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.f,
+                                    MOEJIT_SHARED_SIGMOID, nullptr);
+    c_message = moejit_last_error();
+  }).join();
+  INFO(message);
+  CHECK(code == moejit::ErrorCode::kDriver);
+  CHECK_THAT(message, Catch::StartsWith("append_shared: "));
+  INFO(c_message);
+  CHECK(c_status == MOEJIT_ERROR_DRIVER);
+  CHECK_THAT(c_message, Catch::StartsWith("moejit_append_shared: "));
+}
+
 // The C ABI hands the C++ ops' messages on under the names its caller used: the call's name for
-// the op's, and each C++ argument path in its C spelling where it starts a word, so that
-// "topk_weights." or "target.weights." never match "weights.".
+// the op's, and each C++ argument path in its C spelling where it stands as a whole word, so
+// that "topk_weights.", a longer field, a shape name or a file path that holds one stays.
 TEST_CASE("moe C ABI: messages name the C call and its arguments, not the C++ ones",
           "[plan][capi]") {
   using moejit::detail::CapiNames;
   using moejit::detail::CapiRename;
-  constexpr CapiRename kRenames[] = {{"target.weights.", "target->"},
+  constexpr CapiRename kRenames[] = {{"target.weights.w13", "target->w13"},
+                                     {"target.weights.w2_scales", "target->w2_scales"},
                                      {"target.first_expert", "first_expert"},
-                                     {"weights.", "weights->"},
+                                     {"weights.w2", "weights->w2"},
+                                     {"weights.b13", "weights->b13"},
+                                     {"", "never"},
                                      {nullptr, nullptr}};
   const CapiNames names{"moejit_moe_repack_gpt_oss", "moe_repack_gpt_oss", kRenames};
   const auto message = [&](const char* text) { return moejit::detail::capi_message(text, names); };
@@ -1879,10 +1911,14 @@ TEST_CASE("moe C ABI: messages name the C call and its arguments, not the C++ on
                 "target.weights.w2_scales; target.first_expert = -1") ==
         "moejit_moe_repack_gpt_oss: w13_blocks: expected a buffer that shares no byte with "
         "target->w2_scales; first_expert = -1");
-  // Paths inside longer names stay; a path at the start or after punctuation is renamed.
-  CHECK(message("x: topk_weights.dtype, my_weights.w2, a.weights.w2, (weights.b13)") ==
-        "x: topk_weights.dtype, my_weights.w2, a.weights.w2, (weights->b13)");
-  CHECK(message("weights.w2 then weights.w2") == "weights->w2 then weights->w2");
+  // Paths inside longer words stay; a whole one is renamed, at a sentence's end too.
+  CHECK(message("x: topk_weights.w2, my_weights.w2, a.weights.w2, weights.w2_scales, "
+                "weights.w2x, (weights.b13)") ==
+        "x: topk_weights.w2, my_weights.w2, a.weights.w2, weights.w2_scales, weights.w2x, "
+        "(weights->b13)");
+  CHECK(message("weights.w2 then weights.w2.") == "weights->w2 then weights->w2.");
+  CHECK(message("shape \"weights.w2.v1\" and /data/weights.w2/cache and weights.w2-old") ==
+        "shape \"weights.w2.v1\" and /data/weights.w2/cache and weights.w2-old");
   // Another op's message keeps its name; no renames: the message as thrown.
   CHECK(message("moe_forward: weights.w2: x") == "moe_forward: weights->w2: x");
   CHECK(moejit::detail::capi_message("moe_forward: weights.w2: x", {}) ==
@@ -1891,9 +1927,9 @@ TEST_CASE("moe C ABI: messages name the C call and its arguments, not the C++ on
   // Through the guard, as every C call records it.
   const moejit_status status = moejit::detail::capi_call(names, [] {
     throw Error(moejit::ErrorCode::kInvalidArgument,
-                "moe_repack_gpt_oss: target.weights.w13_scales: expected 4-byte alignment");
+                "moe_repack_gpt_oss: target.weights.w2_scales: expected 4-byte alignment");
   });
   CHECK(status == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(std::string(moejit_last_error()) ==
-        "moejit_moe_repack_gpt_oss: target->w13_scales: expected 4-byte alignment");
+        "moejit_moe_repack_gpt_oss: target->w2_scales: expected 4-byte alignment");
 }
