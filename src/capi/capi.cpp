@@ -79,10 +79,11 @@ std::string moejit::detail::capi_message(const char* message, CapiNames names) {
       text.replace(0, prefix.size() - 2, names.c_call);
   }
   // A letter, digit or one of "_.-/" next to a path makes it part of a longer word: a shape
-  // name, a file path, another field.
+  // name, a file path, another field; a quote, part of a quoted name (argument paths are never
+  // quoted).
   const auto joins = [](char c) {
     return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == '.' || c == '-' ||
-           c == '/';
+           c == '/' || c == '"' || c == '\'';
   };
   for (const CapiRename* r = names.renames; r != nullptr && r->cxx != nullptr; ++r) {
     const std::string cxx = r->cxx;

@@ -21,8 +21,8 @@ struct CapiRename {
 // name ("moe_forward: hidden: ...") is given to the C caller under the name it called
 // ("moejit_moe_forward: hidden: ..."). Either may be null: no renaming. `renames`, if not null,
 // ends with {nullptr, nullptr}; each path that stands as a whole word in the message (no letter,
-// digit or one of "_.-/" next to it on either side, a '.' that ends a sentence aside) is replaced
-// by its C spelling, so a shape name or a file path that holds one stays as it is.
+// digit, quote or one of "_.-/" next to it on either side, a '.' that ends a sentence aside) is
+// replaced by its C spelling, so a shape name or a file path that holds one stays as it is.
 struct CapiNames {
   const char* c_call = nullptr;
   const char* cxx_op = nullptr;

@@ -1919,6 +1919,8 @@ TEST_CASE("moe C ABI: messages name the C call and its arguments, not the C++ on
   CHECK(message("weights.w2 then weights.w2.") == "weights->w2 then weights->w2.");
   CHECK(message("shape \"weights.w2.v1\" and /data/weights.w2/cache and weights.w2-old") ==
         "shape \"weights.w2.v1\" and /data/weights.w2/cache and weights.w2-old");
+  CHECK(message("shape \"weights.w2\" or 'weights.b13'") ==
+        "shape \"weights.w2\" or 'weights.b13'");
   // Another op's message keeps its name; no renames: the message as thrown.
   CHECK(message("moe_forward: weights.w2: x") == "moe_forward: weights->w2: x");
   CHECK(moejit::detail::capi_message("moe_forward: weights.w2: x", {}) ==
