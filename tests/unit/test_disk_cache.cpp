@@ -532,6 +532,21 @@ TEST_CASE("a cache dir that can't be created or written degrades, never throws",
     CHECK(cache.effective_mode() == CacheMode::kMemoryOnly);
     CHECK_FALSE(cache.store(make_entry(key, 100, 1)));
   }
+  SECTION("the version directory is a regular file (even root can't create it)") {
+    const std::string dir = tmp.path() + "/cache";
+    REQUIRE(::mkdir(dir.c_str(), 0700) == 0);
+    write_file(dir + "/v" + std::to_string(moejit::kCacheSchemaVersion), "not a directory");
+    moejit::test::WarningCapture warnings;
+    DiskCache cache(dir, CacheMode::kReadWrite);
+    CHECK(cache.effective_mode() == CacheMode::kReadOnly);
+    // A write failure points at the mode for caches meant to be read-only, in the warning only:
+    // prewarm, gc and doctor quote mode_reason() where they need to write.
+    INFO(warnings.all());
+    CHECK(warnings.warned(
+        {"cannot create", "MOEJIT_CACHE_MODE=ro", "read-only instead of read-write", "not kept"}));
+    CHECK(cache.mode_reason().find("MOEJIT_CACHE_MODE") == std::string::npos);
+    CHECK_FALSE(cache.store(make_entry(key, 100, 1)));
+  }
   SECTION("a read-only directory (chmod 0500)") {
     if (running_as_root()) {
       print_skip("chmod 0500 cache dir", "running as root, which ignores directory permissions");
