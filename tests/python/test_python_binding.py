@@ -340,6 +340,41 @@ class CpuTests(unittest.TestCase):
                 layer.workspace_bytes(1)
             self.assertIn("is closed", str(e.exception))
 
+    def test_a_call_in_flight_keeps_a_closed_layers_handle(self):
+        # A call holds its arguments until it returns, so the handle it was passed is destroyed
+        # after the call, never under it: here the "call" is a reference held the same way.
+        destroyed = []
+        destroy = moejit._lib.moejit_moe_destroy
+        moejit._lib.moejit_moe_destroy = lambda handle: (destroyed.append(handle.value),
+                                                         destroy(handle))
+        self.addCleanup(setattr, moejit._lib, "moejit_moe_destroy", destroy)
+        layer = moejit.MoeLayer("py-tiny")
+        in_flight = layer._live()
+        layer.close()
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.workspace_bytes(1)
+        self.assertIn("is closed", str(e.exception))
+        self.assertEqual(destroyed, [])
+        out = ctypes.c_size_t()
+        self.assertEqual(moejit._lib.moejit_moe_workspace_bytes(in_flight, 1, ctypes.byref(out)),
+                         0)  # the library still serves the handle
+        self.assertGreater(out.value, 0)
+        address = in_flight.value
+        del in_flight
+        self.assertEqual(destroyed, [address])
+        # Closed with nothing in flight (or collected), the handle goes at once, and once.
+        layer = moejit.MoeLayer("py-tiny")
+        address = layer._live().value
+        layer.close()
+        layer.close()
+        self.assertEqual(len(destroyed), 2)
+        self.assertEqual(destroyed[-1], address)
+        layer = moejit.MoeLayer("py-tiny")
+        address = layer._live().value
+        del layer
+        self.assertEqual(destroyed[-1], address)
+        self.assertEqual(len(destroyed), 3)
+
     def test_library_errors_reach_python_with_the_c_names(self):
         layer = moejit.MoeLayer("py-tiny")
         hidden = FakeTensor([1, 512], BF16)
