@@ -140,26 +140,6 @@ std::string stream_text(CUstream stream) {
   return os.str();
 }
 
-// Whether `stream` (or, for the legacy default stream, any stream in global mode) is capturing,
-// asked on `spec`'s first request in this process. A failure names the kernel and the stream: it
-// is the first driver call that sees the caller's stream.
-bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream stream) {
-  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  const CUresult result = api.cuStreamIsCapturing(stream, &status);
-  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
-  if (result != CUDA_SUCCESS) {
-    std::string message = "kernel " + spec.display_name() + ": asking whether stream " +
-                          stream_text(stream) +
-                          " is capturing (cuStreamIsCapturing) failed: " + describe(result);
-    if (result == CUDA_ERROR_INVALID_HANDLE || result == CUDA_ERROR_INVALID_VALUE ||
-        result == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
-      message += ". Pass a live stream (or 0, the current context's default stream)";
-    }
-    throw Error(ErrorCode::kDriver, message);
-  }
-  return status != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 [[noreturn]] void throw_no_context(const DriverApi& api, CUresult result) {
   CUcontext context = nullptr;
   const bool no_context = result == CUDA_ERROR_INVALID_CONTEXT ||
@@ -185,6 +165,23 @@ Arch decode_arch(int code) {
 }
 
 }  // namespace
+
+bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUresult result = api.cuStreamIsCapturing(stream, &status);
+  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+  if (result != CUDA_SUCCESS) {
+    std::string message = "kernel " + spec.display_name() + ": asking whether stream " +
+                          stream_text(stream) +
+                          " is capturing (cuStreamIsCapturing) failed: " + describe(result);
+    if (result == CUDA_ERROR_INVALID_HANDLE || result == CUDA_ERROR_INVALID_VALUE ||
+        result == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
+      message += ". Pass a live stream (or 0, the current context's default stream)";
+    }
+    throw Error(ErrorCode::kDriver, message);
+  }
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
 
 KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch, bool line_info) {
   KeyInputs inputs;

@@ -18,6 +18,7 @@
 #include "cache/key.hpp"
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
+#include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
 #include "moejit/runtime.hpp"
@@ -37,6 +38,12 @@ struct CurrentDevice {
 // The key inputs of a rendered kernel: what Runtime::cache_key hashes. `line_info`: the
 // configuration's (RuntimeConfig::line_info), which the compile options carry.
 KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch, bool line_info = false);
+
+// Whether `stream` (or, for the legacy default stream, any stream in global mode) is capturing,
+// asked through `api` on `spec`'s first request in this process. A failure throws Error{kDriver}
+// naming the kernel and the stream (this is the first driver call that sees the caller's
+// stream), with what to pass instead where the driver says the stream is not usable.
+bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream stream);
 
 class Runtime {
  public:

@@ -1,14 +1,23 @@
-// The driver facts computed from device attributes, against a driver table whose attribute query
-// is a test function (no GPU, no libcuda).
+// The driver facts computed from device attributes, and the runtime's capture query on a
+// caller's stream, against a driver table whose functions are test functions (no GPU, no
+// libcuda).
 #include <catch2/catch.hpp>
+#include <cstdint>
 #include <limits>
+#include <string>
 
 #include "driver/driver.hpp"
+#include "moejit/error.hpp"
+#include "moejit/kernel_spec.hpp"
+#include "runtime/runtime_impl.hpp"
 
 namespace {
 
+using moejit::Error;
+using moejit::ErrorCode;
 using moejit::detail::DriverApi;
 using moejit::detail::peak_dram_bytes_per_second;
+using moejit::detail::stream_capturing;
 
 // What the fake query answers, by attribute; a negative value fails the query.
 int g_clock_khz = 0;
@@ -23,7 +32,89 @@ CUresult fake_attribute(int* value, CUdevice_attribute attribute, CUdevice) {
   return CUDA_SUCCESS;
 }
 
+// What the fake capture query answers, and the stream it was asked about.
+CUresult g_capture_result = CUDA_SUCCESS;
+CUstreamCaptureStatus g_capture_status = CU_STREAM_CAPTURE_STATUS_NONE;
+CUstream g_asked = nullptr;
+
+CUresult fake_is_capturing(CUstream stream, CUstreamCaptureStatus* status) {
+  g_asked = stream;
+  if (g_capture_result == CUDA_SUCCESS) *status = g_capture_status;
+  return g_capture_result;
+}
+
+moejit::KernelSpec append_shared_spec() {
+  moejit::KernelSpec spec;
+  spec.family = moejit::Family::kAppendShared;
+  spec.arch = moejit::Arch::parse("sm_90a");
+  moejit::AppendSharedParams p;
+  p.top_k = 8;
+  p.num_shared = 1;
+  p.id_dtype = moejit::DType::kI32;
+  p.gate = moejit::SharedGate::kSigmoid;
+  p.logit_dtype = moejit::DType::kBF16;
+  p.block_threads = 128;
+  spec.params = p;
+  return spec;
+}
+
+// The message stream_capturing throws for the fake's answer (empty when it throws none).
+std::string capture_error(const DriverApi& api, const moejit::KernelSpec& spec, CUstream stream) {
+  try {
+    stream_capturing(api, spec, stream);
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kDriver);
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
+
+TEST_CASE("driver: the capture query on the caller's stream, its answers and its refusals",
+          "[driver]") {
+  DriverApi api;
+  api.cuStreamIsCapturing = &fake_is_capturing;
+  const moejit::KernelSpec spec = append_shared_spec();
+  CUstream stream = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(0x7f00d00d));
+
+  // Asked about the caller's stream itself; every status but NONE is a capture (an invalidated
+  // capture too: nothing may load into it either).
+  g_capture_result = CUDA_SUCCESS;
+  for (CUstreamCaptureStatus status :
+       {CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_CAPTURE_STATUS_ACTIVE,
+        CU_STREAM_CAPTURE_STATUS_INVALIDATED}) {
+    g_capture_status = status;
+    g_asked = nullptr;
+    CHECK(stream_capturing(api, spec, stream) == (status != CU_STREAM_CAPTURE_STATUS_NONE));
+    CHECK(g_asked == stream);
+  }
+  // The legacy stream while another stream captures in global mode: the driver's refusal is
+  // the answer (a capture), not an error.
+  g_capture_result = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+  CHECK(stream_capturing(api, spec, nullptr));
+
+  // A stream the driver can't use: the error names the kernel, the stream, the query and what to
+  // pass instead.
+  for (CUresult refused :
+       {CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_CONTEXT_IS_DESTROYED}) {
+    g_capture_result = refused;
+    const std::string message = capture_error(api, spec, stream);
+    INFO(message);
+    CHECK(message.rfind("kernel " + spec.display_name() +
+                            ": asking whether stream 0x7f00d00d "
+                            "is capturing (cuStreamIsCapturing) failed: ",
+                        0) == 0);
+    CHECK(message.find("Pass a live stream (or 0, the current context's default stream)") !=
+          std::string::npos);
+  }
+  // Any other failure (a sticky error from an earlier launch) is named without that advice.
+  g_capture_result = CUDA_ERROR_LAUNCH_FAILED;
+  const std::string message = capture_error(api, spec, stream);
+  INFO(message);
+  CHECK(message.find("(cuStreamIsCapturing) failed: ") != std::string::npos);
+  CHECK(message.find("Pass a live stream") == std::string::npos);
+}
 
 TEST_CASE("driver: the peak DRAM rate is twice the memory clock times the bus width", "[driver]") {
   DriverApi api;
