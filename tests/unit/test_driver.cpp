@@ -9,6 +9,7 @@
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
+#include "ops/append_shared_spec.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace {
@@ -47,14 +48,8 @@ moejit::KernelSpec append_shared_spec() {
   moejit::KernelSpec spec;
   spec.family = moejit::Family::kAppendShared;
   spec.arch = moejit::Arch::parse("sm_90a");
-  moejit::AppendSharedParams p;
-  p.top_k = 8;
-  p.num_shared = 1;
-  p.id_dtype = moejit::DType::kI32;
-  p.gate = moejit::SharedGate::kSigmoid;
-  p.logit_dtype = moejit::DType::kBF16;
-  p.block_threads = 128;
-  spec.params = p;
+  spec.params = moejit::detail::append_shared_params(
+      8, 1, moejit::DType::kI32, moejit::SharedGate::kSigmoid, moejit::DType::kBF16);
   return spec;
 }
 
