@@ -282,7 +282,12 @@ class _Borrowed:
         try:
             self.capsule = export(stream=-1)
         except (TypeError, ValueError, RuntimeError, BufferError):
-            self.capsule = export()
+            try:
+                self.capsule = export()
+            except (TypeError, ValueError, RuntimeError, BufferError) as e:
+                # e.g. torch's refusal of a sparse tensor, which does not say which argument
+                raise InvalidArgument("{}: a {} that DLPack can't export: {}".format(
+                    name, type(obj).__name__, e)) from e
         # A DLManagedTensor starts with its DLTensor.
         self.address = _capsule_pointer(self.capsule, _DLTENSOR)
 
@@ -385,16 +390,28 @@ class _Slot:
 
 
 class _CallSlots(threading.local):
-    """One call site's slots, a set per thread, so concurrent calls never share a DLTensor."""
+    """One call site's slot sets, per thread, so concurrent calls never share a DLTensor. A call
+    pops a set from `free` (or makes one, new(), where none is free) and appends it back when it
+    returns. Why not one set a thread: between its fills a call runs user code (a tensor's
+    __dlpack__, a stream's __cuda_stream__, an int's __int__), and a call made from there on the
+    same thread would refill the outer call's slots with its own tensors. (The pop and append
+    cost ~0.03 us a call on the Debian machine.)"""
 
     def __init__(self, count):
-        self.slots = tuple(_Slot() for _ in range(count))
+        self.count = count
+        self.free = [self.new()]
+
+    def new(self):
+        return tuple(_Slot() for _ in range(self.count))
 
 
 def _dltensor(slot, obj, name, kept):
     """The address of a DLTensor describing obj for the length of the call: slot, refilled, or
     obj's own DLPack export, appended to kept (the caller holds kept until the call returns)."""
-    address = slot.fill(obj)
+    try:
+        address = slot.fill(obj)
+    except RuntimeError:  # a tensor without strides or storage (sparse, ...): DLPack says why
+        address = None
     if address is None:
         borrowed = _Borrowed(obj, name)
         kept.append(borrowed)
@@ -408,11 +425,16 @@ def _device_buffer(obj, name, expected_bytes=0):
     accessors, anything else through DLPack (keep-alive: the borrow, held until the call returns).
     The device index is for _check_device: a buffer reaches the library as an address alone."""
     if _plain_torch(obj) is not None and obj.is_cuda:
-        if not obj.is_contiguous():
-            raise _not_contiguous(name, obj.stride())
-        nbytes = obj.nbytes
-        _check_buffer_bytes(name, nbytes, expected_bytes)
-        return obj.data_ptr(), nbytes, None, obj.get_device()
+        try:
+            contiguous, address = obj.is_contiguous(), obj.data_ptr()
+        except RuntimeError:  # a tensor without strides or storage (sparse, ...): DLPack says why
+            contiguous = None
+        if contiguous is not None:
+            if not contiguous:
+                raise _not_contiguous(name, obj.stride())
+            nbytes = obj.nbytes
+            _check_buffer_bytes(name, nbytes, expected_bytes)
+            return address, nbytes, None, obj.get_device()
     borrowed = _Borrowed(obj, name)
     address, nbytes = borrowed.device_buffer(expected_bytes)
     return address, nbytes, borrowed, borrowed.tensor.device.device_id
@@ -432,6 +454,8 @@ def _tensor_device(obj, address):
     if _plain_torch(obj) is not None:
         device = obj.get_device()  # -1 in host memory
         return device if device >= 0 else None
+    if address is None:  # no tensor: the library refuses the null pointer, naming it
+        return None
     device = DLTensor.from_address(address).device
     return device.device_id if device.device_type == _KDL_CUDA else None
 
@@ -532,14 +556,18 @@ def append_shared(topk_ids, topk_weights, shared_logits, out_ids, out_weights, s
     ("given"). See moejit::append_shared."""
     if gate not in _GATES:
         raise InvalidArgument("gate: expected one of {}, found {!r}".format(sorted(_GATES), gate))
-    slots, kept = _append_slots.slots, []
-    _check(_lib.moejit_append_shared(_dltensor(slots[0], topk_ids, "topk_ids", kept),
-                                     _dltensor(slots[1], topk_weights, "topk_weights", kept),
-                                     _dltensor(slots[2], shared_logits, "shared_logits", kept),
-                                     _dltensor(slots[3], out_ids, "out_ids", kept),
-                                     _dltensor(slots[4], out_weights, "out_weights", kept),
-                                     _c_int("shared_base", shared_base, 64), float(scale),
-                                     _GATES[gate], _stream_handle(stream)))
+    free = _append_slots.free  # this thread's (see _CallSlots)
+    slots, kept = free.pop() if free else _append_slots.new(), []
+    try:
+        _check(_lib.moejit_append_shared(_dltensor(slots[0], topk_ids, "topk_ids", kept),
+                                         _dltensor(slots[1], topk_weights, "topk_weights", kept),
+                                         _dltensor(slots[2], shared_logits, "shared_logits", kept),
+                                         _dltensor(slots[3], out_ids, "out_ids", kept),
+                                         _dltensor(slots[4], out_weights, "out_weights", kept),
+                                         _c_int("shared_base", shared_base, 64), float(scale),
+                                         _GATES[gate], _stream_handle(stream)))
+    finally:
+        free.append(slots)
 
 
 class BoundWeights:
@@ -551,6 +579,12 @@ class BoundWeights:
         self.struct = struct
         self.device = device  # the buffers' CUDA device index
         self._tensors = tensors
+
+    # Why: a copy in another process (pickle, multiprocessing) would carry this process's device
+    # addresses into forwards there.
+    def __reduce_ex__(self, protocol):
+        raise TypeError("BoundWeights can't be pickled: it holds this process's device addresses; "
+                        "bind the weights in each process (MoeLayer.bind_weights)")
 
 
 _forward_slots = _CallSlots(4)
@@ -570,6 +604,11 @@ class _Handle(ctypes.c_void_p):
         # _lib is None at interpreter exit, after the module's globals went.
         if self.value and _lib is not None:
             _lib.moejit_moe_destroy(self)
+
+    # Why: ctypes copies and pickles a c_void_p by value, and two _Handles of one address would
+    # each destroy it (in another process, an address that means nothing there).
+    def __reduce__(self):
+        raise TypeError("a MoeLayer's library handle can't be copied or pickled")
 
 
 class MoeLayer:
@@ -602,6 +641,10 @@ class MoeLayer:
 
     def __deepcopy__(self, memo):
         raise TypeError("MoeLayer can't be copied: it owns a library handle; share the object")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("MoeLayer can't be pickled: its library handle belongs to this process; "
+                        "create a MoeLayer in each process")
 
     def __enter__(self):
         return self
@@ -740,18 +783,20 @@ class MoeLayer:
             raise InvalidArgument("workspace: expected a uint8 CUDA tensor of at least "
                                   "workspace_bytes(T) bytes, found None")
         address, size, space, workspace_device = _device_buffer(workspace, "workspace")
-        slots, kept = _forward_slots.slots, []
-        hidden_address = _dltensor(slots[0], hidden, "hidden", kept)
-        # The library checks each tensor's device; the buffers reach it as addresses alone.
-        device = _tensor_device(hidden, hidden_address)
-        if device is not None:
-            _check_device("workspace", workspace_device, device, "hidden")
-            if weights_device is not None:
-                _check_device("weights", weights_device, device, "hidden")
-        _check(_lib.moejit_moe_forward_ex(self._live(), hidden_address,
-                                          _dltensor(slots[1], topk_ids, "topk_ids", kept),
-                                          _dltensor(slots[2], topk_weights, "topk_weights", kept),
-                                          ctypes.byref(struct), address, size,
-                                          _dltensor(slots[3], out, "out", kept), _PATHS[path],
-                                          _c_int("decode_block_n", decode_block_n),
-                                          _stream_handle(stream)))
+        free = _forward_slots.free  # this thread's (see _CallSlots)
+        slots, kept = free.pop() if free else _forward_slots.new(), []
+        try:
+            hidden_address = _dltensor(slots[0], hidden, "hidden", kept)
+            # The library checks each tensor's device; the buffers reach it as addresses alone.
+            device = _tensor_device(hidden, hidden_address)
+            if device is not None:
+                _check_device("workspace", workspace_device, device, "hidden")
+                if weights_device is not None:
+                    _check_device("weights", weights_device, device, "hidden")
+            _check(_lib.moejit_moe_forward_ex(
+                self._live(), hidden_address, _dltensor(slots[1], topk_ids, "topk_ids", kept),
+                _dltensor(slots[2], topk_weights, "topk_weights", kept), ctypes.byref(struct),
+                address, size, _dltensor(slots[3], out, "out", kept), _PATHS[path],
+                _c_int("decode_block_n", decode_block_n), _stream_handle(stream)))
+        finally:
+            free.append(slots)

@@ -375,6 +375,58 @@ class CpuTests(unittest.TestCase):
         self.assertEqual(destroyed[-1], address)
         self.assertEqual(len(destroyed), 3)
 
+    def test_a_layer_and_its_bound_weights_are_never_pickled(self):
+        import copy
+        import pickle
+        layer = moejit.MoeLayer("py-tiny")
+        # A pickled handle would be destroyed by each copy, in another process an address that
+        # means nothing there; bound weights would carry this process's device addresses.
+        with self.assertRaises(TypeError) as e:
+            pickle.dumps(layer)
+        self.assertIn("create a MoeLayer in each process", str(e.exception))
+        for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+            with self.assertRaises(TypeError) as e:
+                duplicate(layer._live())
+            self.assertIn("handle can't be copied or pickled", str(e.exception))
+        bound = moejit.BoundWeights("py-tiny", moejit._Weights(), [], 0)
+        with self.assertRaises(TypeError) as e:
+            pickle.dumps(bound)
+        self.assertIn("bind the weights in each process", str(e.exception))
+
+    def test_what_dlpack_refuses_and_a_missing_tensor_are_named(self):
+        layer = moejit.MoeLayer("py-tiny")
+        ids = FakeTensor([1, 2], INT32)
+        topk = FakeTensor([1, 2], (2, 32))
+        out = FakeTensor([1, 512], BF16)
+        space = FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000)
+
+        class Refused(FakeTensor):
+            def __dlpack__(self, stream=None):
+                raise RuntimeError("this layout has no strides")
+
+        for position, name in enumerate(("hidden", "topk_ids", "topk_weights", "out")):
+            args = [FakeTensor([1, 512], BF16), ids, topk, out]
+            args[position] = Refused([1, 2])
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(args[0], args[1], args[2], self._weights(layer), space, args[3])
+            self.assertEqual(str(e.exception), "{}: a Refused that DLPack can't export: this "
+                             "layout has no strides".format(name))
+            self.assertIsInstance(e.exception.__cause__, RuntimeError)
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.forward(FakeTensor([1, 512], BF16), ids, topk,
+                          self._weights(layer, w13=Refused([1])), space, out)
+        self.assertIn("weights['w13']: a Refused that DLPack can't export", str(e.exception))
+        # No hidden at all reaches the library (before, a ctypes TypeError that named nothing):
+        # with a current context it refuses the null pointer by name, else the missing context.
+        if _context_current():
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(None, ids, topk, self._weights(layer), space, out)
+            self.assertIn("moejit_moe_forward_ex: hidden", str(e.exception))
+            self.assertIn("a null DLTensor pointer", str(e.exception))
+        else:
+            with self.assertRaises(moejit.DriverError):
+                layer.forward(None, ids, topk, self._weights(layer), space, out)
+
     def test_library_errors_reach_python_with_the_c_names(self):
         layer = moejit.MoeLayer("py-tiny")
         hidden = FakeTensor([1, 512], BF16)
@@ -474,10 +526,12 @@ class TorchFillTests(unittest.TestCase):
         }
         for what, obj in leaves.items():
             self.assertIsNone(slot.fill(obj), what)
-        # What DLPack refuses reaches the caller with torch's own message.
+        # What DLPack refuses reaches the caller by the argument's name, with torch's message.
         kept = []
-        with self.assertRaises((RuntimeError, BufferError)) as e:
+        with self.assertRaises(moejit.InvalidArgument) as e:
             moejit._dltensor(slot, leaves["a tensor that requires grad"], "hidden", kept)
+        self.assertTrue(str(e.exception).startswith("hidden: a Tensor that DLPack can't export: "),
+                        str(e.exception))
         self.assertIn("grad", str(e.exception))
         # What it accepts is borrowed and kept for the call.
         address = moejit._dltensor(slot, leaves["a subclass"], "hidden", kept)
@@ -489,13 +543,55 @@ class TorchFillTests(unittest.TestCase):
     def test_each_thread_fills_its_own_tensors(self):
         import threading
         seen = []
-        worker = threading.Thread(target=lambda: seen.append(moejit._forward_slots.slots))
+        worker = threading.Thread(target=lambda: seen.append(moejit._forward_slots.free[0]))
         worker.start()
         worker.join()
-        mine = moejit._forward_slots.slots
+        mine = moejit._forward_slots.free[0]
         self.assertEqual(len(mine), 4)
         self.assertEqual(len(seen), 1)
         self.assertTrue(all(a.address != b.address for a in mine for b in seen[0]))
+
+    def test_a_call_made_inside_another_on_its_thread_keeps_each_ones_tensors(self):
+        # The binding runs user code between its fills (here decode_block_n's __int__; a stream's
+        # __cuda_stream__ or a tensor's __dlpack__ could do the same), and a forward called from
+        # there must not refill the slots the outer call has filled. The library's entry point is
+        # replaced by a recorder of what each call's DLTensors say when it is made.
+        torch = _torch_or_skip(self)
+        _register_once()
+        layer = moejit.MoeLayer("py-tiny")
+        weights = {name: FakeTensor([n], device=CUDA, address=0x10000)
+                   for name, n in layer.weight_bytes.items() if n}
+        space = FakeTensor([layer.workspace_bytes(8)], device=CUDA, address=0x20000)
+        seen = []
+
+        def record(handle, hidden, ids, topk, weights, space, size, out, path, block_n, stream):
+            seen.append([moejit.DLTensor.from_address(a).shape[0] for a in (hidden, ids, topk,
+                                                                              out)])
+            return 0
+
+        forward = moejit._lib.moejit_moe_forward_ex
+        moejit._lib.moejit_moe_forward_ex = record
+        self.addCleanup(setattr, moejit._lib, "moejit_moe_forward_ex", forward)
+
+        def tensors(tokens):
+            return (torch.zeros(tokens, 512, dtype=torch.bfloat16),
+                    torch.zeros(tokens, 2, dtype=torch.int32), torch.zeros(tokens, 2),
+                    torch.zeros(tokens, 512, dtype=torch.bfloat16))
+
+        outer, inner = tensors(3), tensors(5)
+
+        class BlockN:
+            def __int__(self):
+                hidden, ids, topk, out = inner
+                layer.forward(hidden, ids, topk, weights, space, out)
+                return 0
+
+        hidden, ids, topk, out = outer
+        sets = len(moejit._forward_slots.free)
+        layer.forward(hidden, ids, topk, weights, space, out, decode_block_n=BlockN())
+        self.assertEqual(seen, [[5] * 4, [3] * 4])  # the inner call returns first
+        # Both sets are free again, the inner call's kept for the next such call.
+        self.assertEqual(len(moejit._forward_slots.free), sets + 1)
 
     def test_torch_host_tensors_are_refused_by_name(self):
         torch = _torch_or_skip(self)
@@ -737,6 +833,57 @@ class GpuTests(unittest.TestCase):
         self.assertEqual(errors, [])
         self.assertEqual(mismatches, [])
         self.assertTrue(all(bool(torch.isfinite(job[4].float()).all()) for job in jobs))
+
+    def test_a_forward_made_inside_another_gives_each_its_own_result(self):
+        """A forward called from user code that an outer forward runs between its fills (here
+        decode_block_n's __int__, on the same thread): each writes the bits it gives alone."""
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(20261208)
+        e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
+        layer, weights, _ = self.tiny_layer(gen)
+        bound = layer.bind_weights(weights)
+        jobs = []
+        for tokens in (3, 5):
+            hidden, ids, topk = self.routed_tokens(gen, tokens, h, e, k)
+            workspace = torch.empty(layer.workspace_bytes(tokens), dtype=torch.uint8,
+                                    device="cuda")
+            alone = torch.full((tokens, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+            layer.forward(hidden, ids, topk, bound, workspace, alone)
+            out = torch.full_like(alone, float("nan"))
+            jobs.append((hidden, ids, topk, workspace, out, alone))
+        outer, inner = jobs
+
+        class BlockN:
+            def __int__(self):
+                layer.forward(inner[0], inner[1], inner[2], bound, inner[3], inner[4])
+                return 0
+
+        layer.forward(outer[0], outer[1], outer[2], bound, outer[3], outer[4],
+                      decode_block_n=BlockN())
+        torch.cuda.synchronize()
+        for hidden, ids, topk, workspace, out, alone in jobs:
+            self.assertTrue(bool(torch.isfinite(alone.float()).all()))
+            self.assertTrue(torch.equal(out, alone), "T = {}".format(hidden.shape[0]))
+
+    def test_tensors_without_strides_are_refused_by_name(self):
+        torch = self.torch
+        layer = moejit.MoeLayer("py-tiny")
+        weights = {name: torch.zeros(n, dtype=torch.uint8, device="cuda")
+                   for name, n in layer.weight_bytes.items() if n}
+        hidden = torch.zeros(1, TINY["hidden"], dtype=torch.bfloat16, device="cuda")
+        ids = torch.zeros(1, TINY["top_k"], dtype=torch.int32, device="cuda")
+        topk = torch.zeros(1, TINY["top_k"], device="cuda")
+        out = torch.zeros_like(hidden)
+        workspace = torch.zeros(layer.workspace_bytes(1), dtype=torch.uint8, device="cuda")
+        sparse_w13 = dict(weights, w13=weights["w13"].to_sparse())
+        cases = {"hidden": (hidden.to_sparse(), ids, topk, weights, workspace, out),
+                 "workspace": (hidden, ids, topk, weights, workspace.to_sparse(), out),
+                 "weights['w13']": (hidden, ids, topk, sparse_w13, workspace, out)}
+        for name, args in cases.items():
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(*args)
+            self.assertTrue(str(e.exception).startswith(name + ": a Tensor that DLPack can't "
+                                                        "export: "), str(e.exception))
 
     def test_gpt_oss_checkpoint_with_biases_matches_fp64(self):
         torch = self.torch
