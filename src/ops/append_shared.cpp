@@ -33,7 +33,7 @@ std::string dims(int64_t rows, int64_t cols) {
 void append_shared(const AppendSharedArgs& args, Stream stream) {
   using detail::Matrix;
   detail::Runtime& runtime = detail::Runtime::instance();
-  const detail::CurrentDevice device = detail::op_device(kOp, runtime);
+  const detail::CurrentDevice device = detail::op_device(kOp, runtime, stream);
 
   const Matrix ids = detail::check_matrix(kOp, "topk_ids", args.topk_ids, device.ordinal);
   if (ids.dtype != DType::kI32 && ids.dtype != DType::kI64) {

@@ -123,7 +123,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     if (!reason.empty()) throw_decode_refused(reason);
   }
   detail::Runtime& runtime = detail::Runtime::instance();
-  const detail::CurrentDevice device = detail::op_device(kOp, runtime);
+  const detail::CurrentDevice device = detail::op_device(kOp, runtime, stream);
   const int64_t hidden_size = shape.hidden;
   const int64_t top_k = shape.top_k;
 

@@ -21,14 +21,27 @@ namespace moejit::detail {
 // inside a catch block of moejit::Error.
 [[noreturn]] void rethrow_for_op(const char* op);
 
-// Runtime::current_device for an op: no usable context (or no driver) is refused under the op's
-// name, as op_kernel's errors are.
-inline CurrentDevice op_device(const char* op, Runtime& runtime) {
+// Refuses (Error{kInvalidArgument}, "<op>: stream: ...") a stream of another device than
+// `device`, the current context's, which the op checks its tensors against: launched there, its
+// kernels would read this device's pointers on that one (an illegal address, which breaks that
+// device's context). The default streams (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are the
+// current context's; a stream of another context of the same device passes; a stream the driver
+// can't read is left to the capture query and the launch, which name it. Costs two driver calls
+// where the stream is the current context's (the common case).
+void check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device);
+
+// Runtime::current_device for an op, and the caller's stream checked against it
+// (check_stream_device): no usable context (or no driver) is refused under the op's name, as
+// op_kernel's errors are.
+inline CurrentDevice op_device(const char* op, Runtime& runtime, CUstream stream) {
+  CurrentDevice device;
   try {
-    return runtime.current_device();
+    device = runtime.current_device();
   } catch (const Error&) {
     rethrow_for_op(op);
   }
+  check_stream_device(op, driver(), stream, device.ordinal);
+  return device;
 }
 
 // Runtime::kernel for an op: a kernel it can't have (a failed compile, a capture miss, a driver

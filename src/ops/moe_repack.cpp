@@ -49,11 +49,13 @@ struct RepackContext {
   detail::MoeWeightSizes sizes;
 };
 
-RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarget& target) {
+RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarget& target,
+                    Stream stream) {
   const std::string reason = detail::moe_shape_problem(shape);
   if (!reason.empty()) throw Error(ErrorCode::kInvalidDescriptor, std::string(op) + ": " + reason);
   detail::Runtime& runtime = detail::Runtime::instance();
-  RepackContext context{runtime, detail::op_device(op, runtime), detail::moe_weight_sizes(shape)};
+  RepackContext context{runtime, detail::op_device(op, runtime, stream),
+                        detail::moe_weight_sizes(shape)};
   // Why 16 and 4: each thread writes its lane's 16 weight bytes with one store, and lanes 4g
   // write four scale bytes with one 32-bit store.
   detail::check_device_pointer(op, "target.weights.w13", target.weights.w13, 16);
@@ -73,7 +75,8 @@ void check_experts(const char* op, const ModelShape& shape, const MoeRepackTarge
                             "[0, " + std::to_string(shape.num_experts) + ")";
   const std::string found = "first_expert = " + std::to_string(target.first_expert) +
                             " with n = " + std::to_string(count) + " experts";
-  if (target.first_expert < 0 || target.first_expert > shape.num_experts) {
+  // Why >=: n is at least 1 (the tensor checks), so first_expert = E leaves no room at all.
+  if (target.first_expert < 0 || target.first_expert >= shape.num_experts) {
     detail::throw_argument(op, "target.first_expert", range, found);
   }
   // Why count against the room left, not first_expert + count: count is the caller's tensor
@@ -106,15 +109,22 @@ void check_repack_disjoint(const char* op, const RepackContext& context,
   }
 }
 
-// One repack_mxfp4 launch over `p.num_experts` experts.
-void launch_repack(const char* op, RepackContext& context, bool gate_up, kern::moe::RepackParams p,
-                   Stream stream) {
+// One repack_mxfp4 launch over `p.num_experts` experts, its kernel looked up and its grid checked.
+struct RepackLaunch {
   KernelSpec spec;
-  spec.family = Family::kRepack;
-  spec.arch = context.device.arch;
-  spec.params = detail::moe_repack_params(gate_up);
-  const MoeRepackParams& params = std::get<MoeRepackParams>(spec.params);
-  const CUkernel kernel = detail::op_kernel(op, context.runtime, spec, stream);
+  CUkernel kernel = nullptr;
+  detail::LaunchShape geometry;
+  kern::moe::RepackParams params{};
+};
+
+RepackLaunch prepare_repack(const char* op, RepackContext& context, bool gate_up,
+                            const kern::moe::RepackParams& p, Stream stream) {
+  RepackLaunch launch;
+  launch.spec.family = Family::kRepack;
+  launch.spec.arch = context.device.arch;
+  launch.spec.params = detail::moe_repack_params(gate_up);
+  const MoeRepackParams& params = std::get<MoeRepackParams>(launch.spec.params);
+  launch.kernel = detail::op_kernel(op, context.runtime, launch.spec, stream);
   const uint64_t threads = static_cast<uint64_t>(p.num_experts) * static_cast<uint64_t>(p.m_atoms) *
                            static_cast<uint64_t>(p.k_atoms) * 32u;
   const uint64_t block = static_cast<uint64_t>(params.block_threads);
@@ -124,12 +134,24 @@ void launch_repack(const char* op, RepackContext& context, bool gate_up, kern::m
                            std::to_string(grid) + " CTAs for " + std::to_string(p.num_experts) +
                                " experts: repack fewer experts per call");
   }
-  detail::LaunchShape geometry;
-  geometry.grid_x = static_cast<unsigned>(grid);
-  geometry.block = static_cast<unsigned>(block);
-  void* args[] = {&p};
-  // Why no PDL: repack_mxfp4 does not wait on griddepcontrol; plain stream order it is.
-  detail::launch_moe_kernel(op, spec, kernel, geometry, false, stream, args);
+  launch.geometry.grid_x = static_cast<unsigned>(grid);
+  launch.geometry.block = static_cast<unsigned>(block);
+  launch.params = p;
+  return launch;
+}
+
+// Launches FC1's repack, then FC2's. Why both prepared before either launches: a kernel the
+// second can't have (a failed compile, a capture miss) or a grid over the limit must be refused
+// before the first has written half of the target.
+void launch_repacks(const char* op, RepackContext& context, const kern::moe::RepackParams& fc1,
+                    const kern::moe::RepackParams& fc2, Stream stream) {
+  RepackLaunch launches[] = {prepare_repack(op, context, true, fc1, stream),
+                             prepare_repack(op, context, false, fc2, stream)};
+  for (RepackLaunch& launch : launches) {
+    void* args[] = {&launch.params};
+    // Why no PDL: repack_mxfp4 does not wait on griddepcontrol; plain stream order it is.
+    detail::launch_moe_kernel(op, launch.spec, launch.kernel, launch.geometry, false, stream, args);
+  }
 }
 
 kern::moe::RepackParams fc1_params(const ModelShape& shape, const RepackContext& c,
@@ -179,7 +201,7 @@ kern::moe::RepackParams fc2_params(const ModelShape& shape, const RepackContext&
 void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpoint,
                         const MoeRepackTarget& target, Stream stream) {
   const char* op = kGptOssOp;
-  RepackContext context = begin(op, shape, target);
+  RepackContext context = begin(op, shape, target, stream);
   const int ordinal = context.device.ordinal;
   const int64_t h = shape.hidden;
   const int64_t i = shape.intermediate;
@@ -214,15 +236,13 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
   fc1.src[0] = source(w13.data, s13.data, h, 2 * i * h / 2, h / 16, 2 * i * h / 32);
   fc1.src[1] =
       source(w13.data + h / 2, s13.data + h / 32, h, 2 * i * h / 2, h / 16, 2 * i * h / 32);
-  launch_repack(op, context, true, fc1, stream);
-  launch_repack(op, context, false, fc2_params(shape, context, target, n, w2.data, s2.data),
-                stream);
+  launch_repacks(op, context, fc1, fc2_params(shape, context, target, n, w2.data, s2.data), stream);
 }
 
 void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& checkpoint,
                          const MoeRepackTarget& target, Stream stream) {
   const char* op = kSeparateOp;
-  RepackContext context = begin(op, shape, target);
+  RepackContext context = begin(op, shape, target, stream);
   const int ordinal = context.device.ordinal;
   const int64_t h = shape.hidden;
   const int64_t i = shape.intermediate;
@@ -261,9 +281,7 @@ void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& chec
   kern::moe::RepackParams fc1 = fc1_params(shape, context, target, n);
   fc1.src[0] = source(w1.data, s1.data, h / 2, i * h / 2, h / 32, i * h / 32);
   fc1.src[1] = source(w3.data, s3.data, h / 2, i * h / 2, h / 32, i * h / 32);
-  launch_repack(op, context, true, fc1, stream);
-  launch_repack(op, context, false, fc2_params(shape, context, target, n, w2.data, s2.data),
-                stream);
+  launch_repacks(op, context, fc1, fc2_params(shape, context, target, n, w2.data, s2.data), stream);
 }
 
 }  // namespace moejit

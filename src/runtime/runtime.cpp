@@ -586,8 +586,14 @@ std::vector<BuildResult> prewarm(
   std::mutex progress_mutex;
   std::size_t done = 0;
   std::exception_ptr progress_error;
-  auto work = [&]() {
-    for (std::size_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+  // What escaped a worker's loop (out of memory while recording a result): kept for the caller,
+  // as an exception leaving a thread, or the caller's loop while threads run, would terminate the
+  // process. The other workers stop claiming kernels.
+  std::exception_ptr worker_error;
+  std::atomic<bool> stopped{false};
+  const auto claim = [&]() { return stopped.load() ? total : next.fetch_add(1); };
+  const auto loop = [&]() {
+    for (std::size_t i = claim(); i < total; i = claim()) {
       BuildResult result;
       try {
         result = load_arch && specs[i].arch == *load_arch ? runtime.build_and_load(specs[i])
@@ -611,17 +617,27 @@ std::vector<BuildResult> prewarm(
       }
     }
   };
+  const auto work = [&]() noexcept {
+    try {
+      loop();
+    } catch (...) {
+      stopped = true;
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      if (!worker_error) worker_error = std::current_exception();
+    }
+  };
 
   unsigned wanted = jobs > 0 ? static_cast<unsigned>(jobs) : std::thread::hardware_concurrency();
   if (wanted == 0) wanted = 1;
   const std::size_t workers = std::min<std::size_t>(wanted, total);
   std::vector<std::thread> pool;
+  pool.reserve(workers);  // so that starting a thread is the only thing that can fail below
   // Why the caller is one of the workers: if a thread can't be started, the caller's own loop
   // still finishes every kernel.
   for (std::size_t t = 1; t < workers; ++t) {
     try {
       pool.emplace_back(work);
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {
       detail::log().warn("prewarm: could not start worker thread {} ({}); continuing with {}", t,
                          e.what(), pool.size() + 1);
       break;
@@ -629,6 +645,7 @@ std::vector<BuildResult> prewarm(
   }
   work();
   for (std::thread& thread : pool) thread.join();
+  if (worker_error) std::rethrow_exception(worker_error);
   if (progress_error) std::rethrow_exception(progress_error);
   return results;
 }

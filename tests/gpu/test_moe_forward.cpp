@@ -1188,6 +1188,15 @@ TEST_CASE("moe repack: overlapping buffers and too many experts are refused, nam
   CHECK(what.find("w13_blocks") != std::string::npos);
   CHECK(what.find("n = 3") != std::string::npos);
 
+  // first_expert = E leaves no room for any expert: it is to blame, not the checkpoint.
+  moejit::MoeRepackTarget past_end = good;
+  past_end.first_expert = 2;
+  what = call(1, past_end);
+  CHECK(what.rfind("moe_repack_gpt_oss: target.first_expert: expected [first_expert, "
+                   "first_expert + n) inside the shape's local experts [0, 2)",
+                   0) == 0);
+  CHECK(what.find("first_expert = 2 with n = 1 experts") != std::string::npos);
+
   CHECK(call(2, good) == "(no error)");
   stream.sync();
 }

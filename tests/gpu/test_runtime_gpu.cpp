@@ -196,6 +196,22 @@ TEST_CASE("runtime gpu: kernel handles are shared by every context and stay vali
         CHECK(e.code() == ErrorCode::kInvalidArgument);
         CHECK(std::string(e.what()).find("device 1") != std::string::npos);
       }
+      // Device 1's tensors on a stream of device 0: refused before anything launches there.
+      MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
+      TestStream device0_stream;
+      MOEJIT_TEST_CU(cu().cuCtxSetCurrent(context));
+      try {
+        moejit::append_shared(data->args(), device0_stream.get());
+        FAIL("a stream of device 0 was accepted in device 1's context");
+      } catch (const Error& e) {
+        CHECK(e.code() == ErrorCode::kInvalidArgument);
+        CHECK(std::string(e.what()) ==
+              "append_shared: stream: expected a stream of device 1 (the current context's, "
+              "which the tensors are checked against), found a stream of device 0: make the "
+              "stream's device current, or pass a stream of device 1");
+      }
+      CHECK(run_and_verify(1, rng).empty());  // device 1 still launches
+      MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
     }
     MOEJIT_TEST_CU(cu().cuCtxSetCurrent(env.context));
     MOEJIT_TEST_CU(cu().cuDevicePrimaryCtxRelease(other));
