@@ -154,8 +154,12 @@ int make_dirs(const std::string& path, std::string* failed) {
 }
 
 // 0 when `path` is (now) a directory; else errno.
-int ensure_dir(const std::string& path) {
-  if (::mkdir(path.c_str(), 0700) == 0) return 0;
+// `created`: set when this call made the directory.
+int ensure_dir(const std::string& path, bool* created = nullptr) {
+  if (::mkdir(path.c_str(), 0700) == 0) {
+    if (created != nullptr) *created = true;
+    return 0;
+  }
   if (errno != EEXIST) return errno;
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return errno;
@@ -203,6 +207,46 @@ std::vector<DirEntry> read_dir_or_throw(const std::string& dir) {
   MOEJIT_CHECK(error == 0, ErrorCode::kIo,
                "cannot read cache directory " << dir << ": " << errno_text(error));
   return out;
+}
+
+// A directory below the cache root for the maintenance walks: one that can't be read (another
+// user's private shard, say) is logged at warn by `what` and added to *unreadable, and the walk
+// goes on without it, so one such directory does not stop list, verify, gc or clear.
+std::vector<DirEntry> read_dir_or_skip(const std::string& dir, const char* what,
+                                       std::vector<std::string>* unreadable) {
+  int error = 0;
+  std::vector<DirEntry> out = read_dir(dir, &error);
+  if (error != 0) {
+    unreadable->push_back(dir + ": " + errno_text(error));
+    log().warn("cache {}: cannot read {}: {}; its files are skipped", what, dir, errno_text(error));
+  }
+  return out;
+}
+
+// This user's temp file left by a writer taken for dead (older than kStaleTempSeconds): removed.
+bool remove_stale_temp(const DirEntry& file, uid_t me, int64_t now) {
+  return S_ISREG(file.st.st_mode) && file.st.st_uid == me && is_temp_name(file.name) &&
+         age_seconds(file.st, now) > DiskCache::kStaleTempSeconds &&
+         ::unlink(file.path.c_str()) == 0;
+}
+
+// This user's lock file that no process holds, older than kStaleTempSeconds: removed while held
+// here (see DiskCache::lock()), and only if the path still names the file locked.
+void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
+  if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !ends_with(file.name, ".lock") ||
+      age_seconds(file.st, now) <= DiskCache::kStaleTempSeconds) {
+    return;
+  }
+  Fd fd(open_file(file.path, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
+  if (!fd.ok() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
+  // Why check the path still names the locked file: another gc may have unlinked it after this
+  // one opened it, and a process may have locked a new file at the path since.
+  struct stat held {
+  }, at_path{};
+  if (::fstat(fd.get(), &held) == 0 && ::lstat(file.path.c_str(), &at_path) == 0 &&
+      held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
+    ::unlink(file.path.c_str());
+  }
 }
 
 // ---- entry format ----
@@ -601,7 +645,8 @@ bool DiskCache::store(const Entry& entry) const {
   put_u64(header + kOffManifestDigest + 8, manifest_digest.low);
 
   const std::string shard = version_dir_ + "/" + key.substr(0, 2);
-  if (int e = ensure_dir(shard); e != 0) {
+  bool shard_created = false;
+  if (int e = ensure_dir(shard, &shard_created); e != 0) {
     log().warn("cache entry {} not stored: cannot create {}: {}", path, shard, errno_text(e));
     return false;
   }
@@ -660,11 +705,15 @@ bool DiskCache::store(const Entry& entry) const {
                errno_text(error));
     return false;
   }
-  // Why: the rename is durable only once the directory itself is synced.
-  Fd dir_fd(open_file(shard, O_RDONLY | O_DIRECTORY));
-  if (!dir_fd.ok() || ::fsync(dir_fd.get()) != 0) {
-    log().debug("cache entry {} published, but syncing {} failed: {}", path, shard,
-                errno_text(errno));
+  // Why: the rename is durable only once the directory itself is synced, and a shard made just
+  // now only once its parent is.
+  for (const std::string& dir : {shard, shard_created ? version_dir_ : std::string()}) {
+    if (dir.empty()) continue;
+    Fd dir_fd(open_file(dir, O_RDONLY | O_DIRECTORY));
+    if (!dir_fd.ok() || ::fsync(dir_fd.get()) != 0) {
+      log().debug("cache entry {} published, but syncing {} failed: {}", path, dir,
+                  errno_text(errno));
+    }
   }
   log().debug("cache stored {} ({} bytes of cubin)", path, entry.cubin.size());
   return true;
@@ -743,6 +792,18 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
                  lock_path, errno_text(errno));
       return Lock();
     }
+    // Why: a lock file someone else could write (made by another user in a locks directory they
+    // can write) lets them hold every compile of the key for the full wait.
+    struct stat opened {};
+    if (::fstat(fd.get(), &opened) == 0) {
+      if (std::string why = distrust_reason(opened); !why.empty()) {
+        log().warn(
+            "not waiting on lock file {}: it is {}; compiling without the inter-process "
+            "lock",
+            lock_path, why);
+        return Lock();
+      }
+    }
     // Why not a blocking flock: a holder that never releases (stopped, hung, or a forked child
     // that inherited the lock) would block every later process forever, even once the entry it
     // was building is on disk.
@@ -790,7 +851,18 @@ std::vector<EntryInfo> DiskCache::list(bool verify) const {
   if (mode_ == CacheMode::kMemoryOnly) return out;
   for (const DirEntry& shard : read_dir_or_throw(version_dir_)) {
     if (!S_ISDIR(shard.st.st_mode) || !is_shard_name(shard.name)) continue;
-    for (const DirEntry& file : read_dir_or_throw(shard.path)) {
+    int error = 0;
+    const std::vector<DirEntry> files = read_dir(shard.path, &error);
+    if (error != 0) {
+      // Listed with its problem, so that list shows it and verify counts it; the walk goes on.
+      EntryInfo info;
+      info.path = shard.path;
+      info.problem = "cannot read this directory: " + errno_text(error) +
+                     " (its entries, if any, are not listed, and never loaded)";
+      out.push_back(std::move(info));
+      continue;
+    }
+    for (const DirEntry& file : files) {
       std::string key;
       if (!is_entry_name(file.name, &key) || key.compare(0, 2, shard.name) != 0) continue;
       EntryInfo info;
@@ -847,11 +919,8 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     long mtime_nsec;
   };
   std::vector<Candidate> candidates;
-  auto remove_stale_temp = [&](const DirEntry& file) {
-    if (S_ISREG(file.st.st_mode) && file.st.st_uid == me && is_temp_name(file.name) &&
-        age_seconds(file.st, now) > kStaleTempSeconds && ::unlink(file.path.c_str()) == 0) {
-      ++report.stale_temp_removed;
-    }
+  const auto remove_temp = [&](const DirEntry& file) {
+    if (remove_stale_temp(file, me, now)) ++report.stale_temp_removed;
   };
 
   for (const DirEntry& version : read_dir_or_throw(dir_)) {
@@ -860,18 +929,18 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
           is_old_toolkit_stamp(version.name) && ::unlink(version.path.c_str()) == 0) {
         ++report.stale_temp_removed;
       } else {
-        remove_stale_temp(version);  // older builds wrote their toolkit stamps' temp files here
+        remove_temp(version);  // older builds wrote their toolkit stamps' temp files here
       }
       continue;
     }
     if (!is_version_name(version.name)) continue;
-    for (const DirEntry& shard : read_dir_or_throw(version.path)) {
+    for (const DirEntry& shard : read_dir_or_skip(version.path, "gc", &report.unreadable)) {
       if (!S_ISDIR(shard.st.st_mode)) {
-        remove_stale_temp(shard);  // the writability probe lives here
+        remove_temp(shard);  // the writability probe lives here
         continue;
       }
       if (!is_shard_name(shard.name)) continue;
-      for (const DirEntry& file : read_dir_or_throw(shard.path)) {
+      for (const DirEntry& file : read_dir_or_skip(shard.path, "gc", &report.unreadable)) {
         // Why: never remove other users' files, whatever they are.
         if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) continue;
         std::string key;
@@ -880,12 +949,12 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
                                 static_cast<int64_t>(file.st.st_mtim.tv_sec),
                                 file.st.st_mtim.tv_nsec});
         } else {
-          remove_stale_temp(file);
+          remove_temp(file);
         }
       }
     }
   }
-  for (const DirEntry& file : read_dir_or_throw(dir_ + "/quarantine")) {
+  for (const DirEntry& file : read_dir_or_skip(dir_ + "/quarantine", "gc", &report.unreadable)) {
     if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) continue;
     const uint64_t size = static_cast<uint64_t>(file.st.st_size);
     if (age_seconds(file.st, now) > kQuarantineKeepSeconds && ::unlink(file.path.c_str()) == 0) {
@@ -896,21 +965,8 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     candidates.push_back({file.path, size, true, static_cast<int64_t>(file.st.st_mtim.tv_sec),
                           file.st.st_mtim.tv_nsec});
   }
-  // Idle lock files: removed only while we hold them (see lock()).
-  for (const DirEntry& file : read_dir_or_throw(dir_ + "/locks")) {
-    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !ends_with(file.name, ".lock") ||
-        age_seconds(file.st, now) <= kStaleTempSeconds) {
-      continue;
-    }
-    Fd fd(open_file(file.path, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
-    if (!fd.ok() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    // Why check the path still names the locked file: another gc may have unlinked it after
-    // this one opened it, and a process may have locked a new file at the path since.
-    struct stat held {}, at_path {};
-    if (::fstat(fd.get(), &held) == 0 && ::lstat(file.path.c_str(), &at_path) == 0 &&
-        held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
-      ::unlink(file.path.c_str());
-    }
+  for (const DirEntry& file : read_dir_or_skip(dir_ + "/locks", "gc", &report.unreadable)) {
+    remove_idle_lock(file, me, now);
   }
 
   uint64_t total = 0;
@@ -945,6 +1001,7 @@ ClearReport DiskCache::clear() const {
                                             << (mode_reason_.empty() ? "" : " (") << mode_reason_
                                             << (mode_reason_.empty() ? "" : ")"));
   const uid_t me = ::geteuid();
+  const int64_t now = now_unix();
   ClearReport report;
   auto remove = [&](const DirEntry& file) {
     if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
@@ -955,18 +1012,40 @@ ClearReport DiskCache::clear() const {
       log().warn("cache clear: cannot remove {}: {}", file.path, errno_text(errno));
     }
   };
+  // What gc would also take goes too (temp files of writers taken for dead, idle lock files), so
+  // a cleared cache holds nothing of this user's that a later gc would remove.
+  const auto remove_temp = [&](const DirEntry& file) {
+    if (remove_stale_temp(file, me, now)) ++report.stale_temp_removed;
+  };
   for (const DirEntry& version : read_dir_or_throw(dir_)) {
-    if (!S_ISDIR(version.st.st_mode) && is_old_toolkit_stamp(version.name)) remove(version);
-    if (!S_ISDIR(version.st.st_mode) || !is_version_name(version.name)) continue;
-    for (const DirEntry& shard : read_dir_or_throw(version.path)) {
-      if (!S_ISDIR(shard.st.st_mode) || !is_shard_name(shard.name)) continue;
-      for (const DirEntry& file : read_dir_or_throw(shard.path)) {
+    if (!S_ISDIR(version.st.st_mode)) {
+      if (is_old_toolkit_stamp(version.name)) remove(version);
+      remove_temp(version);
+      continue;
+    }
+    if (!is_version_name(version.name)) continue;
+    for (const DirEntry& shard : read_dir_or_skip(version.path, "clear", &report.unreadable)) {
+      if (!S_ISDIR(shard.st.st_mode)) {
+        remove_temp(shard);
+        continue;
+      }
+      if (!is_shard_name(shard.name)) continue;
+      for (const DirEntry& file : read_dir_or_skip(shard.path, "clear", &report.unreadable)) {
         std::string key;
-        if (is_entry_name(file.name, &key)) remove(file);
+        if (is_entry_name(file.name, &key)) {
+          remove(file);
+        } else {
+          remove_temp(file);
+        }
       }
     }
   }
-  for (const DirEntry& file : read_dir_or_throw(dir_ + "/quarantine")) remove(file);
+  for (const DirEntry& file : read_dir_or_skip(dir_ + "/quarantine", "clear", &report.unreadable)) {
+    remove(file);
+  }
+  for (const DirEntry& file : read_dir_or_skip(dir_ + "/locks", "clear", &report.unreadable)) {
+    remove_idle_lock(file, me, now);
+  }
   return report;
 }
 

@@ -69,11 +69,16 @@ struct GcReport {
   int removed = 0;            // entries and quarantined files removed (stale temp files excluded)
   int stale_temp_removed = 0;  // leftovers: temp files of writers killed mid-publish, and the
                                // toolkit stamps older builds kept in the cache root
+  // Directories below the root that could not be read ("path: reason", each logged at warn):
+  // their files were neither counted nor removed.
+  std::vector<std::string> unreadable;
 };
 
 struct ClearReport {
   int removed = 0;      // entries and quarantined files removed
   int not_removed = 0;  // this user's files that could not be removed (each logged at warn)
+  int stale_temp_removed = 0;           // temp files of writers taken for dead (as gc's)
+  std::vector<std::string> unreadable;  // as GcReport's: their files were not removed
 };
 
 // The JSON text stored in an entry (stable field order), e.g. for `moejit cache list --json`.
@@ -152,17 +157,19 @@ class DiskCache {
 
   // Entries of this schema version, sorted by path. With `verify`, each is fully checked (cubin
   // hash included) and a bad one is quarantined as load() would; without, only the header and
-  // manifest are read. Empty in kMemoryOnly mode.
+  // manifest are read. A shard directory that can't be read is listed too, as an EntryInfo with
+  // its path, no key and the problem. Empty in kMemoryOnly mode.
   std::vector<EntryInfo> list(bool verify) const;
 
   // Removes least recently used entries (all schema versions; quarantined files first) until the
   // total is <= max_bytes; also removes temp files older than kStaleTempSeconds (the shards' and
   // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
-  // files older than kQuarantineKeepSeconds. Files of other users are never removed. Throws
+  // files older than kQuarantineKeepSeconds. Files of other users are never removed; a
+  // directory below the root that can't be read is skipped (GcReport::unreadable). Throws
   // Error{kCache} unless the cache is writable.
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
-  // stamps of this user; reports
+  // stamps of this user, and what gc takes besides (stale temp files, idle lock files); reports
   // how many, and how many could not be removed. Throws Error{kCache} unless the cache is
   // writable.
   ClearReport clear() const;

@@ -112,9 +112,10 @@ int run_verify() {
     if (e.problem.empty()) continue;
     ++bad;
     if (!e.quarantined_to.empty()) ++moved;
-    std::cout << "BAD  "
-              << (e.manifest.kernel.empty() ? "(entry " + e.key + ")" : e.manifest.kernel) << "  "
-              << e.path << ": " << e.problem << "\n";
+    const std::string what = !e.manifest.kernel.empty() ? e.manifest.kernel
+                             : e.key.empty()            ? std::string("(directory)")
+                                                        : "(entry " + e.key + ")";
+    std::cout << "BAD  " << what << "  " << e.path << ": " << e.problem << "\n";
   }
   std::cout << "verify: " << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies")
             << ", " << bad << " bad";
@@ -147,25 +148,43 @@ int run_gc(const std::string& max_size) {
   std::cout << ", " << format_bytes(report.bytes_before) << " -> "
             << format_bytes(report.bytes_after) << " (limit " << format_bytes(*limit) << ") in "
             << disk.dir() << "\n";
+  int status = kExitOk;
+  if (!report.unreadable.empty()) {
+    std::cout << "gc: " << report.unreadable.size()
+              << " director(ies) could not be read; their files were neither counted nor "
+                 "removed:\n";
+    for (const std::string& dir : report.unreadable) std::cout << "  " << dir << "\n";
+    status = kExitWorkFailed;
+  }
   if (report.bytes_after > *limit) {
     std::cout << "gc: the cache is still over the limit: some files could not be removed (each "
                  "is logged above)\n";
-    return kExitWorkFailed;
+    status = kExitWorkFailed;
   }
-  return kExitOk;
+  return status;
 }
 
 int run_clear() {
   const detail::DiskCache& disk = open_cache("clear", true);
   const detail::ClearReport report = disk.clear();
-  std::cout << "clear: removed " << report.removed << " file(s) (entries and quarantined) from "
-            << disk.dir() << "\n";
+  std::cout << "clear: removed " << report.removed << " file(s) (entries and quarantined)";
+  if (report.stale_temp_removed > 0) {
+    std::cout << " and " << report.stale_temp_removed << " stale temp file(s)";
+  }
+  std::cout << " from " << disk.dir() << "\n";
+  int status = kExitOk;
+  if (!report.unreadable.empty()) {
+    std::cout << "clear: " << report.unreadable.size()
+              << " director(ies) could not be read; their files were not removed:\n";
+    for (const std::string& dir : report.unreadable) std::cout << "  " << dir << "\n";
+    status = kExitWorkFailed;
+  }
   if (report.not_removed > 0) {
     std::cout << "clear: " << report.not_removed
               << " file(s) could not be removed (each is logged above)\n";
-    return kExitWorkFailed;
+    status = kExitWorkFailed;
   }
-  return kExitOk;
+  return status;
 }
 
 }  // namespace moejit::cli

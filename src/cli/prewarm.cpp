@@ -92,6 +92,9 @@ std::size_t make_readable(const std::string& dir) {
         mode | S_IRGRP | S_IROTH | (S_ISDIR(st.st_mode) ? S_IXGRP | S_IXOTH : 0);
     if (want == mode) return;
     if (::chmod(path.c_str(), want) != 0) {
+      // Why ENOENT passes: another process (a writer's temp file renamed into its entry, gc or
+      // clear) may remove a path between the walk's lstat and this chmod.
+      if (errno == ENOENT) return;
       throw Failure{kExitEnvironment, "--readable: cannot change the mode of " + path + ": " +
                                           std::strerror(errno)};
     }

@@ -935,3 +935,141 @@ TEST_CASE("a dropped lock is released even when a forked child shares its descri
   CHECK(cache.lock(key, nullptr, std::chrono::seconds(5)).held());
   CHECK(seconds_since(start) < 1.0);
 }
+
+// A cache of its own user's where one shard can't be read: list shows the shard with its
+// problem and the other entries, gc and clear skip it and say so. Why a child process as uid
+// 65534 when this is root: root reads any directory whatever its mode. The child reports one
+// line per check; the parent asserts them.
+TEST_CASE("list, gc and clear go on past a shard they can't read", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string home = tmp.path() + "/home";
+  REQUIRE(::mkdir(home.c_str(), 0700) == 0);
+  REQUIRE(::chmod(tmp.path().c_str(), 0711) == 0);  // the child may pass through it
+  if (running_as_root() && ::chown(home.c_str(), 65534, 65534) != 0) {
+    print_skip("unreadable shard",
+               std::string("chown to uid 65534 failed: ") + std::strerror(errno));
+    return;
+  }
+  const std::string dir = home + "/cache";
+  const std::string hidden_key = key_for("unreadable-shard-0");
+  std::string seen_key = key_for("unreadable-shard-1");
+  for (int i = 2; seen_key.compare(0, 2, hidden_key, 0, 2) == 0; ++i) {
+    seen_key = key_for("unreadable-shard-" + std::to_string(i));  // another shard
+  }
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(out[0]);
+    std::string report;
+    const auto line = [&report](const std::string& text) { report += text + "\n"; };
+    if (running_as_root() && (::setgid(65534) != 0 || ::setuid(65534) != 0)) {
+      line(std::string("setuid failed: ") + std::strerror(errno));
+    } else {
+      try {
+        DiskCache cache(dir, CacheMode::kReadWrite);
+        const bool stored = cache.store(make_entry(hidden_key, 1000, 1)) &&
+                            cache.store(make_entry(seen_key, 1000, 2));
+        line("stored " + std::to_string(stored));
+        const std::string shard = fs::path(cache.entry_path(hidden_key)).parent_path().string();
+        ::chmod(shard.c_str(), 0);
+        for (const auto& info : cache.list(true)) {
+          line("listed " + info.path + " key=" + info.key + " problem=" + info.problem);
+        }
+        const auto gc = cache.gc(0);
+        line("gc removed " + std::to_string(gc.removed));
+        for (const std::string& u : gc.unreadable) line("gc unreadable " + u);
+        const auto cleared = cache.clear();
+        line("clear removed " + std::to_string(cleared.removed));
+        for (const std::string& u : cleared.unreadable) line("clear unreadable " + u);
+        ::chmod(shard.c_str(), 0700);
+        line("left " + std::to_string(cache.list(false).size()));
+      } catch (const std::exception& e) {
+        line(std::string("threw ") + e.what());
+      }
+    }
+    const ssize_t wrote = ::write(out[1], report.data(), report.size());
+    ::_exit(wrote == static_cast<ssize_t>(report.size()) ? 0 : 1);
+  }
+  ::close(out[1]);
+  std::string report;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(out[0], buffer, sizeof(buffer))) > 0;) report.append(buffer, n);
+  ::close(out[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  INFO(report);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  const std::string shard =
+      dir + "/v" + std::to_string(moejit::kCacheSchemaVersion) + "/" + hidden_key.substr(0, 2);
+  const auto has = [&report](const std::string& text) {
+    return report.find(text) != std::string::npos;
+  };
+  CHECK(has("stored 1\n"));
+  // verify lists the shard with its problem, and still the entry of the other shard.
+  CHECK(has("listed " + shard + " key= problem=cannot read this directory: Permission denied"));
+  CHECK(has("/" + seen_key + ".mjc key=" + seen_key + " problem=\n"));
+  // gc (to size 0) and clear remove the readable entry, and name the shard they skipped.
+  CHECK(has("gc removed 1\n"));
+  CHECK(has("gc unreadable " + shard + ": Permission denied\n"));
+  CHECK(has("clear removed 0\n"));
+  CHECK(has("clear unreadable " + shard + ": Permission denied\n"));
+  CHECK(has("left 1\n"));  // the skipped shard's entry, readable again
+  CHECK_FALSE(has("threw"));
+}
+
+TEST_CASE("clear also takes stale temp files and idle lock files, as gc would", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("clear-leftovers");
+  REQUIRE(cache.store(make_entry(key, 1000, 1)));
+  const std::string shard = fs::path(cache.entry_path(key)).parent_path().string();
+  const std::string fresh = shard + "/." + key + ".1.aaaa.tmp";  // maybe a live writer's
+  const std::string stale = shard + "/." + key + ".2.bbbb.tmp";
+  write_file(fresh, "partial");
+  write_file(stale, "partial");
+  set_mtime(stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  { auto lock = cache.lock(key); }
+  const std::string idle_lock = dir + "/locks/" + key + ".lock";
+  set_mtime(idle_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  const std::string held_key = key_for("clear-held");
+  DiskCache::Lock held = cache.lock(held_key);
+  REQUIRE(held.held());
+  const std::string held_lock = dir + "/locks/" + held_key + ".lock";
+  set_mtime(held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+
+  const auto report = cache.clear();
+  CHECK(report.removed == 1);
+  CHECK(report.stale_temp_removed == 1);
+  CHECK(report.not_removed == 0);
+  CHECK(report.unreadable.empty());
+  CHECK_FALSE(fs::exists(cache.entry_path(key)));
+  CHECK(fs::exists(fresh));
+  CHECK_FALSE(fs::exists(stale));
+  CHECK_FALSE(fs::exists(idle_lock));
+  CHECK(fs::exists(held_lock));
+}
+
+TEST_CASE("a lock file others can write is not waited on", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("planted-lock");
+  const std::string path = dir + "/locks/" + key + ".lock";
+  write_file(path, "");
+  REQUIRE(::chmod(path.c_str(), 0666) == 0);
+  // Held, as a planter would hold it forever.
+  const int planted = ::open(path.c_str(), O_RDWR);
+  REQUIRE(planted >= 0);
+  REQUIRE(::flock(planted, LOCK_EX | LOCK_NB) == 0);
+  LogCapture capture;
+  DiskCache::Lock lock = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+  CHECK_FALSE(lock.held());
+  INFO(capture.all());
+  CHECK(capture.warned({"not waiting on lock file", path, "writable by group or others"}));
+  CHECK_FALSE(capture.warned({"still held by another process"}));
+  ::close(planted);
+}
