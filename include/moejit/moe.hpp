@@ -103,7 +103,8 @@ struct MoeRepackTarget {
 
 // Repack on `stream` (no allocation, no host sync). Throws Error{kInvalidArgument} naming the
 // tensor and the expected vs found shape, dtype or device when an input does not match `shape`,
-// or when [first_expert, first_expert + n) leaves [0, E).
+// when [first_expert, first_expert + n) leaves [0, E), or for a stream of another device than
+// the current context's.
 void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpoint,
                         const MoeRepackTarget& target, Stream stream);
 void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& checkpoint,
@@ -164,10 +165,10 @@ struct MoeForwardOptions {
 // out[t] = sum over slots s with a local id e of topk_weights[t, s] *
 //          (W2_e act(W13_e hidden[t] + b13_e) + b2_e),
 // summed in slot order (deterministic: same inputs, same path, same bits). T = 0 launches
-// nothing. Throws Error{kInvalidArgument} on a mismatched tensor, a short workspace or bad
-// options, Error{kUnsupported} when a forced path can't serve the call (the message names the
-// rule), Error{kCaptureMiss} when a kernel is not built and the stream is capturing (prewarm
-// first). The three-argument form is options.path = kAuto.
+// nothing. Throws Error{kInvalidArgument} on a mismatched tensor, a short workspace, bad options
+// or a stream of another device than the current context's, Error{kUnsupported} when a forced path
+// can't serve the call (the message names the rule), Error{kCaptureMiss} when a kernel is not built
+// and the stream is capturing (prewarm first). The three-argument form is options.path = kAuto.
 void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream);
 void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream stream,
                  const MoeForwardOptions& options);

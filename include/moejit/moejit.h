@@ -92,7 +92,8 @@ moejit_status moejit_append_shared(const DLTensor* topk_ids, const DLTensor* top
 /* ---- MoE layer (moejit/moe.hpp) ---------------------------------------------------------------
  * A moejit_moe is a registered shape resolved once (moejit_register_shapes_file first), so the
  * per-layer call looks nothing up by name. Tensors are DLTensors on the current CUDA context's
- * device; stream is a CUstream / cudaStream_t. */
+ * device; stream is a CUstream / cudaStream_t of that device (another device's is refused,
+ * MOEJIT_ERROR_INVALID_ARGUMENT). */
 
 typedef struct moejit_moe moejit_moe;
 

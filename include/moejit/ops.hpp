@@ -34,6 +34,8 @@ struct AppendSharedArgs {
   SharedGate gate = SharedGate::kSigmoid;
 };
 
+// Throws Error{kInvalidArgument} naming the argument for a mismatched tensor, or for a stream of
+// another device than the current context's.
 void append_shared(const AppendSharedArgs& args, Stream stream);
 
 }  // namespace moejit

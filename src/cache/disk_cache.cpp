@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <system_error>
@@ -246,6 +247,45 @@ void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
   if (::fstat(fd.get(), &held) == 0 && ::lstat(file.path.c_str(), &at_path) == 0 &&
       held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
     ::unlink(file.path.c_str());
+  }
+}
+
+// What gc and clear meet, by where it is in the cache (dir entries as read_dir reports them:
+// any owner, any type; each callback decides). Directories below the root that can't be read
+// are skipped and named in *unreadable (read_dir_or_skip).
+struct CacheWalk {
+  std::function<void(const DirEntry&)> root_file;     // toolkit stamps and their temp files
+  std::function<void(const DirEntry&)> version_file;  // the writability probe's temp files
+  std::function<void(const DirEntry&, bool entry)> shard_file;  // entry: named <key>.mjc
+  std::function<void(const DirEntry&)> quarantined;
+  std::function<void(const DirEntry&)> lock_file;
+};
+
+void walk_cache(const std::string& root, const char* what, const CacheWalk& visit,
+                std::vector<std::string>* unreadable) {
+  for (const DirEntry& version : read_dir_or_throw(root)) {
+    if (!S_ISDIR(version.st.st_mode)) {
+      visit.root_file(version);
+      continue;
+    }
+    if (!is_version_name(version.name)) continue;
+    for (const DirEntry& shard : read_dir_or_skip(version.path, what, unreadable)) {
+      if (!S_ISDIR(shard.st.st_mode)) {
+        visit.version_file(shard);
+        continue;
+      }
+      if (!is_shard_name(shard.name)) continue;
+      for (const DirEntry& file : read_dir_or_skip(shard.path, what, unreadable)) {
+        std::string key;
+        visit.shard_file(file, is_entry_name(file.name, &key));
+      }
+    }
+  }
+  for (const DirEntry& file : read_dir_or_skip(root + "/quarantine", what, unreadable)) {
+    visit.quarantined(file);
+  }
+  for (const DirEntry& file : read_dir_or_skip(root + "/locks", what, unreadable)) {
+    visit.lock_file(file);
   }
 }
 
@@ -846,22 +886,15 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
 
 // ---- listing and maintenance ----
 
-std::vector<EntryInfo> DiskCache::list(bool verify) const {
+std::vector<EntryInfo> DiskCache::list(bool verify, std::vector<std::string>* unreadable) const {
   std::vector<EntryInfo> out;
   if (mode_ == CacheMode::kMemoryOnly) return out;
-  for (const DirEntry& shard : read_dir_or_throw(version_dir_)) {
+  std::vector<std::string> skipped;
+  if (unreadable == nullptr) unreadable = &skipped;
+  const char* what = verify ? "verify" : "list";
+  for (const DirEntry& shard : read_dir_or_skip(version_dir_, what, unreadable)) {
     if (!S_ISDIR(shard.st.st_mode) || !is_shard_name(shard.name)) continue;
-    int error = 0;
-    const std::vector<DirEntry> files = read_dir(shard.path, &error);
-    if (error != 0) {
-      // Listed with its problem, so that list shows it and verify counts it; the walk goes on.
-      EntryInfo info;
-      info.path = shard.path;
-      info.problem = "cannot read this directory: " + errno_text(error) +
-                     " (its entries, if any, are not listed, and never loaded)";
-      out.push_back(std::move(info));
-      continue;
-    }
+    const std::vector<DirEntry> files = read_dir_or_skip(shard.path, what, unreadable);
     for (const DirEntry& file : files) {
       std::string key;
       if (!is_entry_name(file.name, &key) || key.compare(0, 2, shard.name) != 0) continue;
@@ -922,52 +955,39 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
   const auto remove_temp = [&](const DirEntry& file) {
     if (remove_stale_temp(file, me, now)) ++report.stale_temp_removed;
   };
-
-  for (const DirEntry& version : read_dir_or_throw(dir_)) {
-    if (!S_ISDIR(version.st.st_mode)) {
-      if (S_ISREG(version.st.st_mode) && version.st.st_uid == me &&
-          is_old_toolkit_stamp(version.name) && ::unlink(version.path.c_str()) == 0) {
-        ++report.stale_temp_removed;
-      } else {
-        remove_temp(version);  // older builds wrote their toolkit stamps' temp files here
-      }
-      continue;
+  CacheWalk walk;
+  walk.root_file = [&](const DirEntry& file) {
+    if (S_ISREG(file.st.st_mode) && file.st.st_uid == me && is_old_toolkit_stamp(file.name) &&
+        ::unlink(file.path.c_str()) == 0) {
+      ++report.stale_temp_removed;
+    } else {
+      remove_temp(file);  // older builds wrote their toolkit stamps' temp files here
     }
-    if (!is_version_name(version.name)) continue;
-    for (const DirEntry& shard : read_dir_or_skip(version.path, "gc", &report.unreadable)) {
-      if (!S_ISDIR(shard.st.st_mode)) {
-        remove_temp(shard);  // the writability probe lives here
-        continue;
-      }
-      if (!is_shard_name(shard.name)) continue;
-      for (const DirEntry& file : read_dir_or_skip(shard.path, "gc", &report.unreadable)) {
-        // Why: never remove other users' files, whatever they are.
-        if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) continue;
-        std::string key;
-        if (is_entry_name(file.name, &key)) {
-          candidates.push_back({file.path, static_cast<uint64_t>(file.st.st_size), false,
-                                static_cast<int64_t>(file.st.st_mtim.tv_sec),
-                                file.st.st_mtim.tv_nsec});
-        } else {
-          remove_temp(file);
-        }
-      }
+  };
+  walk.version_file = remove_temp;
+  walk.shard_file = [&](const DirEntry& file, bool entry) {
+    // Why: never remove other users' files, whatever they are.
+    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
+    if (!entry) {
+      remove_temp(file);
+      return;
     }
-  }
-  for (const DirEntry& file : read_dir_or_skip(dir_ + "/quarantine", "gc", &report.unreadable)) {
-    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) continue;
+    candidates.push_back({file.path, static_cast<uint64_t>(file.st.st_size), false,
+                          static_cast<int64_t>(file.st.st_mtim.tv_sec), file.st.st_mtim.tv_nsec});
+  };
+  walk.quarantined = [&](const DirEntry& file) {
+    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
     const uint64_t size = static_cast<uint64_t>(file.st.st_size);
     if (age_seconds(file.st, now) > kQuarantineKeepSeconds && ::unlink(file.path.c_str()) == 0) {
       report.bytes_before += size;
       ++report.removed;
-      continue;
+      return;
     }
     candidates.push_back({file.path, size, true, static_cast<int64_t>(file.st.st_mtim.tv_sec),
                           file.st.st_mtim.tv_nsec});
-  }
-  for (const DirEntry& file : read_dir_or_skip(dir_ + "/locks", "gc", &report.unreadable)) {
-    remove_idle_lock(file, me, now);
-  }
+  };
+  walk.lock_file = [&](const DirEntry& file) { remove_idle_lock(file, me, now); };
+  walk_cache(dir_, "gc", walk, &report.unreadable);
 
   uint64_t total = 0;
   for (const Candidate& c : candidates) total += c.size;
@@ -1017,35 +1037,25 @@ ClearReport DiskCache::clear() const {
   const auto remove_temp = [&](const DirEntry& file) {
     if (remove_stale_temp(file, me, now)) ++report.stale_temp_removed;
   };
-  for (const DirEntry& version : read_dir_or_throw(dir_)) {
-    if (!S_ISDIR(version.st.st_mode)) {
-      if (is_old_toolkit_stamp(version.name)) remove(version);
-      remove_temp(version);
-      continue;
+  CacheWalk walk;
+  walk.root_file = [&](const DirEntry& file) {
+    if (is_old_toolkit_stamp(file.name)) {
+      remove(file);
+    } else {
+      remove_temp(file);
     }
-    if (!is_version_name(version.name)) continue;
-    for (const DirEntry& shard : read_dir_or_skip(version.path, "clear", &report.unreadable)) {
-      if (!S_ISDIR(shard.st.st_mode)) {
-        remove_temp(shard);
-        continue;
-      }
-      if (!is_shard_name(shard.name)) continue;
-      for (const DirEntry& file : read_dir_or_skip(shard.path, "clear", &report.unreadable)) {
-        std::string key;
-        if (is_entry_name(file.name, &key)) {
-          remove(file);
-        } else {
-          remove_temp(file);
-        }
-      }
+  };
+  walk.version_file = remove_temp;
+  walk.shard_file = [&](const DirEntry& file, bool entry) {
+    if (entry) {
+      remove(file);
+    } else {
+      remove_temp(file);
     }
-  }
-  for (const DirEntry& file : read_dir_or_skip(dir_ + "/quarantine", "clear", &report.unreadable)) {
-    remove(file);
-  }
-  for (const DirEntry& file : read_dir_or_skip(dir_ + "/locks", "clear", &report.unreadable)) {
-    remove_idle_lock(file, me, now);
-  }
+  };
+  walk.quarantined = remove;
+  walk.lock_file = [&](const DirEntry& file) { remove_idle_lock(file, me, now); };
+  walk_cache(dir_, "clear", walk, &report.unreadable);
   return report;
 }
 

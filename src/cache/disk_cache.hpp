@@ -157,15 +157,17 @@ class DiskCache {
 
   // Entries of this schema version, sorted by path. With `verify`, each is fully checked (cubin
   // hash included) and a bad one is quarantined as load() would; without, only the header and
-  // manifest are read. A shard directory that can't be read is listed too, as an EntryInfo with
-  // its path, no key and the problem. Empty in kMemoryOnly mode.
-  std::vector<EntryInfo> list(bool verify) const;
+  // manifest are read. A directory of entries that can't be read (the version's, a shard) is
+  // skipped, logged at warn and added to *unreadable ("path: reason") where given. Empty in
+  // kMemoryOnly mode.
+  std::vector<EntryInfo> list(bool verify, std::vector<std::string>* unreadable = nullptr) const;
 
   // Removes least recently used entries (all schema versions; quarantined files first) until the
   // total is <= max_bytes; also removes temp files older than kStaleTempSeconds (the shards' and
   // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed; a
-  // directory below the root that can't be read is skipped (GcReport::unreadable). Throws
+  // directory below the root that can't be read is skipped (GcReport::unreadable), as by clear.
+  // Throws
   // Error{kCache} unless the cache is writable.
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit

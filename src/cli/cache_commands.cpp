@@ -55,6 +55,16 @@ std::string kernel_of(const detail::Manifest& m) {
   return at == std::string::npos ? m.kernel : m.kernel.substr(0, at);
 }
 
+// The directories a maintenance walk skipped ("path: reason"), after its summary line.
+void print_unreadable(const char* command, const std::vector<std::string>& unreadable,
+                      const char* consequence) {
+  if (unreadable.empty()) return;
+  std::cout << command << ": " << unreadable.size() << " director"
+            << (unreadable.size() == 1 ? "y" : "ies") << " could not be read; " << consequence
+            << ":\n";
+  for (const std::string& dir : unreadable) std::cout << "  " << dir << "\n";
+}
+
 uint64_t total_size(const std::vector<detail::EntryInfo>& entries) {
   uint64_t total = 0;
   for (const detail::EntryInfo& e : entries) total += e.file_size;
@@ -65,7 +75,8 @@ uint64_t total_size(const std::vector<detail::EntryInfo>& entries) {
 
 int run_list() {
   const detail::DiskCache& disk = open_cache("list", false);
-  std::vector<detail::EntryInfo> entries = disk.list(false);
+  std::vector<std::string> unreadable;
+  std::vector<detail::EntryInfo> entries = disk.list(false, &unreadable);
   std::sort(entries.begin(), entries.end(),
             [](const detail::EntryInfo& a, const detail::EntryInfo& b) {
               return a.manifest.kernel < b.manifest.kernel;
@@ -100,22 +111,23 @@ int run_list() {
               << "every entry)";
   }
   std::cout << "\n";
+  print_unreadable("list", unreadable, "their entries are not listed");
   return kExitOk;
 }
 
 int run_verify() {
   const detail::DiskCache& disk = open_cache("verify", false);
-  std::vector<detail::EntryInfo> entries = disk.list(true);
+  std::vector<std::string> unreadable;
+  std::vector<detail::EntryInfo> entries = disk.list(true, &unreadable);
   int bad = 0;
   int moved = 0;
   for (const detail::EntryInfo& e : entries) {
     if (e.problem.empty()) continue;
     ++bad;
     if (!e.quarantined_to.empty()) ++moved;
-    const std::string what = !e.manifest.kernel.empty() ? e.manifest.kernel
-                             : e.key.empty()            ? std::string("(directory)")
-                                                        : "(entry " + e.key + ")";
-    std::cout << "BAD  " << what << "  " << e.path << ": " << e.problem << "\n";
+    std::cout << "BAD  "
+              << (e.manifest.kernel.empty() ? "(entry " + e.key + ")" : e.manifest.kernel) << "  "
+              << e.path << ": " << e.problem << "\n";
   }
   std::cout << "verify: " << entries.size() << " entr" << (entries.size() == 1 ? "y" : "ies")
             << ", " << bad << " bad";
@@ -129,7 +141,8 @@ int run_verify() {
               << "why; fix or remove them)";
   }
   std::cout << "\n";
-  return bad > 0 ? kExitWorkFailed : kExitOk;
+  print_unreadable("verify", unreadable, "their entries were not verified");
+  return bad > 0 || !unreadable.empty() ? kExitWorkFailed : kExitOk;
 }
 
 int run_gc(const std::string& max_size) {
@@ -150,10 +163,7 @@ int run_gc(const std::string& max_size) {
             << disk.dir() << "\n";
   int status = kExitOk;
   if (!report.unreadable.empty()) {
-    std::cout << "gc: " << report.unreadable.size()
-              << " director(ies) could not be read; their files were neither counted nor "
-                 "removed:\n";
-    for (const std::string& dir : report.unreadable) std::cout << "  " << dir << "\n";
+    print_unreadable("gc", report.unreadable, "their files were neither counted nor removed");
     status = kExitWorkFailed;
   }
   if (report.bytes_after > *limit) {
@@ -174,9 +184,7 @@ int run_clear() {
   std::cout << " from " << disk.dir() << "\n";
   int status = kExitOk;
   if (!report.unreadable.empty()) {
-    std::cout << "clear: " << report.unreadable.size()
-              << " director(ies) could not be read; their files were not removed:\n";
-    for (const std::string& dir : report.unreadable) std::cout << "  " << dir << "\n";
+    print_unreadable("clear", report.unreadable, "their files were not removed");
     status = kExitWorkFailed;
   }
   if (report.not_removed > 0) {

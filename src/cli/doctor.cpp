@@ -95,10 +95,17 @@ int run_doctor() {
       bool writable =
           disk.effective_mode() == CacheMode::kReadWrite && ::access(disk.dir().c_str(), W_OK) == 0;
       row("writable", writable ? "yes" : "no");
-      std::vector<detail::EntryInfo> entries = disk.list(false);
+      std::vector<std::string> unreadable;
+      std::vector<detail::EntryInfo> entries = disk.list(false, &unreadable);
       uint64_t total = 0;
       for (const detail::EntryInfo& e : entries) total += e.file_size;
-      row("entries", std::to_string(entries.size()) + " (" + format_bytes(total) + ")");
+      row("entries", std::to_string(entries.size()) + " (" + format_bytes(total) + ")" +
+                         (unreadable.empty() ? std::string()
+                                             : ", " + std::to_string(unreadable.size()) +
+                                                   " unreadable director(ies) not counted"));
+      for (const std::string& dir : unreadable) {
+        problems.push_back("cache directory unreadable: " + dir);
+      }
     }
     if (requested == CacheMode::kReadWrite && disk.effective_mode() != CacheMode::kReadWrite) {
       problems.push_back("the cache dir " + disk.dir() + " is not writable (" + disk.mode_reason() +

@@ -93,7 +93,8 @@ std::size_t make_readable(const std::string& dir) {
     if (want == mode) return;
     if (::chmod(path.c_str(), want) != 0) {
       // Why ENOENT passes: another process (a writer's temp file renamed into its entry, gc or
-      // clear) may remove a path between the walk's lstat and this chmod.
+      // clear) may remove a file between the walk's lstat and this chmod. (The library never
+      // removes a directory of the cache.)
       if (errno == ENOENT) return;
       throw Failure{kExitEnvironment, "--readable: cannot change the mode of " + path + ": " +
                                           std::strerror(errno)};

@@ -74,26 +74,14 @@ void rethrow_for_op(const char* op) {
 
 void check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device) {
   if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return;
-  CUcontext stream_context = nullptr;
-  CUcontext current = nullptr;
-  if (api.cuStreamGetCtx(stream, &stream_context) != CUDA_SUCCESS ||
-      api.cuCtxGetCurrent(&current) != CUDA_SUCCESS || stream_context == current) {
-    return;
-  }
-  // Another context: its device, asked with it current for the query (cuCtxGetDevice's
-  // pre-13.0 form, which every driver has), then the caller's context current again.
-  if (api.cuCtxPushCurrent(stream_context) != CUDA_SUCCESS) return;
-  CUdevice other = -1;
-  const CUresult asked = api.cuCtxGetDevice(&other);
-  CUcontext popped = nullptr;
-  api.cuCtxPopCurrent(&popped);
-  if (asked != CUDA_SUCCESS || other == device) return;
+  CUdevice of_stream = -1;
+  if (api.cuStreamGetDevice(stream, &of_stream) != CUDA_SUCCESS || of_stream == device) return;
   const std::string ours = std::to_string(device);
   throw Error(ErrorCode::kInvalidArgument,
               std::string(op) + ": stream: expected a stream of device " + ours +
                   " (the current context's, which the tensors are checked against), found a "
                   "stream of device " +
-                  std::to_string(other) +
+                  std::to_string(of_stream) +
                   ": make the stream's device current, or pass a "
                   "stream of device " +
                   ours);

@@ -581,10 +581,16 @@ class BoundWeights:
         self._tensors = tensors
 
     # Why: a copy in another process (pickle, multiprocessing) would carry this process's device
-    # addresses into forwards there.
+    # addresses into forwards there. In this process it never changes, so a copy is itself.
     def __reduce_ex__(self, protocol):
         raise TypeError("BoundWeights can't be pickled: it holds this process's device addresses; "
                         "bind the weights in each process (MoeLayer.bind_weights)")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 _forward_slots = _CallSlots(4)
@@ -605,8 +611,9 @@ class _Handle(ctypes.c_void_p):
         if self.value and _lib is not None:
             _lib.moejit_moe_destroy(self)
 
-    # Why: ctypes copies and pickles a c_void_p by value, and two _Handles of one address would
-    # each destroy it (in another process, an address that means nothing there).
+    # Why: ctypes copies and pickles a c_void_p subclass by value (a plain c_void_p refuses), and
+    # two _Handles of one address would each destroy it (in another process, an address that
+    # means nothing there).
     def __reduce__(self):
         raise TypeError("a MoeLayer's library handle can't be copied or pickled")
 
