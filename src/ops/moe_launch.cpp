@@ -74,8 +74,28 @@ void rethrow_for_op(const char* op) {
 
 void check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device) {
   if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return;
+  // Why not cuStreamGetDevice (one call): on a capturing stream it invalidates the capture
+  // (measured on an H100, driver 13.0: every captured op then failed). cuStreamGetCtx, which
+  // every launch asks anyway (launch_function), does not.
+  CUcontext stream_context = nullptr;
+  CUcontext current = nullptr;
+  if (api.cuStreamGetCtx(stream, &stream_context) != CUDA_SUCCESS ||
+      api.cuCtxGetCurrent(&current) != CUDA_SUCCESS || stream_context == current) {
+    return;
+  }
+  // Another context: its device, asked with it current for the query (cuCtxGetDevice's
+  // pre-13.0 form, which every driver has), then the caller's context current again.
+  if (api.cuCtxPushCurrent(stream_context) != CUDA_SUCCESS) return;
   CUdevice of_stream = -1;
-  if (api.cuStreamGetDevice(stream, &of_stream) != CUDA_SUCCESS || of_stream == device) return;
+  const CUresult asked = api.cuCtxGetDevice(&of_stream);
+  CUcontext popped = nullptr;
+  if (api.cuCtxPopCurrent(&popped) != CUDA_SUCCESS || popped != stream_context) {
+    throw Error(ErrorCode::kDriver, std::string(op) +
+                                        ": stream: asking the device of the "
+                                        "stream's context left another context "
+                                        "current (cuCtxPopCurrent)");
+  }
+  if (asked != CUDA_SUCCESS || of_stream == device) return;
   const std::string ours = std::to_string(device);
   throw Error(ErrorCode::kInvalidArgument,
               std::string(op) + ": stream: expected a stream of device " + ours +

@@ -25,9 +25,10 @@ namespace moejit::detail {
 // `device`, the current context's, which the op checks its tensors against: launched there, its
 // kernels would read this device's pointers on that one (an illegal address, which breaks that
 // device's context). The default streams (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are the
-// current context's; a stream of another context of the same device (a green context's too)
-// passes; a stream the driver can't read is left to the capture query and the launch, which name
-// it. One driver call (cuStreamGetDevice, which never makes the stream's context current).
+// current context's; a stream of another context of the same device passes; a stream the driver
+// can't read is left to the capture query and the launch, which name it. Two driver calls where
+// the stream is the current context's (the common case); for another context's, its device is
+// asked with that context pushed current for the query.
 void check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device);
 
 // Runtime::current_device for an op, and the caller's stream checked against it

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
@@ -66,26 +67,45 @@ std::string capture_error(const DriverApi& api, const moejit::KernelSpec& spec, 
   return "";
 }
 
-// The fake driver's streams: 0x1000 and 0x2000 are device 0's (two contexts of it), 0x3000
-// device 1's; any other is a handle it can't read. It counts its queries.
-int g_stream_queries = 0;
+// The fake driver's contexts: two on device 0 (ids 1, 2), one on device 1 (id 3); its streams
+// name their context by address (0x1000 * id). Push and pop keep a stack.
+struct FakeContexts {
+  std::vector<std::uintptr_t> stack{1};  // the top is current
+  int pushes = 0;
+  bool push_fails = false;
+} g_contexts;
 
-CUresult fake_stream_device(CUstream stream, CUdevice* device) {
-  ++g_stream_queries;
-  switch (reinterpret_cast<std::uintptr_t>(stream)) {
-    case 0x1000:
-    case 0x2000:
-      *device = 0;
-      return CUDA_SUCCESS;
-    case 0x3000:
-      *device = 1;
-      return CUDA_SUCCESS;
-    default:
-      return CUDA_ERROR_INVALID_HANDLE;
-  }
+CUcontext context_of(std::uintptr_t id) { return reinterpret_cast<CUcontext>(id); }
+
+CUresult fake_stream_context(CUstream stream, CUcontext* context) {
+  const auto id = reinterpret_cast<std::uintptr_t>(stream) / 0x1000;
+  if (id < 1 || id > 3) return CUDA_ERROR_INVALID_HANDLE;
+  *context = context_of(id);
+  return CUDA_SUCCESS;
+}
+CUresult fake_current(CUcontext* context) {
+  *context = context_of(g_contexts.stack.back());
+  return CUDA_SUCCESS;
+}
+CUresult fake_push(CUcontext context) {
+  if (g_contexts.push_fails) return CUDA_ERROR_INVALID_CONTEXT;
+  ++g_contexts.pushes;
+  g_contexts.stack.push_back(reinterpret_cast<std::uintptr_t>(context));
+  return CUDA_SUCCESS;
+}
+CUresult fake_pop(CUcontext* context) {
+  *context = context_of(g_contexts.stack.back());
+  g_contexts.stack.pop_back();
+  return CUDA_SUCCESS;
+}
+CUresult fake_device(CUdevice* device) {
+  *device = g_contexts.stack.back() == 3 ? 1 : 0;
+  return CUDA_SUCCESS;
 }
 
-CUstream stream_at(std::uintptr_t address) { return reinterpret_cast<CUstream>(address); }
+CUstream stream_in(std::uintptr_t context_id) {
+  return reinterpret_cast<CUstream>(context_id * 0x1000);
+}
 
 // The message check_stream_device throws (empty when it throws none).
 std::string stream_error(const DriverApi& api, CUstream stream, int device) {
@@ -178,27 +198,64 @@ TEST_CASE("driver: the peak DRAM rate is twice the memory clock times the bus wi
 
 TEST_CASE("driver: an op's stream must be of the current context's device", "[driver]") {
   DriverApi api;
-  api.cuStreamGetDevice = &fake_stream_device;
-  g_stream_queries = 0;
+  api.cuStreamGetCtx = &fake_stream_context;
+  api.cuCtxGetCurrent = &fake_current;
+  api.cuCtxPushCurrent = &fake_push;
+  api.cuCtxPopCurrent = &fake_pop;
+  api.cuCtxGetDevice = &fake_device;
+  g_contexts = FakeContexts{};  // context 1 (device 0) current
 
   // The default streams are the current context's: no driver call at all.
   DriverApi none;
   for (CUstream stream : {static_cast<CUstream>(nullptr), CU_STREAM_LEGACY, CU_STREAM_PER_THREAD}) {
     CHECK(stream_error(none, stream, 0).empty());
   }
-  // Streams of the op's device pass, whichever context of it they belong to: one query each.
-  CHECK(stream_error(api, stream_at(0x1000), 0).empty());
-  CHECK(stream_error(api, stream_at(0x2000), 0).empty());
-  CHECK(g_stream_queries == 2);
-  // A stream of device 1 for an op on device 0: refused by name, before anything launches.
-  CHECK(stream_error(api, stream_at(0x3000), 0) ==
+  // The current context's stream, and another context's of the same device, pass; the query of
+  // the other context leaves the caller's current.
+  CHECK(stream_error(api, stream_in(1), 0).empty());
+  CHECK(g_contexts.pushes == 0);
+  CHECK(stream_error(api, stream_in(2), 0).empty());
+  CHECK(g_contexts.pushes == 1);
+  CHECK(g_contexts.stack == std::vector<std::uintptr_t>{1});
+  // A stream of device 1 for an op on device 0: refused by name, nothing launched.
+  const std::string message = stream_error(api, stream_in(3), 0);
+  CHECK(message ==
         "moe_forward: stream: expected a stream of device 0 (the current context's, which the "
         "tensors are checked against), found a stream of device 1: make the stream's device "
         "current, or pass a stream of device 0");
-  // The other way round.
-  CHECK(stream_error(api, stream_at(0x3000), 1).empty());
-  CHECK(stream_error(api, stream_at(0x1000), 1).find("found a stream of device 0") !=
-        std::string::npos);
+  CHECK(g_contexts.stack == std::vector<std::uintptr_t>{1});
+  // With device 1's context current, its stream passes and device 0's is refused.
+  g_contexts.stack = {3};
+  CHECK(stream_error(api, stream_in(3), 1).empty());
+  CHECK(stream_error(api, stream_in(1), 1).find("found a stream of device 0") != std::string::npos);
   // What the driver can't answer is left to the capture query and the launch, which name it.
-  CHECK(stream_error(api, stream_at(0x9000), 1).empty());
+  CHECK(stream_error(api, reinterpret_cast<CUstream>(0x9000), 1).empty());
+  g_contexts.push_fails = true;
+  CHECK(stream_error(api, stream_in(1), 1).empty());
+  CHECK(g_contexts.stack == std::vector<std::uintptr_t>{3});
+}
+
+TEST_CASE("driver: the stream check fails loudly if the caller's context is not restored",
+          "[driver]") {
+  DriverApi api;
+  api.cuStreamGetCtx = &fake_stream_context;
+  api.cuCtxGetCurrent = &fake_current;
+  api.cuCtxPushCurrent = &fake_push;
+  api.cuCtxGetDevice = &fake_device;
+  // A pop that hands back another context than the one pushed.
+  api.cuCtxPopCurrent = [](CUcontext* context) {
+    *context = context_of(2);
+    g_contexts.stack.pop_back();
+    return CUDA_SUCCESS;
+  };
+  g_contexts = FakeContexts{};
+  try {
+    check_stream_device("moe_forward", api, stream_in(3), 0);
+    FAIL("a pop of the wrong context passed");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kDriver);
+    CHECK(std::string(e.what()) ==
+          "moe_forward: stream: asking the device of the stream's context left another context "
+          "current (cuCtxPopCurrent)");
+  }
 }
