@@ -641,8 +641,8 @@ class MoeLayer:
         closed."""
         self._handle = None
 
-    # Why no copies: a deep copy would put the handle's address in a second _Handle, and each would
-    # destroy it; a layer is one library handle: share the object.
+    # Why no copies: a layer is one library handle, which a copy would share (or, deep, try to
+    # duplicate, which _Handle refuses): share the object.
     def __copy__(self):
         raise TypeError("MoeLayer can't be copied: it owns a library handle; share the object")
 
