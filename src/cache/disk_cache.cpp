@@ -242,8 +242,8 @@ void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
   if (!fd.ok() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
   // Why check the path still names the locked file: another gc may have unlinked it after this
   // one opened it, and a process may have locked a new file at the path since.
-  struct stat held {
-  }, at_path{};
+  struct stat held {};
+  struct stat at_path {};
   if (::fstat(fd.get(), &held) == 0 && ::lstat(file.path.c_str(), &at_path) == 0 &&
       held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
     ::unlink(file.path.c_str());
