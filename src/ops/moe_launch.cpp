@@ -91,20 +91,17 @@ void check_stream_device(const char* op, const DriverApi& api, CUstream stream, 
   CUcontext popped = nullptr;
   if (api.cuCtxPopCurrent(&popped) != CUDA_SUCCESS || popped != stream_context) {
     throw Error(ErrorCode::kDriver, std::string(op) +
-                                        ": stream: asking the device of the "
-                                        "stream's context left another context "
-                                        "current (cuCtxPopCurrent)");
+                                        ": stream: asking the device of the stream's context left "
+                                        "another context current (cuCtxPopCurrent)");
   }
   if (asked != CUDA_SUCCESS || of_stream == device) return;
-  const std::string ours = std::to_string(device);
+  const std::string ours = "device " + std::to_string(device);
   throw Error(ErrorCode::kInvalidArgument,
-              std::string(op) + ": stream: expected a stream of device " + ours +
+              std::string(op) + ": stream: expected a stream of " + ours +
                   " (the current context's, which the tensors are checked against), found a "
                   "stream of device " +
                   std::to_string(of_stream) +
-                  ": make the stream's device current, or pass a "
-                  "stream of device " +
-                  ours);
+                  ": make the stream's device current, or pass a stream of " + ours);
 }
 
 CUfunction launch_function(CUkernel kernel, CUstream stream) {

@@ -692,18 +692,40 @@ TEST_CASE("gc evicts least recently used entries down to the limit", "[cache]") 
   CHECK(cache.list(false).empty());
 }
 
+// What writers and lockers leave in a cache, next to the entry of `key` (stored here): a fresh
+// temp file (maybe a live writer's) and a stale one in its shard, an idle lock file of `key` and
+// a lock of `held_key` still held, both older than kStaleTempSeconds.
+struct Leftovers {
+  std::string fresh, stale, idle_lock, held_lock;
+  DiskCache::Lock held;
+};
+Leftovers plant_leftovers(const DiskCache& cache, const std::string& dir, const std::string& key,
+                          const std::string& held_key) {
+  Leftovers l;
+  REQUIRE(cache.store(make_entry(key, 1000, 1)));
+  const std::string shard = fs::path(cache.entry_path(key)).parent_path().string();
+  l.fresh = shard + "/." + key + ".1.aaaa.tmp";
+  l.stale = shard + "/." + key + ".2.bbbb.tmp";
+  write_file(l.fresh, "partial");
+  write_file(l.stale, "partial");
+  set_mtime(l.stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  { auto lock = cache.lock(key); }
+  l.idle_lock = dir + "/locks/" + key + ".lock";
+  REQUIRE(fs::exists(l.idle_lock));
+  set_mtime(l.idle_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  l.held = cache.lock(held_key);
+  REQUIRE(l.held.held());
+  l.held_lock = dir + "/locks/" + held_key + ".lock";
+  set_mtime(l.held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  return l;
+}
+
 TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/cache";
   DiskCache cache(dir, CacheMode::kReadWrite);
   const std::string key = key_for("temps");
-  REQUIRE(cache.store(make_entry(key, 1000, 1)));
-  const std::string shard = fs::path(cache.entry_path(key)).parent_path().string();
-  const std::string fresh = shard + "/." + key + ".1.aaaa.tmp";
-  const std::string stale = shard + "/." + key + ".2.bbbb.tmp";
-  write_file(fresh, "partial");
-  write_file(stale, "partial");
-  set_mtime(stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  const Leftovers left = plant_leftovers(cache, dir, key, key_for("held"));
   // In the cache root: an older build's toolkit stamp (a leftover, removed whatever its age), a
   // stamp's temp left by a killed writer, and a file that only looks like a stamp (kept).
   const std::string old_stamp = dir + "/toolkit-0123456789abcdef0123456789abcdef.json";
@@ -717,27 +739,18 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
 
   // Temp files are never entries.
   REQUIRE(cache.list(true).size() == 1);
-  { auto lock = cache.lock(key); }
-  const std::string idle_lock = dir + "/locks/" + key + ".lock";
-  REQUIRE(fs::exists(idle_lock));
-  CHECK(mode_of(idle_lock) == 0600);
-  set_mtime(idle_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
-  const std::string held_key = key_for("held");
-  DiskCache::Lock held = cache.lock(held_key);
-  REQUIRE(held.held());
-  const std::string held_lock = dir + "/locks/" + held_key + ".lock";
-  set_mtime(held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  CHECK(mode_of(left.idle_lock) == 0600);
 
   auto report = cache.gc(UINT64_MAX);
   CHECK(report.stale_temp_removed == 3);
   CHECK(report.removed == 0);
-  CHECK(fs::exists(fresh));
-  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(left.fresh));
+  CHECK_FALSE(fs::exists(left.stale));
   CHECK_FALSE(fs::exists(stale_stamp_temp));
   CHECK_FALSE(fs::exists(old_stamp));
   CHECK(fs::exists(stamp));
-  CHECK_FALSE(fs::exists(idle_lock));
-  CHECK(fs::exists(held_lock));
+  CHECK_FALSE(fs::exists(left.idle_lock));
+  CHECK(fs::exists(left.held_lock));
   CHECK(cache.load(key).has_value());
 
   // clear takes older builds' stamps with the entries.
@@ -1028,21 +1041,7 @@ TEST_CASE("clear also takes stale temp files and idle lock files, as gc would", 
   const std::string dir = tmp.path() + "/cache";
   DiskCache cache(dir, CacheMode::kReadWrite);
   const std::string key = key_for("clear-leftovers");
-  REQUIRE(cache.store(make_entry(key, 1000, 1)));
-  const std::string shard = fs::path(cache.entry_path(key)).parent_path().string();
-  const std::string fresh = shard + "/." + key + ".1.aaaa.tmp";  // maybe a live writer's
-  const std::string stale = shard + "/." + key + ".2.bbbb.tmp";
-  write_file(fresh, "partial");
-  write_file(stale, "partial");
-  set_mtime(stale, now_unix() - DiskCache::kStaleTempSeconds - 60);
-  { auto lock = cache.lock(key); }
-  const std::string idle_lock = dir + "/locks/" + key + ".lock";
-  set_mtime(idle_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
-  const std::string held_key = key_for("clear-held");
-  DiskCache::Lock held = cache.lock(held_key);
-  REQUIRE(held.held());
-  const std::string held_lock = dir + "/locks/" + held_key + ".lock";
-  set_mtime(held_lock, now_unix() - DiskCache::kStaleTempSeconds - 60);
+  const Leftovers left = plant_leftovers(cache, dir, key, key_for("clear-held"));
 
   const auto report = cache.clear();
   CHECK(report.removed == 1);
@@ -1050,10 +1049,10 @@ TEST_CASE("clear also takes stale temp files and idle lock files, as gc would", 
   CHECK(report.not_removed == 0);
   CHECK(report.unreadable.empty());
   CHECK_FALSE(fs::exists(cache.entry_path(key)));
-  CHECK(fs::exists(fresh));
-  CHECK_FALSE(fs::exists(stale));
-  CHECK_FALSE(fs::exists(idle_lock));
-  CHECK(fs::exists(held_lock));
+  CHECK(fs::exists(left.fresh));
+  CHECK_FALSE(fs::exists(left.stale));
+  CHECK_FALSE(fs::exists(left.idle_lock));
+  CHECK(fs::exists(left.held_lock));
 }
 
 TEST_CASE("a lock file others can write is not waited on", "[cache]") {
