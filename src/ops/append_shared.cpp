@@ -33,7 +33,8 @@ std::string dims(int64_t rows, int64_t cols) {
 void append_shared(const AppendSharedArgs& args, Stream stream) {
   using detail::Matrix;
   detail::Runtime& runtime = detail::Runtime::instance();
-  const detail::CurrentDevice device = detail::op_device(kOp, runtime, stream);
+  const detail::OpTarget target = detail::op_target(kOp, runtime, stream);
+  const detail::CurrentDevice& device = target.device;
 
   const Matrix ids = detail::check_matrix(kOp, "topk_ids", args.topk_ids, device.ordinal);
   if (ids.dtype != DType::kI32 && ids.dtype != DType::kI64) {
@@ -197,7 +198,7 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
   int num_tokens = static_cast<int>(tokens);
   void* kernel_args[] = {&topk_ids_ptr, &topk_weights_ptr, &logits_ptr,  &out_ids_ptr,
                          &out_weights_ptr, &shared_base,    &scale,       &num_tokens};
-  detail::launch_moe_kernel(kOp, spec, kernel, geometry, true, stream, kernel_args);
+  detail::launch_moe_kernel(kOp, spec, kernel, geometry, true, target.stream, kernel_args);
 }
 
 }  // namespace moejit

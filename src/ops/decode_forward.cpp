@@ -146,9 +146,11 @@ std::uint32_t dram_bytes_per_us(int ordinal) {
   return DeviceFacts::instance().dram_bytes_per_us(ordinal);
 }
 
-void launch_decode_moe(const char* op, const MoeDecodeParams& main, const CurrentDevice& device,
-                       const kern::moe::decode::DecodeMoeParams& args, CUstream stream) {
+void launch_decode_moe(const char* op, const MoeDecodeParams& main, const OpTarget& target,
+                       const kern::moe::decode::DecodeMoeParams& args) {
   Runtime& runtime = Runtime::instance();
+  const CurrentDevice& device = target.device;
+  const CUstream stream = target.stream.handle;
   const KernelSpec reset_spec = decode_moe_spec(decode_reset_params(main), device.arch);
   const KernelSpec main_spec = decode_moe_spec(main, device.arch);
   const KernelSpec combine_spec = decode_moe_spec(decode_combine_params(main), device.arch);
@@ -170,13 +172,13 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
   // touching the counters.
   LaunchShape reset_shape;
   reset_shape.block = static_cast<unsigned>(kDecodeThreads);
-  launch_moe_kernel(op, reset_spec, reset_kernel, reset_shape, true, stream, kernel_args);
+  launch_moe_kernel(op, reset_spec, reset_kernel, reset_shape, true, target.stream, kernel_args);
 
   LaunchShape main_shape;
   main_shape.grid_x = static_cast<unsigned>(sms * decode_moe_blocks_per_sm(main));
   main_shape.block = static_cast<unsigned>(kDecodeThreads);
   main_shape.smem = static_cast<unsigned>(smem);
-  launch_moe_kernel(op, main_spec, main_kernel, main_shape, true, stream, kernel_args);
+  launch_moe_kernel(op, main_spec, main_kernel, main_shape, true, target.stream, kernel_args);
 
   // The top-k sum over the whole GPU: the main kernel lets it launch once every CTA of it runs,
   // and it waits for that grid before it reads a row.
@@ -187,12 +189,15 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
       static_cast<unsigned>((combine_threads + kern::moe::decode::kCombineThreads - 1) /
                             kern::moe::decode::kCombineThreads);
   combine_shape.block = static_cast<unsigned>(kern::moe::decode::kCombineThreads);
-  launch_moe_kernel(op, combine_spec, combine_kernel, combine_shape, true, stream, kernel_args);
+  launch_moe_kernel(op, combine_spec, combine_kernel, combine_shape, true, target.stream,
+                    kernel_args);
 }
 
-void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
-                        const kern::moe::decode::DecodePairParams& args, CUstream stream) {
+void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const OpTarget& target,
+                        const kern::moe::decode::DecodePairParams& args) {
   Runtime& runtime = Runtime::instance();
+  const CurrentDevice& device = target.device;
+  const CUstream stream = target.stream.handle;
   const MoeDecodeParams fc2 = decode_pair_fc2_params(fc1);
   const KernelSpec fc1_spec = decode_moe_spec(fc1, device.arch);
   const KernelSpec fc2_spec = decode_moe_spec(fc2, device.arch);
@@ -216,13 +221,13 @@ void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const Curren
   fc1_shape.grid_x = static_cast<unsigned>(sms);
   fc1_shape.block = static_cast<unsigned>(kDecodePairFc1Threads);
   fc1_shape.smem = static_cast<unsigned>(fc1_smem);
-  launch_moe_kernel(op, fc1_spec, fc1_kernel, fc1_shape, true, stream, kernel_args);
+  launch_moe_kernel(op, fc1_spec, fc1_kernel, fc1_shape, true, target.stream, kernel_args);
 
   LaunchShape fc2_shape;
   fc2_shape.grid_x = static_cast<unsigned>(decode_pair_geometry(fc2).fc2_grid(sms));
   fc2_shape.block = static_cast<unsigned>(kDecodePairFc2Threads);
   fc2_shape.smem = static_cast<unsigned>(fc2_smem);
-  launch_moe_kernel(op, fc2_spec, fc2_kernel, fc2_shape, true, stream, kernel_args);
+  launch_moe_kernel(op, fc2_spec, fc2_kernel, fc2_shape, true, target.stream, kernel_args);
 }
 
 }  // namespace moejit::detail

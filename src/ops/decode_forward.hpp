@@ -13,6 +13,7 @@
 #include <moejit/kern/moe/decode_params.cuh>
 
 #include "moejit/kernel_spec.hpp"
+#include "ops/moe_launch.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace moejit::detail {
@@ -36,14 +37,14 @@ void encode_decode_weight_maps(const char* op, const MoeDecodeParams& main, cons
                                kern::moe::decode::DecodeMoeParams& args);
 
 // Launches decode_moe for `main` (a kMain spec's params; its reset and combine kernels are
-// derived) on `stream`: all three kernels are looked up (built or loaded on a miss,
+// derived) on target.stream: all three kernels are looked up (built or loaded on a miss,
 // Error{kCaptureMiss} while capturing) and the main kernel's shared memory opted into before
 // anything launches. Grid of the main kernel: multiprocessors x Geometry::blocks_per_sm(), 320
 // threads, Geometry::smem_bytes() of dynamic shared memory; of the combine, T x H /
 // kCombineColumns threads in CTAs of kCombineThreads. `args` points into the caller's buffers,
 // args.workspace at least Geometry::workspace_bytes() bytes (checked by the caller).
-void launch_decode_moe(const char* op, const MoeDecodeParams& main, const CurrentDevice& device,
-                       const kern::moe::decode::DecodeMoeParams& args, CUstream stream);
+void launch_decode_moe(const char* op, const MoeDecodeParams& main, const OpTarget& target,
+                       const kern::moe::decode::DecodeMoeParams& args);
 
 // Launches the two-launch tile for `fc1` (a kPairFc1 spec's params; its kPairFc2 is derived):
 // both kernels looked up first, shared memory and the largest carveout opted into (one CTA of
@@ -51,7 +52,7 @@ void launch_decode_moe(const char* op, const MoeDecodeParams& main, const Curren
 // PairGeometry::fc2_grid CTAs of 288 threads; both under programmatic dependent launch (each
 // waits for the grid before it). args.inter at least PairGeometry::workspace_bytes() bytes
 // (checked by the caller); args.dram_bytes_per_us is set here (dram_bytes_per_us).
-void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const CurrentDevice& device,
-                        const kern::moe::decode::DecodePairParams& args, CUstream stream);
+void launch_decode_pair(const char* op, const MoeDecodeParams& fc1, const OpTarget& target,
+                        const kern::moe::decode::DecodePairParams& args);
 
 }  // namespace moejit::detail

@@ -123,7 +123,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     if (!reason.empty()) throw_decode_refused(reason);
   }
   detail::Runtime& runtime = detail::Runtime::instance();
-  const detail::CurrentDevice device = detail::op_device(kOp, runtime, stream);
+  const detail::OpTarget target = detail::op_target(kOp, runtime, stream);
+  const detail::CurrentDevice& device = target.device;
   const int64_t hidden_size = shape.hidden;
   const int64_t top_k = shape.top_k;
 
@@ -258,7 +259,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     params.inter = static_cast<kern::moe::u16*>(args.workspace);
     params.num_tokens = t;
     params.expert_offset = shape.expert_offset;
-    detail::launch_decode_pair(kOp, config.decode_first, device, params, stream);
+    detail::launch_decode_pair(kOp, config.decode_first, target, params);
     return;
   }
   // Why not kAuto's own choice: kAuto takes decode_moe in the two-launch tile (decode_by_default),
@@ -283,7 +284,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
       params.workspace = static_cast<kern::moe::u8*>(args.workspace);
       params.num_tokens = t;
       params.expert_offset = shape.expert_offset;
-      detail::launch_decode_moe(kOp, main, device, params, stream);
+      detail::launch_decode_moe(kOp, main, target, params);
       return;
     }
     if (forced_decode) {
@@ -339,7 +340,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     detail::LaunchShape geometry;
     geometry.block = static_cast<unsigned>(config.narrow.block_threads);
     geometry.grid_x = ceil_div_u(static_cast<uint64_t>(rows), geometry.block);
-    detail::launch_moe_kernel(kOp, specs.narrow, narrow_kernel, geometry, true, stream,
+    detail::launch_moe_kernel(kOp, specs.narrow, narrow_kernel, geometry, true, target.stream,
                               narrow_args);
     ids32 = narrow_out;
   }
@@ -373,8 +374,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
       geometry.grid_x = kind == RouteKernel::kRank      ? chunks
                         : kind == RouteKernel::kScatter ? scatter_ctas
                                                         : 1u;
-      detail::launch_moe_kernel(kOp, specs.route[i], route_kernels[i], geometry, true, stream,
-                                route_args);
+      detail::launch_moe_kernel(kOp, specs.route[i], route_kernels[i], geometry, true,
+                                target.stream, route_args);
     }
   }
 
@@ -434,7 +435,8 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
   }
   {
     void* fc1_args[] = {&fc1, &fc1_chain};
-    detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, fc1_geometry, true, stream, fc1_args);
+    detail::launch_moe_kernel(kOp, specs.fc1, fc1_kernel, fc1_geometry, true, target.stream,
+                              fc1_args);
   }
 
   // 4. FC2: W2 x inter -> (+ bias) * top-k weight -> out2 (weights streamed early under PDL).
@@ -462,7 +464,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     // K splits: k_splits CTAs per M tile along x (moe_gemm.cuh), each writing its own set of
     // blocks * block_n rows of out2 (moe_workspace_layout sized k_splits sets).
     geometry.grid_x *= static_cast<unsigned>(specs.fc2_params.k_splits);
-    detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, stream, fc2_args);
+    detail::launch_moe_kernel(kOp, specs.fc2, fc2_kernel, geometry, true, target.stream, fc2_args);
   }
 
   // 5. combine: out[t] = bf16(sum over slots of the FC2 rows), in slot order.
@@ -480,7 +482,7 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     geometry.block = static_cast<unsigned>(config.combine.block_threads);
     geometry.grid_x = ceil_div_u(
         static_cast<uint64_t>(tokens) * static_cast<uint64_t>(hidden_size / 8), geometry.block);
-    detail::launch_moe_kernel(kOp, specs.combine, combine_kernel, geometry, true, stream,
+    detail::launch_moe_kernel(kOp, specs.combine, combine_kernel, geometry, true, target.stream,
                               combine_args);
   }
 }

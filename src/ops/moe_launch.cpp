@@ -72,20 +72,23 @@ void rethrow_for_op(const char* op) {
   }
 }
 
-void check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device) {
-  if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return;
-  // Why not cuStreamGetDevice (one call): on a capturing stream it invalidates the capture
-  // (measured on an H100, driver 13.0: every captured op then failed). cuStreamGetCtx, which
-  // every launch asks anyway (launch_function), does not.
-  CUcontext stream_context = nullptr;
+OpStream check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device) {
+  OpStream out;
+  out.handle = stream;
   CUcontext current = nullptr;
-  if (api.cuStreamGetCtx(stream, &stream_context) != CUDA_SUCCESS ||
-      api.cuCtxGetCurrent(&current) != CUDA_SUCCESS || stream_context == current) {
-    return;
-  }
+  if (api.cuCtxGetCurrent(&current) != CUDA_SUCCESS) return out;
+  // Why not cuStreamGetDevice (one call): on a capturing stream it invalidates the capture
+  // (measured on an H100, driver 13.0: every captured op then failed). cuStreamGetCtx does not.
+  CUcontext stream_context = current;
+  const bool default_stream =
+      stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD;
+  if (!default_stream && api.cuStreamGetCtx(stream, &stream_context) != CUDA_SUCCESS) return out;
+  if (api.cuCtxGetId(stream_context, &out.context_id) != CUDA_SUCCESS) out.context_id = 0;
+  out.context_current = stream_context == current;
+  if (out.context_current) return out;
   // Another context: its device, asked with it current for the query (cuCtxGetDevice's
   // pre-13.0 form, which every driver has), then the caller's context current again.
-  if (api.cuCtxPushCurrent(stream_context) != CUDA_SUCCESS) return;
+  if (api.cuCtxPushCurrent(stream_context) != CUDA_SUCCESS) return out;
   CUdevice of_stream = -1;
   const CUresult asked = api.cuCtxGetDevice(&of_stream);
   CUcontext popped = nullptr;
@@ -94,7 +97,7 @@ void check_stream_device(const char* op, const DriverApi& api, CUstream stream, 
                                         ": stream: asking the device of the stream's context left "
                                         "another context current (cuCtxPopCurrent)");
   }
-  if (asked != CUDA_SUCCESS || of_stream == device) return;
+  if (asked != CUDA_SUCCESS || of_stream == device) return out;
   const std::string ours = "device " + std::to_string(device);
   throw Error(ErrorCode::kInvalidArgument,
               std::string(op) + ": stream: expected a stream of " + ours +
@@ -104,14 +107,15 @@ void check_stream_device(const char* op, const DriverApi& api, CUstream stream, 
                   ": make the stream's device current, or pass a stream of " + ours);
 }
 
-CUfunction launch_function(CUkernel kernel, CUstream stream) {
+CUfunction launch_function(CUkernel kernel, const OpStream& stream) {
   // Why: cuLaunchKernelEx given a CUkernel finds its function in the stream's context on every
   // launch, which cost 0.15-0.3 us a launch more than the function itself on the H200; with this
   // table the library's time over bare launches fell from 0.8-2.3 to 0.4-0.9 us a moe_forward
   // call on an H100 machine (tools/PERF_LOG.md "each kernel launched through its function").
   // Why the context's id (cuCtxGetId, unique for the life of the process) and not its handle: a
   // context created after another was destroyed may reuse the handle, and the old context's
-  // functions are gone. Why per thread: no lock on the launch path.
+  // functions are gone. Why per thread: no lock on the launch path. Why the id from the op's
+  // stream check: it asked the driver once for every launch of the op.
   struct Key {
     CUkernel kernel;
     unsigned long long context;
@@ -130,21 +134,14 @@ CUfunction launch_function(CUkernel kernel, CUstream stream) {
   // Every failure below leaves the launch to the CUkernel, as the driver takes it: a real
   // problem (no context, a bad stream) is then reported by the launch, with the op and geometry.
   const auto as_kernel = reinterpret_cast<CUfunction>(kernel);
-  const DriverApi& api = driver();
-  CUcontext context = nullptr;
-  Key key{kernel, 0};
-  if (api.cuStreamGetCtx(stream, &context) != CUDA_SUCCESS ||
-      api.cuCtxGetId(context, &key.context) != CUDA_SUCCESS) {
-    return as_kernel;
-  }
+  if (stream.context_id == 0) return as_kernel;
+  const Key key{kernel, stream.context_id};
   const auto it = functions.find(key);
   if (it != functions.end()) return it->second;
   // cuKernelGetFunction answers for the current context; a stream of another one keeps the
   // CUkernel (the driver launches it in the stream's context).
-  CUcontext current = nullptr;
   CUfunction function = nullptr;
-  if (api.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current != context ||
-      api.cuKernelGetFunction(&function, kernel) != CUDA_SUCCESS) {
+  if (!stream.context_current || driver().cuKernelGetFunction(&function, kernel) != CUDA_SUCCESS) {
     return as_kernel;
   }
   if (functions.size() >= kMaxFunctions) functions.clear();
@@ -153,7 +150,7 @@ CUfunction launch_function(CUkernel kernel, CUstream stream) {
 }
 
 void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
-                       const LaunchShape& shape, bool pdl, CUstream stream, void** args) {
+                       const LaunchShape& shape, bool pdl, const OpStream& stream, void** args) {
   CUlaunchAttribute attribute{};
   attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attribute.value.programmaticStreamSerializationAllowed = 1;
@@ -166,7 +163,7 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
   config.blockDimY = 1;
   config.blockDimZ = 1;
   config.sharedMemBytes = shape.smem;
-  config.hStream = stream;
+  config.hStream = stream.handle;
   config.attrs = use_pdl ? &attribute : nullptr;
   config.numAttrs = use_pdl ? 1 : 0;
   const CUresult result =
@@ -176,7 +173,7 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
     os << op << ": launching " << spec.display_name() << " (grid " << shape.grid_x << 'x'
        << shape.grid_y << 'x' << shape.grid_z << ", block " << shape.block
        << ", dynamic shared memory " << shape.smem << " bytes) on stream "
-       << static_cast<const void*>(stream) << " failed: " << describe(result);
+       << static_cast<const void*>(stream.handle) << " failed: " << describe(result);
     throw Error(ErrorCode::kDriver, os.str());
   }
 }

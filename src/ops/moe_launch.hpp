@@ -21,28 +21,45 @@ namespace moejit::detail {
 // inside a catch block of moejit::Error.
 [[noreturn]] void rethrow_for_op(const char* op);
 
+// The caller's stream as an op's launches use it, asked of the driver once per op
+// (check_stream_device): its context's id, which each launch finds its kernel's function by
+// (launch_function), and whether that context is the current one. context_id 0: the driver
+// could not say, and the launches go through the CUkernel (the driver then names what is wrong).
+struct OpStream {
+  CUstream handle = nullptr;
+  unsigned long long context_id = 0;
+  bool context_current = false;
+};
+
 // Refuses (Error{kInvalidArgument}, "<op>: stream: ...") a stream of another device than
 // `device`, the current context's, which the op checks its tensors against: launched there, its
 // kernels would read this device's pointers on that one (an illegal address, which breaks that
 // device's context). The default streams (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are the
 // current context's; a stream of another context of the same device passes; a stream the driver
-// can't read is left to the capture query and the launch, which name it. Two driver calls where
-// the stream is the current context's (the common case); for another context's, its device is
-// asked with that context pushed current for the query.
-void check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device);
+// can't read is left to the capture query and the launch, which name it. Returns the stream as
+// the op's launches use it. Three driver calls where the stream is the current context's (the
+// common case; two for a default stream); for another context's, its device is asked with that
+// context pushed current for the query.
+OpStream check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device);
+
+// What an op runs on: the current context's device and the caller's stream, checked against it.
+struct OpTarget {
+  CurrentDevice device;
+  OpStream stream;
+};
 
 // Runtime::current_device for an op, and the caller's stream checked against it
 // (check_stream_device): no usable context (or no driver) is refused under the op's name, as
 // op_kernel's errors are.
-inline CurrentDevice op_device(const char* op, Runtime& runtime, CUstream stream) {
-  CurrentDevice device;
+inline OpTarget op_target(const char* op, Runtime& runtime, CUstream stream) {
+  OpTarget target;
   try {
-    device = runtime.current_device();
+    target.device = runtime.current_device();
   } catch (const Error&) {
     rethrow_for_op(op);
   }
-  check_stream_device(op, driver(), stream, device.ordinal);
-  return device;
+  target.stream = check_stream_device(op, driver(), stream, target.device.ordinal);
+  return target;
 }
 
 // Runtime::kernel for an op: a kernel it can't have (a failed compile, a capture miss, a driver
@@ -68,14 +85,15 @@ struct LaunchShape {
 // The handle to launch `kernel` on `stream` through: its function in the stream's context
 // (cuKernelGetFunction), kept per thread and context, where that context is current; else the
 // CUkernel itself (the driver then finds the function in the stream's context at each launch).
-CUfunction launch_function(CUkernel kernel, CUstream stream);
+// No driver call once the function is kept.
+CUfunction launch_function(CUkernel kernel, const OpStream& stream);
 
 // Launches `kernel` on `stream`, through its function in the stream's context (launch_function).
 // `pdl`: the kernel starts with griddepcontrol.wait, so it may be scheduled while the previous
 // kernel drains (the attribute is set on sm_90+ only). Throws Error{kDriver} naming the op, the
 // kernel and the geometry.
 void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
-                       const LaunchShape& shape, bool pdl, CUstream stream, void** args);
+                       const LaunchShape& shape, bool pdl, const OpStream& stream, void** args);
 
 // Lets `kernel` use `bytes` of dynamic shared memory on device `device` (cuKernelSetAttribute,
 // needed above 48 KB). The first call per (kernel, device) sets it; later ones are a table read.

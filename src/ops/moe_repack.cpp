@@ -46,6 +46,7 @@ std::string extents(std::initializer_list<int64_t> values) {
 struct RepackContext {
   detail::Runtime& runtime;
   detail::CurrentDevice device;
+  detail::OpStream stream;
   detail::MoeWeightSizes sizes;
 };
 
@@ -54,8 +55,8 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
   const std::string reason = detail::moe_shape_problem(shape);
   if (!reason.empty()) throw Error(ErrorCode::kInvalidDescriptor, std::string(op) + ": " + reason);
   detail::Runtime& runtime = detail::Runtime::instance();
-  RepackContext context{runtime, detail::op_device(op, runtime, stream),
-                        detail::moe_weight_sizes(shape)};
+  const detail::OpTarget on = detail::op_target(op, runtime, stream);
+  RepackContext context{runtime, on.device, on.stream, detail::moe_weight_sizes(shape)};
   // Why 16 and 4: each thread writes its lane's 16 weight bytes with one store, and lanes 4g
   // write four scale bytes with one 32-bit store.
   detail::check_device_pointer(op, "target.weights.w13", target.weights.w13, 16);
@@ -118,13 +119,13 @@ struct RepackLaunch {
 };
 
 RepackLaunch prepare_repack(const char* op, RepackContext& context, bool gate_up,
-                            const kern::moe::RepackParams& p, Stream stream) {
+                            const kern::moe::RepackParams& p) {
   RepackLaunch launch;
   launch.spec.family = Family::kRepack;
   launch.spec.arch = context.device.arch;
   launch.spec.params = detail::moe_repack_params(gate_up);
   const MoeRepackParams& params = std::get<MoeRepackParams>(launch.spec.params);
-  launch.kernel = detail::op_kernel(op, context.runtime, launch.spec, stream);
+  launch.kernel = detail::op_kernel(op, context.runtime, launch.spec, context.stream.handle);
   const uint64_t threads = static_cast<uint64_t>(p.num_experts) * static_cast<uint64_t>(p.m_atoms) *
                            static_cast<uint64_t>(p.k_atoms) * 32u;
   const uint64_t block = static_cast<uint64_t>(params.block_threads);
@@ -144,13 +145,14 @@ RepackLaunch prepare_repack(const char* op, RepackContext& context, bool gate_up
 // second can't have (a failed compile, a capture miss) or a grid over the limit must be refused
 // before the first has written half of the target.
 void launch_repacks(const char* op, RepackContext& context, const kern::moe::RepackParams& fc1,
-                    const kern::moe::RepackParams& fc2, Stream stream) {
-  RepackLaunch launches[] = {prepare_repack(op, context, true, fc1, stream),
-                             prepare_repack(op, context, false, fc2, stream)};
+                    const kern::moe::RepackParams& fc2) {
+  RepackLaunch launches[] = {prepare_repack(op, context, true, fc1),
+                             prepare_repack(op, context, false, fc2)};
   for (RepackLaunch& launch : launches) {
     void* args[] = {&launch.params};
     // Why no PDL: repack_mxfp4 does not wait on griddepcontrol; plain stream order it is.
-    detail::launch_moe_kernel(op, launch.spec, launch.kernel, launch.geometry, false, stream, args);
+    detail::launch_moe_kernel(op, launch.spec, launch.kernel, launch.geometry, false,
+                              context.stream, args);
   }
 }
 
@@ -236,7 +238,7 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
   fc1.src[0] = source(w13.data, s13.data, h, 2 * i * h / 2, h / 16, 2 * i * h / 32);
   fc1.src[1] =
       source(w13.data + h / 2, s13.data + h / 32, h, 2 * i * h / 2, h / 16, 2 * i * h / 32);
-  launch_repacks(op, context, fc1, fc2_params(shape, context, target, n, w2.data, s2.data), stream);
+  launch_repacks(op, context, fc1, fc2_params(shape, context, target, n, w2.data, s2.data));
 }
 
 void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& checkpoint,
@@ -281,7 +283,7 @@ void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& chec
   kern::moe::RepackParams fc1 = fc1_params(shape, context, target, n);
   fc1.src[0] = source(w1.data, s1.data, h / 2, i * h / 2, h / 32, i * h / 32);
   fc1.src[1] = source(w3.data, s3.data, h / 2, i * h / 2, h / 32, i * h / 32);
-  launch_repacks(op, context, fc1, fc2_params(shape, context, target, n, w2.data, s2.data), stream);
+  launch_repacks(op, context, fc1, fc2_params(shape, context, target, n, w2.data, s2.data));
 }
 
 }  // namespace moejit

@@ -20,6 +20,8 @@ using moejit::Error;
 using moejit::ErrorCode;
 using moejit::detail::check_stream_device;
 using moejit::detail::DriverApi;
+using moejit::detail::launch_function;
+using moejit::detail::OpStream;
 using moejit::detail::peak_dram_bytes_per_second;
 using moejit::detail::stream_capturing;
 
@@ -72,12 +74,15 @@ std::string capture_error(const DriverApi& api, const moejit::KernelSpec& spec, 
 struct FakeContexts {
   std::vector<std::uintptr_t> stack{1};  // the top is current
   int pushes = 0;
+  int stream_queries = 0;  // cuStreamGetCtx calls
   bool push_fails = false;
+  bool id_fails = false;
 } g_contexts;
 
 CUcontext context_of(std::uintptr_t id) { return reinterpret_cast<CUcontext>(id); }
 
 CUresult fake_stream_context(CUstream stream, CUcontext* context) {
+  ++g_contexts.stream_queries;
   const auto id = reinterpret_cast<std::uintptr_t>(stream) / 0x1000;
   if (id < 1 || id > 3) return CUDA_ERROR_INVALID_HANDLE;
   *context = context_of(id);
@@ -98,6 +103,12 @@ CUresult fake_pop(CUcontext* context) {
   g_contexts.stack.pop_back();
   return CUDA_SUCCESS;
 }
+// A context's id is its address (1, 2 or 3).
+CUresult fake_context_id(CUcontext context, unsigned long long* id) {
+  if (g_contexts.id_fails) return CUDA_ERROR_INVALID_CONTEXT;
+  *id = reinterpret_cast<std::uintptr_t>(context);
+  return CUDA_SUCCESS;
+}
 CUresult fake_device(CUdevice* device) {
   *device = g_contexts.stack.back() == 3 ? 1 : 0;
   return CUDA_SUCCESS;
@@ -107,10 +118,13 @@ CUstream stream_in(std::uintptr_t context_id) {
   return reinterpret_cast<CUstream>(context_id * 0x1000);
 }
 
-// The message check_stream_device throws (empty when it throws none).
-std::string stream_error(const DriverApi& api, CUstream stream, int device) {
+// The message check_stream_device throws (empty when it throws none); `out` gets what it returns.
+std::string stream_error(const DriverApi& api, CUstream stream, int device,
+                         OpStream* out = nullptr) {
   try {
-    check_stream_device("moe_forward", api, stream, device);
+    const OpStream checked = check_stream_device("moe_forward", api, stream, device);
+    CHECK(checked.handle == stream);
+    if (out != nullptr) *out = checked;
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kInvalidArgument);
     return e.what();
@@ -203,18 +217,25 @@ TEST_CASE("driver: an op's stream must be of the current context's device", "[dr
   api.cuCtxPushCurrent = &fake_push;
   api.cuCtxPopCurrent = &fake_pop;
   api.cuCtxGetDevice = &fake_device;
+  api.cuCtxGetId = &fake_context_id;
   g_contexts = FakeContexts{};  // context 1 (device 0) current
 
-  // The default streams are the current context's: no driver call at all.
-  DriverApi none;
+  // The default streams are the current context's: its id, without asking about the stream.
   for (CUstream stream : {static_cast<CUstream>(nullptr), CU_STREAM_LEGACY, CU_STREAM_PER_THREAD}) {
-    CHECK(stream_error(none, stream, 0).empty());
+    OpStream checked;
+    CHECK(stream_error(api, stream, 0, &checked).empty());
+    CHECK(checked.context_id == 1);
+    CHECK(checked.context_current);
   }
-  // The current context's stream, and another context's of the same device, pass; the query of
-  // the other context leaves the caller's current.
-  CHECK(stream_error(api, stream_in(1), 0).empty());
+  CHECK(g_contexts.stream_queries == 0);
+  // The current context's stream, and another context's of the same device, pass, each with its
+  // context's id; the query of the other context leaves the caller's current.
+  OpStream checked;
+  CHECK(stream_error(api, stream_in(1), 0, &checked).empty());
+  CHECK((checked.context_id == 1 && checked.context_current));
   CHECK(g_contexts.pushes == 0);
-  CHECK(stream_error(api, stream_in(2), 0).empty());
+  CHECK(stream_error(api, stream_in(2), 0, &checked).empty());
+  CHECK((checked.context_id == 2 && !checked.context_current));
   CHECK(g_contexts.pushes == 1);
   CHECK(g_contexts.stack == std::vector<std::uintptr_t>{1});
   // A stream of device 1 for an op on device 0: refused by name, nothing launched.
@@ -228,11 +249,31 @@ TEST_CASE("driver: an op's stream must be of the current context's device", "[dr
   g_contexts.stack = {3};
   CHECK(stream_error(api, stream_in(3), 1).empty());
   CHECK(stream_error(api, stream_in(1), 1).find("found a stream of device 0") != std::string::npos);
-  // What the driver can't answer is left to the capture query and the launch, which name it.
-  CHECK(stream_error(api, reinterpret_cast<CUstream>(0x9000), 1).empty());
+  // What the driver can't answer is left to the capture query and the launch, which name it;
+  // without a context id the launches go through the CUkernel.
+  CHECK(stream_error(api, reinterpret_cast<CUstream>(0x9000), 1, &checked).empty());
+  CHECK(checked.context_id == 0);
   g_contexts.push_fails = true;
-  CHECK(stream_error(api, stream_in(1), 1).empty());
+  CHECK(stream_error(api, stream_in(1), 1, &checked).empty());
+  CHECK((checked.context_id == 1 && !checked.context_current));
   CHECK(g_contexts.stack == std::vector<std::uintptr_t>{3});
+  g_contexts.push_fails = false;
+  g_contexts.id_fails = true;
+  CHECK(stream_error(api, stream_in(3), 1, &checked).empty());
+  CHECK(checked.context_id == 0);
+}
+
+TEST_CASE("driver: a launch without its context's function goes through the CUkernel", "[driver]") {
+  // No driver call on these paths (the library's driver table is never loaded here): the op's
+  // stream check found no context id, or a context that is not current (cuKernelGetFunction
+  // answers for the current one only).
+  const auto kernel = reinterpret_cast<CUkernel>(static_cast<std::uintptr_t>(0xbeef0));
+  OpStream unknown;
+  CHECK(launch_function(kernel, unknown) == reinterpret_cast<CUfunction>(kernel));
+  OpStream other;
+  other.context_id = 2;
+  other.context_current = false;
+  CHECK(launch_function(kernel, other) == reinterpret_cast<CUfunction>(kernel));
 }
 
 TEST_CASE("driver: the stream check fails loudly if the caller's context is not restored",
@@ -242,6 +283,7 @@ TEST_CASE("driver: the stream check fails loudly if the caller's context is not 
   api.cuCtxGetCurrent = &fake_current;
   api.cuCtxPushCurrent = &fake_push;
   api.cuCtxGetDevice = &fake_device;
+  api.cuCtxGetId = &fake_context_id;
   // A pop that hands back another context than the one pushed.
   api.cuCtxPopCurrent = [](CUcontext* context) {
     *context = context_of(2);
