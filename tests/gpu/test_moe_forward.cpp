@@ -1201,6 +1201,105 @@ TEST_CASE("moe repack: overlapping buffers and too many experts are refused, nam
   stream.sync();
 }
 
+// The child half of the test after it, run only by it in a process of its own, where no kernel
+// is loaded yet: FC1's repack kernel is loaded, FC2's is not, and the repack is called while its
+// stream captures. FC2's lookup is then a capture miss, refused before FC1's repack launches (a
+// launch there would have written half of the target): the capture holds no node. Prints one
+// line with what it found; outside a capture the same call then repacks.
+TEST_CASE("moe repack (child process): a capture miss on FC2's kernel launches nothing",
+          "[.][repack_capture_child]") {
+  gpu();
+  TestStream stream;
+  moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
+  moejit::KernelSpec fc1;
+  fc1.family = moejit::Family::kRepack;
+  fc1.arch = runtime.current_arch();
+  fc1.params = moejit::detail::moe_repack_params(true);
+  moejit::KernelSpec fc2 = fc1;
+  fc2.params = moejit::detail::moe_repack_params(false);
+  runtime.kernel(fc1, stream.get());  // loaded before the capture: a hit inside it
+
+  ModelShape shape = reference_shape("gpt-oss-120b");
+  shape.name = "repack capture miss";
+  shape.num_experts = 2;
+  shape.global_experts = 2;
+  shape.hidden = 160;
+  shape.intermediate = 96;
+  shape.top_k = 2;
+  const int64_t h = shape.hidden;
+  const int64_t i = shape.intermediate;
+  const Checkpoint ck = make_checkpoint(shape, true, 11);
+  const DeviceCheckpoint dck(ck);
+  auto model = allocate_model(shape);
+  TensorView w13b(dck.w13_blocks.data(), 0, {2, 2 * i, h / 32, 16}, dl_u8());
+  TensorView w13s(dck.w13_scales.data(), 0, {2, 2 * i, h / 32}, dl_u8());
+  TensorView w2b(dck.w2_blocks.data(), 0, {2, h, i / 32, 16}, dl_u8());
+  TensorView w2s(dck.w2_scales.data(), 0, {2, h, i / 32}, dl_u8());
+  moejit::GptOssCheckpoint checkpoint;
+  checkpoint.w13_blocks = w13b.dl();
+  checkpoint.w13_scales = w13s.dl();
+  checkpoint.w2_blocks = w2b.dl();
+  checkpoint.w2_scales = w2s.dl();
+  moejit::MoeRepackTarget target;
+  target.weights = model->weights();
+
+  CUgraph graph = nullptr;
+  MOEJIT_TEST_CU(cu().cuStreamBeginCapture(stream.get(), CU_STREAM_CAPTURE_MODE_GLOBAL));
+  ErrorCode code = ErrorCode::kInternal;
+  std::string message;
+  try {
+    moejit::moe_repack_gpt_oss(shape, checkpoint, target, stream.get());
+  } catch (const Error& e) {
+    code = e.code();
+    message = e.what();
+  }
+  MOEJIT_TEST_CU(cu().cuStreamEndCapture(stream.get(), &graph));
+  REQUIRE(graph != nullptr);
+  std::size_t nodes = 0;
+  MOEJIT_TEST_CU(cu().cuGraphGetNodes(graph, nullptr, &nodes));
+  cu().cuGraphDestroy(graph);
+  std::printf("repack_capture_child: %s; %zu node(s) captured\n",
+              code == ErrorCode::kCaptureMiss ? "capture miss" : "no capture miss", nodes);
+  std::fflush(stdout);
+  INFO(message);
+  CHECK(code == ErrorCode::kCaptureMiss);
+  CHECK_THAT(message, Catch::StartsWith("moe_repack_gpt_oss: kernel " + fc2.display_name()));
+  CHECK(nodes == 0);
+
+  // Outside a capture FC2's kernel loads and the repack writes the whole target.
+  for (const DeviceBuffer* b : {&model->w13, &model->w13_scales, &model->w2, &model->w2_scales}) {
+    poison(*b, stream.get(), 0xA5);
+  }
+  moejit::moe_repack_gpt_oss(shape, checkpoint, target, stream.get());
+  stream.sync();
+  std::string where;
+  const int64_t mismatches = round_trip_mismatches(*model, ck, 0, &where);
+  INFO(where);
+  CHECK(mismatches == 0);
+}
+
+TEST_CASE("moe repack: a capture miss on the second kernel launches neither", "[gpu][moe]") {
+  gpu();
+  // The child is this binary, running the hidden case above in a process with nothing loaded.
+  char self[4096] = {};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  REQUIRE(length > 0);
+  const std::string command =
+      "timeout 300 '" + std::string(self) + "' '[repack_capture_child]' 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string output;
+  char chunk[512];
+  while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
+  const int status = pclose(pipe);
+  INFO("child output:\n" << output);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  const std::size_t line = output.find("repack_capture_child: capture miss; 0 node(s) captured");
+  REQUIRE(line != std::string::npos);
+  std::printf("moe repack: %s", output.substr(line, output.find('\n', line) - line + 1).c_str());
+}
+
 TEST_CASE("moe repack: scale bytes the kernels can't dequantize are counted", "[gpu][moe]") {
   gpu();
   TestStream stream;
