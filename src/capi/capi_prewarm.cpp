@@ -25,8 +25,9 @@ std::vector<moejit::ModelShape> shapes_named(const char* const* names, size_t co
                 std::string(kCall) +
                     ": shape_names: expected at least one registered shape name, found " + found);
   }
+  // Why no reserve(count): a count past the array (a caller's underflow, say) would fail as an
+  // allocation, an internal error naming nothing, before the names are read.
   std::vector<moejit::ModelShape> shapes;
-  shapes.reserve(count);
   for (size_t i = 0; i < count; ++i) {
     const std::string where = std::string(kCall) + ": shape_names[" + std::to_string(i) + "]";
     if (names[i] == nullptr) {

@@ -66,6 +66,12 @@ set(ENV{MOEJIT_CACHE_DIR} "${WORK_DIR}/cache")
 unset(ENV{MOEJIT_CACHE_MODE})
 run_step("run consumer" "${consumer}")
 message(STATUS "${step_output}")
+find_program(consumer_c NAMES moejit_consumer_c PATHS "${consumer_build}" NO_DEFAULT_PATH)
+if(NOT consumer_c)
+  message(FATAL_ERROR "install test: the C consumer was not built in ${consumer_build}")
+endif()
+run_step("run C consumer" "${consumer_c}")
+message(STATUS "${step_output}")
 
 # The installed CLI reads the installed shapes and generates from the embedded templates.
 run_step("installed moejit --version" "${prefix}/bin/moejit" --version)

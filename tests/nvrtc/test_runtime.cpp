@@ -724,6 +724,11 @@ TEST_CASE("runtime: the C ABI registers shapes from text and prewarms them", "[r
   refused(moejit_prewarm(unknown, 1, "sm_80", 1, nullptr, nullptr, &result),
           "moejit_prewarm: shape_names[0]: ");
   CHECK(contains(moejit_last_error(), "capi-prewarm-no-such-shape"));
+  // A count past the array (an underflowed size_t) reaches the names, not an allocation of that
+  // many shapes (which failed as an internal error naming nothing): the first name is unknown,
+  // so no name past the array is read.
+  refused(moejit_prewarm(unknown, static_cast<size_t>(-1), "sm_80", 1, nullptr, nullptr, &result),
+          "moejit_prewarm: shape_names[0]: ");
   refused(moejit_prewarm(names, 1, "sm_80", -1, nullptr, nullptr, &result),
           "moejit_prewarm: jobs: expected 0 (one per hardware thread) or more, found -1");
   refused(moejit_prewarm(names, 1, "sm80", 1, nullptr, nullptr, &result), "moejit_prewarm: arch: ");
