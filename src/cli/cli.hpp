@@ -39,7 +39,8 @@ struct Failure {
 int exit_code_for(ErrorCode code);
 
 // Every shape in `paths`, all files parsed before anything else happens. A file that can't be
-// read or breaks a rule throws Failure{kExitShapeFile} with the DescriptorError's message.
+// read or breaks a rule, or a name that two files (or one file passed twice) define, throws
+// Failure{kExitShapeFile} with the DescriptorError's message or the two places.
 std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths);
 
 // The shape named `name` among `shapes` (read from `file`); Failure{kExitUsage} naming the shapes

@@ -52,6 +52,19 @@ std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths) 
   for (const std::string& path : paths) {
     try {
       std::vector<ModelShape> loaded = load_shapes_file(path);
+      // Why: a name is unique inside a file (the parser's rule) and across the files an engine
+      // registers (the registry's), so one command's files follow the registry's rule too.
+      for (const ModelShape& shape : loaded) {
+        for (const ModelShape& earlier : shapes) {
+          if (earlier.name != shape.name) continue;
+          throw Failure{kExitShapeFile,
+                        "invalid shape file: " + shape.source + ": shape \"" + shape.name +
+                            "\" is also defined at " + earlier.source +
+                            "; names must be unique across the files of one command, as an "
+                            "engine registering both files would be refused: rename one, or "
+                            "pass its file once"};
+        }
+      }
       shapes.insert(shapes.end(), loaded.begin(), loaded.end());
     } catch (const DescriptorError& e) {
       std::string message = e.what();

@@ -97,6 +97,13 @@ class ShapeFileParser {
 
   std::vector<LocatedShape> parse() {
     scan_ = scan_json(text_, kMaxJsonDepth);
+    // Why before the parser: it takes a NUL byte for the end of the input, so whatever followed
+    // one after the root value would be dropped without a word (JSON text has none, not even in
+    // a string).
+    if (const std::size_t nul = text_.find('\0'); nul != std::string::npos) {
+      fail_at(nul, "", "the file holds a NUL byte, which JSON text never does",
+              "valid JSON (RFC 8259) text", "a NUL byte");
+    }
     Json root;
     try {
       root = Json::parse(text_);
@@ -528,7 +535,12 @@ class ShapeFileParser {
     s.expert_offset = read_int(obj, pointer, "expert_offset", 0, kMaxGlobalExperts - 1).value_or(0);
     std::optional<int> global = read_int(obj, pointer, "global_experts", 1, kMaxGlobalExperts);
     // Why: without expert parallelism the routed experts are exactly the local ones.
-    s.global_experts = global ? *global : s.expert_offset + s.num_experts;
+    // (Summed wide and clamped: the ranges are checked after, by the shape rules, which name an
+    // expert_offset too large for what it is.)
+    s.global_experts = global
+                           ? *global
+                           : static_cast<int>(std::min<long long>(
+                                 INT_MAX, static_cast<long long>(s.expert_offset) + s.num_experts));
 
     const Json* activation = member(obj, "activation");
     if (activation == nullptr) missing(obj, pointer, "activation", required);

@@ -45,9 +45,11 @@ struct ShapeViolation {
 // A float constant as an exact ratio of ints: float(num) / float(den) == value (a correctly
 // rounded division, as kernels/moe/activation.cuh evaluates it). Tries decimal denominators
 // first (1.702 -> 1702 / 1000, readable in the source), then the continued fraction's
-// convergents, then the float's own binary fraction. Empty when none fits an int (|value|
-// beyond 2^31, or so small that no num / den with den < 2^31 rounds to it). An activation
-// constant without one is refused by the shape rules: the kernels take constants in this form.
+// convergents and semiconvergents, then the float's own binary fraction. Every value that some
+// num / den with |num|, den < 2^24 (exact as floats) rounds to is found; beyond 2^24, where
+// float(den) itself rounds, such a ratio may exist and not be found. Empty when none is found
+// (|value| beyond 2^31, or magnitudes far under 1e-9). An activation constant without one is
+// refused by the shape rules: the kernels take constants in this form.
 struct FloatRatio {
   int num = 0;
   int den = 1;

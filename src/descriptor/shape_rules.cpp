@@ -1,4 +1,5 @@
 // The rules every ModelShape obeys, whether it came from a file or was built in code.
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cmath>
@@ -156,8 +157,13 @@ std::optional<FloatRatio> float_ratio(float value) {
     const long long num = static_cast<long long>(scaled);
     if (exact(num, den)) return FloatRatio{static_cast<int>(num), static_cast<int>(den)};
   }
-  // The convergents of the continued fraction: the best approximations num / den; the first
-  // whose float quotient rounds to `value` will do.
+  // The continued fraction of `value`: its convergents h / k are the best approximations, and
+  // between two of them the semiconvergents (h'' + j h') / (k'' + j k'), j = 1 .. a, close in
+  // from one side. The first fraction whose float quotient rounds to `value` will do: per term,
+  // the smallest j whose semiconvergent does, by bisection (they approach `value` monotonically),
+  // else the convergent itself. Why semiconvergents: a convergent may overshoot into a fraction
+  // past 2^31 while a semiconvergent before it already rounds to `value` (3.615067726e-06 is
+  // 55 / 15214099, a semiconvergent).
   {
     const double x0 = std::fabs(static_cast<double>(value));
     const long long sign = value < 0.f ? -1 : 1;
@@ -167,12 +173,31 @@ std::optional<FloatRatio> float_ratio(float value) {
       const double a = std::floor(x);
       if (a > static_cast<double>(INT_MAX)) break;
       const long long ai = static_cast<long long>(a);
+      // The largest j that keeps both terms under 2^31.
+      long long j_max = ai;
+      if (h_prev > 0) j_max = std::min(j_max, (INT_MAX - h_prev2) / h_prev);
+      if (k_prev > 0) j_max = std::min(j_max, (INT_MAX - k_prev2) / k_prev);
+      const auto rounds = [&](long long j) {
+        const long long k = j * k_prev + k_prev2;
+        return k > 0 && exact(sign * (j * h_prev + h_prev2), k);
+      };
+      if (j_max >= 1 && rounds(j_max)) {
+        long long lo = 1, hi = j_max;  // hi rounds; find the smallest j that does
+        while (lo < hi) {
+          const long long mid = lo + (hi - lo) / 2;
+          if (rounds(mid)) {
+            hi = mid;
+          } else {
+            lo = mid + 1;
+          }
+        }
+        const long long j = rounds(lo) ? lo : j_max;
+        return FloatRatio{static_cast<int>(sign * (j * h_prev + h_prev2)),
+                          static_cast<int>(j * k_prev + k_prev2)};
+      }
+      if (j_max < ai) break;  // the convergent itself passes 2^31
       const long long h = ai * h_prev + h_prev2;
       const long long k = ai * k_prev + k_prev2;
-      if (h > INT_MAX || k > INT_MAX) break;
-      if (k > 0 && exact(sign * h, k)) {
-        return FloatRatio{static_cast<int>(sign * h), static_cast<int>(k)};
-      }
       h_prev2 = h_prev;
       h_prev = h;
       k_prev2 = k_prev;

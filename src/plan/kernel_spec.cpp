@@ -564,7 +564,10 @@ void hash_params(std::size_t& seed, const AppendSharedParams& p) {
   combine(seed, std::hash<int>{}(p.block_threads));
 }
 
+// Why zero apart: equality compares values, so -0.0 and 0.0 are the same spec and must hash alike
+// (an unordered_map's contract); other values hash by their bits.
 std::size_t float_bits(float value) {
+  if (value == 0.0f) return 0;
   uint32_t bits = 0;
   std::memcpy(&bits, &value, sizeof(bits));
   return bits;

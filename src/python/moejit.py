@@ -506,9 +506,35 @@ def register_shapes_file(path):
     _check(_lib.moejit_register_shapes_file(os.fsencode(path)))
 
 
+def _non_finite(value, pointer):
+    """(JSON pointer, value) of the first float in `value` that is NaN or infinite, else None."""
+    if isinstance(value, float):
+        return None if value == value and abs(value) != float("inf") else (pointer, value)
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        key = str(key).replace("~", "~0").replace("/", "~1")
+        found = _non_finite(item, pointer + "/" + key)
+        if found is not None:
+            return found
+    return None
+
+
 def register_shapes(shapes, source_name=None):
     """Register shapes from JSON text or from the same structure as Python objects (a dict with
     "shapes", one shape dict, or a list of them). source_name names them in error messages."""
+    if not isinstance(shapes, str):
+        where = _non_finite(shapes, "")
+        if where is not None:
+            # Why here: json.dumps would write the bare word NaN or Infinity, which the library's
+            # reader refuses as invalid JSON at a column of text the caller never wrote.
+            raise InvalidDescriptor("{}: {}: expected a finite number, found {!r}".format(
+                source_name if source_name is not None else "<text>", where[0] or "(root)",
+                where[1]), InvalidDescriptor.status)
     text = shapes if isinstance(shapes, str) else json.dumps(shapes)
     _check(_lib.moejit_register_shapes(text.encode(),
                                        source_name.encode() if source_name is not None else None))

@@ -135,6 +135,14 @@ class CpuTests(unittest.TestCase):
             moejit.register_shapes('{"shapes": [{"name": 5}]}', "engine-config")
         self.assertIn("engine-config", str(e.exception))
         self.assertEqual(e.exception.status, 1)
+        # A NaN or an infinity is named by its key, not as invalid JSON the caller never wrote.
+        for bad in (float("nan"), float("inf")):
+            clamped = dict(TINY, name="py-non-finite",
+                           activation={"kind": "clamped_swiglu", "limit": bad})
+            with self.assertRaises(moejit.InvalidDescriptor) as e:
+                moejit.register_shapes({"shapes": [clamped]}, "engine-config")
+            self.assertIn("engine-config: /shapes/0/activation/limit: expected a finite number",
+                          str(e.exception))
         with self.assertRaises(moejit.MoejitError) as e:
             moejit.register_shapes_file(os.path.join(_CACHE.name, "missing.json"))
         self.assertIn("missing.json", str(e.exception))

@@ -183,6 +183,21 @@ TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anythin
     CHECK(out.find(bad + ":") != std::string::npos);
     CHECK(out.find("top_k") != std::string::npos);
   }
+  SECTION("a name defined by two files, or one file passed twice") {
+    const std::string shape =
+        "{\"shapes\": [{\"name\": \"twice\", \"num_experts\": 8, \"top_k\": 2, \"hidden\": 256, "
+        "\"intermediate\": 128, \"activation\": {\"kind\": \"swiglu\"}}]}\n";
+    const std::string other = dir.path() + "/other.json";
+    write_file(bad, shape);
+    write_file(other, shape);
+    for (const std::string& second : {other, bad}) {
+      int rc = cli("prewarm " + quote(bad) + " " + quote(second) + " --arch sm_90a", &out, cache);
+      INFO(out);
+      CHECK(rc == 3);
+      CHECK(out.find(second + ":1: shape \"twice\" is also defined at " + bad + ":1") !=
+            std::string::npos);
+    }
+  }
   SECTION("a missing file") {
     int rc = cli("prewarm " + quote(dir.path() + "/missing.json") + " --arch sm_90a", &out, cache);
     INFO(out);

@@ -312,6 +312,13 @@ TEST_CASE("JSON that is not valid is refused with its place", "[descriptor]") {
   CHECK((empty.line == 1 && empty.column == 1));
   CHECK(empty.message.rfind("model.json:1:1: (root): the file is not valid JSON", 0) == 0);
 
+  // A NUL byte ends the input for the JSON reader: what follows one is refused, not dropped.
+  const std::string nul(1, '\0');
+  const std::string after_root = base_with("", "") + nul + "{\"shapes\": [{\"name\": 7}]}";
+  expect_refusal(after_root, position_of(after_root, nul), "", {"NUL byte", "found a NUL byte"});
+  const std::string in_value = base_with("\"top_k\": 8", "\"top_k\": 8" + nul);
+  expect_refusal(in_value, position_of(in_value, nul), "", {"NUL byte"});
+
   Refusal bad_utf8 = refuse(base_with("\"alpha\"", "\"al\xFFpha\""));
   REQUIRE(bad_utf8.refused);
   CHECK(bad_utf8.line == 5);
@@ -430,6 +437,11 @@ TEST_CASE("zero, negative and absurd sizes are refused", "[descriptor]") {
                        "/shapes/0/max_tokens", {"larger than any model", "found 2000000"});
   expect_value_refusal("\"top_k\": 8,", "\"top_k\": 8, \"expert_offset\": -1,", "-1",
                        "/shapes/0/expert_offset", {"expert_offset is too small", "0..65535"});
+  // The largest int: no overflow on the way to its refusal (the default global_experts adds
+  // num_experts to it; the sanitizer build would flag a wrapped sum).
+  expect_value_refusal("\"top_k\": 8,", "\"top_k\": 8, \"expert_offset\": 2147483647,",
+                       "2147483647", "/shapes/0/expert_offset",
+                       {"expert_offset", "0..65535", "found 2147483647"});
 }
 
 TEST_CASE("top_k above the number of experts is refused", "[descriptor]") {

@@ -1441,6 +1441,17 @@ TEST_CASE("moe families: names, JSON, hashes and generated source", "[plan]") {
     }
   }
 
+  // A constant of -0.0 is the same spec as 0.0 (equality compares values), so it hashes alike.
+  MarlinMoeParams zero = good_fc1();
+  zero.activation.kind = moejit::ActivationKind::kSiTU;
+  zero.activation.beta = 1.0f;
+  zero.activation.linear_beta = 0.0f;
+  MarlinMoeParams negative_zero = zero;
+  negative_zero.activation.linear_beta = -0.0f;
+  CHECK(spec_of(Family::kMarlinMoe, zero) == spec_of(Family::kMarlinMoe, negative_zero));
+  CHECK(spec_of(Family::kMarlinMoe, zero).hash() ==
+        spec_of(Family::kMarlinMoe, negative_zero).hash());
+
   // Typed values become template arguments; activation constants become exact ratios.
   const detail::GeneratedSource src = detail::render(fc1);
   CHECK(contains(src.source, "#include <moejit/kern/moe/moe_gemm.cuh>"));
@@ -1523,6 +1534,24 @@ TEST_CASE("float_ratio: exact int ratios of activation constants", "[plan]") {
     REQUIRE(r.has_value());
     CHECK(static_cast<float>(r->num) / static_cast<float>(r->den) == v);
   }
+  // Every float that some num / den with |num|, den < 2^24 (exact as floats) rounds to is found,
+  // also where only a semiconvergent of its continued fraction does (55 / 15214099), and small
+  // magnitudes whose fractions need dens near 2^24.
+  CHECK(detail::float_ratio(55.f / 15214099.f).has_value());
+  std::uniform_int_distribution<int> any(1, (1 << 24) - 1);
+  int small = 0;
+  for (int i = 0; i < 200000; ++i) {
+    // One draw in two: num <= 100 over den >= 2^22, magnitudes of 6e-8 to 2.4e-5.
+    const int num = i % 2 == 0 ? any(rng) % 100 + 1 : any(rng);
+    const int den = i % 2 == 0 ? any(rng) | (1 << 22) : any(rng);
+    const float v = static_cast<float>(num) / static_cast<float>(den);
+    small += v < 1e-5f ? 1 : 0;
+    const auto r = detail::float_ratio(v);
+    INFO(num << " / " << den << " = " << v);
+    REQUIRE(r.has_value());
+    CHECK(static_cast<float>(r->num) / static_cast<float>(r->den) == v);
+  }
+  CHECK(small > 1000);  // the small magnitudes were drawn
 }
 
 namespace {
