@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <system_error>
 
@@ -238,20 +239,52 @@ std::string nvrtc_version() {
   return std::to_string(major) + "." + std::to_string(minor);
 }
 
+namespace {
+
+bool is_nvrtc_library(const fs::path& path) {
+  return path.filename().string().rfind("libnvrtc.so", 0) == 0;  // not libnvrtc-builtins
+}
+
+// The absolute path of the NVRTC library this process loaded, or "" (a static link). Why two
+// ways: dladdr names the object holding nvrtcVersion's address, but by the name it was loaded
+// under (a relative LD_LIBRARY_PATH entry gives a relative name, wrong after a chdir), and in a
+// non-PIE executable that address is the executable's own PLT entry; /proc/self/maps names every
+// mapped file by its absolute path.
+fs::path loaded_nvrtc_path() {
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&nvrtcVersion), &info) != 0 && info.dli_fname != nullptr) {
+    const fs::path named(info.dli_fname);
+    if (named.is_absolute() && is_nvrtc_library(named)) return named;
+  }
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    const std::size_t slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const fs::path mapped(line.substr(slash));
+    if (is_nvrtc_library(mapped)) return mapped;
+  }
+  return {};
+}
+
+}  // namespace
+
 const std::string& nvrtc_identity() {
   static const std::string identity = [] {
-    std::string out = nvrtc_version();
-    Dl_info info{};
-    // Why nvrtcVersion's address: it lies in whichever NVRTC library this process loaded.
-    if (::dladdr(reinterpret_cast<void*>(&nvrtcVersion), &info) == 0 || info.dli_fname == nullptr) {
-      return out;
-    }
+    const std::string version = nvrtc_version();
+    const fs::path path = loaded_nvrtc_path();
     std::error_code ec;
-    const fs::path file = fs::canonical(info.dli_fname, ec);
-    if (ec) return out;
-    const std::uintmax_t size = fs::file_size(file, ec);
-    if (ec) return out;
-    return out + " " + file.filename().string() + " " + std::to_string(size);
+    const fs::path file = path.empty() ? path : fs::canonical(path, ec);
+    const std::uintmax_t size = file.empty() || ec ? 0 : fs::file_size(file, ec);
+    if (file.empty() || ec || size == 0) {
+      log().warn(
+          "the NVRTC library this process uses was not found among its mapped files (a "
+          "static link?): cache keys name NVRTC {} by its version alone, so a patch "
+          "release of it would reuse cubins its predecessor built",
+          version);
+      return version;
+    }
+    return version + " " + file.filename().string() + " " + std::to_string(size);
   }();
   return identity;
 }

@@ -16,8 +16,9 @@ std::string nvrtc_version();
 // 109338064"), computed once per process: the cache key's NVRTC field. Why more than the
 // version: nvrtcVersion reports major.minor only, and a patch release (a ptxas fix among them)
 // must not reuse cubins its predecessor built. The name and size carry no path, so machines with
-// the same toolkit still share keys. Just the version where the library can't be located (a
-// static link).
+// the same toolkit still share keys. The library is found by the address of its nvrtcVersion,
+// else among the process's mapped files (a relative load path, a non-PIE executable); where it
+// can't be located (a static link), just the version, with a warning.
 const std::string& nvrtc_identity();
 
 // "" when NVRTC compiles a one-line kernel to a cubin (for its lowest target arch), else what
