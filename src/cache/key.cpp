@@ -12,6 +12,7 @@ std::string compute_key(const KeyInputs& inputs) {
   // counts keep a moved boundary between lists (an option becoming a header) from colliding.
   hasher.field("moejit-cache-key");
   hasher.field(static_cast<int64_t>(inputs.schema_version));
+  hasher.field(static_cast<int64_t>(inputs.pipeline_version));
   hasher.field(inputs.nvrtc_version);
   hasher.field(static_cast<int64_t>(inputs.options.size()));
   for (const std::string& option : inputs.options) hasher.field(option);

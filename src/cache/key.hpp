@@ -21,6 +21,7 @@ struct KeyHeader {
 // with no include directory, so one that did would not compile).
 struct KeyInputs {
   int schema_version = 0;            // kCacheSchemaVersion
+  int pipeline_version = 0;          // kCompilePipelineVersion: compile()'s checks and retries
   std::string nvrtc_version;         // nvrtc_identity(): "13.0 libnvrtc.so.13 109338064"
   std::vector<std::string> options;  // compile_options(arch)
   std::string arch;                  // "sm_90a"

@@ -31,6 +31,13 @@ std::string nvrtc_self_test();
 // handed to NVRTC by name. `line_info` adds -lineinfo (RuntimeConfig::line_info).
 std::vector<std::string> compile_options(const Arch& arch, bool line_info = false);
 
+// The version of what compile() does with a cubin after NVRTC made it (the checks that decide a
+// second compile, and that compile's options): part of the cache key, so a cubin kept from an
+// older pipeline is built again rather than served. Bump it with any change there. 1: the
+// faulting cp.async check (cubin_check.hpp) on every arch, then one compile with
+// kNoL2CacheHintOption.
+inline constexpr int kCompilePipelineVersion = 1;
+
 // Defined for the compile that replaces a cubin holding the faulting cp.async form
 // (cubin_check.hpp): kernels/moe/ptx.cuh then issues its weight copies without the L2 cache hint.
 inline constexpr const char* kNoL2CacheHintOption = "-DMOEJIT_NO_L2_CACHE_HINT";

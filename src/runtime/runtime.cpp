@@ -186,6 +186,7 @@ bool stream_capturing(const DriverApi& api, const KernelSpec& spec, CUstream str
 KeyInputs make_key_inputs(const GeneratedSource& source, const Arch& arch, bool line_info) {
   KeyInputs inputs;
   inputs.schema_version = kCacheSchemaVersion;
+  inputs.pipeline_version = kCompilePipelineVersion;
   inputs.nvrtc_version = nvrtc_identity();
   inputs.options = compile_options(arch, line_info);
   inputs.arch = arch.name();

@@ -26,6 +26,7 @@ using moejit::detail::KeyInputs;
 KeyInputs base_inputs() {
   KeyInputs in;
   in.schema_version = 1;
+  in.pipeline_version = 1;
   in.nvrtc_version = "13.0";
   in.options = {"--gpu-architecture=sm_90a", "-std=c++17", "-lineinfo"};
   in.arch = "sm_90a";
@@ -59,6 +60,7 @@ TEST_CASE("key: a change to any single input changes the key", "[key]") {
   using Mutation = std::pair<const char*, std::function<void(KeyInputs&)>>;
   const std::vector<Mutation> mutations = {
       {"schema version", [](KeyInputs& in) { in.schema_version += 1; }},
+      {"compile pipeline version", [](KeyInputs& in) { in.pipeline_version += 1; }},
       {"nvrtc version", [](KeyInputs& in) { in.nvrtc_version = "13.1"; }},
       {"one option changed", [](KeyInputs& in) { in.options[1] = "-std=c++20"; }},
       {"one option added", [](KeyInputs& in) { in.options.push_back("-G"); }},
@@ -134,8 +136,10 @@ TEST_CASE("key: field boundaries are not ambiguous", "[key]") {
 
 TEST_CASE("key: stable across builds and machines (golden value)", "[key]") {
   // Why a golden value: a silent change to the key's encoding would orphan every cache already
-  // deployed. Changing it on purpose means bumping kCacheSchemaVersion and updating this value.
-  CHECK(compute_key(base_inputs()) == "babcd258f456aa7edf4de9ad319aabbd");
+  // deployed. Changing it on purpose means updating this value and saying so: every entry is
+  // then built again once, and gc collects the old ones (a change of the entry file's format
+  // also bumps kCacheSchemaVersion). Last change: the compile pipeline's version joined the key.
+  CHECK(compute_key(base_inputs()) == "1019aab5c15904373925b9ee09f83d50");
 }
 
 TEST_CASE("key: the runtime's inputs hold no machine-specific path", "[key]") {
@@ -151,6 +155,7 @@ TEST_CASE("key: the runtime's inputs hold no machine-specific path", "[key]") {
   const moejit::detail::GeneratedSource source = moejit::detail::render(spec);
   const KeyInputs in = moejit::detail::make_key_inputs(source, spec.arch);
   CHECK(in.schema_version == moejit::kCacheSchemaVersion);
+  CHECK(in.pipeline_version == moejit::detail::kCompilePipelineVersion);
   CHECK(in.arch == "sm_90a");
   CHECK(in.source == source.source);
   CHECK(in.name_expression == source.name_expression);
