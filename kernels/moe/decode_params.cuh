@@ -258,6 +258,8 @@ struct alignas(128) TensorMap {
 
 // A virtual expert's packed description: local expert (12 bits), positions (6 bits), first index
 // into the expert-sorted position list (14 bits).
+static_assert(kMaxTokens * kMaxTopK <= (1 << 14) && kMaxExperts <= (1 << 12),
+              "a virtual expert's first index must fit 14 bits and its expert 12");
 MOEJIT_HD constexpr u32 pack_virtual(i32 expert, i32 count, i32 first) {
   return static_cast<u32>(expert) | (static_cast<u32>(count) << 12) |
          (static_cast<u32>(first) << 18);

@@ -388,6 +388,13 @@ int wgmma_min_rows(const WgmmaTile& wg, const ModelShape& shape) {
   return wg.min_rows_per_expert;
 }
 
+// Why: the route kernels count rows and padded rows in int (route.cuh), which the shape rules'
+// limits keep far under 2^31 (T x top_k <= 2^26); a raised limit must not wrap them silently.
+// (256: wider than any route block the planner takes.)
+static_assert(kern::moe::route_max_padded_rows(static_cast<long long>(kMaxTokensLimit) * kMaxTopK,
+                                               kMaxRoutedLocalExperts, 256) <= INT_MAX,
+              "the route's int row counts must hold every accepted T x top_k");
+
 // Whether the warpgroup tile's input offsets fit: it keeps each input copy's source as a 32-bit
 // element offset from the input (moe_gemm_wg.cuh setup_inputs), which holds FC1's T x H hidden
 // rows and FC2's padded rows x I activations only below 2^32 elements (8 GB of bf16). Above, the
