@@ -1127,6 +1127,42 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
   }
 }
 
+namespace {
+
+// A gpt-oss layout of two experts small enough to repack in a moment (H = 160, I = 96: K not a
+// multiple of 64), named for the test that uses it.
+ModelShape small_gpt_oss(const char* name) {
+  ModelShape shape = reference_shape("gpt-oss-120b");
+  shape.name = name;
+  shape.num_experts = 2;
+  shape.global_experts = 2;
+  shape.hidden = 160;
+  shape.intermediate = 96;
+  shape.top_k = 2;
+  return shape;
+}
+
+// The first n experts of a gpt-oss device checkpoint of hidden size h and intermediate size i,
+// as the repack takes them (the views live as long as this object).
+struct GptOssViews {
+  GptOssViews(const DeviceCheckpoint& dck, int64_t n, int64_t h, int64_t i)
+      : w13b(dck.w13_blocks.data(), 0, {n, 2 * i, h / 32, 16}, dl_u8()),
+        w13s(dck.w13_scales.data(), 0, {n, 2 * i, h / 32}, dl_u8()),
+        w2b(dck.w2_blocks.data(), 0, {n, h, i / 32, 16}, dl_u8()),
+        w2s(dck.w2_scales.data(), 0, {n, h, i / 32}, dl_u8()) {}
+  moejit::GptOssCheckpoint checkpoint() {
+    moejit::GptOssCheckpoint c;
+    c.w13_blocks = w13b.dl();
+    c.w13_scales = w13s.dl();
+    c.w2_blocks = w2b.dl();
+    c.w2_scales = w2s.dl();
+    return c;
+  }
+  TensorView w13b, w13s, w2b, w2s;
+};
+
+}  // namespace
+
 // The repack reads the checkpoint while it writes the target: a target that shares a byte with
 // a checkpoint tensor (an in-place attempt) or with another target would come out corrupt, so it
 // is refused, naming both. And more checkpoint experts than the shape has room for from
@@ -1135,32 +1171,16 @@ TEST_CASE("moe repack: overlapping buffers and too many experts are refused, nam
           "[gpu][moe]") {
   gpu();
   TestStream stream;
-  ModelShape shape = reference_shape("gpt-oss-120b");
-  shape.name = "repack overlap";
-  shape.num_experts = 2;
-  shape.global_experts = 2;
-  shape.hidden = 160;
-  shape.intermediate = 96;
-  shape.top_k = 2;
-  const int64_t h = shape.hidden;
-  const int64_t i = shape.intermediate;
+  const ModelShape shape = small_gpt_oss("repack overlap");
   ModelShape stack = shape;
   stack.num_experts = 3;  // one expert more than the shape holds
   const Checkpoint ck = make_checkpoint(stack, true, 7);
   const DeviceCheckpoint dck(ck);
   auto model = allocate_model(shape);
   const auto call = [&](int64_t n, const moejit::MoeRepackTarget& target) {
-    TensorView w13b(dck.w13_blocks.data(), 0, {n, 2 * i, h / 32, 16}, dl_u8());
-    TensorView w13s(dck.w13_scales.data(), 0, {n, 2 * i, h / 32}, dl_u8());
-    TensorView w2b(dck.w2_blocks.data(), 0, {n, h, i / 32, 16}, dl_u8());
-    TensorView w2s(dck.w2_scales.data(), 0, {n, h, i / 32}, dl_u8());
-    moejit::GptOssCheckpoint c;
-    c.w13_blocks = w13b.dl();
-    c.w13_scales = w13s.dl();
-    c.w2_blocks = w2b.dl();
-    c.w2_scales = w2s.dl();
+    GptOssViews views(dck, n, shape.hidden, shape.intermediate);
     try {
-      moejit::moe_repack_gpt_oss(shape, c, target, stream.get());
+      moejit::moe_repack_gpt_oss(shape, views.checkpoint(), target, stream.get());
     } catch (const Error& e) {
       CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
       return std::string(e.what());
@@ -1219,27 +1239,12 @@ TEST_CASE("moe repack (child process): a capture miss on FC2's kernel launches n
   fc2.params = moejit::detail::moe_repack_params(false);
   runtime.kernel(fc1, stream.get());  // loaded before the capture: a hit inside it
 
-  ModelShape shape = reference_shape("gpt-oss-120b");
-  shape.name = "repack capture miss";
-  shape.num_experts = 2;
-  shape.global_experts = 2;
-  shape.hidden = 160;
-  shape.intermediate = 96;
-  shape.top_k = 2;
-  const int64_t h = shape.hidden;
-  const int64_t i = shape.intermediate;
+  const ModelShape shape = small_gpt_oss("repack capture miss");
   const Checkpoint ck = make_checkpoint(shape, true, 11);
   const DeviceCheckpoint dck(ck);
   auto model = allocate_model(shape);
-  TensorView w13b(dck.w13_blocks.data(), 0, {2, 2 * i, h / 32, 16}, dl_u8());
-  TensorView w13s(dck.w13_scales.data(), 0, {2, 2 * i, h / 32}, dl_u8());
-  TensorView w2b(dck.w2_blocks.data(), 0, {2, h, i / 32, 16}, dl_u8());
-  TensorView w2s(dck.w2_scales.data(), 0, {2, h, i / 32}, dl_u8());
-  moejit::GptOssCheckpoint checkpoint;
-  checkpoint.w13_blocks = w13b.dl();
-  checkpoint.w13_scales = w13s.dl();
-  checkpoint.w2_blocks = w2b.dl();
-  checkpoint.w2_scales = w2s.dl();
+  GptOssViews views(dck, 2, shape.hidden, shape.intermediate);
+  const moejit::GptOssCheckpoint checkpoint = views.checkpoint();
   moejit::MoeRepackTarget target;
   target.weights = model->weights();
 
