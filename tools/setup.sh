@@ -37,11 +37,9 @@ build_dir="${MOEJIT_BUILD_DIR:-$root/build}"
 jobs="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 ctest_jobs="${CTEST_JOBS:-2}"
 
+# apt-get runs through sudo when not root; sudo is needed only once a package is missing.
 sudo_cmd=()
-if [ "$(id -u)" -ne 0 ]; then
-  command -v sudo >/dev/null 2>&1 || die "not root and sudo is not installed; run as root or install sudo"
-  sudo_cmd=(sudo)
-fi
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 
 step() {
   echo
@@ -64,6 +62,9 @@ install_deps() {
   fi
   command -v apt-get >/dev/null 2>&1 ||
     die "apt-get not found; install these packages with your package manager: ${missing[*]}"
+  if [ "${#sudo_cmd[@]}" -gt 0 ] && ! command -v sudo >/dev/null 2>&1; then
+    die "not root and sudo is not installed; install these packages as root: ${missing[*]}"
+  fi
   step "installing with apt-get: ${missing[*]}"
   "${sudo_cmd[@]}" apt-get update
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y --no-install-recommends \

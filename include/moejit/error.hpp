@@ -16,7 +16,7 @@ enum class ErrorCode {
   kCacheCorrupt,       // an entry failed verification and could not be healed
   kCache,              // the cache directory could not be used as asked
   kDriver,             // a CUDA driver call failed, or no driver is present
-  kCaptureMiss,        // a kernel would have to be compiled during stream capture
+  kCaptureMiss,        // a kernel not loaded in this process was needed during stream capture
   kIo,                 // a file could not be read or written
   kInternal,           // a bug in libmoejit
 };

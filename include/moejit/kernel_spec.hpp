@@ -176,7 +176,7 @@ struct MoeDecodeParams {
   int top_k = 0;                 // K slots per token (1..64)
   int hidden = 0;                // H, a multiple of 256 (whole FC1 chunks)
   int intermediate = 0;          // I, a multiple of 128 (whole FC2 chunks)
-  int block_n = 0;               // positions per virtual expert, the MMA's N: 16 or 32
+  int block_n = 0;               // positions per virtual expert, the MMA's N: 8, 16 or 32
   int fc1_strips = 0;            // 16-row strips per FC1 item: 2, 4 or 8 dividing I / 8
   int fc2_strips = 0;            // 16-row strips per FC2 item: 4 or 8 dividing H / 16
   int stages = 0;                // chunks in flight per CTA (2..8)

@@ -6,8 +6,10 @@
 //   2. once per engine: allocate moe_workspace_bytes(shape, max_tokens) bytes of device memory;
 //   3. every layer, every step: moe_forward(shape, args, stream): route + FC1 (+ activation) +
 //      FC2 + top-k weighted combine, on `stream`, with no allocation and no host sync, so it can
-//      be captured in a CUDA graph. Run `moejit prewarm` (or moejit::prewarm) on the shape first:
-//      every kernel moe_forward can pick for any T <= shape.max_tokens is then already built.
+//      be captured in a CUDA graph. Run moejit::prewarm on the shape first, with the device's
+//      context current: every kernel moe_forward can pick for any T <= shape.max_tokens is then
+//      built and loaded in this process (`moejit prewarm` only fills the disk cache; a kernel
+//      not loaded in the process when its stream captures is refused, kCaptureMiss).
 //
 // Two paths compute the same layer: decode_moe, one fused persistent kernel (after a tiny reset,
 // before the top-k sum) for T <= 256 on sm_90 or newer, for shapes that meet its rules

@@ -1,5 +1,5 @@
-/* libmoejit C ABI: for engines that bind from Python or C. Every call returns a moejit_status;
- * on failure moejit_last_error() gives this thread's message. No call throws. */
+/* libmoejit C ABI: for engines that bind from Python or C. Every call that can fail returns a
+ * moejit_status; on failure moejit_last_error() gives this thread's message. No call throws. */
 #ifndef MOEJIT_MOEJIT_H_
 #define MOEJIT_MOEJIT_H_
 

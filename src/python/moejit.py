@@ -5,7 +5,8 @@ with ``__dlpack__`` (torch.Tensor, CuPy arrays, ...), borrowed for the length of
 torch.Tensor is described from its own accessors instead, which is cheaper and says the same); raw
 buffers (repacked weights, the workspace) are such tensors too, checked against the sizes the
 library asks for before their addresses are passed. Every failed call raises MoejitError (a
-subclass per status) with the library's message, which names the argument and what was wrong.
+subclass per status) with the library's message, which names the argument and what was wrong; an
+argument of the wrong Python type (no __dlpack__, a stream it cannot read) is a TypeError.
 
     import torch, moejit
     moejit.register_shapes_file("/etc/moejit/shapes.json")
