@@ -10,6 +10,7 @@
 #include <optional>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "common/check.hpp"
 #include "common/hash.hpp"
@@ -33,6 +34,15 @@ namespace {
 // while another thread held it would block on it forever. Why a process-wide registry: the
 // pthread_atfork handlers are registered once and can't be removed.
 struct ForkGuard {
+  // The mutexes of hold_across_fork, in registration order, taken before `mutex`; `held_mutex`
+  // guards the list and is taken first.
+  struct Held {
+    void* mutex;
+    void (*lock)(void*);
+    void (*unlock)(void*);
+  };
+  std::mutex held_mutex;
+  std::vector<Held> held;
   std::mutex mutex;  // guards `stores`; taken before any store's mutex
   std::unordered_set<std::mutex*> stores;
 };
@@ -45,6 +55,8 @@ ForkGuard& fork_guard() {
 
 void fork_prepare() {
   ForkGuard& g = fork_guard();
+  g.held_mutex.lock();
+  for (const ForkGuard::Held& h : g.held) h.lock(h.mutex);
   g.mutex.lock();
   for (std::mutex* m : g.stores) m->lock();
 }
@@ -53,11 +65,17 @@ void fork_release() {  // in the parent and in the child: the thread that forked
   ForkGuard& g = fork_guard();
   for (std::mutex* m : g.stores) m->unlock();
   g.mutex.unlock();
+  for (auto h = g.held.rbegin(); h != g.held.rend(); ++h) h->unlock(h->mutex);
+  g.held_mutex.unlock();
+}
+
+void install_fork_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
 }
 
 void register_store(std::mutex* m) {
-  static std::once_flag once;
-  std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
+  install_fork_handlers();
   ForkGuard& g = fork_guard();
   std::lock_guard<std::mutex> lock(g.mutex);
   g.stores.insert(m);
@@ -67,6 +85,15 @@ void unregister_store(std::mutex* m) {
   ForkGuard& g = fork_guard();
   std::lock_guard<std::mutex> lock(g.mutex);
   g.stores.erase(m);
+}
+
+template <class Mutex>
+void hold(Mutex* mutex) {
+  install_fork_handlers();
+  ForkGuard& g = fork_guard();
+  std::lock_guard<std::mutex> lock(g.held_mutex);
+  g.held.push_back({mutex, [](void* m) { static_cast<Mutex*>(m)->lock(); },
+                    [](void* m) { static_cast<Mutex*>(m)->unlock(); }});
 }
 
 using Clock = std::chrono::steady_clock;
@@ -175,5 +202,8 @@ KernelStore::Result KernelStore::get(const std::string& key,
     throw;
   }
 }
+
+void hold_across_fork(std::mutex* mutex) { hold(mutex); }
+void hold_across_fork(std::shared_mutex* mutex) { hold(mutex); }
 
 }  // namespace moejit::detail

@@ -209,6 +209,14 @@ Runtime& Runtime::instance() {
 }
 
 Runtime::Runtime() {
+  // Why: a process that forks (a prefork server, Python multiprocessing) while another thread
+  // holds one of these would leave its child waiting on the copy forever. In this order: a
+  // thread holding setup_mutex_ may create a store (the fork guard's lock, then), and one
+  // holding load_mutex_ takes loaded_mutex_; none is held while an earlier one is taken.
+  hold_across_fork(&setup_mutex_);
+  hold_across_fork(&keys_mutex_);
+  hold_across_fork(&load_mutex_);
+  hold_across_fork(&loaded_mutex_);
   try {
     config_ = resolved(RuntimeConfig::from_environment());
   } catch (const Error& e) {

@@ -154,6 +154,47 @@ TEST_CASE("runtime: compile, then memory hit, then disk hit in a fresh store", "
   CHECK(moejit::config().cache_mode == CacheMode::kReadWrite);
 }
 
+// What a forked child (a prefork server, Python multiprocessing) finds: copies of the runtime's
+// mutexes, which another thread of the parent takes in a loop (the key memo, the configuration,
+// the store's table: a memory hit). Each child gets 10 s (SIGALRM) and exits 0 only with the
+// kernel's key from a memory hit and from cache_key().
+TEST_CASE("runtime: a forked child never waits on a mutex its parent's thread held", "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  const KernelSpec spec = spec_of(6, 1);
+  const std::string key = moejit::build_kernel(spec).key;
+  REQUIRE(key.size() == 32);
+  std::atomic<bool> stop{false};
+  std::thread hammer([&] {
+    while (!stop) {
+      (void)moejit::build_kernel(spec);
+      (void)moejit::detail::Runtime::instance().cache_key(spec);
+    }
+  });
+  int failed = 0;
+  for (int i = 0; i < 100; ++i) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(10);
+      bool ok = false;
+      try {
+        const BuildResult hit = moejit::build_kernel(spec);
+        ok = hit.outcome == CacheOutcome::kMemoryHit && hit.key == key &&
+             moejit::detail::Runtime::instance().cache_key(spec) == key;
+      } catch (...) {
+      }
+      ::_exit(ok ? 0 : 1);
+    }
+    REQUIRE(pid > 0);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) ++failed;
+  }
+  stop = true;
+  hammer.join();
+  CHECK(failed == 0);
+}
+
 // The runtime computes a spec's key once per process (Runtime::memoized_key); a later build under
 // another configuration must still get that configuration's key, the one cache_key() derives
 // afresh.
