@@ -1129,6 +1129,23 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
 
 namespace {
 
+// Runs this test binary's hidden case `tag` in a process of its own, under `timeout` (a hang
+// ends there): its output and its exit status (as waitpid gives it).
+std::string run_child_case(const std::string& tag, int timeout_s, int* status) {
+  char self[4096] = {};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  REQUIRE(length > 0);
+  const std::string command =
+      "timeout " + std::to_string(timeout_s) + " '" + std::string(self) + "' '[" + tag + "]' 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string output;
+  char chunk[512];
+  while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
+  *status = pclose(pipe);
+  return output;
+}
+
 // A gpt-oss layout of two experts small enough to repack in a moment (H = 160, I = 96: K not a
 // multiple of 64), named for the test that uses it.
 ModelShape small_gpt_oss(const char* name) {
@@ -1286,17 +1303,8 @@ TEST_CASE("moe repack (child process): a capture miss on FC2's kernel launches n
 TEST_CASE("moe repack: a capture miss on the second kernel launches neither", "[gpu][moe]") {
   gpu();
   // The child is this binary, running the hidden case above in a process with nothing loaded.
-  char self[4096] = {};
-  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  REQUIRE(length > 0);
-  const std::string command =
-      "timeout 300 '" + std::string(self) + "' '[repack_capture_child]' 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char chunk[512];
-  while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
-  const int status = pclose(pipe);
+  int status = 0;
+  const std::string output = run_child_case("repack_capture_child", 300, &status);
   INFO("child output:\n" << output);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
@@ -1590,16 +1598,8 @@ TEST_CASE("moe_forward: a wait that can never end fails the launch instead of ha
           "[gpu][moe]") {
   gpu();
   // The child is this binary, running the hidden case above; `timeout` bounds a hang.
-  char self[4096] = {};
-  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  REQUIRE(length > 0);
-  const std::string command = "timeout 120 '" + std::string(self) + "' '[wait_trap_child]' 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char chunk[512];
-  while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
-  const int status = pclose(pipe);
+  int status = 0;
+  const std::string output = run_child_case("wait_trap_child", 120, &status);
   INFO("child output:\n" << output);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
