@@ -167,8 +167,7 @@ class DiskCache {
   // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed; a
   // directory below the root that can't be read is skipped (GcReport::unreadable), as by clear.
-  // Throws
-  // Error{kCache} unless the cache is writable.
+  // Throws Error{kCache} unless the cache is writable.
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
   // stamps of this user, and what gc takes besides (stale temp files, idle lock files); reports

@@ -182,16 +182,15 @@ std::optional<FloatRatio> float_ratio(float value) {
         return k > 0 && exact(sign * (j * h_prev + h_prev2), k);
       };
       if (j_max >= 1 && rounds(j_max)) {
-        long long lo = 1, hi = j_max;  // hi rounds; find the smallest j that does
-        while (lo < hi) {
-          const long long mid = lo + (hi - lo) / 2;
+        long long lo = 1, j = j_max;  // j always rounds; bisect down to the smallest that does
+        while (lo < j) {
+          const long long mid = lo + (j - lo) / 2;
           if (rounds(mid)) {
-            hi = mid;
+            j = mid;
           } else {
             lo = mid + 1;
           }
         }
-        const long long j = rounds(lo) ? lo : j_max;
         return FloatRatio{static_cast<int>(sign * (j * h_prev + h_prev2)),
                           static_cast<int>(j * k_prev + k_prev2)};
       }

@@ -215,9 +215,6 @@ class CpuTests(unittest.TestCase):
                 moejit.prewarm(["py-tiny"])
             self.assertIn("arch: null asks for the current CUDA context's device", str(e.exception))
 
-    def _weights(self, layer, **changes):
-        return fake_weights(layer, **changes)
-
     def test_buffers_are_checked_before_the_call(self):
         layer = moejit.MoeLayer("py-tiny")
         hidden = FakeTensor([1, 512], BF16)
@@ -228,7 +225,7 @@ class CpuTests(unittest.TestCase):
         need = layer.weight_bytes
 
         def refused(part, **changes):
-            weights = changes.pop("weights", None) or self._weights(layer)
+            weights = changes.pop("weights", None) or fake_weights(layer)
             args = dict(hidden=hidden, topk_ids=ids, topk_weights=topk, weights=weights,
                         workspace=space, out=out)
             args.update(changes)
@@ -237,41 +234,41 @@ class CpuTests(unittest.TestCase):
             self.assertIn(part, str(e.exception))
 
         refused("weights['w2']: expected a CUDA buffer of {} bytes".format(need["w2"]),
-                weights=self._weights(layer, w2=None))
+                weights=fake_weights(layer, w2=None))
         refused("weights['w13']: expected a CUDA tensor",
-                weights=self._weights(layer, w13=FakeTensor([need["w13"]])))
+                weights=fake_weights(layer, w13=FakeTensor([need["w13"]])))
         refused("weights['w13_scales']: expected at least {} bytes, found {}".format(
             need["w13_scales"], need["w13_scales"] - 1),
-            weights=self._weights(layer, w13_scales=FakeTensor(
+            weights=fake_weights(layer, w13_scales=FakeTensor(
                 [need["w13_scales"] - 1], device=CUDA, address=0x10000)))
         refused("weights['w2_scales']: expected a contiguous tensor",
-                weights=self._weights(layer, w2_scales=FakeTensor(
+                weights=fake_weights(layer, w2_scales=FakeTensor(
                     [2, need["w2_scales"]], device=CUDA, strides=[1, 2], address=0x10000)))
         refused("unknown buffer(s) ['w4']",
-                weights=self._weights(layer, w4=FakeTensor([1], device=CUDA, address=0x10000)))
+                weights=fake_weights(layer, w4=FakeTensor([1], device=CUDA, address=0x10000)))
         refused("weights['b13']: py-tiny has no biases",
-                weights=self._weights(layer, b13=FakeTensor([8], device=CUDA, address=0x10000)))
+                weights=fake_weights(layer, b13=FakeTensor([8], device=CUDA, address=0x10000)))
         refused("workspace: expected a uint8 CUDA tensor", workspace=None)
         refused("workspace: expected a CUDA tensor", workspace=FakeTensor([16]))
         refused("path: expected one of", path="fast")
         # Bound weights are checked once, when bound, and only serve their own shape.
         with self.assertRaises(moejit.InvalidArgument) as e:
-            layer.bind_weights(self._weights(layer, w2=None))
+            layer.bind_weights(fake_weights(layer, w2=None))
         self.assertIn("weights['w2']", str(e.exception))
-        bound = layer.bind_weights(self._weights(layer))
+        bound = layer.bind_weights(fake_weights(layer))
         self.assertEqual(bound.struct.w13, 0x10000)
         refused("workspace: expected a CUDA tensor", workspace=FakeTensor([16]), weights=bound)
         with self.assertRaises(moejit.InvalidArgument) as e:
             moejit.MoeLayer("py-biased").forward(hidden, ids, topk, bound, space, out)
         self.assertIn("weights: bound for shape 'py-tiny', not 'py-biased'", str(e.exception))
         with self.assertRaises(TypeError) as e:
-            layer.forward(object(), ids, topk, self._weights(layer), space, out)
+            layer.forward(object(), ids, topk, fake_weights(layer), space, out)
         self.assertIn("hidden: expected a tensor with __dlpack__", str(e.exception))
         with self.assertRaises(moejit.InvalidArgument):
             layer.repack_separate(None, None, None, None, None, None,
-                                  self._weights(layer, w2=None))
+                                  fake_weights(layer, w2=None))
         with self.assertRaises(TypeError):
-            layer.forward(hidden, ids, topk, self._weights(layer), space, out, stream="s")
+            layer.forward(hidden, ids, topk, fake_weights(layer), space, out, stream="s")
 
     def test_buffers_on_another_device_and_wide_ints_are_refused(self):
         layer = moejit.MoeLayer("py-tiny")
@@ -295,10 +292,10 @@ class CpuTests(unittest.TestCase):
                           "device 3", str(e.exception))
         far = on(5, FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000))
         with self.assertRaises(moejit.InvalidArgument) as e:
-            layer.forward(hidden, ids, topk, self._weights(layer), far, out)
+            layer.forward(hidden, ids, topk, fake_weights(layer), far, out)
         self.assertIn("workspace: expected a buffer on CUDA device 0, where hidden is; found "
                       "device 5", str(e.exception))
-        mixed = self._weights(layer, w2=on(1, FakeTensor([layer.weight_bytes["w2"]], device=CUDA,
+        mixed = fake_weights(layer, w2=on(1, FakeTensor([layer.weight_bytes["w2"]], device=CUDA,
                                                          address=0x10000)))
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.bind_weights(mixed)
@@ -313,7 +310,7 @@ class CpuTests(unittest.TestCase):
         counter = on(2, FakeTensor([1], INT32, device=CUDA, address=0x80000))
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
-                                  self._weights(layer), bad_scale_count=counter)
+                                  fake_weights(layer), bad_scale_count=counter)
         self.assertIn("bad_scale_count: expected a buffer on CUDA device 0", str(e.exception))
         # ctypes keeps an int's low bits: 2**32 + 1 tokens must not read as 1.
         for bad in (2**32 + 1, -2**31 - 1):
@@ -322,7 +319,7 @@ class CpuTests(unittest.TestCase):
             self.assertIn("max_tokens: expected a 32-bit integer", str(e.exception))
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
-                                  self._weights(layer), first_expert=2**32)
+                                  fake_weights(layer), first_expert=2**32)
         self.assertIn("first_expert: expected a 32-bit integer", str(e.exception))
 
     def test_a_layer_is_never_copied_and_closes_once(self):
@@ -424,24 +421,24 @@ class CpuTests(unittest.TestCase):
             args = [FakeTensor([1, 512], BF16), ids, topk, out]
             args[position] = Refused([1, 2])
             with self.assertRaises(moejit.InvalidArgument) as e:
-                layer.forward(args[0], args[1], args[2], self._weights(layer), space, args[3])
+                layer.forward(args[0], args[1], args[2], fake_weights(layer), space, args[3])
             self.assertEqual(str(e.exception), "{}: a Refused that DLPack can't export: this "
                              "layout has no strides".format(name))
             self.assertIsInstance(e.exception.__cause__, RuntimeError)
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.forward(FakeTensor([1, 512], BF16), ids, topk,
-                          self._weights(layer, w13=Refused([1])), space, out)
+                          fake_weights(layer, w13=Refused([1])), space, out)
         self.assertIn("weights['w13']: a Refused that DLPack can't export", str(e.exception))
         # No hidden at all reaches the library (before, a ctypes TypeError that named nothing):
         # with a current context it refuses the null pointer by name, else the missing context.
         if _context_current():
             with self.assertRaises(moejit.InvalidArgument) as e:
-                layer.forward(None, ids, topk, self._weights(layer), space, out)
+                layer.forward(None, ids, topk, fake_weights(layer), space, out)
             self.assertIn("moejit_moe_forward_ex: hidden", str(e.exception))
             self.assertIn("a null DLTensor pointer", str(e.exception))
         else:
             with self.assertRaises(moejit.DriverError):
-                layer.forward(None, ids, topk, self._weights(layer), space, out)
+                layer.forward(None, ids, topk, fake_weights(layer), space, out)
 
     def test_library_errors_reach_python_with_the_c_names(self):
         layer = moejit.MoeLayer("py-tiny")
@@ -451,12 +448,12 @@ class CpuTests(unittest.TestCase):
             # A current context: the library refuses the host tensor before any launch.
             with self.assertRaises(moejit.InvalidArgument) as e:
                 layer.forward(hidden, FakeTensor([1, 2], INT32), FakeTensor([1, 2], (2, 32)),
-                              self._weights(layer), space, FakeTensor([1, 512], BF16))
+                              fake_weights(layer), space, FakeTensor([1, 512], BF16))
             self.assertIn("moejit_moe_forward_ex: hidden", str(e.exception))
         else:
             with self.assertRaises(moejit.DriverError) as e:
                 layer.forward(hidden, FakeTensor([1, 2], INT32), FakeTensor([1, 2], (2, 32)),
-                              self._weights(layer), space, FakeTensor([1, 512], BF16))
+                              fake_weights(layer), space, FakeTensor([1, 512], BF16))
             self.assertEqual(e.exception.status, 7)
             with self.assertRaises(moejit.DriverError):
                 moejit.append_shared(None, None, None, None, None, 64, 1.0)

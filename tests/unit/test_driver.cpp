@@ -118,6 +118,18 @@ CUstream stream_in(std::uintptr_t context_id) {
   return reinterpret_cast<CUstream>(context_id * 0x1000);
 }
 
+// A driver table of the fake contexts above, every call the stream check makes.
+DriverApi fake_context_driver() {
+  DriverApi api;
+  api.cuStreamGetCtx = &fake_stream_context;
+  api.cuCtxGetCurrent = &fake_current;
+  api.cuCtxPushCurrent = &fake_push;
+  api.cuCtxPopCurrent = &fake_pop;
+  api.cuCtxGetDevice = &fake_device;
+  api.cuCtxGetId = &fake_context_id;
+  return api;
+}
+
 // The message check_stream_device throws (empty when it throws none); `out` gets what it returns.
 std::string stream_error(const DriverApi& api, CUstream stream, int device,
                          OpStream* out = nullptr) {
@@ -211,13 +223,7 @@ TEST_CASE("driver: the peak DRAM rate is twice the memory clock times the bus wi
 }
 
 TEST_CASE("driver: an op's stream must be of the current context's device", "[driver]") {
-  DriverApi api;
-  api.cuStreamGetCtx = &fake_stream_context;
-  api.cuCtxGetCurrent = &fake_current;
-  api.cuCtxPushCurrent = &fake_push;
-  api.cuCtxPopCurrent = &fake_pop;
-  api.cuCtxGetDevice = &fake_device;
-  api.cuCtxGetId = &fake_context_id;
+  const DriverApi api = fake_context_driver();
   g_contexts = FakeContexts{};  // context 1 (device 0) current
 
   // The default streams are the current context's: its id, without asking about the stream.
@@ -278,12 +284,7 @@ TEST_CASE("driver: a launch without its context's function goes through the CUke
 
 TEST_CASE("driver: the stream check fails loudly if the caller's context is not restored",
           "[driver]") {
-  DriverApi api;
-  api.cuStreamGetCtx = &fake_stream_context;
-  api.cuCtxGetCurrent = &fake_current;
-  api.cuCtxPushCurrent = &fake_push;
-  api.cuCtxGetDevice = &fake_device;
-  api.cuCtxGetId = &fake_context_id;
+  DriverApi api = fake_context_driver();
   // A pop that hands back another context than the one pushed.
   api.cuCtxPopCurrent = [](CUcontext* context) {
     *context = context_of(2);
