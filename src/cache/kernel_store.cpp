@@ -1,6 +1,5 @@
 #include "cache/kernel_store.hpp"
 
-#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -8,11 +7,10 @@
 #include <future>
 #include <mutex>
 #include <optional>
-#include <unordered_set>
 #include <utility>
-#include <vector>
 
 #include "common/check.hpp"
+#include "common/fork.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
 #include "moejit/error.hpp"
@@ -29,72 +27,6 @@ struct KernelStore::Flight {
 };
 
 namespace {
-
-// Every live store, so that a fork can take each one's mutex first: a child that copied a mutex
-// while another thread held it would block on it forever. Why a process-wide registry: the
-// pthread_atfork handlers are registered once and can't be removed.
-struct ForkGuard {
-  // The mutexes of hold_across_fork, in registration order, taken before `mutex`; `held_mutex`
-  // guards the list and is taken first.
-  struct Held {
-    void* mutex;
-    void (*lock)(void*);
-    void (*unlock)(void*);
-  };
-  std::mutex held_mutex;
-  std::vector<Held> held;
-  std::mutex mutex;  // guards `stores`; taken before any store's mutex
-  std::unordered_set<std::mutex*> stores;
-};
-
-ForkGuard& fork_guard() {
-  // Why never destroyed: a fork may happen while static destructors run.
-  static ForkGuard* guard = new ForkGuard;
-  return *guard;
-}
-
-void fork_prepare() {
-  ForkGuard& g = fork_guard();
-  g.held_mutex.lock();
-  for (const ForkGuard::Held& h : g.held) h.lock(h.mutex);
-  g.mutex.lock();
-  for (std::mutex* m : g.stores) m->lock();
-}
-
-void fork_release() {  // in the parent and in the child: the thread that forked holds them
-  ForkGuard& g = fork_guard();
-  for (std::mutex* m : g.stores) m->unlock();
-  g.mutex.unlock();
-  for (auto h = g.held.rbegin(); h != g.held.rend(); ++h) h->unlock(h->mutex);
-  g.held_mutex.unlock();
-}
-
-void install_fork_handlers() {
-  static std::once_flag once;
-  std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
-}
-
-void register_store(std::mutex* m) {
-  install_fork_handlers();
-  ForkGuard& g = fork_guard();
-  std::lock_guard<std::mutex> lock(g.mutex);
-  g.stores.insert(m);
-}
-
-void unregister_store(std::mutex* m) {
-  ForkGuard& g = fork_guard();
-  std::lock_guard<std::mutex> lock(g.mutex);
-  g.stores.erase(m);
-}
-
-template <class Mutex>
-void hold(Mutex* mutex) {
-  install_fork_handlers();
-  ForkGuard& g = fork_guard();
-  std::lock_guard<std::mutex> lock(g.held_mutex);
-  g.held.push_back({mutex, [](void* m) { static_cast<Mutex*>(m)->lock(); },
-                    [](void* m) { static_cast<Mutex*>(m)->unlock(); }});
-}
 
 using Clock = std::chrono::steady_clock;
 
@@ -156,10 +88,10 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
 
 KernelStore::KernelStore(std::shared_ptr<const DiskCache> disk) : disk_(std::move(disk)) {
   MOEJIT_CHECK(disk_ != nullptr, ErrorCode::kInternal, "KernelStore needs a DiskCache");
-  register_store(&mutex_);
+  hold_while_alive(&mutex_);
 }
 
-KernelStore::~KernelStore() { unregister_store(&mutex_); }
+KernelStore::~KernelStore() { release_while_alive(&mutex_); }
 
 KernelStore::Result KernelStore::get(const std::string& key,
                                      const std::function<Entry()>& build) {
@@ -202,8 +134,5 @@ KernelStore::Result KernelStore::get(const std::string& key,
     throw;
   }
 }
-
-void hold_across_fork(std::mutex* mutex) { hold(mutex); }
-void hold_across_fork(std::shared_mutex* mutex) { hold(mutex); }
 
 }  // namespace moejit::detail

@@ -5,7 +5,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <shared_mutex>
 #include <string>
 #include <unordered_map>
 
@@ -13,14 +12,6 @@
 #include "moejit/runtime.hpp"
 
 namespace moejit::detail {
-
-// A mutex that a fork must also hold, so that no child copies it locked by another thread (it
-// would wait on it forever): the fork handlers take every such mutex, in the order they were
-// registered, before any store's mutex, and release them after. Register mutexes that are
-// never held while one registered later (or a store's) is taken the other way round, and that
-// live as long as the process (there is no unregistering).
-void hold_across_fork(std::mutex* mutex);
-void hold_across_fork(std::shared_mutex* mutex);
 
 class KernelStore {
  public:

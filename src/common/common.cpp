@@ -8,12 +8,14 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/fork.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
 #include "common/text.hpp"
 #include "moejit/error.hpp"
 #include "moejit/version.hpp"
-#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/sinks/ansicolor_sink.h>
+#include <spdlog/sinks/dist_sink.h>
 
 namespace moejit {
 
@@ -45,15 +47,33 @@ std::optional<std::string> env(const char* name) {
   return std::string(value);
 }
 
+namespace {
+
+// The logger's one sink: it writes to stderr through an unguarded colour sink, under a mutex of
+// its own that a fork holds (last: nothing is taken under it), so that a child never copies it
+// locked by a thread of its parent that was logging, and so never waits on its first line.
+class ForkSafeStderrSink : public spdlog::sinks::dist_sink_mt {
+ public:
+  ForkSafeStderrSink() {
+    add_sink(std::make_shared<spdlog::sinks::ansicolor_stderr_sink_st>());
+    hold_across_fork_last(&mutex_);
+  }
+};
+
+}  // namespace
+
 spdlog::logger& log() {
   static std::shared_ptr<spdlog::logger> logger = [] {
     auto existing = spdlog::get("moejit");
     if (existing) return existing;
-    auto made = spdlog::stderr_color_mt("moejit");
+    // Why leaked: the fork handlers keep the sink's mutex for the life of the process.
+    static auto* sink = new std::shared_ptr<ForkSafeStderrSink>(new ForkSafeStderrSink);
+    auto made = std::make_shared<spdlog::logger>("moejit", *sink);
     made->set_pattern("[moejit %L] %v");
     auto level = spdlog::level::warn;
     if (auto text = env("MOEJIT_LOG_LEVEL")) level = spdlog::level::from_str(*text);
     made->set_level(level);
+    spdlog::register_logger(made);
     return made;
   }();
   return *logger;

@@ -22,6 +22,7 @@
 
 #include "codegen/embedded.hpp"
 #include "common/env.hpp"
+#include "common/fork.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
 #include "driver/driver.hpp"
