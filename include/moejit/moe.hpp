@@ -159,8 +159,9 @@ struct MoeForwardOptions {
   MoePath path = MoePath::kAuto;
   // decode_moe's positions per virtual expert: 0 = the planner's choice, 8, 16 or 32 forces it
   // (the persistent tile at that block_n, also at T <= 2; used whenever the call takes the decode
-  // path; prewarm builds only the planner's choices, so a forced value that differs is compiled
-  // on first use). Anything else: Error{kInvalidArgument}.
+  // path, and where kAuto's tile at that block_n fits no pipeline depth for the shape, kAuto takes
+  // marlin_moe; prewarm builds only the planner's choices, so a forced value that differs is
+  // compiled on first use). Anything else: Error{kInvalidArgument}.
   int decode_block_n = 0;
 };
 

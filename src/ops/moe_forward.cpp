@@ -240,13 +240,10 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     }
   };
 
-  // The decode path: forced, or automatic where it is the faster path (detail::decode_by_default).
-  const bool want_decode = options.path == MoePath::kDecode ||
-                           (options.path == MoePath::kAuto && detail::decode_by_default(config));
-  if (want_decode && config.decode && config.decode_pair && options.decode_block_n == 0 &&
-      detail::decode_moe_runs_on(config.decode_first, device.arch) &&
-      detail::decode_moe_runs_on(config.decode_second, device.arch)) {
-    require_decode_workspace(config.decode_first);
+  const detail::ForwardChoice choice =
+      detail::choose_forward_path(shape, config, options, device.arch);
+  if (choice.path == detail::ForwardPath::kPair) {
+    require_decode_workspace(choice.decode);
     kern::moe::decode::DecodePairParams params{};
     params.w13 = static_cast<const kern::moe::u8*>(w.w13);
     params.w13_scales = static_cast<const kern::moe::u8*>(w.w13_scales);
@@ -259,38 +256,28 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     params.inter = static_cast<kern::moe::u16*>(args.workspace);
     params.num_tokens = t;
     params.expert_offset = shape.expert_offset;
-    detail::launch_decode_pair(kOp, config.decode_first, target, params);
+    detail::launch_decode_pair(kOp, choice.decode, target, params);
     return;
   }
-  // Why not kAuto's own choice: kAuto takes decode_moe in the two-launch tile (decode_by_default),
-  // and where the pair does not run on this device (its shared memory) marlin_moe, the faster
-  // path there (the persistent tile at T = 1 took 1.14-1.59x marlin_moe's time, moe_plan.hpp),
-  // unless the call forced a block_n, which asks for the persistent tile.
-  if (want_decode && config.decode && (forced_decode || options.decode_block_n != 0)) {
-    // The persistent tile: the planner's (T >= 3, or where the pair does not serve the shape) or,
-    // with a forced block_n, the one of that block_n at any T.
-    const MoeDecodeParams main =
-        options.decode_block_n != 0 ? detail::choose_decode_config(shape, t, options.decode_block_n)
-        : config.decode_pair        ? detail::choose_decode_config(shape, t, 0)
-                                    : config.decode_second;
-    if (detail::decode_moe_runs_on(main, device.arch)) {
-      require_decode_workspace(main);
-      kern::moe::decode::DecodeMoeParams params{};
-      detail::encode_decode_weight_maps(kOp, main, w.w13, w.w13_scales, w.w2, w.w2_scales, params);
-      params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
-      params.topk_ids = ids.data;  // int32, or int64 read directly (DecodeTraits' Ids64)
-      params.topk_weights = static_cast<const float*>(weights.data);
-      params.out = static_cast<kern::moe::u16*>(out.data);
-      params.workspace = static_cast<kern::moe::u8*>(args.workspace);
-      params.num_tokens = t;
-      params.expert_offset = shape.expert_offset;
-      detail::launch_decode_moe(kOp, main, target, params);
-      return;
+  if (choice.path == detail::ForwardPath::kPersistent) {
+    const MoeDecodeParams& main = choice.decode;
+    require_decode_workspace(main);
+    kern::moe::decode::DecodeMoeParams params{};
+    detail::encode_decode_weight_maps(kOp, main, w.w13, w.w13_scales, w.w2, w.w2_scales, params);
+    params.hidden = static_cast<const kern::moe::u16*>(hidden.data);
+    params.topk_ids = ids.data;  // int32, or int64 read directly (DecodeTraits' Ids64)
+    params.topk_weights = static_cast<const float*>(weights.data);
+    params.out = static_cast<kern::moe::u16*>(out.data);
+    params.workspace = static_cast<kern::moe::u8*>(args.workspace);
+    params.num_tokens = t;
+    params.expert_offset = shape.expert_offset;
+    detail::launch_decode_moe(kOp, main, target, params);
+    return;
+  }
+  if (forced_decode) {
+    if (config.decode) {
+      throw_decode_refused(moejit::supports(detail::decode_moe_spec(choice.decode, device.arch)));
     }
-    if (forced_decode) {
-      throw_decode_refused(moejit::supports(detail::decode_moe_spec(main, device.arch)));
-    }
-  } else if (forced_decode) {
     // decode_moe_problem passed and T <= 256, so the planner's tile fits: only a planner bug
     // lands here.
     throw Error(ErrorCode::kInternal,

@@ -767,6 +767,32 @@ void fit_stages_to(const Arch& arch, MarlinMoeParams* p) {
 }
 }  // namespace
 
+ForwardChoice choose_forward_path(const ModelShape& shape, const MoeForwardConfig& config,
+                                  const MoeForwardOptions& options, const Arch& arch) {
+  const bool forced = options.path == MoePath::kDecode;
+  const bool want = forced || (options.path == MoePath::kAuto && decode_by_default(config));
+  ForwardChoice choice;
+  if (!want || !config.decode) return choice;
+  if (config.decode_pair && options.decode_block_n == 0 &&
+      decode_moe_runs_on(config.decode_first, arch) &&
+      decode_moe_runs_on(config.decode_second, arch)) {
+    choice.path = ForwardPath::kPair;
+    choice.decode = config.decode_first;
+    return choice;
+  }
+  // Why not kAuto's persistent tile without a forced block_n: where the pair does not run on this
+  // device (its shared memory) marlin_moe is the faster path (decode_by_default).
+  if (!forced && options.decode_block_n == 0) return choice;
+  choice.decode = options.decode_block_n != 0
+                      ? choose_decode_config(shape, config.tokens, options.decode_block_n)
+                  : config.decode_pair ? choose_decode_config(shape, config.tokens, 0)
+                                       : config.decode_second;
+  if (choice.decode.stages != 0 && decode_moe_runs_on(choice.decode, arch)) {
+    choice.path = ForwardPath::kPersistent;
+  }
+  return choice;
+}
+
 MoeForwardSpecs moe_forward_specs(const MoeForwardConfig& config, const Arch& arch) {
   MoeForwardSpecs s;
   s.decode = config.decode && decode_moe_runs_on(config.decode_first, arch) &&

@@ -12,6 +12,7 @@
 
 #include "descriptor/descriptor.hpp"
 #include "moejit/kernel_spec.hpp"
+#include "moejit/moe.hpp"
 #include "moejit/shape.hpp"
 #include "plan/decode_plan.hpp"
 
@@ -103,6 +104,25 @@ MoeForwardConfig choose_moe_config(const ModelShape& shape, int tokens);
 inline bool decode_by_default(const MoeForwardConfig& config) {
   return config.decode && config.decode_pair && config.tokens <= kDecodeAutoMaxTokens;
 }
+
+// The path moe_forward takes for `config` on `arch` under `options`:
+// - kPair: decode_moe's two-launch tile (config.decode_first, then config.decode_second), for
+//   kAuto where decode_by_default(config) and for kDecode where the planner chose the pair, both
+//   without a forced block_n and where both kernels run on `arch`;
+// - kPersistent: the persistent tile `decode` (reset -> main -> combine), for kDecode, and for
+//   kAuto at the pair's T with a forced block_n, which asks for the persistent tile at that
+//   block_n; only where a pipeline depth fits that tile (stages != 0) and it runs on `arch`;
+// - kMarlin otherwise. For kDecode that is a refusal the op names: `decode` is then the tile
+//   that can't run (its stages or `arch`), or unset where the planner chose none (config.decode
+//   is false: T > 256).
+// Pure arithmetic; the op asks it on every forward.
+enum class ForwardPath { kPair, kPersistent, kMarlin };
+struct ForwardChoice {
+  ForwardPath path = ForwardPath::kMarlin;
+  MoeDecodeParams decode;
+};
+ForwardChoice choose_forward_path(const ModelShape& shape, const MoeForwardConfig& config,
+                                  const MoeForwardOptions& options, const Arch& arch);
 
 // The kernels of one config for `arch`, by role. Filled without allocating (the op builds it on
 // every forward).

@@ -941,6 +941,77 @@ TEST_CASE("moe_forward's automatic path takes decode_moe at T = 1 only where the
   }
 }
 
+TEST_CASE("moe_forward's path for every option, arch and T, and a forced block_n no depth fits",
+          "[plan][decode]") {
+  using detail::ForwardPath;
+  const Arch sm90a = Arch::parse("sm_90a");
+  const Arch sm80 = Arch::parse("sm_80");
+  std::vector<ModelShape> shapes = reference_shapes();
+  const std::vector<ModelShape> more = moejit::test::public_shapes();
+  shapes.insert(shapes.end(), more.begin(), more.end());
+  for (const ModelShape& shape : shapes) {
+    const bool served = detail::decode_moe_problem(shape).empty();
+    for (int t : {1, 2, 3, 6, 24, 96, 256, 257, 1000}) {
+      const detail::MoeForwardConfig config = detail::choose_moe_config(shape, t);
+      for (moejit::MoePath path :
+           {moejit::MoePath::kAuto, moejit::MoePath::kMarlin, moejit::MoePath::kDecode}) {
+        if (path == moejit::MoePath::kDecode && !served) continue;  // refused before the choice
+        for (int block_n : {0, 8, 16, 32}) {
+          const moejit::MoeForwardOptions options{path, block_n};
+          INFO(shape.name << " T = " << t << " path " << static_cast<int>(path) << " block_n "
+                          << block_n);
+          CHECK(detail::choose_forward_path(shape, config, options, sm80).path ==
+                ForwardPath::kMarlin);
+          const detail::ForwardChoice c =
+              detail::choose_forward_path(shape, config, options, sm90a);
+          const bool decode =
+              config.decode &&
+              (path == moejit::MoePath::kDecode ||
+               (path == moejit::MoePath::kAuto && detail::decode_by_default(config)));
+          if (!decode) {
+            CHECK(c.path == ForwardPath::kMarlin);
+          } else if (block_n == 0 && config.decode_pair) {
+            CHECK(c.path == ForwardPath::kPair);
+            CHECK(c.decode == config.decode_first);
+          } else if (block_n == 0 && path == moejit::MoePath::kAuto) {
+            CHECK(c.path == ForwardPath::kMarlin);  // decode_by_default takes only the pair
+          } else {
+            const MoeDecodeParams tile = detail::choose_decode_config(shape, t, block_n);
+            CHECK(c.decode == (block_n == 0 && !config.decode_pair ? config.decode_second : tile));
+            CHECK(c.decode.kernel == DecodeKernel::kMain);
+            // A served shape fits a depth at every block_n and T (decode_moe_problem's walk).
+            CHECK(c.path == (served || c.decode.stages != 0 ? ForwardPath::kPersistent
+                                                            : ForwardPath::kMarlin));
+          }
+          if (c.path == ForwardPath::kPersistent) CHECK(c.decode.stages != 0);
+        }
+      }
+    }
+  }
+
+  // A shape the pair serves at T = 1 whose block_n 8 persistent tile fits no pipeline depth (its
+  // routing scratch outgrows the ring): an automatic call that forces block_n 8 there takes
+  // marlin_moe, as where decode_moe can't serve the call, instead of building a tile that breaks
+  // a rule; block_n 16 fits.
+  const ModelShape wide = moejit::parse_shapes(
+      R"({"name": "e3509-k64", "num_experts": 3509, "top_k": 64, "hidden": 512,
+          "intermediate": 256, "activation": {"kind": "swiglu"}})",
+      "wide.json")[0];
+  INFO(detail::decode_moe_problem(wide));
+  CHECK(contains(detail::decode_moe_problem(wide), "with block_n = 8 at T = 1 no pipeline depth"));
+  const detail::MoeForwardConfig one = detail::choose_moe_config(wide, 1);
+  REQUIRE(detail::decode_by_default(one));
+  const auto path_for = [&](moejit::MoePath path, int block_n) {
+    return detail::choose_forward_path(wide, one, moejit::MoeForwardOptions{path, block_n}, sm90a)
+        .path;
+  };
+  CHECK(path_for(moejit::MoePath::kAuto, 0) == ForwardPath::kPair);
+  CHECK(detail::choose_decode_config(wide, 1, 8).stages == 0);
+  CHECK(path_for(moejit::MoePath::kAuto, 8) == ForwardPath::kMarlin);
+  CHECK(detail::choose_decode_config(wide, 1, 16).stages != 0);
+  CHECK(path_for(moejit::MoePath::kAuto, 16) == ForwardPath::kPersistent);
+}
+
 TEST_CASE("decode_moe workspace: moe_workspace_bytes covers every decode tile, every block_n",
           "[plan][decode]") {
   for (const std::string& name : kServed) {
