@@ -63,24 +63,26 @@ const std::vector<int>& supported_archs() {
 // Owns one nvrtcProgram.
 class Program {
  public:
-  Program(const GeneratedSource& src, const std::vector<const char*>& headers,
-          const std::vector<const char*>& names) {
-    MOEJIT_NVRTC_CHECK(nvrtcCreateProgram(&program_, src.source.c_str(), src.file_name.c_str(),
-                                          static_cast<int>(headers.size()), headers.data(),
-                                          names.data()));
-  }
+  Program() = default;
   ~Program() {
     if (program_ != nullptr) nvrtcDestroyProgram(&program_);
   }
   Program(const Program&) = delete;
   Program& operator=(const Program&) = delete;
   nvrtcProgram get() const { return program_; }
+  nvrtcProgram* out() { return &program_; }
 
+  // The program log, or a line saying why NVRTC gave none (a compile error must not be lost to
+  // a failed log).
   std::string log() const {
     std::size_t size = 0;
-    MOEJIT_NVRTC_CHECK(nvrtcGetProgramLogSize(program_, &size));
+    nvrtcResult result = nvrtcGetProgramLogSize(program_, &size);
     std::string out(size, '\0');
-    if (size > 0) MOEJIT_NVRTC_CHECK(nvrtcGetProgramLog(program_, out.data()));
+    if (result == NVRTC_SUCCESS && size > 0) result = nvrtcGetProgramLog(program_, out.data());
+    if (result != NVRTC_SUCCESS) {
+      return std::string("(no log: nvrtcGetProgramLog failed: ") + nvrtcGetErrorString(result) +
+             ")";
+    }
     while (!out.empty() && (out.back() == '\0' || out.back() == '\n')) out.pop_back();
     return out;
   }
@@ -299,7 +301,9 @@ std::string nvrtc_self_test() {
     const std::string sm = "sm_" + std::to_string(archs.front());
     const std::string arch = "--gpu-architecture=" + sm;
     const char* options[] = {arch.c_str(), "-std=c++17"};
-    Program program(src, {}, {});
+    Program program;
+    MOEJIT_NVRTC_CHECK(nvrtcCreateProgram(program.out(), src.source.c_str(), src.file_name.c_str(),
+                                          0, nullptr, nullptr));
     const nvrtcResult result = nvrtcCompileProgram(program.get(), 2, options);
     if (result != NVRTC_SUCCESS) {
       const std::string log = program.log();
@@ -327,6 +331,25 @@ std::vector<std::string> compile_options(const Arch& arch, bool line_info) {
   return options;
 }
 
+void require_nvrtc(int result, const char* call, const GeneratedSource& src,
+                   const std::vector<std::string>& options, const std::string& failure_dir) {
+  if (result == NVRTC_SUCCESS) return;
+  throw_compile_error(
+      src, std::string(call) + " failed: " + nvrtcGetErrorString(static_cast<nvrtcResult>(result)),
+      options, "", failure_dir);
+}
+
+int faulting_copies(const GeneratedSource& src, const std::string& cubin,
+                    const std::vector<std::string>& options, const std::string& log,
+                    const std::string& failure_dir) {
+  try {
+    return count_faulting_hinted_copies(cubin);
+  } catch (const Error& e) {
+    throw_compile_error(src, std::string("the cubin NVRTC returned can't be checked: ") + e.what(),
+                        options, log, failure_dir);
+  }
+}
+
 namespace {
 
 // One NVRTC run of `src` with `options`.
@@ -345,11 +368,18 @@ CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
     content_ptrs.push_back(contents[i].c_str());
     name_ptrs.push_back(names[i].c_str());
   }
-  Program program(src, content_ptrs, name_ptrs);
-  MOEJIT_NVRTC_CHECK(nvrtcAddNameExpression(program.get(), src.name_expression.c_str()));
-
   std::vector<const char*> option_ptrs;
   for (const std::string& option : options) option_ptrs.push_back(option.c_str());
+  const auto require = [&](nvrtcResult result, const char* call) {
+    require_nvrtc(result, call, src, options, failure_dir);
+  };
+  Program program;
+  require(nvrtcCreateProgram(program.out(), src.source.c_str(), src.file_name.c_str(),
+                             static_cast<int>(content_ptrs.size()), content_ptrs.data(),
+                             name_ptrs.data()),
+          "nvrtcCreateProgram");
+  require(nvrtcAddNameExpression(program.get(), src.name_expression.c_str()),
+          "nvrtcAddNameExpression");
   const nvrtcResult result =
       nvrtcCompileProgram(program.get(), static_cast<int>(option_ptrs.size()), option_ptrs.data());
   CompiledKernel out;
@@ -359,19 +389,24 @@ CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
   }
 
   const char* lowered = nullptr;
-  MOEJIT_NVRTC_CHECK(nvrtcGetLoweredName(program.get(), src.name_expression.c_str(), &lowered));
-  MOEJIT_CHECK(
-      lowered != nullptr && *lowered != '\0', ErrorCode::kInternal,
-      "NVRTC returned no lowered name for " << src.name_expression << " in " << src.file_name);
+  require(nvrtcGetLoweredName(program.get(), src.name_expression.c_str(), &lowered),
+          "nvrtcGetLoweredName");
+  if (lowered == nullptr || *lowered == '\0') {
+    throw_compile_error(src, "NVRTC returned no lowered name for " + src.name_expression, options,
+                        out.log, failure_dir);
+  }
   out.lowered_name = lowered;
 
   std::size_t cubin_size = 0;
-  MOEJIT_NVRTC_CHECK(nvrtcGetCUBINSize(program.get(), &cubin_size));
-  MOEJIT_CHECK(cubin_size > 0, ErrorCode::kCompileFailed,
-               "NVRTC produced no cubin for " << src.file_name << " with " << arch.nvrtc_option()
-                                              << "; a cubin needs a real sm_ arch");
+  require(nvrtcGetCUBINSize(program.get(), &cubin_size), "nvrtcGetCUBINSize");
+  if (cubin_size == 0) {
+    throw_compile_error(
+        src,
+        "NVRTC produced no cubin with " + arch.nvrtc_option() + "; a cubin needs a real sm_ arch",
+        options, out.log, failure_dir);
+  }
   out.cubin.resize(cubin_size);
-  MOEJIT_NVRTC_CHECK(nvrtcGetCUBIN(program.get(), out.cubin.data()));
+  require(nvrtcGetCUBIN(program.get(), out.cubin.data()), "nvrtcGetCUBIN");
   return out;
 }
 
@@ -395,7 +430,7 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const std::
   out.options = options;
   // Why: a cubin whose copies fault must never reach the cache (cubin_check.hpp). Without the
   // hint ptxas has no cache-policy operand to encode, so the rebuilt kernel takes the plain form.
-  const int faulting = count_faulting_hinted_copies(out.cubin);
+  const int faulting = faulting_copies(src, out.cubin, options, out.log, failure_dir);
   if (faulting > 0) {
     // Why info, not warn: the rebuilt kernel is correct; it only lacks the hint (1-3%).
     log().info(
@@ -405,7 +440,7 @@ CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const std::
     options.emplace_back(kNoL2CacheHintOption);
     out = run_nvrtc(src, arch, options, failure_dir);
     out.options = options;
-    const int left = count_faulting_hinted_copies(out.cubin);
+    const int left = faulting_copies(src, out.cubin, options, out.log, failure_dir);
     if (left > 0) {
       std::ostringstream os;
       os << "ptxas encoded " << left << " cp.async as the LDGSTS form that faults even with "

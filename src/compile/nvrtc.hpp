@@ -62,10 +62,20 @@ struct CompiledKernel {
 std::string save_failed_source(const GeneratedSource& src, const std::string& failure_dir,
                                std::string* why);
 
+// The steps of compile() that turn a failure into CompileError(kernel, options, log, saved
+// source) like a failed compile (exposed for tests): an NVRTC API call's result other than
+// NVRTC_SUCCESS (`call` names it), and count_faulting_hinted_copies on a cubin it can't read.
+void require_nvrtc(int result, const char* call, const GeneratedSource& src,
+                   const std::vector<std::string>& options, const std::string& failure_dir);
+int faulting_copies(const GeneratedSource& src, const std::string& cubin,
+                    const std::vector<std::string>& options, const std::string& log,
+                    const std::string& failure_dir);
+
 // Compile `src`. On failure throws CompileError naming the kernel and options, with the first
 // lines of the log in the message and the source saved under `failure_dir` (if non-empty). A
 // cubin holding the faulting cp.async form (cubin_check.hpp) is compiled again with
-// kNoL2CacheHintOption; if that one still holds it, CompileError.
+// kNoL2CacheHintOption; if that one still holds it, CompileError. Every NVRTC API failure and an
+// unreadable cubin are CompileErrors too.
 CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const std::string& failure_dir,
                        bool line_info = false);
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "codegen/codegen.hpp"
 #include "compile/nvrtc.hpp"
+#include "moejit/error.hpp"
 #include "support/support.hpp"
 
 namespace {
@@ -190,4 +192,51 @@ TEST_CASE("a failure directory others could write, or reach through a link, is r
     CHECK(contains(why, "'../escape.cu' is not a plain file name"));
     CHECK_FALSE(fs::exists(tmp.path() + "/escape.cu"));
   }
+}
+
+// An NVRTC API call that fails, or a cubin the faulting-copy check can't read, is a
+// CompileError like a failed compile: it names the kernel, the call or the check, and saves the
+// source.
+TEST_CASE("an NVRTC call's failure and an unreadable cubin name the kernel and keep its source",
+          "[compile]") {
+  moejit::test::TempDir tmp;
+  const GeneratedSource src = failed_source();
+  const std::vector<std::string> options{"--gpu-architecture=sm_90a", "-std=c++17"};
+  const std::string dir = tmp.path() + "/failed";
+  const std::string saved = dir + "/" + src.file_name;
+  // Success passes silently.
+  moejit::detail::require_nvrtc(0, "nvrtcGetCUBIN", src, options, dir);
+  CHECK_FALSE(fs::exists(saved));
+
+  const auto expect_compile_error = [&](const std::function<void()>& call,
+                                        const std::vector<std::string>& parts) {
+    fs::remove_all(dir);
+    try {
+      call();
+      FAIL("no error");
+    } catch (const moejit::CompileError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(e.code() == moejit::ErrorCode::kCompileFailed);
+      CHECK(e.kernel() == "append_shared_k6_s1_i32_sigmoid_bf16");
+      CHECK(e.options() == options);
+      CHECK(e.source_path() == saved);
+      CHECK(contains(what, "could not compile kernel append_shared_k6_s1_i32_sigmoid_bf16"));
+      for (const std::string& part : parts) CHECK(contains(what, part));
+      CHECK(read_text(saved) == src.source);
+    }
+  };
+  // 2: NVRTC_ERROR_PROGRAM_CREATION_FAILURE.
+  expect_compile_error(
+      [&] { moejit::detail::require_nvrtc(2, "nvrtcCreateProgram", src, options, dir); },
+      {"nvrtcCreateProgram failed: NVRTC_ERROR_PROGRAM_CREATION_FAILURE"});
+  expect_compile_error(
+      [&] {
+        moejit::detail::faulting_copies(src,
+                                        std::string("\x7f"
+                                                    "ELX and more",
+                                                    12),
+                                        options, "ptxas info", dir);
+      },
+      {"the cubin NVRTC returned can't be checked", "not a little-endian ELF64 image (12 bytes)"});
 }
