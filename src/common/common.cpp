@@ -1,5 +1,7 @@
 // Why: header-only xxHash, so the library carries no runtime dependency on libxxhash.
 #define XXH_INLINE_ALL
+#include <spdlog/details/console_globals.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <xxhash.h>
 
 #include <cstdio>
@@ -14,8 +16,6 @@
 #include "common/text.hpp"
 #include "moejit/error.hpp"
 #include "moejit/version.hpp"
-#include <spdlog/sinks/ansicolor_sink.h>
-#include <spdlog/sinks/dist_sink.h>
 
 namespace moejit {
 
@@ -47,33 +47,20 @@ std::optional<std::string> env(const char* name) {
   return std::string(value);
 }
 
-namespace {
-
-// The logger's one sink: it writes to stderr through an unguarded colour sink, under a mutex of
-// its own that a fork holds (last: nothing is taken under it), so that a child never copies it
-// locked by a thread of its parent that was logging, and so never waits on its first line.
-class ForkSafeStderrSink : public spdlog::sinks::dist_sink_mt {
- public:
-  ForkSafeStderrSink() {
-    add_sink(std::make_shared<spdlog::sinks::ansicolor_stderr_sink_st>());
-    hold_across_fork_last(&mutex_);
-  }
-};
-
-}  // namespace
-
 spdlog::logger& log() {
   static std::shared_ptr<spdlog::logger> logger = [] {
+    // Why: a child forked while a thread of its parent was writing a line would copy the console
+    // sinks' mutex locked, and wait on it forever at its own first line. Nothing is taken under
+    // it (the sinks only write), so the fork handlers take it last. (A logger the host registered
+    // as "moejit" keeps whatever other sinks it has, unguarded.)
+    hold_across_fork_last(&spdlog::details::console_mutex::mutex());
     auto existing = spdlog::get("moejit");
     if (existing) return existing;
-    // Why leaked: the fork handlers keep the sink's mutex for the life of the process.
-    static auto* sink = new std::shared_ptr<ForkSafeStderrSink>(new ForkSafeStderrSink);
-    auto made = std::make_shared<spdlog::logger>("moejit", *sink);
+    auto made = spdlog::stderr_color_mt("moejit");
     made->set_pattern("[moejit %L] %v");
     auto level = spdlog::level::warn;
     if (auto text = env("MOEJIT_LOG_LEVEL")) level = spdlog::level::from_str(*text);
     made->set_level(level);
-    spdlog::register_logger(made);
     return made;
   }();
   return *logger;

@@ -8,19 +8,30 @@
 namespace moejit::detail {
 namespace {
 
+// A registered mutex of either kind.
+struct Held {
+  void* mutex;
+  void (*lock)(void*);
+  void (*unlock)(void*);
+};
+
+template <class Mutex>
+Held held(Mutex* mutex) {
+  return {mutex, [](void* m) { static_cast<Mutex*>(m)->lock(); },
+          [](void* m) { static_cast<Mutex*>(m)->unlock(); }};
+}
+
 // Why a process-wide registry: the pthread_atfork handlers are registered once and can't be
-// removed.
+// removed. Each list has a mutex of its own, taken just before the list's mutexes, so that a
+// thread registering a mutex of one list may hold any mutex of an earlier list (the logger is
+// made, and its sink registered, under whatever lock its first line is written).
 struct ForkGuard {
-  struct Held {
-    void* mutex;
-    void (*lock)(void*);
-    void (*unlock)(void*);
-  };
-  std::mutex held_mutex;  // guards `held` and `last`; taken first
+  std::mutex held_mutex;  // guards `held`
   std::vector<Held> held;
-  std::mutex alive_mutex;  // guards `alive`; taken after `held`, before any of `alive`
+  std::mutex alive_mutex;  // guards `alive`
   std::unordered_set<std::mutex*> alive;
-  std::vector<std::mutex*> last;
+  std::mutex last_mutex;  // guards `last`
+  std::vector<Held> last;
 };
 
 ForkGuard& fork_guard() {
@@ -32,15 +43,17 @@ ForkGuard& fork_guard() {
 void fork_prepare() {
   ForkGuard& g = fork_guard();
   g.held_mutex.lock();
-  for (const ForkGuard::Held& h : g.held) h.lock(h.mutex);
+  for (const Held& h : g.held) h.lock(h.mutex);
   g.alive_mutex.lock();
   for (std::mutex* m : g.alive) m->lock();
-  for (std::mutex* m : g.last) m->lock();
+  g.last_mutex.lock();
+  for (const Held& h : g.last) h.lock(h.mutex);
 }
 
 void fork_release() {  // in the parent and in the child: the thread that forked holds them
   ForkGuard& g = fork_guard();
-  for (auto m = g.last.rbegin(); m != g.last.rend(); ++m) (*m)->unlock();
+  for (auto h = g.last.rbegin(); h != g.last.rend(); ++h) h->unlock(h->mutex);
+  g.last_mutex.unlock();
   for (std::mutex* m : g.alive) m->unlock();
   g.alive_mutex.unlock();
   for (auto h = g.held.rbegin(); h != g.held.rend(); ++h) h->unlock(h->mutex);
@@ -53,18 +66,19 @@ ForkGuard& installed_guard() {
   return fork_guard();
 }
 
-template <class Mutex>
-void hold(Mutex* mutex) {
-  ForkGuard& g = installed_guard();
-  std::lock_guard<std::mutex> lock(g.held_mutex);
-  g.held.push_back({mutex, [](void* m) { static_cast<Mutex*>(m)->lock(); },
-                    [](void* m) { static_cast<Mutex*>(m)->unlock(); }});
-}
-
 }  // namespace
 
-void hold_across_fork(std::mutex* mutex) { hold(mutex); }
-void hold_across_fork(std::shared_mutex* mutex) { hold(mutex); }
+void hold_across_fork(std::mutex* mutex) {
+  ForkGuard& g = installed_guard();
+  std::lock_guard<std::mutex> lock(g.held_mutex);
+  g.held.push_back(held(mutex));
+}
+
+void hold_across_fork(std::shared_mutex* mutex) {
+  ForkGuard& g = installed_guard();
+  std::lock_guard<std::mutex> lock(g.held_mutex);
+  g.held.push_back(held(mutex));
+}
 
 void hold_while_alive(std::mutex* mutex) {
   ForkGuard& g = installed_guard();
@@ -80,8 +94,14 @@ void release_while_alive(std::mutex* mutex) {
 
 void hold_across_fork_last(std::mutex* mutex) {
   ForkGuard& g = installed_guard();
-  std::lock_guard<std::mutex> lock(g.held_mutex);
-  g.last.push_back(mutex);
+  std::lock_guard<std::mutex> lock(g.last_mutex);
+  g.last.push_back(held(mutex));
+}
+
+void hold_across_fork_last(std::shared_mutex* mutex) {
+  ForkGuard& g = installed_guard();
+  std::lock_guard<std::mutex> lock(g.last_mutex);
+  g.last.push_back(held(mutex));
 }
 
 }  // namespace moejit::detail

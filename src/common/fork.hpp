@@ -3,7 +3,8 @@
 // every registered mutex before the fork and release them after it, in the parent and in the
 // child, in this order: the long-lived ones (hold_across_fork) in the order they were registered,
 // then the stores' (hold_while_alive, in any order: none is held while another is taken), then
-// the leaves (hold_across_fork_last), which are held while no other mutex is taken.
+// the leaves (hold_across_fork_last), which are held while no other mutex is taken. The price: a
+// fork waits for whichever thread holds one (a log line written to a full pipe delays it).
 #pragma once
 
 #include <mutex>
@@ -16,13 +17,15 @@ namespace moejit::detail {
 void hold_across_fork(std::mutex* mutex);
 void hold_across_fork(std::shared_mutex* mutex);
 
-// For an object's mutex, from its constructor to its destructor; no other mutex of the three
-// kinds above is taken while it is held, except leaves.
+// For an object's mutex, from its constructor to its destructor; no other registered mutex is
+// taken while it is held, except leaves.
 void hold_while_alive(std::mutex* mutex);
 void release_while_alive(std::mutex* mutex);
 
 // For a mutex that lives as long as the process and under which no other registered mutex is
-// ever taken (the logger's sink).
+// ever taken (a leaf: the logger's console sinks, the tables that only look up or insert). It
+// may be registered while any other registered mutex is held.
 void hold_across_fork_last(std::mutex* mutex);
+void hold_across_fork_last(std::shared_mutex* mutex);
 
 }  // namespace moejit::detail

@@ -72,19 +72,21 @@ class Program {
   nvrtcProgram get() const { return program_; }
   nvrtcProgram* out() { return &program_; }
 
-  // The program log, or a line saying why NVRTC gave none (a compile error must not be lost to
-  // a failed log).
-  std::string log() const {
+  // The program log into *text; on failure a line saying why NVRTC gave none (so a compile's
+  // error is not lost to a failed log) and the failed call's result.
+  nvrtcResult log(std::string* text) const {
     std::size_t size = 0;
     nvrtcResult result = nvrtcGetProgramLogSize(program_, &size);
     std::string out(size, '\0');
     if (result == NVRTC_SUCCESS && size > 0) result = nvrtcGetProgramLog(program_, out.data());
     if (result != NVRTC_SUCCESS) {
-      return std::string("(no log: nvrtcGetProgramLog failed: ") + nvrtcGetErrorString(result) +
-             ")";
+      *text =
+          std::string("(no log: nvrtcGetProgramLog failed: ") + nvrtcGetErrorString(result) + ")";
+      return result;
     }
     while (!out.empty() && (out.back() == '\0' || out.back() == '\n')) out.pop_back();
-    return out;
+    *text = std::move(out);
+    return NVRTC_SUCCESS;
   }
 
  private:
@@ -306,7 +308,8 @@ std::string nvrtc_self_test() {
                                           0, nullptr, nullptr));
     const nvrtcResult result = nvrtcCompileProgram(program.get(), 2, options);
     if (result != NVRTC_SUCCESS) {
-      const std::string log = program.log();
+      std::string log;
+      program.log(&log);
       return "a one-line kernel did not compile for " + sm + ": " +
              nvrtcGetErrorString(result) + (log.empty() ? "" : " (" + log.substr(0, 300) + ")");
     }
@@ -332,11 +335,12 @@ std::vector<std::string> compile_options(const Arch& arch, bool line_info) {
 }
 
 void require_nvrtc(int result, const char* call, const GeneratedSource& src,
-                   const std::vector<std::string>& options, const std::string& failure_dir) {
+                   const std::vector<std::string>& options, const std::string& log,
+                   const std::string& failure_dir) {
   if (result == NVRTC_SUCCESS) return;
   throw_compile_error(
       src, std::string(call) + " failed: " + nvrtcGetErrorString(static_cast<nvrtcResult>(result)),
-      options, "", failure_dir);
+      options, log, failure_dir);
 }
 
 int faulting_copies(const GeneratedSource& src, const std::string& cubin,
@@ -370,8 +374,9 @@ CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
   }
   std::vector<const char*> option_ptrs;
   for (const std::string& option : options) option_ptrs.push_back(option.c_str());
+  CompiledKernel out;  // its log, once the compile has made one, goes with every later failure
   const auto require = [&](nvrtcResult result, const char* call) {
-    require_nvrtc(result, call, src, options, failure_dir);
+    require_nvrtc(result, call, src, options, out.log, failure_dir);
   };
   Program program;
   require(nvrtcCreateProgram(program.out(), src.source.c_str(), src.file_name.c_str(),
@@ -382,11 +387,12 @@ CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
           "nvrtcAddNameExpression");
   const nvrtcResult result =
       nvrtcCompileProgram(program.get(), static_cast<int>(option_ptrs.size()), option_ptrs.data());
-  CompiledKernel out;
-  out.log = program.log();
+  const nvrtcResult logged = program.log(&out.log);
   if (result != NVRTC_SUCCESS) {
     throw_compile_error(src, nvrtcGetErrorString(result), options, out.log, failure_dir);
   }
+  // Why a failure: the log is the entry's ptxas report (registers, spills), kept with the cubin.
+  require(logged, "nvrtcGetProgramLog");
 
   const char* lowered = nullptr;
   require(nvrtcGetLoweredName(program.get(), src.name_expression.c_str(), &lowered),

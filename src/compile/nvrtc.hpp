@@ -64,9 +64,11 @@ std::string save_failed_source(const GeneratedSource& src, const std::string& fa
 
 // The steps of compile() that turn a failure into CompileError(kernel, options, log, saved
 // source) like a failed compile (exposed for tests): an NVRTC API call's result other than
-// NVRTC_SUCCESS (`call` names it), and count_faulting_hinted_copies on a cubin it can't read.
+// NVRTC_SUCCESS (`call` names it; `log` is the compile's, "" before it), and
+// count_faulting_hinted_copies on a cubin it can't read.
 void require_nvrtc(int result, const char* call, const GeneratedSource& src,
-                   const std::vector<std::string>& options, const std::string& failure_dir);
+                   const std::vector<std::string>& options, const std::string& log,
+                   const std::string& failure_dir);
 int faulting_copies(const GeneratedSource& src, const std::string& cubin,
                     const std::vector<std::string>& options, const std::string& log,
                     const std::string& failure_dir);

@@ -8,6 +8,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/fork.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 #include "ops/tensor_checks.hpp"
@@ -36,6 +37,8 @@ class SmemOptIns {
   }
 
  private:
+  // Why: a fork must not copy the table's mutex locked (it is a leaf: nothing is taken under it).
+  SmemOptIns() { hold_across_fork_last(&mutex_); }
   struct Key {
     CUkernel kernel;
     int device;

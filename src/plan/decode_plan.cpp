@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/fork.hpp"
 #include "plan/decode_geometry.hpp"
 #include "plan/moe_plan.hpp"
 
@@ -357,7 +358,11 @@ std::string decode_moe_problem(const ModelShape& shape) {
   // process serves a few shapes; the memo keeps the last kMemoShapes.
   constexpr std::size_t kMemoShapes = 64;
   // Why leaked, as the runtime is: ops may run from threads that outlive static destruction.
-  static std::mutex& mutex = *new std::mutex;
+  static std::mutex& mutex = []() -> std::mutex& {
+    auto* made = new std::mutex;
+    hold_across_fork_last(made);  // a leaf: nothing is taken under it
+    return *made;
+  }();
   static std::vector<std::pair<ProblemKey, std::string>>& memo =
       *new std::vector<std::pair<ProblemKey, std::string>>;
   ProblemKey key(shape);

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fork.hpp"
 #include "common/log.hpp"
 #include "descriptor/descriptor.hpp"
 #include "moejit/error.hpp"
@@ -76,7 +77,8 @@ class ShapeRegistry {
   }
 
  private:
-  ShapeRegistry() = default;
+  // Why: a fork must not copy the table's mutex locked (it is a leaf: nothing is taken under it).
+  ShapeRegistry() { detail::hold_across_fork_last(&mutex_); }
   mutable std::mutex mutex_;
   std::map<std::string, ModelShape> shapes_;  // sorted, so listings are stable
 };

@@ -164,35 +164,16 @@ TEST_CASE("runtime: a forked child never waits on a mutex its parent's thread he
   const KernelSpec spec = spec_of(6, 1);
   const std::string key = moejit::build_kernel(spec).key;
   REQUIRE(key.size() == 32);
-  std::atomic<bool> stop{false};
-  std::thread hammer([&] {
-    while (!stop) {
-      (void)moejit::build_kernel(spec);
-      (void)moejit::detail::Runtime::instance().cache_key(spec);
-    }
-  });
-  int failed = 0;
-  for (int i = 0; i < 100; ++i) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::alarm(10);
-      bool ok = false;
-      try {
-        const BuildResult hit = moejit::build_kernel(spec);
-        ok = hit.outcome == CacheOutcome::kMemoryHit && hit.key == key &&
-             moejit::detail::Runtime::instance().cache_key(spec) == key;
-      } catch (...) {
-      }
-      ::_exit(ok ? 0 : 1);
-    }
-    REQUIRE(pid > 0);
-    int status = 0;
-    REQUIRE(::waitpid(pid, &status, 0) == pid);
-    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) ++failed;
-  }
-  stop = true;
-  hammer.join();
-  CHECK(failed == 0);
+  const auto hammer = [&] {
+    (void)moejit::build_kernel(spec);
+    (void)moejit::detail::Runtime::instance().cache_key(spec);
+  };
+  const auto child = [&] {
+    const BuildResult hit = moejit::build_kernel(spec);
+    return hit.outcome == CacheOutcome::kMemoryHit && hit.key == key &&
+           moejit::detail::Runtime::instance().cache_key(spec) == key;
+  };
+  CHECK(moejit::test::children_failing_under(hammer, child) == 0);
 }
 
 // The runtime computes a spec's key once per process (Runtime::memoized_key); a later build under

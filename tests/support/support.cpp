@@ -1,9 +1,12 @@
 #include "support/support.hpp"
 
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "driver/driver.hpp"
@@ -270,6 +274,38 @@ void write_text(const std::string& path, const std::string& text) {
   out << text;
   out.flush();
   if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+bool forked_child_passes(const std::function<bool()>& body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::alarm(10);
+    bool ok = false;
+    try {
+      ok = body();
+    } catch (...) {
+    }
+    ::_exit(ok ? 0 : 1);
+  }
+  if (pid < 0) return false;
+  int status = 0;
+  if (::waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+int children_failing_under(const std::function<void()>& hammer, const std::function<bool()>& child,
+                           int children) {
+  std::atomic<bool> stop{false};
+  std::thread thread([&] {
+    while (!stop) hammer();
+  });
+  int failed = 0;
+  for (int i = 0; i < children; ++i) {
+    if (!forked_child_passes(child)) ++failed;
+  }
+  stop = true;
+  thread.join();
+  return failed;
 }
 
 }  // namespace moejit::test

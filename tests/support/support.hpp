@@ -1,6 +1,7 @@
 // Helpers shared by the tests.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -127,5 +128,16 @@ int fc2_split_combines(const ModelShape& shape);
 
 // Run a shell command, returning its exit status and its output (stdout and stderr).
 int run_command(const std::string& command, std::string* output);
+
+// Whether a child forked now passes: it runs `body` with 10 s to live (SIGALRM) and exits 0 only
+// when `body` returns true (an exception fails it). False too when the fork or the wait fails.
+bool forked_child_passes(const std::function<bool()>& body);
+
+// What a prefork server or Python multiprocessing does while other threads use the library:
+// forks `children` children one after another (forked_child_passes(child)) while a thread of
+// this process runs `hammer` (which must not throw) in a loop, and returns how many failed or
+// blocked. The thread is stopped and joined before it returns.
+int children_failing_under(const std::function<void()>& hammer, const std::function<bool()>& child,
+                           int children = 100);
 
 }  // namespace moejit::test

@@ -945,10 +945,13 @@ TEST_CASE("moe_forward's path for every option, arch and T, and a forced block_n
           "[plan][decode]") {
   using detail::ForwardPath;
   const Arch sm90a = Arch::parse("sm_90a");
-  const Arch sm80 = Arch::parse("sm_80");
+  // sm_120: decode_moe's arch, with ~99 KB of shared memory a CTA, where some tiles don't fit.
+  const Arch sm120 = Arch::parse("sm_120");
   std::vector<ModelShape> shapes = reference_shapes();
   const std::vector<ModelShape> more = moejit::test::public_shapes();
   shapes.insert(shapes.end(), more.begin(), more.end());
+  int auto_pair_not_on_arch = 0;  // kAuto calls that take marlin_moe because the pair doesn't fit
+  int persistent_not_on_arch = 0;
   for (const ModelShape& shape : shapes) {
     const bool served = detail::decode_moe_problem(shape).empty();
     for (int t : {1, 2, 3, 6, 24, 96, 256, 257, 1000}) {
@@ -960,34 +963,48 @@ TEST_CASE("moe_forward's path for every option, arch and T, and a forced block_n
           const moejit::MoeForwardOptions options{path, block_n};
           INFO(shape.name << " T = " << t << " path " << static_cast<int>(path) << " block_n "
                           << block_n);
-          CHECK(detail::choose_forward_path(shape, config, options, sm80).path ==
+          CHECK(detail::choose_forward_path(shape, config, options, Arch::parse("sm_80")).path ==
                 ForwardPath::kMarlin);
-          const detail::ForwardChoice c =
-              detail::choose_forward_path(shape, config, options, sm90a);
           const bool decode =
               config.decode &&
               (path == moejit::MoePath::kDecode ||
                (path == moejit::MoePath::kAuto && detail::decode_by_default(config)));
-          if (!decode) {
-            CHECK(c.path == ForwardPath::kMarlin);
-          } else if (block_n == 0 && config.decode_pair) {
-            CHECK(c.path == ForwardPath::kPair);
-            CHECK(c.decode == config.decode_first);
-          } else if (block_n == 0 && path == moejit::MoePath::kAuto) {
-            CHECK(c.path == ForwardPath::kMarlin);  // decode_by_default takes only the pair
-          } else {
-            const MoeDecodeParams tile = detail::choose_decode_config(shape, t, block_n);
-            CHECK(c.decode == (block_n == 0 && !config.decode_pair ? config.decode_second : tile));
-            CHECK(c.decode.kernel == DecodeKernel::kMain);
-            // A served shape fits a depth at every block_n and T (decode_moe_problem's walk).
-            CHECK(c.path == (served || c.decode.stages != 0 ? ForwardPath::kPersistent
-                                                            : ForwardPath::kMarlin));
+          for (const Arch& arch : {sm90a, sm120}) {
+            INFO(arch.name());
+            const detail::ForwardChoice c =
+                detail::choose_forward_path(shape, config, options, arch);
+            const bool pair_runs = config.decode && config.decode_pair &&
+                                   detail::decode_moe_runs_on(config.decode_first, arch) &&
+                                   detail::decode_moe_runs_on(config.decode_second, arch);
+            if (!decode) {
+              CHECK(c.path == ForwardPath::kMarlin);
+            } else if (block_n == 0 && config.decode_pair && pair_runs) {
+              CHECK(c.path == ForwardPath::kPair);
+              CHECK(c.decode == config.decode_first);
+            } else if (block_n == 0 && path == moejit::MoePath::kAuto) {
+              CHECK(c.path == ForwardPath::kMarlin);  // decode_by_default takes only the pair
+              ++auto_pair_not_on_arch;
+            } else {
+              const MoeDecodeParams tile = detail::choose_decode_config(shape, t, block_n);
+              CHECK(c.decode ==
+                    (block_n == 0 && !config.decode_pair ? config.decode_second : tile));
+              CHECK(c.decode.kernel == DecodeKernel::kMain);
+              const bool runs = c.decode.stages != 0 && detail::decode_moe_runs_on(c.decode, arch);
+              CHECK(c.path == (runs ? ForwardPath::kPersistent : ForwardPath::kMarlin));
+              if (!runs) ++persistent_not_on_arch;
+              // A served shape fits a depth at every block_n and T (decode_moe_problem's walk),
+              // in the shared memory of an sm_90a CTA.
+              if (served && arch.sm == 90) CHECK(c.path == ForwardPath::kPersistent);
+            }
           }
-          if (c.path == ForwardPath::kPersistent) CHECK(c.decode.stages != 0);
         }
       }
     }
   }
+  INFO(auto_pair_not_on_arch << " automatic calls, " << persistent_not_on_arch
+                             << " persistent tiles that don't run on their arch");
+  CHECK(auto_pair_not_on_arch > 0);
+  CHECK(persistent_not_on_arch > 0);
 
   // A shape the pair serves at T = 1 whose block_n 8 persistent tile fits no pipeline depth (its
   // routing scratch outgrows the ring): an automatic call that forces block_n 8 there takes

@@ -205,7 +205,7 @@ TEST_CASE("an NVRTC call's failure and an unreadable cubin name the kernel and k
   const std::string dir = tmp.path() + "/failed";
   const std::string saved = dir + "/" + src.file_name;
   // Success passes silently.
-  moejit::detail::require_nvrtc(0, "nvrtcGetCUBIN", src, options, dir);
+  moejit::detail::require_nvrtc(0, "nvrtcGetCUBIN", src, options, "", dir);
   CHECK_FALSE(fs::exists(saved));
 
   const auto expect_compile_error = [&](const std::function<void()>& call,
@@ -221,6 +221,8 @@ TEST_CASE("an NVRTC call's failure and an unreadable cubin name the kernel and k
       CHECK(e.kernel() == "append_shared_k6_s1_i32_sigmoid_bf16");
       CHECK(e.options() == options);
       CHECK(e.source_path() == saved);
+      CHECK(e.log() == "ptxas info");  // the compile's log, where there was one
+      CHECK(contains(what, "log (1 of 1 lines"));
       CHECK(contains(what, "could not compile kernel append_shared_k6_s1_i32_sigmoid_bf16"));
       for (const std::string& part : parts) CHECK(contains(what, part));
       CHECK(read_text(saved) == src.source);
@@ -228,7 +230,9 @@ TEST_CASE("an NVRTC call's failure and an unreadable cubin name the kernel and k
   };
   // 2: NVRTC_ERROR_PROGRAM_CREATION_FAILURE.
   expect_compile_error(
-      [&] { moejit::detail::require_nvrtc(2, "nvrtcCreateProgram", src, options, dir); },
+      [&] {
+        moejit::detail::require_nvrtc(2, "nvrtcCreateProgram", src, options, "ptxas info", dir);
+      },
       {"nvrtcCreateProgram failed: NVRTC_ERROR_PROGRAM_CREATION_FAILURE"});
   expect_compile_error(
       [&] {

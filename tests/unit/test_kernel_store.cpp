@@ -439,29 +439,6 @@ TEST_CASE("an unwritable cache dir still builds, without storing", "[store]") {
   }
 }
 
-namespace {
-
-// The wait status of a forked child that runs `body` with 10 s to live (SIGALRM) and exits 0 only
-// when it returns true.
-int child_status(const std::function<bool()>& body) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::alarm(10);
-    bool ok = false;
-    try {
-      ok = body();
-    } catch (...) {
-    }
-    ::_exit(ok ? 0 : 1);
-  }
-  REQUIRE(pid > 0);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  return status;
-}
-
-}  // namespace
-
 // What a forked child (a prefork server, Python multiprocessing) finds: its parent's flights and
 // a copy of the store's mutex.
 TEST_CASE("a forked child neither waits for its parent's flight nor for a copied mutex",
@@ -480,63 +457,22 @@ TEST_CASE("a forked child neither waits for its parent's flight nor for a copied
     });
   });
   while (!started) std::this_thread::yield();
-  const int status = child_status([&] {
+  // (A child that waited on the parent's flight is killed by its alarm.)
+  CHECK(moejit::test::forked_child_passes([&] {
     KernelStore::Result r = store.get(slow, [&] { return built_entry(slow, "child"); });
     return r.outcome == CacheOutcome::kCompiledNotStored && r.entry->cubin == "child";
-  });
-  {
-    INFO("child status " << status << (WIFSIGNALED(status) ? " (killed: it waited)" : ""));
-    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
-  }
+  }));
   leader.join();
   CHECK(store.get(slow, [&] { return built_entry(slow, "again"); }).entry->cubin == "parent");
 
   // Forks while another thread takes the store's mutex in a loop (memory hits).
   const std::string hot = key_for("memory-hot");
   store.get(hot, [&] { return built_entry(hot, "hot"); });
-  std::atomic<bool> stop{false};
-  std::thread hammer([&] {
-    while (!stop) store.get(hot, [&] { return built_entry(hot, "unused"); });
-  });
-  int failed = 0;
+  const auto hit = [&] {
+    return store.get(hot, [&] { return built_entry(hot, "unused"); }).entry->cubin == "hot";
+  };
   // (Without the fork handlers about half of these children block, each until its alarm.)
-  for (int i = 0; i < 100; ++i) {
-    const int s = child_status([&] {
-      return store.get(hot, [&] { return built_entry(hot, "unused"); }).entry->cubin == "hot";
-    });
-    if (!(WIFEXITED(s) && WEXITSTATUS(s) == 0)) ++failed;
-  }
-  stop = true;
-  hammer.join();
-  CHECK(failed == 0);
-}
-
-// The same for the logger's sink: a child forked while a thread of its parent writes a line
-// (stderr goes to /dev/null meanwhile) can write its own.
-TEST_CASE("a forked child logs while its parent's thread logs", "[store]") {
-  const int saved = ::dup(STDERR_FILENO);
-  const int null_fd = ::open("/dev/null", O_WRONLY);
-  REQUIRE((saved >= 0 && null_fd >= 0));
-  ::dup2(null_fd, STDERR_FILENO);
-  std::atomic<bool> stop{false};
-  std::thread writer([&] {
-    while (!stop) moejit::detail::log().error("parent line");
-  });
-  int failed = 0;
-  // (Without the sink's mutex in the fork handlers, about half of these children block.)
-  for (int i = 0; i < 100; ++i) {
-    const int s = child_status([] {
-      moejit::detail::log().error("child line");
-      return true;
-    });
-    if (!(WIFEXITED(s) && WEXITSTATUS(s) == 0)) ++failed;
-  }
-  stop = true;
-  writer.join();
-  ::dup2(saved, STDERR_FILENO);
-  ::close(saved);
-  ::close(null_fd);
-  CHECK(failed == 0);
+  CHECK(moejit::test::children_failing_under([&] { (void)hit(); }, hit) == 0);
 }
 
 TEST_CASE("memory-only store never touches the disk", "[store]") {
