@@ -60,6 +60,11 @@ void fork_release() {  // in the parent and in the child: the thread that forked
   g.held_mutex.unlock();
 }
 
+void add(std::mutex& guard, std::vector<Held>& list, Held h) {
+  std::lock_guard<std::mutex> lock(guard);
+  list.push_back(h);
+}
+
 ForkGuard& installed_guard() {
   static std::once_flag once;
   std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
@@ -70,14 +75,12 @@ ForkGuard& installed_guard() {
 
 void hold_across_fork(std::mutex* mutex) {
   ForkGuard& g = installed_guard();
-  std::lock_guard<std::mutex> lock(g.held_mutex);
-  g.held.push_back(held(mutex));
+  add(g.held_mutex, g.held, held(mutex));
 }
 
 void hold_across_fork(std::shared_mutex* mutex) {
   ForkGuard& g = installed_guard();
-  std::lock_guard<std::mutex> lock(g.held_mutex);
-  g.held.push_back(held(mutex));
+  add(g.held_mutex, g.held, held(mutex));
 }
 
 void hold_while_alive(std::mutex* mutex) {
@@ -94,14 +97,12 @@ void release_while_alive(std::mutex* mutex) {
 
 void hold_across_fork_last(std::mutex* mutex) {
   ForkGuard& g = installed_guard();
-  std::lock_guard<std::mutex> lock(g.last_mutex);
-  g.last.push_back(held(mutex));
+  add(g.last_mutex, g.last, held(mutex));
 }
 
 void hold_across_fork_last(std::shared_mutex* mutex) {
   ForkGuard& g = installed_guard();
-  std::lock_guard<std::mutex> lock(g.last_mutex);
-  g.last.push_back(held(mutex));
+  add(g.last_mutex, g.last, held(mutex));
 }
 
 }  // namespace moejit::detail
