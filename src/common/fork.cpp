@@ -60,27 +60,25 @@ void fork_release() {  // in the parent and in the child: the thread that forked
   g.held_mutex.unlock();
 }
 
-void add(std::mutex& guard, std::vector<Held>& list, Held h) {
-  std::lock_guard<std::mutex> lock(guard);
-  list.push_back(h);
-}
-
 ForkGuard& installed_guard() {
   static std::once_flag once;
   std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
   return fork_guard();
 }
 
-}  // namespace
-
-void hold_across_fork(std::mutex* mutex) {
+// Appends `mutex` to one of the guard's lists under that list's mutex.
+template <class Mutex>
+void add(std::mutex ForkGuard::*guard, std::vector<Held> ForkGuard::*list, Mutex* mutex) {
   ForkGuard& g = installed_guard();
-  add(g.held_mutex, g.held, held(mutex));
+  std::lock_guard<std::mutex> lock(g.*guard);
+  (g.*list).push_back(held(mutex));
 }
 
+}  // namespace
+
+void hold_across_fork(std::mutex* mutex) { add(&ForkGuard::held_mutex, &ForkGuard::held, mutex); }
 void hold_across_fork(std::shared_mutex* mutex) {
-  ForkGuard& g = installed_guard();
-  add(g.held_mutex, g.held, held(mutex));
+  add(&ForkGuard::held_mutex, &ForkGuard::held, mutex);
 }
 
 void hold_while_alive(std::mutex* mutex) {
@@ -96,13 +94,10 @@ void release_while_alive(std::mutex* mutex) {
 }
 
 void hold_across_fork_last(std::mutex* mutex) {
-  ForkGuard& g = installed_guard();
-  add(g.last_mutex, g.last, held(mutex));
+  add(&ForkGuard::last_mutex, &ForkGuard::last, mutex);
 }
-
 void hold_across_fork_last(std::shared_mutex* mutex) {
-  ForkGuard& g = installed_guard();
-  add(g.last_mutex, g.last, held(mutex));
+  add(&ForkGuard::last_mutex, &ForkGuard::last, mutex);
 }
 
 }  // namespace moejit::detail

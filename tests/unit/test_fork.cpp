@@ -66,7 +66,7 @@ TEST_CASE("a forked child logs, looks up shapes and asks decode_moe_problem whil
     // C++ runtime's guard for a function-local static, which no fork handler can hold; a child
     // forked while another thread was making one would wait on that guard forever.
     REQUIRE(use_all());
-    // (Without the fork handlers' leaves, about half of these children block until their alarm.)
+    // (With the leaves left unregistered, children blocked until their alarm.)
     failed = moejit::test::children_failing_under([&] { (void)use_all(); }, use_all);
   }
   CHECK(failed == 0);
