@@ -36,6 +36,23 @@ typedef enum moejit_shared_gate {
   MOEJIT_SHARED_GATE_RANGE_MAX_ = 2147483647
 } moejit_shared_gate;
 
+/* ---- Structs that can grow ----------------------------------------------------------------------
+ * moejit_prewarm_result, moejit_moe_weight_layout and moejit_moe_weights start with struct_size,
+ * which the caller sets to the size of the struct as its header declares it, e.g. in C
+ *   moejit_moe_weights weights = {.struct_size = sizeof(weights)};
+ * (in C++: `moejit_moe_weights weights{}; weights.struct_size = sizeof(weights);`),
+ * so that a later library can add fields at a struct's end and still serve programs built against
+ * an earlier header, and the reverse:
+ * - an input (moejit_moe_weights): fields past the caller's struct_size read as 0 (their
+ *   default); bytes past the library's own size must be 0, else MOEJIT_ERROR_UNSUPPORTED (the
+ *   caller set a field this library doesn't know);
+ * - an output (moejit_prewarm_result, moejit_moe_weight_layout): the library fills the fields both
+ *   sizes hold, leaves any bytes past its own size as they were, and sets struct_size to the bytes
+ *   it filled.
+ * A struct_size below the struct's first size (its size in libmoejit 0.3.0, this header's), not a
+ * multiple of 8, or over 1024 is MOEJIT_ERROR_INVALID_ARGUMENT naming the struct: most often a
+ * struct_size left unset. */
+
 /* This thread's last error message ("" after a success). Valid until the thread's next call. */
 const char* moejit_last_error(void);
 
@@ -57,6 +74,7 @@ moejit_status moejit_register_shapes(const char* json_text, const char* source_n
  * into that context, so a graph captured next needs no load either. */
 
 typedef struct moejit_prewarm_result {
+  size_t struct_size; /* sizeof(moejit_prewarm_result), set by the caller (structs that can grow) */
   size_t kernels;     /* distinct kernels the shapes need for the arch */
   size_t compiled;    /* compiled by NVRTC and stored in the disk cache */
   size_t not_stored;  /* compiled, held in memory, not stored (read-only or memory-only cache,
@@ -104,6 +122,7 @@ void moejit_moe_destroy(moejit_moe* moe);
 
 /* Bytes of each repacked weight buffer (b13 / b2 are 0 when the shape has no biases). */
 typedef struct moejit_moe_weight_layout {
+  size_t struct_size; /* sizeof(moejit_moe_weight_layout), set by the caller */
   size_t w13_bytes;
   size_t w13_scale_bytes;
   size_t w2_bytes;
@@ -120,6 +139,7 @@ int moejit_moe_weight_layout_version(void);
 /* Repacked weights (device pointers); b13 / b2: bf16 biases as the checkpoint stores them, null
  * when the shape has none. */
 typedef struct moejit_moe_weights {
+  size_t struct_size; /* sizeof(moejit_moe_weights), set by the caller */
   void* w13;
   void* w13_scales;
   void* w2;

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "capi/capi_guard.hpp"
+#include "capi/capi_struct.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
 #include "moejit/moejit.h"
@@ -31,13 +32,14 @@ moejit::MoeWeights weights_of(const char* call, const char* arg, const moejit_mo
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(call) + ": " + arg + ": expected a moejit_moe_weights, found null");
   }
+  const moejit_moe_weights known = moejit::detail::struct_in(call, arg, *w);
   moejit::MoeWeights out;
-  out.w13 = w->w13;
-  out.w13_scales = w->w13_scales;
-  out.w2 = w->w2;
-  out.w2_scales = w->w2_scales;
-  out.b13 = w->b13;
-  out.b2 = w->b2;
+  out.w13 = known.w13;
+  out.w13_scales = known.w13_scales;
+  out.w2 = known.w2;
+  out.w2_scales = known.w2_scales;
+  out.b13 = known.b13;
+  out.b2 = known.b2;
   return out;
 }
 
@@ -167,12 +169,14 @@ moejit_status moejit_moe_get_weight_layout(const moejit_moe* moe, moejit_moe_wei
     const moejit::ModelShape& shape = shape_of(call, moe);
     require_out(call, out);
     const moejit::MoeWeightLayout layout = moejit::moe_weight_layout(shape);
-    out->w13_bytes = layout.w13_bytes;
-    out->w13_scale_bytes = layout.w13_scale_bytes;
-    out->w2_bytes = layout.w2_bytes;
-    out->w2_scale_bytes = layout.w2_scale_bytes;
-    out->b13_bytes = layout.b13_bytes;
-    out->b2_bytes = layout.b2_bytes;
+    moejit_moe_weight_layout sizes{};
+    sizes.w13_bytes = layout.w13_bytes;
+    sizes.w13_scale_bytes = layout.w13_scale_bytes;
+    sizes.w2_bytes = layout.w2_bytes;
+    sizes.w2_scale_bytes = layout.w2_scale_bytes;
+    sizes.b13_bytes = layout.b13_bytes;
+    sizes.b2_bytes = layout.b2_bytes;
+    moejit::detail::struct_out(call, "out", out, sizes);
   });
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "capi/capi_guard.hpp"
+#include "capi/capi_struct.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moejit.h"
 #include "moejit/runtime.hpp"
@@ -70,7 +71,7 @@ moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count,
                              moejit_prewarm_result* result) {
   return moejit::detail::capi_call({}, [&] {
     const auto start = std::chrono::steady_clock::now();
-    if (result != nullptr) *result = moejit_prewarm_result{};
+    if (result != nullptr) moejit::detail::struct_out(kCall, "result", result, {});
     if (jobs < 0) {
       throw Error(ErrorCode::kInvalidArgument,
                   std::string(kCall) +
@@ -107,7 +108,7 @@ moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count,
     }
     counts.milliseconds =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    if (result != nullptr) *result = counts;
+    if (result != nullptr) moejit::detail::struct_out(kCall, "result", result, counts);
     if (counts.failed > 0) {
       std::string failures = moejit::detail::failures_text(results);
       failures.pop_back();  // the last line's newline

@@ -35,8 +35,8 @@ import sys
 import threading
 
 # The library minor this binding is written for: before 1.0 a minor release may change the ABI,
-# and the shared library's soname carries it (libmoejit.so.0.2).
-ABI = "0.2"
+# and the shared library's soname carries it (libmoejit.so.0.3).
+ABI = "0.3"
 
 __all__ = [
     "ABI", "MoejitError", "InvalidDescriptor", "InvalidArgument", "Unsupported", "CompileFailed",
@@ -124,23 +124,31 @@ class DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-class _WeightLayout(ctypes.Structure):
+class _Sized(ctypes.Structure):
+    """A struct that can grow (moejit.h): its first field, struct_size, holds its size."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.struct_size = ctypes.sizeof(self)
+
+
+class _WeightLayout(_Sized):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                ("w13_bytes", "w13_scale_bytes", "w2_bytes", "w2_scale_bytes", "b13_bytes",
-                 "b2_bytes")]
+                ("struct_size", "w13_bytes", "w13_scale_bytes", "w2_bytes", "w2_scale_bytes",
+                 "b13_bytes", "b2_bytes")]
 
 
-class _Weights(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("w13", "w13_scales", "w2", "w2_scales", "b13", "b2")]
+class _Weights(_Sized):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (name, ctypes.c_void_p) for name in ("w13", "w13_scales", "w2", "w2_scales", "b13", "b2")]
 
 
-class PrewarmResult(ctypes.Structure):
+class PrewarmResult(_Sized):
     """moejit_prewarm_result: kernel counts by outcome, and the call's wall time."""
 
-    _fields_ = [("kernels", ctypes.c_size_t), ("compiled", ctypes.c_size_t),
-                ("not_stored", ctypes.c_size_t), ("cached", ctypes.c_size_t),
-                ("failed", ctypes.c_size_t), ("milliseconds", ctypes.c_double)]
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("struct_size", "kernels", "compiled", "not_stored", "cached", "failed")] + [
+        ("milliseconds", ctypes.c_double)]
 
     def __repr__(self):
         return ("PrewarmResult(kernels={}, compiled={}, not_stored={}, cached={}, failed={}, "

@@ -434,6 +434,7 @@ inline const MoeForwardOptions kDecode{MoePath::kDecode, 0};
 inline moejit_moe_weights capi_weights(const DeviceModel& model) {
   const MoeWeights w = model.weights();
   moejit_moe_weights out{};
+  out.struct_size = sizeof(out);
   out.w13 = w.w13;
   out.w13_scales = w.w13_scales;
   out.w2 = w.w2;

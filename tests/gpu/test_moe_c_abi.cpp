@@ -167,6 +167,7 @@ TEST_CASE("moe C ABI: repack and forward give the C++ calls' bits and match the 
     if (!s.decode_serves) CHECK(contains(problem, "no bias epilogue"));
 
     moejit_moe_weight_layout layout{};
+    layout.struct_size = sizeof(layout);
     REQUIRE(moejit_moe_get_weight_layout(moe.get(), &layout) == MOEJIT_OK);
     const MoeWeightLayout sizes = moejit::moe_weight_layout(shape);
     CHECK(layout.w13_bytes == sizes.w13_bytes);

@@ -728,6 +728,7 @@ TEST_CASE("runtime: the C ABI registers shapes from text and prewarms them", "[r
   const char* names[] = {"capi-prewarm-tiny", nullptr};
   const char* unknown[] = {"capi-prewarm-no-such-shape"};
   moejit_prewarm_result result{};
+  result.struct_size = sizeof(result);
   auto refused = [&](moejit_status status, const std::string& part) {
     INFO(moejit_last_error());
     CHECK(status == MOEJIT_ERROR_INVALID_ARGUMENT);
@@ -754,6 +755,17 @@ TEST_CASE("runtime: the C ABI registers shapes from text and prewarms them", "[r
   refused(moejit_prewarm(names, 1, "sm_80", -1, nullptr, nullptr, &result),
           "moejit_prewarm: jobs: expected 0 (one per hardware thread) or more, found -1");
   refused(moejit_prewarm(names, 1, "sm80", 1, nullptr, nullptr, &result), "moejit_prewarm: arch: ");
+  {
+    // A result whose struct_size was left unset: refused before any kernel is built.
+    moejit_prewarm_result unset{};
+    ProgressLog log;
+    CHECK(moejit_prewarm(names, 1, "sm_80", 1, record_progress, &log, &unset) ==
+          MOEJIT_ERROR_INVALID_ARGUMENT);
+    CHECK(contains(moejit_last_error(),
+                   "moejit_prewarm: result->struct_size: expected sizeof(moejit_prewarm_result)"));
+    CHECK(log.kernels.empty());
+    CHECK(unset.kernels == 0);
+  }
   std::string why;
   if (moejit::detail::try_driver(&why) == nullptr) {
     CHECK(moejit_prewarm(names, 1, nullptr, 1, nullptr, nullptr, &result) == MOEJIT_ERROR_DRIVER);

@@ -1131,7 +1131,8 @@ TEST_CASE("moe_forward options and the C ABI's forward_ex refuse bad options wit
   CHECK(moejit_moe_decode_problem(nullptr, &reason) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(moejit_moe_decode_problem(served, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
 
-  const moejit_moe_weights weights{};
+  moejit_moe_weights weights{};
+  weights.struct_size = sizeof(weights);
   CHECK(moejit_moe_forward_ex(served, nullptr, nullptr, nullptr, &weights, nullptr, 0, nullptr,
                               static_cast<moejit_moe_path>(5), 0,
                               nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);

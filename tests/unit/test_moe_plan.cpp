@@ -1787,6 +1787,7 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
   CHECK(std::string(moejit_last_error()).empty());
 
   moejit_moe_weight_layout layout{};
+  layout.struct_size = sizeof(layout);
   REQUIRE(moejit_moe_get_weight_layout(moe, &layout) == MOEJIT_OK);
   const moejit::MoeWeightLayout expected = moejit::moe_weight_layout(shape);
   CHECK(layout.w13_bytes == expected.w13_bytes);
@@ -1823,7 +1824,8 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
   CHECK(moejit_moe_get_weight_layout(moe, nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(moejit_moe_get_weight_layout(nullptr, &layout) == MOEJIT_ERROR_INVALID_ARGUMENT);
   // Repack with no handle or no target: refused before any tensor or driver call.
-  const moejit_moe_weights target{};
+  moejit_moe_weights target{};
+  target.struct_size = sizeof(target);
   CHECK(moejit_moe_repack_gpt_oss(nullptr, nullptr, nullptr, nullptr, nullptr, &target, 0, nullptr,
                                   nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(contains(moejit_last_error(), "moejit_moe_repack_gpt_oss"));
@@ -1838,6 +1840,70 @@ TEST_CASE("moe C ABI: handles, sizes and errors without a GPU", "[plan][capi]") 
                              static_cast<moejit_shared_gate>(7),
                              nullptr) == MOEJIT_ERROR_INVALID_ARGUMENT);
   CHECK(contains(moejit_last_error(), "found 7"));
+
+  // The structs that can grow (moejit.h): an unset, short, odd or huge struct_size is refused
+  // naming the struct; an output larger than the library's is filled up to its own size, the
+  // rest left as it was, and struct_size says how much was filled.
+  for (const std::size_t bad : {std::size_t{0}, sizeof(moejit_moe_weight_layout) - 8,
+                                sizeof(moejit_moe_weight_layout) + 4, std::size_t{4096}}) {
+    INFO("struct_size " << bad);
+    moejit_moe_weight_layout sized{};
+    sized.struct_size = bad;
+    sized.w13_bytes = 7;
+    CHECK(moejit_moe_get_weight_layout(moe, &sized) == MOEJIT_ERROR_INVALID_ARGUMENT);
+    CHECK_THAT(std::string(moejit_last_error()),
+               Catch::StartsWith("moejit_moe_get_weight_layout: out->struct_size: expected "
+                                 "sizeof(moejit_moe_weight_layout)"));
+    CHECK(contains(moejit_last_error(), "found " + std::to_string(bad)));
+    CHECK(sized.w13_bytes == 7);  // nothing written
+  }
+  struct {
+    moejit_moe_weight_layout layout;
+    std::size_t later_fields[3];
+  } newer{};
+  newer.layout.struct_size = sizeof(newer);
+  newer.later_fields[0] = newer.later_fields[2] = 0x5a5a;
+  REQUIRE(moejit_moe_get_weight_layout(moe, &newer.layout) == MOEJIT_OK);
+  CHECK(newer.layout.struct_size == sizeof(moejit_moe_weight_layout));
+  CHECK(newer.layout.w13_bytes == moejit::moe_weight_layout(shape).w13_bytes);
+  CHECK(newer.layout.w2_scale_bytes == moejit::moe_weight_layout(shape).w2_scale_bytes);
+  CHECK(newer.later_fields[0] == 0x5a5a);
+  CHECK(newer.later_fields[1] == 0);
+  CHECK(newer.later_fields[2] == 0x5a5a);
+  // An input: an unset struct_size, or a field past this library's struct set, is refused before
+  // any tensor is read; past it but zero is accepted (the next refusal is another's).
+  const auto repack_with = [&](const moejit_moe_weights* weights) {
+    return moejit_moe_repack_separate(moe, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                      weights, 0, nullptr, nullptr);
+  };
+  const moejit_moe_weights unset{};
+  CHECK(repack_with(&unset) == MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(std::string(moejit_last_error()),
+             Catch::StartsWith("moejit_moe_repack_separate: target->struct_size: expected "
+                               "sizeof(moejit_moe_weights)"));
+  CHECK(contains(moejit_last_error(), "found 0 (left unset?)"));
+  struct {
+    moejit_moe_weights weights;
+    std::size_t later_fields[2];
+  } newer_weights{};
+  newer_weights.weights.struct_size = sizeof(newer_weights);
+  const moejit_status next = repack_with(&newer_weights.weights);
+  CHECK(next != MOEJIT_OK);  // the null tensors, or no driver here: not the struct
+  CHECK(next != MOEJIT_ERROR_UNSUPPORTED);
+  CHECK_FALSE(contains(moejit_last_error(), "struct_size"));
+  CHECK_FALSE(contains(moejit_last_error(), "is set, past"));
+  newer_weights.later_fields[1] = 1;
+  CHECK(repack_with(&newer_weights.weights) == MOEJIT_ERROR_UNSUPPORTED);
+  CHECK_THAT(std::string(moejit_last_error()),
+             Catch::StartsWith("moejit_moe_repack_separate: target: byte " +
+                               std::to_string(sizeof(moejit_moe_weights) + 8) + " of " +
+                               std::to_string(sizeof(newer_weights)) + " is set, past the " +
+                               std::to_string(sizeof(moejit_moe_weights)) +
+                               " bytes of moejit_moe_weights that libmoejit "));
+  CHECK(moejit_moe_forward(moe, nullptr, nullptr, nullptr, &unset, nullptr, 0, nullptr, nullptr) ==
+        MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(contains(moejit_last_error(), "moejit_moe_forward: weights->struct_size: "));
+
   // A success clears this thread's message.
   REQUIRE(moejit_moe_get_weight_layout(moe, &layout) == MOEJIT_OK);
   CHECK(std::string(moejit_last_error()).empty());

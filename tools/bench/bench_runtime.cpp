@@ -893,8 +893,10 @@ class MoeProblem {
     args.workspace = workspace_.data();
     args.workspace_bytes = workspace_bytes_;
     args.out = &out_t_;
-    c_weights = {w13_.data(),       w13_scales_.data(),           w2_.data(),
-                 w2_scales_.data(), bias ? b13_.data() : nullptr, bias ? b2_.data() : nullptr};
+    c_weights = {sizeof(moejit_moe_weights), w13_.data(),
+                 w13_scales_.data(),         w2_.data(),
+                 w2_scales_.data(),          bias ? b13_.data() : nullptr,
+                 bias ? b2_.data() : nullptr};
   }
   MoeProblem(const MoeProblem&) = delete;
   MoeProblem& operator=(const MoeProblem&) = delete;

@@ -16,7 +16,7 @@ static int fail(const char* what, moejit_status status) {
 
 int main(void) {
   moejit_moe* moe = NULL;
-  moejit_moe_weight_layout layout;
+  moejit_moe_weight_layout layout = {.struct_size = sizeof(moejit_moe_weight_layout)};
   moejit_status status;
   size_t workspace = 0;
   const char* why = NULL;
