@@ -41,6 +41,9 @@ Family parse_family(const std::string& text);
 
 // append_shared: routed top-k copied, then S shared experts appended, one launch.
 struct AppendSharedParams {
+  static constexpr int kMaxTopK = 64;   // the widest K a kernel serves
+  static constexpr int kMaxShared = 8;  // the most shared experts a kernel appends
+
   int top_k = 0;                         // K routed slots per token
   int num_shared = 0;                    // S shared experts appended per token
   DType id_dtype = DType::kI32;          // topk_ids / out_ids element type (kI32 or kI64)

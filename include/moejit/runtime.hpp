@@ -69,8 +69,9 @@ struct BuildResult {
   std::string error;         // non-empty when the build failed
 };
 
-// Compile (or find) every kernel `shapes` need for each arch, `jobs` at a time. Never throws for
-// one kernel's failure: it is reported in its BuildResult. `progress` is called after each.
+// Compile (or find) every kernel `shapes` need for each arch, `jobs` at a time (0: one per
+// hardware thread). Never throws for one kernel's failure: it is reported in its BuildResult.
+// `progress` is called after each. No arch, or jobs < 0: Error{kInvalidArgument}.
 std::vector<BuildResult> prewarm(const std::vector<ModelShape>& shapes,
                                  const std::vector<Arch>& archs, int jobs,
                                  const std::function<void(const BuildResult&, std::size_t done,

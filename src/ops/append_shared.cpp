@@ -21,8 +21,6 @@ namespace moejit {
 namespace {
 
 constexpr const char* kOp = "append_shared";
-// Far above what supports() allows (K <= 64, S <= 8); only guards the narrowing to int.
-constexpr int64_t kMaxWidth = 1 << 16;
 
 std::string dims(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
@@ -69,6 +67,22 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
   }
   const int64_t num_shared = out_ids.cols - top_k;
   const int64_t width = top_k + num_shared;
+  // The widths a kernel serves, refused here by argument whatever T is (at T = 0 nothing would
+  // launch, and the same call with rows would fail).
+  if (top_k < 1 || top_k > AppendSharedParams::kMaxTopK) {
+    detail::throw_shape(kOp, "topk_ids",
+                        "[T, K] with K from 1 to " + std::to_string(AppendSharedParams::kMaxTopK) +
+                            " routed experts",
+                        *args.topk_ids);
+  }
+  if (num_shared > AppendSharedParams::kMaxShared) {
+    detail::throw_shape(kOp, "out_ids",
+                        "[T, K + S] with K = " + std::to_string(top_k) +
+                            " (from topk_ids) and S "
+                            "from 1 to " +
+                            std::to_string(AppendSharedParams::kMaxShared) + " shared experts",
+                        *args.out_ids);
+  }
 
   const Matrix out_weights = detail::check_matrix(kOp, "out_weights", args.out_weights,
                                                   device.ordinal);
@@ -128,11 +142,6 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
   if (tokens > std::numeric_limits<int>::max()) {
     detail::throw_argument(kOp, "topk_ids", "at most 2^31 - 1 tokens (rows)",
                            std::to_string(tokens) + " rows");
-  }
-  if (top_k > kMaxWidth || num_shared > kMaxWidth) {
-    throw Error(ErrorCode::kUnsupported, std::string(kOp) + ": K = " + std::to_string(top_k) +
-                                             ", S = " + std::to_string(num_shared) +
-                                             ": no kernel serves rows this wide");
   }
   // Why >= 0: a negative id means "no expert" to moe_forward, which would drop the shared
   // experts without a word.

@@ -275,7 +275,7 @@ ByteTensor check_byte_tensor(const char* op, const char* arg, const DLTensor* te
     }
   }
   if (tensor->data == nullptr) throw_argument(op, arg, "non-null data", "null data");
-  out.data = static_cast<const std::uint8_t*>(tensor->data) + tensor->byte_offset;
+  out.data = static_cast<const std::uint8_t*>(offset_data(op, arg, *tensor));
   return out;
 }
 

@@ -57,12 +57,13 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
   detail::Runtime& runtime = detail::Runtime::instance();
   const detail::OpTarget on = detail::op_target(op, runtime, stream);
   RepackContext context{runtime, on.device, on.stream, detail::moe_weight_sizes(shape)};
-  // Why 16 and 4: each thread writes its lane's 16 weight bytes with one store, and lanes 4g
-  // write four scale bytes with one 32-bit store.
+  // Why 16: each thread writes its lane's 16 weight bytes with one store (the scales' 32-bit
+  // stores would do with 4), and moe_forward reads all four buffers 16 bytes at a time: a target
+  // it would refuse is refused here, before the repack fills it.
   detail::check_device_pointer(op, "target.weights.w13", target.weights.w13, 16);
-  detail::check_device_pointer(op, "target.weights.w13_scales", target.weights.w13_scales, 4);
+  detail::check_device_pointer(op, "target.weights.w13_scales", target.weights.w13_scales, 16);
   detail::check_device_pointer(op, "target.weights.w2", target.weights.w2, 16);
-  detail::check_device_pointer(op, "target.weights.w2_scales", target.weights.w2_scales, 4);
+  detail::check_device_pointer(op, "target.weights.w2_scales", target.weights.w2_scales, 16);
   if (target.bad_scale_count != nullptr) {
     detail::check_device_pointer(op, "target.bad_scale_count", target.bad_scale_count, 4);
   }

@@ -1,5 +1,7 @@
 #include "ops/tensor_checks.hpp"
 
+#include <cstdint>
+#include <limits>
 #include <sstream>
 
 #include "moejit/error.hpp"
@@ -24,6 +26,7 @@ const char* device_type_name(int type) {
 
 std::string strides_text(const DLTensor& tensor) {
   if (tensor.strides == nullptr) return "null";
+  if (tensor.ndim < 0 || tensor.ndim > kMaxTextDims) return "(not read: ndim out of range)";
   std::ostringstream os;
   os << '[';
   for (int i = 0; i < tensor.ndim; ++i) os << (i ? ", " : "") << tensor.strides[i];
@@ -63,6 +66,10 @@ std::string dlpack_dtype_name(DLDataType type) {
 }
 
 std::string shape_text(const DLTensor& tensor) {
+  if (tensor.ndim < 0 || tensor.ndim > kMaxTextDims) {
+    return "(not read: ndim " + std::to_string(tensor.ndim) + " is outside 0.." +
+           std::to_string(kMaxTextDims) + ")";
+  }
   std::ostringstream os;
   os << '[';
   for (int i = 0; i < tensor.ndim && tensor.shape != nullptr; ++i) {
@@ -76,6 +83,17 @@ void throw_argument(const char* op, const char* arg, const std::string& expected
                     const std::string& found) {
   throw Error(ErrorCode::kInvalidArgument,
               std::string(op) + ": " + arg + ": expected " + expected + ", found " + found);
+}
+
+const void* offset_data(const char* op, const char* arg, const DLTensor& tensor) {
+  const auto data = reinterpret_cast<uintptr_t>(tensor.data);
+  if (tensor.byte_offset > std::numeric_limits<uintptr_t>::max() - data) {
+    std::ostringstream found;
+    found << "data " << tensor.data << " + byte_offset " << tensor.byte_offset
+          << ", which wraps around the address space";
+    throw_argument(op, arg, "a byte_offset inside the tensor's allocation", found.str());
+  }
+  return static_cast<const char*>(tensor.data) + tensor.byte_offset;
 }
 
 void throw_overlap(const char* op, const Span& a, const Span& b) {
@@ -134,7 +152,7 @@ Matrix check_matrix(const char* op, const char* arg, const DLTensor* tensor, int
       throw_argument(op, arg, "a non-null data pointer for shape " + shape_text(*tensor),
                      "null data");
     }
-    m.data = static_cast<char*>(tensor->data) + tensor->byte_offset;
+    m.data = const_cast<void*>(offset_data(op, arg, *tensor));
     if (reinterpret_cast<uintptr_t>(m.data) % static_cast<uintptr_t>(size) != 0) {
       std::ostringstream found;
       found << "address " << m.data << " (data " << tensor->data << " + byte_offset "

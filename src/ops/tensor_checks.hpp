@@ -53,8 +53,17 @@ inline int64_t dtype_size(DType dtype) noexcept {
 
 // "float32", "bfloat16", "int64", "uint8", "float16x2", ...
 std::string dlpack_dtype_name(DLDataType type);
-// "[3, 8]".
+// "[3, 8]"; for an ndim outside 0..kMaxTextDims, a note that the shape was not read.
 std::string shape_text(const DLTensor& tensor);
+
+// The most dimensions an error message reads of a DLTensor's shape or strides. Why a cap: ndim is
+// the caller's word for how long those arrays are, and an uninitialized DLTensor's would have the
+// message read far past them; no tensor an op takes has more than 4.
+inline constexpr int kMaxTextDims = 8;
+
+// data + byte_offset of a tensor with non-null data, refused where the sum wraps around the
+// address space (a byte_offset no real buffer has). Throws Error{kInvalidArgument}.
+const void* offset_data(const char* op, const char* arg, const DLTensor& tensor);
 
 // `tensor` must be non-null, on CUDA device `device`, 2-D, of one of our dtypes, row-major
 // contiguous (strides null, or matching; a stride of a dimension of extent <= 1 is ignored, as

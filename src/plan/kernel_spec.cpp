@@ -90,11 +90,11 @@ std::string arch_problem(const Arch& arch) {
 // "field = found; allowed: range" for the first broken rule of an append_shared spec.
 std::string append_shared_problem(const AppendSharedParams& p) {
   std::ostringstream os;
-  if (p.top_k < 1 || p.top_k > 64) {
-    os << "top_k = " << p.top_k << " is out of range; allowed: 1..64";
-  } else if (p.num_shared < 1 || p.num_shared > 8) {
-    os << "num_shared = " << p.num_shared
-       << " is out of range; allowed: 1..8 (a shape without shared experts needs no kernel)";
+  if (p.top_k < 1 || p.top_k > AppendSharedParams::kMaxTopK) {
+    os << "top_k = " << p.top_k << " is out of range; allowed: 1.." << AppendSharedParams::kMaxTopK;
+  } else if (p.num_shared < 1 || p.num_shared > AppendSharedParams::kMaxShared) {
+    os << "num_shared = " << p.num_shared << " is out of range; allowed: 1.."
+       << AppendSharedParams::kMaxShared << " (a shape without shared experts needs no kernel)";
   } else if (p.id_dtype != DType::kI32 && p.id_dtype != DType::kI64) {
     os << "id_dtype = " << detail::dtype_short_name(p.id_dtype)
        << " is not an id type; allowed: i32, i64";

@@ -320,7 +320,8 @@ class _Borrowed:
         dtype = t.dtype
         nbytes = count * dtype.bits * dtype.lanes // 8
         _check_buffer_bytes(self.name, nbytes, expected_bytes)
-        return (t.data or 0) + t.byte_offset, nbytes
+        # Null data stays null whatever its byte_offset, so the library refuses it by name.
+        return (t.data + t.byte_offset if t.data else 0), nbytes
 
     def device_address(self, expected_bytes):
         """The buffer's address, once it is a contiguous CUDA tensor of at least expected_bytes."""
@@ -469,6 +470,19 @@ def _tensor_device(obj, address):
     return device.device_id if device.device_type == _KDL_CUDA else None
 
 
+def _c_string(name, value):
+    """value (str or bytes) as the bytes of a C string. Why the NUL check: ctypes ends the string
+    at the first NUL, so "a.json\\0x" would open a.json and JSON text after a NUL would be
+    dropped, where the caller meant all of it."""
+    data = value.encode() if isinstance(value, str) else value
+    if not isinstance(data, bytes):
+        raise TypeError("{}: expected a str, found {}".format(name, type(value).__name__))
+    if b"\0" in data:
+        raise InvalidArgument("{}: expected text without NUL characters, found one at offset "
+                              "{}".format(name, data.index(b"\0")))
+    return data
+
+
 def _c_int(name, value, bits=32):
     """value as a C int of `bits` bits; ctypes would keep the low bits of a larger one silently
     (first_expert = 2**32 would repack into expert 0)."""
@@ -495,15 +509,29 @@ def _torch_current_stream():
     return torch.cuda.current_stream().cuda_stream or None
 
 
+def _stream_value(handle):
+    """A stream handle as a pointer value; ctypes would wrap -1 or 2**64 + 5 silently into
+    another handle, which the driver would then be given."""
+    if type(handle) is not int:
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError("stream: expected a CUstream handle (int), found {}".format(
+                type(handle).__name__))
+        handle = int(handle)
+    if not 0 <= handle < (1 << 64):
+        raise InvalidArgument("stream: expected a CUstream handle (0 to 2**64 - 1), found "
+                              "{}".format(handle))
+    return handle or None
+
+
 def _stream_handle(stream):
     if stream is None:
         return _torch_current_stream()
-    if isinstance(stream, int):
-        return stream or None
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return _stream_value(stream)
     if hasattr(stream, "__cuda_stream__"):
-        return stream.__cuda_stream__()[1] or None
+        return _stream_value(stream.__cuda_stream__()[1])
     if hasattr(stream, "cuda_stream"):
-        return stream.cuda_stream or None
+        return _stream_value(stream.cuda_stream)
     raise TypeError("stream: expected a CUstream handle (int), an object with cuda_stream or "
                     "__cuda_stream__, or None; found {}".format(type(stream).__name__))
 
@@ -512,7 +540,7 @@ def _stream_handle(stream):
 
 def register_shapes_file(path):
     """Register every shape of a shape file (all or none); they are then usable by name."""
-    _check(_lib.moejit_register_shapes_file(os.fsencode(path)))
+    _check(_lib.moejit_register_shapes_file(_c_string("path", os.fsencode(path))))
 
 
 def _non_finite(value, pointer):
@@ -545,8 +573,9 @@ def register_shapes(shapes, source_name=None):
                 source_name if source_name is not None else "<text>", where[0] or "(root)",
                 where[1]), InvalidDescriptor.status)
     text = shapes if isinstance(shapes, str) else json.dumps(shapes)
-    _check(_lib.moejit_register_shapes(text.encode(),
-                                       source_name.encode() if source_name is not None else None))
+    _check(_lib.moejit_register_shapes(
+        _c_string("shapes", text),
+        _c_string("source_name", source_name) if source_name is not None else None))
 
 
 def prewarm(shape_names, arch=None, jobs=0, progress=None):
@@ -556,7 +585,7 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
     per kernel. Returns a PrewarmResult; raises CompileFailed naming every failed kernel."""
     if isinstance(shape_names, (str, bytes)):
         shape_names = [shape_names]
-    names = [n.encode() if isinstance(n, str) else n for n in shape_names]
+    names = [_c_string("shape_names[{}]".format(i), n) for i, n in enumerate(shape_names)]
     array = (ctypes.c_char_p * max(len(names), 1))(*names)
     raised = []
 
@@ -570,7 +599,8 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
 
     callback = _PROGRESS(report) if progress is not None else _PROGRESS()
     result = PrewarmResult()
-    status = _lib.moejit_prewarm(array, len(names), arch.encode() if arch else None,
+    status = _lib.moejit_prewarm(array, len(names),
+                                 _c_string("arch", arch) if arch is not None else None,
                                  _c_int("jobs", jobs),
                                  callback, None, ctypes.byref(result))
     if raised:
@@ -658,7 +688,7 @@ class MoeLayer:
 
     def __init__(self, shape_name):
         handle = _Handle()
-        _check(_lib.moejit_moe_create(shape_name.encode(), ctypes.byref(handle)))
+        _check(_lib.moejit_moe_create(_c_string("shape_name", shape_name), ctypes.byref(handle)))
         self._handle = handle
         self.shape_name = shape_name
         layout = _WeightLayout()

@@ -569,6 +569,15 @@ Arch current_arch() { return detail::Runtime::instance().current_arch(); }
 std::vector<BuildResult> prewarm(
     const std::vector<ModelShape>& shapes, const std::vector<Arch>& archs, int jobs,
     const std::function<void(const BuildResult&, std::size_t, std::size_t)>& progress) {
+  if (archs.empty()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "prewarm: archs: expected at least one arch (e.g. sm_90a), found none");
+  }
+  if (jobs < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "prewarm: jobs: expected 0 (one per hardware thread) or more, found " +
+                    std::to_string(jobs));
+  }
   // Every distinct kernel, in the order the shapes and archs first need it.
   std::vector<KernelSpec> specs;
   std::unordered_set<KernelSpec, detail::KernelSpecHash> seen;

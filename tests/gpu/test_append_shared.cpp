@@ -450,6 +450,48 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
     ids.byte_offset = 2;
     args.topk_ids = &ids;
     expect_refused({"topk_ids at a 2-byte offset", {"topk_ids", "aligned", "byte_offset 2"}}, args);
+    // A byte_offset that wraps the address space, and an ndim no message may read that far.
+    ids.byte_offset = ~uint64_t{0} - 3;
+    expect_refused({"a wrapping byte_offset", {"topk_ids", "wraps around the address space"}},
+                   args);
+    ids = *data->topk_ids->dl();
+    ids.ndim = 1 << 30;
+    expect_refused({"ndim 2^30", {"topk_ids", "2-D", "1073741824 dimensions", "not read"}}, args);
+  }
+  {  // rows wider than a kernel serves: refused by argument, at T = 4 and at T = 0 alike
+    for (const int64_t tokens : {int64_t{4}, int64_t{0}}) {
+      for (const bool wide_k : {true, false}) {
+        const int64_t k = wide_k ? 65 : c.top_k;
+        const int64_t s = wide_k ? 1 : 9;
+        int64_t ids_shape[2] = {tokens, k};
+        int64_t out_shape[2] = {tokens, k + s};
+        int64_t logits_shape[2] = {tokens, s};
+        DLTensor ids = *data->topk_ids->dl();
+        DLTensor weights = *data->topk_weights->dl();
+        DLTensor out_ids = *data->out_ids->dl();
+        DLTensor out_weights = *data->out_weights->dl();
+        DLTensor logits = *data->shared_logits->dl();
+        ids.shape = weights.shape = ids_shape;
+        out_ids.shape = out_weights.shape = out_shape;
+        logits.shape = logits_shape;
+        ids.strides = weights.strides = out_ids.strides = out_weights.strides = logits.strides =
+            nullptr;
+        AppendSharedArgs args = data->args();
+        args.topk_ids = &ids;
+        args.topk_weights = &weights;
+        args.out_ids = &out_ids;
+        args.out_weights = &out_weights;
+        args.shared_logits = &logits;
+        INFO("T = " << tokens);
+        if (wide_k) {
+          expect_refused(
+              {"K = 65", {"topk_ids", "K from 1 to 64", "[" + std::to_string(tokens) + ", 65]"}},
+              args);
+        } else {
+          expect_refused({"S = 9", {"out_ids", "S from 1 to 8", "K = 6"}}, args);
+        }
+      }
+    }
   }
   {  // missing logits for a sigmoid gate, and a null tensor
     AppendSharedArgs args = data->args();

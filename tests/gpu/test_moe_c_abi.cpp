@@ -432,9 +432,10 @@ TEST_CASE(
         };
         const char* call = gpt_oss ? "moejit_moe_repack_gpt_oss: " : "moejit_moe_repack_separate: ";
         moejit_moe_weights target = weights;
-        target.w13_scales = static_cast<uint8_t*>(target.w13_scales) + 2;
+        // 4 bytes in: enough for the repack's stores, not for moe_forward's reads.
+        target.w13_scales = static_cast<uint8_t*>(target.w13_scales) + 4;
         refused("repack into a misaligned w13_scales",
-                {call + std::string("target->w13_scales: expected a pointer aligned to 4 bytes")},
+                {call + std::string("target->w13_scales: expected a pointer aligned to 16 bytes")},
                 [&] { return repack(target, nullptr); });
         CHECK_FALSE(contains(moejit_last_error(), "target.weights"));
         DeviceBuffer counter(8);

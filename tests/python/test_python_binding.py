@@ -10,6 +10,7 @@ MOEJIT_TEST_SOURCE_DIR. Each run uses a fresh kernel cache of its own.
 """
 
 import ctypes
+import json
 import os
 import re
 import sys
@@ -323,6 +324,52 @@ class CpuTests(unittest.TestCase):
             layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
                                   fake_weights(layer), first_expert=2**32)
         self.assertIn("first_expert: expected a 32-bit integer", str(e.exception))
+
+    def test_strings_streams_and_null_buffers_reach_the_library_as_given(self):
+        # A NUL would end the C string early: the rest of the text silently dropped.
+        later = dict(TINY, name="py-after-nul")
+        cases = [
+            ("shapes", lambda: moejit.register_shapes(
+                '{"shapes": []}\0' + json.dumps({"shapes": [later]}))),
+            ("source_name", lambda: moejit.register_shapes({"shapes": [later]}, "a\0b")),
+            ("path", lambda: moejit.register_shapes_file("shapes.json\0.bak")),
+            ("shape_name", lambda: moejit.MoeLayer("py-tiny\0x")),
+            ("shape_names[1]", lambda: moejit.prewarm(["py-tiny", "py-tiny\0"], arch="sm_80")),
+            ("arch", lambda: moejit.prewarm(["py-tiny"], arch="sm_80\0junk")),
+        ]
+        for name, call in cases:
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                call()
+            self.assertIn(name + ": expected text without NUL characters", str(e.exception))
+        with self.assertRaises(moejit.InvalidArgument):
+            moejit.MoeLayer("py-after-nul")  # never registered
+        # An empty arch is the library's to refuse, not "the current device".
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            moejit.prewarm(["py-tiny"], arch="")
+        self.assertIn("arch", str(e.exception))
+        # A stream handle ctypes would wrap into another one, or a bool, is refused.
+        ids = FakeTensor([1, 2], INT32, device=CUDA, address=0x40000)
+        for bad in (-1, 2**64 + 5):
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                moejit.append_shared(ids, ids, ids, ids, ids, 0, 1.0, stream=bad)
+            self.assertIn("stream: expected a CUstream handle (0 to 2**64 - 1), found "
+                          + str(bad), str(e.exception))
+        with self.assertRaises(TypeError):
+            moejit.append_shared(ids, ids, ids, ids, ids, 0, 1.0, stream=True)
+
+        class Foreign:
+            cuda_stream = -5
+
+        with self.assertRaises(moejit.InvalidArgument):
+            moejit.append_shared(ids, ids, ids, ids, ids, 0, 1.0, stream=Foreign())
+        # Null data with a byte offset stays null (the library refuses it by name), never an
+        # address made of the offset alone.
+        layer = moejit.MoeLayer("py-tiny")
+        null = FakeTensor([layer.weight_bytes["w13"]], device=CUDA, address=0)
+        null.managed.dl_tensor.byte_offset = 256
+        bound = layer.bind_weights(fake_weights(layer, w13=null))
+        self.assertFalse(bound.struct.w13)
+        self.assertEqual(bound.struct.w2, 0x10000)
 
     def test_a_layer_is_never_copied_and_closes_once(self):
         import copy

@@ -1319,6 +1319,11 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
   no_tokens.max_tokens = -1;
   CHECK_THROWS_WITH(moejit::prewarm({no_tokens}, {Arch::parse("sm_90a")}, 1),
                     Catch::Contains("max_tokens = -1"));
+  // No arch would plan nothing and so pass any shape; a negative jobs meant "auto" silently.
+  CHECK_THROWS_WITH(moejit::prewarm({no_tokens}, {}, 1),
+                    "prewarm: archs: expected at least one arch (e.g. sm_90a), found none");
+  CHECK_THROWS_WITH(moejit::prewarm({no_tokens}, {Arch::parse("sm_90a")}, -2),
+                    "prewarm: jobs: expected 0 (one per hardware thread) or more, found -2");
   ModelShape nan_limit = find_shape(reference_shapes(), "deepseek-v4-flash-tp4");
   REQUIRE(nan_limit.activation.kind == moejit::ActivationKind::kClampedSwiGLU);
   nan_limit.activation.limit = std::nanf("");
