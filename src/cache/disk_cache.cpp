@@ -34,6 +34,13 @@ constexpr std::size_t kHeaderSize = 64;
 constexpr std::size_t kKeyLength = 32;
 constexpr const char* kEntrySuffix = ".mjc";
 constexpr const char* kTempSuffix = ".tmp";
+// The largest manifest and cubin an entry may hold, checked by store() and by every read before
+// anything is allocated, so a file whose header claims a huge length (with a size to match) is
+// a bad entry, not an allocation failure. Why these: a manifest is a few KB of JSON (options,
+// ptxas lines), a cubin tens of KB (a few hundred with -lineinfo); both bounds leave orders of
+// magnitude of room.
+constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 20;
+constexpr uint64_t kMaxCubinBytes = uint64_t{256} << 20;
 
 int64_t now_unix() {
   return std::chrono::duration_cast<std::chrono::seconds>(
@@ -409,6 +416,12 @@ ReadResult read_entry(int fd, uint64_t file_size, const std::string& key, bool w
                    " bytes != file size " + std::to_string(file_size) +
                    " (truncated or overwritten)");
   }
+  if (manifest_length > kMaxManifestBytes || cubin_length > kMaxCubinBytes) {
+    return corrupt("header claims a manifest of " + std::to_string(manifest_length) +
+                   " bytes and a cubin of " + std::to_string(cubin_length) +
+                   " bytes; an entry holds at most " + std::to_string(kMaxManifestBytes) + " and " +
+                   std::to_string(kMaxCubinBytes));
+  }
   std::string manifest_text(static_cast<std::size_t>(manifest_length), '\0');
   if (int e = pread_all(fd, manifest_text.data(), manifest_text.size(), kHeaderSize); e != 0) {
     return read_failure(e, file_size);
@@ -671,6 +684,12 @@ bool DiskCache::store(const Entry& entry) const {
   manifest.cubin_hash = cubin_digest.hex();
   if (manifest.created_unix == 0) manifest.created_unix = now_unix();
   const std::string manifest_text = manifest_to_json(manifest);
+  if (manifest_text.size() > kMaxManifestBytes || entry.cubin.size() > kMaxCubinBytes) {
+    log().warn("cache entry {} not stored: its manifest ({} bytes) or cubin ({} bytes) is larger "
+               "than a reader accepts ({} and {} bytes)",
+               path, manifest_text.size(), entry.cubin.size(), kMaxManifestBytes, kMaxCubinBytes);
+    return false;
+  }
   const Digest manifest_digest = hash_bytes(manifest_text);
 
   unsigned char header[kHeaderSize] = {};

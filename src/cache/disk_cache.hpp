@@ -106,15 +106,17 @@ class DiskCache {
   std::string entry_path(const std::string& key) const;
 
   // The verified entry, or nullopt on a miss. An entry that fails verification (bad magic,
-  // lengths not matching the file size, hash mismatch, wrong key) is quarantined (moved under
-  // quarantine/ when writable, else left alone), logged at warn, and reported as a miss. An
-  // untrusted entry (foreign owner, group/world writable) is logged and reported as a miss. A
-  // hit touches the entry's mtime (LRU) unless the cache is read-only.
+  // lengths not matching the file size or beyond what an entry may hold, hash mismatch, wrong
+  // key) is quarantined (moved under quarantine/ when writable, else left alone), logged at
+  // warn, and reported as a miss. An untrusted entry (foreign owner, group/world writable) is
+  // logged and reported as a miss. A hit touches the entry's mtime (LRU) unless the cache is
+  // read-only.
   std::optional<Entry> load(const std::string& key) const;
 
   // Atomic publish: temp file in the same dir (O_EXCL), write, fsync, rename, fsync dir. Returns
-  // whether it was stored: false when not writable, or when the write failed (logged at warn;
-  // the caller still has its cubin). Throws Error{kInvalidArgument} for a malformed key.
+  // whether it was stored: false when not writable, or when the write failed or the entry is
+  // larger than a reader accepts (logged at warn; the caller still has its cubin). Throws
+  // Error{kInvalidArgument} for a malformed key.
   bool store(const Entry& entry) const;
 
   // Inter-process lock for compiling `key` (flock on locks/<key>.lock). Released by the

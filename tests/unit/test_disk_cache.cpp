@@ -327,6 +327,75 @@ TEST_CASE("corrupt entries are detected, logged, quarantined and reported as mis
   }
 }
 
+// The entry file for `key` with a header and manifest that agree with each other, claiming a
+// manifest of `manifest_padding` extra spaces and a cubin of `cubin_length` bytes (zeros, with
+// the file extended sparsely to match), as a writer that stored such lengths would have left it.
+void write_huge_entry(const std::string& path, const std::string& key, std::size_t manifest_padding,
+                      uint64_t cubin_length) {
+  moejit::detail::Manifest m = make_entry(key, 0, 1).manifest;
+  m.cubin_size = cubin_length;
+  m.cubin_hash = std::string(32, '0');
+  const std::string manifest =
+      moejit::detail::manifest_to_json(m) + std::string(manifest_padding, ' ');
+  const moejit::detail::Digest manifest_digest = moejit::detail::hash_bytes(manifest);
+  unsigned char header[64] = {'m', 'o', 'e', 'j', 'i', 't', 'c', '\n'};
+  const auto put = [&header](std::size_t at, uint64_t value, int bytes) {
+    for (int i = 0; i < bytes; ++i) header[at + i] = static_cast<unsigned char>(value >> (8 * i));
+  };
+  put(8, static_cast<uint64_t>(moejit::kCacheSchemaVersion), 4);
+  put(12, 64, 4);
+  put(16, manifest.size(), 8);
+  put(24, cubin_length, 8);
+  put(32, 0, 8);  // the cubin digest: all zeros, as m.cubin_hash says
+  put(40, 0, 8);
+  put(48, manifest_digest.high, 8);
+  put(56, manifest_digest.low, 8);
+  write_file(path, std::string(reinterpret_cast<const char*>(header), sizeof(header)) + manifest);
+  REQUIRE(::truncate(path.c_str(), static_cast<off_t>(64 + manifest.size() + cubin_length)) == 0);
+}
+
+TEST_CASE("a header claiming a huge manifest or cubin is a bad entry, not an allocation",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  struct Case {
+    const char* name;
+    std::size_t manifest_padding;
+    uint64_t cubin_length;
+  };
+  // Why a 1 TiB cubin: a sparse file takes no space, and no machine that runs this test can
+  // allocate it, so without the bound load() throws std::bad_alloc.
+  for (const Case& c : {Case{"a manifest just over 1 MiB", std::size_t{1} << 20, 1000},
+                        Case{"a cubin of 1 TiB", 0, uint64_t{1} << 40}}) {
+    SECTION(c.name) {
+      const std::string key = key_for(c.name);
+      REQUIRE(cache.store(make_entry(key, 100, 1)));  // makes the shard
+      const std::string path = cache.entry_path(key);
+      write_huge_entry(path, key, c.manifest_padding, c.cubin_length);
+      LogCapture capture;
+      std::optional<Entry> loaded;
+      REQUIRE_NOTHROW(loaded = cache.load(key));
+      CHECK_FALSE(loaded.has_value());
+      INFO(capture.all());
+      CHECK(capture.warned({path, "an entry holds at most 1048576 and 268435456", "moved to"}));
+      CHECK_FALSE(fs::exists(path));
+      // list(verify) too: the same check before any allocation.
+      write_huge_entry(path, key, c.manifest_padding, c.cubin_length);
+      std::vector<moejit::detail::EntryInfo> listed;
+      REQUIRE_NOTHROW(listed = cache.list(true));
+      REQUIRE(listed.size() == 1);
+      CHECK(listed[0].problem.find("an entry holds at most") != std::string::npos);
+    }
+  }
+  // The writer refuses what a reader would reject.
+  const std::string big = key_for("a cubin over 256 MiB");
+  LogCapture capture;
+  CHECK_FALSE(cache.store(make_entry(big, (std::size_t{256} << 20) + 1, 2)));
+  CHECK(capture.warned({cache.entry_path(big), "not stored", "larger than a reader accepts"}));
+  CHECK_FALSE(fs::exists(cache.entry_path(big)));
+}
+
 TEST_CASE("list(verify) checks every entry and quarantines the bad ones", "[cache]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/cache";
