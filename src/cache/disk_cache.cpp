@@ -660,8 +660,26 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   struct stat moved {};
   if (::lstat(dest.c_str(), &moved) == 0 &&
       (moved.st_dev != checked.st_dev || moved.st_ino != checked.st_ino)) {
+    int error = 0;
     if (::renameat2(AT_FDCWD, dest.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
+      error = errno;
+      // Why link and unlink: a filesystem without RENAME_NOREPLACE (EINVAL, or ENOSYS from an
+      // old kernel) still refuses to replace through link(), which fails with EEXIST too.
+      if (error == EINVAL || error == ENOSYS) {
+        error = ::link(dest.c_str(), path.c_str()) == 0 ? 0 : errno;
+        if (error == 0) ::unlink(dest.c_str());
+      }
+    }
+    // Only EEXIST says a newer entry has taken the path, which makes this one redundant. After
+    // any other failure it stays in quarantine/ (gc ages it out), and the key is rebuilt.
+    if (error == EEXIST) {
       ::unlink(dest.c_str());
+    } else if (error != 0) {
+      log().warn(
+          "cache entry {} failed verification ({}); the good entry published there since "
+          "could not be moved back from {}: {}",
+          path, reason, dest, errno_text(error));
+      return "";
     }
     log().warn("cache entry {} failed verification ({}); it had just been replaced", path, reason);
     return "";
