@@ -42,6 +42,11 @@ constexpr const char* kTempSuffix = ".tmp";
 constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 20;
 constexpr uint64_t kMaxCubinBytes = uint64_t{256} << 20;
 
+CacheTestHooks& test_hooks() {
+  static CacheTestHooks hooks;
+  return hooks;
+}
+
 int64_t now_unix() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -461,6 +466,8 @@ ReadResult read_entry(int fd, uint64_t file_size, const std::string& key, bool w
 }  // namespace
 
 std::string manifest_to_json(const Manifest& manifest) { return manifest_json(manifest).dump(); }
+
+void set_cache_test_hooks(CacheTestHooks hooks) { test_hooks() = std::move(hooks); }
 
 bool is_cache_key(const std::string& key) {
   return key.size() == kKeyLength && std::all_of(key.begin(), key.end(), is_lower_hex);
@@ -987,6 +994,8 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     bool quarantined;
     int64_t mtime_sec;
     long mtime_nsec;
+    dev_t dev;
+    ino_t ino;
   };
   std::vector<Candidate> candidates;
   const auto remove_temp = [&](const DirEntry& file) {
@@ -1010,7 +1019,8 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       return;
     }
     candidates.push_back({file.path, static_cast<uint64_t>(file.st.st_size), false,
-                          static_cast<int64_t>(file.st.st_mtim.tv_sec), file.st.st_mtim.tv_nsec});
+                          static_cast<int64_t>(file.st.st_mtim.tv_sec), file.st.st_mtim.tv_nsec,
+                          file.st.st_dev, file.st.st_ino});
   };
   walk.quarantined = [&](const DirEntry& file) {
     if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
@@ -1021,7 +1031,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       return;
     }
     candidates.push_back({file.path, size, true, static_cast<int64_t>(file.st.st_mtim.tv_sec),
-                          file.st.st_mtim.tv_nsec});
+                          file.st.st_mtim.tv_nsec, file.st.st_dev, file.st.st_ino});
   };
   walk.lock_file = [&](const DirEntry& file) { remove_idle_lock(file, me, now); };
   walk_cache(dir_, "gc", walk, &report.unreadable);
@@ -1036,11 +1046,32 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     if (a.mtime_nsec != b.mtime_nsec) return a.mtime_nsec < b.mtime_nsec;
     return a.path < b.path;
   });
+  if (test_hooks().after_gc_scan) test_hooks().after_gc_scan();
   for (const Candidate& c : candidates) {
     if (total <= max_bytes) break;
-    if (::unlink(c.path.c_str()) == 0 || errno == ENOENT) {
+    // Why look again: since the scan another process may have published a fresh entry at this
+    // path, used it (load() sets the mtime) or removed it (another gc). Only the file scanned, as
+    // it was, is removed; one removed by someone else leaves the total without being counted.
+    struct stat st {};
+    if (::lstat(c.path.c_str(), &st) != 0) {
+      if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot inspect {}: {}", c.path, errno_text(errno));
+      }
+      continue;
+    }
+    if (st.st_dev != c.dev || st.st_ino != c.ino || st.st_mtim.tv_sec != c.mtime_sec ||
+        st.st_mtim.tv_nsec != c.mtime_nsec) {
+      total -= c.size;
+      if (S_ISREG(st.st_mode) && st.st_uid == me) total += static_cast<uint64_t>(st.st_size);
+      continue;
+    }
+    if (::unlink(c.path.c_str()) == 0) {
       total -= c.size;
       ++report.removed;
+    } else if (errno == ENOENT) {
+      total -= c.size;
     } else {
       log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
     }

@@ -24,6 +24,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -193,5 +194,13 @@ class DiskCache {
   std::string mode_reason_;
   std::string version_dir_;  // dir_/v<kCacheSchemaVersion>
 };
+
+// Tests only: what a test can't otherwise make happen at the right moment. Process-wide: set
+// them while no other thread uses a cache. Consulted by gc(), never by a lookup.
+struct CacheTestHooks {
+  // Runs in gc() between its scan and its removals, as another process acting meanwhile.
+  std::function<void()> after_gc_scan;
+};
+void set_cache_test_hooks(CacheTestHooks hooks);
 
 }  // namespace moejit::detail

@@ -1,5 +1,6 @@
 // DiskCache: entry format, atomic publish under SIGKILL, verification and quarantine, trust,
-// modes, LRU gc, locks (bounded waits, entries published while waiting, forked holders).
+// modes, LRU gc (racing other processes), locks (bounded waits, entries published while
+// waiting, forked holders).
 #include <catch2/catch.hpp>
 #include <fcntl.h>
 #include <signal.h>
@@ -179,6 +180,17 @@ class ChildGuard {
 };
 
 bool running_as_root() { return ::geteuid() == 0; }
+
+// The cache's test hooks for the holder's lifetime, none after.
+class HooksSet {
+ public:
+  explicit HooksSet(moejit::detail::CacheTestHooks hooks) {
+    moejit::detail::set_cache_test_hooks(std::move(hooks));
+  }
+  ~HooksSet() { moejit::detail::set_cache_test_hooks({}); }
+  HooksSet(const HooksSet&) = delete;
+  HooksSet& operator=(const HooksSet&) = delete;
+};
 
 void print_skip(const std::string& what, const std::string& why) {
   std::cout << "SKIPPED: " << what << ": " << why << std::endl;
@@ -759,6 +771,39 @@ TEST_CASE("gc evicts least recently used entries down to the limit", "[cache]") 
   CHECK(report.bytes_after == 0);
   CHECK(report.removed == 3);
   CHECK(cache.list(false).empty());
+}
+
+TEST_CASE("gc removes only the files it scanned, as they were, and counts only its own removals",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  std::vector<std::string> keys;
+  const int64_t base = now_unix() - 100000;
+  for (int i = 0; i < 4; ++i) {
+    keys.push_back(key_for("gc-race-" + std::to_string(i)));
+    REQUIRE(cache.store(make_entry(keys.back(), 5000, static_cast<uint64_t>(i))));
+    set_mtime(cache.entry_path(keys.back()), base + i);
+  }
+  const auto path = [&](int i) { return cache.entry_path(keys[static_cast<std::size_t>(i)]); };
+  // Between gc's scan and its removals, other processes publish a fresh entry at the path of
+  // entry 0, use entry 1, and remove entry 2 (another gc); entry 3 is left as scanned.
+  HooksSet hooks({[&] {
+                    DiskCache other(dir, CacheMode::kReadWrite);
+                    CHECK(other.store(make_entry(keys[0], 7000, 10)));
+                    CHECK(other.load(keys[1]).has_value());
+                    CHECK(::unlink(path(2).c_str()) == 0);
+                  }});
+  const auto report = cache.gc(0);
+  CHECK(fs::exists(path(0)));
+  CHECK(fs::exists(path(1)));
+  CHECK_FALSE(fs::exists(path(2)));
+  CHECK_FALSE(fs::exists(path(3)));
+  CHECK(report.removed == 1);
+  CHECK(report.bytes_after == fs::file_size(path(0)) + fs::file_size(path(1)));
+  const std::optional<Entry> fresh = cache.load(keys[0]);
+  REQUIRE(fresh.has_value());
+  CHECK(fresh->cubin == make_entry(keys[0], 7000, 10).cubin);
 }
 
 // What writers and lockers leave in a cache, next to the entry of `key` (stored here): a fresh
