@@ -527,7 +527,11 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   // A cache that can't be written may be meant read-only (an image, a read-only mount): said in
   // the warning only, not in mode_reason(), which commands that need to write quote.
   const char* const meant = " (for a cache meant to be read-only, set MOEJIT_CACHE_MODE=ro)";
+  // Why: a full disk or quota stops creating files, not removing them, and gc or clear is what
+  // such a cache needs.
+  const auto out_of_space = [](int error) { return error == ENOSPC || error == EDQUOT; };
   if (int e = ensure_dir(version_dir_); e != 0) {
+    out_of_space_ = out_of_space(e);
     degrade(CacheMode::kReadOnly, "cannot create " + version_dir_ + ": " + errno_text(e), meant);
     return;
   }
@@ -539,6 +543,7 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
     }
   }
   if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
+    out_of_space_ = out_of_space(e);
     degrade(CacheMode::kReadOnly, "cannot create " + dir_ + "/locks: " + errno_text(e), meant);
     return;
   }
@@ -546,9 +551,12 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   // creating a file is the test that matters.
   const std::string probe = version_dir_ + "/.probe." + std::to_string(::getpid()) + "." +
                             random_hex() + kTempSuffix;
-  Fd fd(open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
+  int error = test_hooks().write_error;
+  Fd fd(error != 0 ? -1 : open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
   if (!fd.ok()) {
-    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(errno),
+    if (error == 0) error = errno;
+    out_of_space_ = out_of_space(error);
+    degrade(CacheMode::kReadOnly, "cannot write in " + version_dir_ + ": " + errno_text(error),
             meant);
     return;
   }
@@ -979,11 +987,10 @@ std::vector<EntryInfo> DiskCache::list(bool verify, std::vector<std::string>* un
 }
 
 GcReport DiskCache::gc(uint64_t max_bytes) const {
-  MOEJIT_CHECK(mode_ == CacheMode::kReadWrite, ErrorCode::kCache,
-               "cannot garbage-collect the cache at " << dir_ << ": it is " << mode_name(mode_)
-                                                      << (mode_reason_.empty() ? "" : " (")
-                                                      << mode_reason_
-                                                      << (mode_reason_.empty() ? "" : ")"));
+  MOEJIT_CHECK(removals_allowed(), ErrorCode::kCache,
+               "cannot garbage-collect the cache at "
+                   << dir_ << ": it is " << mode_name(mode_) << (mode_reason_.empty() ? "" : " (")
+                   << mode_reason_ << (mode_reason_.empty() ? "" : ")"));
   const int64_t now = now_unix();
   const uid_t me = ::geteuid();
   GcReport report;
@@ -1084,7 +1091,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
 }
 
 ClearReport DiskCache::clear() const {
-  MOEJIT_CHECK(mode_ == CacheMode::kReadWrite, ErrorCode::kCache,
+  MOEJIT_CHECK(removals_allowed(), ErrorCode::kCache,
                "cannot clear the cache at " << dir_ << ": it is " << mode_name(mode_)
                                             << (mode_reason_.empty() ? "" : " (") << mode_reason_
                                             << (mode_reason_.empty() ? "" : ")"));

@@ -102,6 +102,10 @@ class DiskCache {
   CacheMode effective_mode() const { return mode_; }
   // Why effective_mode() differs from the mode asked for ("" when it doesn't).
   const std::string& mode_reason() const { return mode_reason_; }
+  // Whether gc() and clear() may remove files: the cache is read-write, or it was asked for
+  // read-write and is read-only only because no file could be created for lack of space or
+  // quota (ENOSPC, EDQUOT), which stops creating files, not removing them.
+  bool removals_allowed() const { return mode_ == CacheMode::kReadWrite || out_of_space_; }
   // Where the entry for `key` lives (whether or not it exists). Throws Error{kInvalidArgument}
   // for a malformed key.
   std::string entry_path(const std::string& key) const;
@@ -170,12 +174,12 @@ class DiskCache {
   // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed; a
   // directory below the root that can't be read is skipped (GcReport::unreadable), as by clear.
-  // Throws Error{kCache} unless the cache is writable.
+  // Throws Error{kCache} unless removals_allowed().
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
   // stamps of this user, and what gc takes besides (stale temp files, idle lock files); reports
-  // how many, and how many could not be removed. Throws Error{kCache} unless the cache is
-  // writable.
+  // how many, and how many could not be removed. Throws Error{kCache} unless
+  // removals_allowed().
   ClearReport clear() const;
 
   static constexpr int64_t kStaleTempSeconds = 10 * 60;
@@ -192,12 +196,17 @@ class DiskCache {
   std::string dir_;
   CacheMode mode_;
   std::string mode_reason_;
-  std::string version_dir_;  // dir_/v<kCacheSchemaVersion>
+  bool out_of_space_ = false;  // read-only because the disk or quota is full (removals_allowed)
+  std::string version_dir_;    // dir_/v<kCacheSchemaVersion>
 };
 
-// Tests only: what a test can't otherwise make happen at the right moment. Process-wide: set
-// them while no other thread uses a cache. Consulted by gc(), never by a lookup.
+// Tests only: what a test can't otherwise make happen, or not at the right moment. Process-wide:
+// set them while no other thread uses a cache. Consulted by the constructor's write probe and by
+// gc(), never by a lookup.
 struct CacheTestHooks {
+  // Creating the write probe fails with this errno (0: never), as on a full disk (ENOSPC) or a
+  // read-only mount (EROFS).
+  int write_error = 0;
   // Runs in gc() between its scan and its removals, as another process acting meanwhile.
   std::function<void()> after_gc_scan;
 };

@@ -13,8 +13,10 @@
 namespace moejit::cli {
 namespace {
 
-// The disk cache the environment names, refusing modes the command can't work in.
-const detail::DiskCache& open_cache(const char* command, bool needs_write) {
+// The disk cache the environment names, refusing modes the command can't work in. `removes`:
+// the command removes files (gc, clear), which a cache made read-only by a full disk or quota
+// still allows (DiskCache::removals_allowed).
+const detail::DiskCache& open_cache(const char* command, bool removes) {
   configure_from_environment();
   detail::Runtime& runtime = detail::Runtime::instance();
   const detail::DiskCache& disk = runtime.store().disk();
@@ -29,7 +31,7 @@ const detail::DiskCache& open_cache(const char* command, bool needs_write) {
     throw Failure{kExitEnvironment, std::string(command) + ": the cache at " + disk.dir() +
                                         " can't be used: " + disk.mode_reason()};
   }
-  if (needs_write && disk.effective_mode() != CacheMode::kReadWrite) {
+  if (removes && !disk.removals_allowed()) {
     std::string why = requested == CacheMode::kReadOnly
                           ? "MOEJIT_CACHE_MODE=ro; unset it or set MOEJIT_CACHE_MODE=rw"
                           : disk.mode_reason();

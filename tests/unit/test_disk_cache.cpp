@@ -1,6 +1,6 @@
 // DiskCache: entry format, atomic publish under SIGKILL, verification and quarantine, trust,
-// modes, LRU gc (racing other processes), locks (bounded waits, entries published while
-// waiting, forked holders).
+// modes (a full disk included), LRU gc (racing other processes), locks (bounded waits, entries
+// published while waiting, forked holders).
 #include <catch2/catch.hpp>
 #include <fcntl.h>
 #include <signal.h>
@@ -788,7 +788,7 @@ TEST_CASE("gc removes only the files it scanned, as they were, and counts only i
   const auto path = [&](int i) { return cache.entry_path(keys[static_cast<std::size_t>(i)]); };
   // Between gc's scan and its removals, other processes publish a fresh entry at the path of
   // entry 0, use entry 1, and remove entry 2 (another gc); entry 3 is left as scanned.
-  HooksSet hooks({[&] {
+  HooksSet hooks({0, [&] {
                     DiskCache other(dir, CacheMode::kReadWrite);
                     CHECK(other.store(make_entry(keys[0], 7000, 10)));
                     CHECK(other.load(keys[1]).has_value());
@@ -804,6 +804,48 @@ TEST_CASE("gc removes only the files it scanned, as they were, and counts only i
   const std::optional<Entry> fresh = cache.load(keys[0]);
   REQUIRE(fresh.has_value());
   CHECK(fresh->cubin == make_entry(keys[0], 7000, 10).cubin);
+}
+
+TEST_CASE("a cache made read-only by a full disk or quota still lets gc and clear remove",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string older = key_for("full-disk-older");
+  const std::string newer = key_for("full-disk-newer");
+  for (const int error : {ENOSPC, EDQUOT}) {
+    INFO(std::strerror(error));
+    {
+      DiskCache writer(dir, CacheMode::kReadWrite);
+      REQUIRE(writer.store(make_entry(older, 1000, 1)));
+      REQUIRE(writer.store(make_entry(newer, 1000, 2)));
+      set_mtime(writer.entry_path(older), now_unix() - 1000);
+    }
+    // The write probe fails as it would on a full disk.
+    HooksSet full({error, {}});
+    DiskCache cache(dir, CacheMode::kReadWrite);
+    CHECK(cache.effective_mode() == CacheMode::kReadOnly);
+    CHECK(cache.mode_reason().find(std::strerror(error)) != std::string::npos);
+    CHECK(cache.removals_allowed());
+    CHECK_FALSE(cache.store(make_entry(key_for("full-disk-new"), 100, 3)));
+    CHECK(cache.load(newer).has_value());
+    moejit::detail::GcReport report;
+    REQUIRE_NOTHROW(report = cache.gc(fs::file_size(cache.entry_path(newer))));
+    CHECK(report.removed == 1);
+    CHECK_FALSE(fs::exists(cache.entry_path(older)));
+    moejit::detail::ClearReport cleared;
+    REQUIRE_NOTHROW(cleared = cache.clear());
+    CHECK(cleared.removed == 1);
+    CHECK(cache.list(false).empty());
+  }
+  // A read-only mount, or a directory this user can't write, removes nothing.
+  HooksSet read_only({EROFS, {}});
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  CHECK(cache.effective_mode() == CacheMode::kReadOnly);
+  CHECK_FALSE(cache.removals_allowed());
+  CHECK_THROWS_AS(cache.gc(0), moejit::Error);
+  CHECK_THROWS_AS(cache.clear(), moejit::Error);
+  // And one opened read-only on purpose stays so.
+  CHECK_FALSE(DiskCache(dir, CacheMode::kReadOnly).removals_allowed());
 }
 
 // What writers and lockers leave in a cache, next to the entry of `key` (stored here): a fresh
