@@ -706,10 +706,38 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   return dest;
 }
 
-bool DiskCache::store(const Entry& entry) const {
+bool DiskCache::store(const Entry& entry, std::string* why_not) const {
   const std::string& key = entry.manifest.key;
   const std::string path = entry_path(key);
-  if (mode_ != CacheMode::kReadWrite) return false;
+  std::string unused;
+  if (why_not == nullptr) why_not = &unused;
+  if (mode_ != CacheMode::kReadWrite) {
+    *why_not = std::string("the cache is ") + mode_name(mode_) +
+               (mode_reason_.empty() ? "" : " (" + mode_reason_ + ")");
+    return false;
+  }
+  if (const int off = stores_off_.load(); off != 0) {
+    *why_not = "an earlier store in this process failed: " + errno_text(off) +
+               "; no entry is stored since";
+    return false;
+  }
+  // Logs a failed store at warn and returns false. A full disk or quota, or a read-only mount
+  // (`error`), fails every later store the same way: the first one turns stores and locks off
+  // for the life of this instance, which its warning says.
+  const auto refuse = [&](const std::string& what, int error) {
+    *why_not = what + (error != 0 ? ": " + errno_text(error) : std::string());
+    int expected = 0;
+    if ((error == ENOSPC || error == EDQUOT || error == EROFS) &&
+        stores_off_.compare_exchange_strong(expected, error)) {
+      log().warn(
+          "cache entry {} not stored: {}; this process stores no more entries in {} and "
+          "takes no compile locks there (cached entries are still loaded)",
+          path, *why_not, dir_);
+    } else {
+      log().warn("cache entry {} not stored: {}", path, *why_not);
+    }
+    return false;
+  };
 
   Manifest manifest = entry.manifest;
   const Digest cubin_digest = hash_bytes(entry.cubin);
@@ -718,10 +746,11 @@ bool DiskCache::store(const Entry& entry) const {
   if (manifest.created_unix == 0) manifest.created_unix = now_unix();
   const std::string manifest_text = manifest_to_json(manifest);
   if (manifest_text.size() > kMaxManifestBytes || entry.cubin.size() > kMaxCubinBytes) {
-    log().warn("cache entry {} not stored: its manifest ({} bytes) or cubin ({} bytes) is larger "
-               "than a reader accepts ({} and {} bytes)",
-               path, manifest_text.size(), entry.cubin.size(), kMaxManifestBytes, kMaxCubinBytes);
-    return false;
+    return refuse("its manifest (" + std::to_string(manifest_text.size()) + " bytes) or cubin (" +
+                      std::to_string(entry.cubin.size()) + " bytes) is larger than a reader " +
+                      "accepts (" + std::to_string(kMaxManifestBytes) + " and " +
+                      std::to_string(kMaxCubinBytes) + " bytes)",
+                  0);
   }
   const Digest manifest_digest = hash_bytes(manifest_text);
 
@@ -739,14 +768,12 @@ bool DiskCache::store(const Entry& entry) const {
   const std::string shard = version_dir_ + "/" + key.substr(0, 2);
   bool shard_created = false;
   if (int e = ensure_dir(shard, &shard_created); e != 0) {
-    log().warn("cache entry {} not stored: cannot create {}: {}", path, shard, errno_text(e));
-    return false;
+    return refuse("cannot create " + shard, e);
   }
   struct stat shard_st {};
   if (::lstat(shard.c_str(), &shard_st) == 0) {
     if (std::string why = distrust_reason(shard_st); !why.empty()) {
-      log().warn("cache entry {} not stored: {} is {}", path, shard, why);
-      return false;
+      return refuse(shard + " is " + why, 0);
     }
   }
 
@@ -759,24 +786,19 @@ bool DiskCache::store(const Entry& entry) const {
            kTempSuffix;
     raw_fd = open_file(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
     if (raw_fd < 0 && errno != EEXIST) {
-      log().warn("cache entry {} not stored: cannot create {}: {}", path, temp,
-                 errno_text(errno));
-      return false;
+      const int error = errno;
+      return refuse("cannot create " + temp, error);
     }
   }
-  if (raw_fd < 0) {
-    log().warn("cache entry {} not stored: every temp name tried was taken", path);
-    return false;
-  }
+  if (raw_fd < 0) return refuse("every temp name tried was taken", 0);
   Fd fd(raw_fd);
 
   auto fail = [&](const char* step, int error) {
     fd.reset();
     ::unlink(temp.c_str());
-    log().warn("cache entry {} not stored: {} {} failed: {}", path, step, temp,
-               errno_text(error));
-    return false;
+    return refuse(std::string(step) + " " + temp + " failed", error);
   };
+  if (int e = test_hooks().write_error; e != 0) return fail("writing", e);
   if (int e =
           write_all(fd.get(), std::string_view(reinterpret_cast<const char*>(header), kHeaderSize));
       e != 0) {
@@ -793,9 +815,7 @@ bool DiskCache::store(const Entry& entry) const {
   if (::rename(temp.c_str(), path.c_str()) != 0) {
     const int error = errno;
     ::unlink(temp.c_str());
-    log().warn("cache entry {} not stored: rename from {} failed: {}", path, temp,
-               errno_text(error));
-    return false;
+    return refuse("rename from " + temp + " failed", error);
   }
   // Why: the rename is durable only once the directory itself is synced, and a shard made just
   // now only once its parent is.
@@ -813,9 +833,10 @@ bool DiskCache::store(const Entry& entry) const {
 
 // ---- Lock ----
 
-DiskCache::Lock::Lock(int fd) : fd_(fd), owner_pid_(::getpid()) {}
+DiskCache::Lock::Lock(int fd, bool waited) : fd_(fd), owner_pid_(::getpid()), waited_(waited) {}
 
-DiskCache::Lock::Lock(Lock&& other) noexcept : fd_(other.fd_), owner_pid_(other.owner_pid_) {
+DiskCache::Lock::Lock(Lock&& other) noexcept
+    : fd_(other.fd_), owner_pid_(other.owner_pid_), waited_(other.waited_) {
   other.fd_ = -1;
 }
 
@@ -824,6 +845,7 @@ DiskCache::Lock& DiskCache::Lock::operator=(Lock&& other) noexcept {
     release();
     fd_ = other.fd_;
     owner_pid_ = other.owner_pid_;
+    waited_ = other.waited_;
     other.fd_ = -1;
   }
   return *this;
@@ -847,7 +869,9 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
   using Clock = std::chrono::steady_clock;
   MOEJIT_CHECK(is_cache_key(key), ErrorCode::kInvalidArgument,
                "malformed cache key '" << key << "': expected 32 lowercase hex digits");
-  if (mode_ != CacheMode::kReadWrite) return Lock();
+  // Why not after a store failed for lack of space or a read-only mount: the lock serves a
+  // publish, and none can happen.
+  if (mode_ != CacheMode::kReadWrite || stores_off_.load() != 0) return Lock();
   const std::string lock_path = dir_ + "/locks/" + key + ".lock";
   if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
     log().warn("cannot lock {}: cannot create {}/locks: {}; compiling without the "
@@ -875,6 +899,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
     return published->has_value();
   };
 
+  bool waited = false;  // another process held the lock when it was first tried
   // Why: gc may unlink an idle lock file; a lock taken on the unlinked inode would exclude no
   // one, so after flock the path must still name the locked file, else try again.
   for (int attempt = 0; attempt < 100; ++attempt) {
@@ -907,6 +932,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
                    errno_text(error));
         return Lock();
       }
+      waited = true;
       if (take_published()) {
         log().debug("cache entry {} published by the lock holder while waiting for {}", path,
                     lock_path);
@@ -927,7 +953,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
     struct stat held {}, at_path {};
     if (::fstat(fd.get(), &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&
         held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
-      return Lock(fd.release());
+      return Lock(fd.release(), waited);
     }
   }
   log().warn("cannot lock {}: the lock file keeps being replaced; compiling without the "

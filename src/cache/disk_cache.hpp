@@ -22,6 +22,7 @@
 // All methods are const and safe to call from many threads and processes at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -120,27 +121,34 @@ class DiskCache {
 
   // Atomic publish: temp file in the same dir (O_EXCL), write, fsync, rename, fsync dir. Returns
   // whether it was stored: false when not writable, or when the write failed or the entry is
-  // larger than a reader accepts (logged at warn; the caller still has its cubin). Throws
-  // Error{kInvalidArgument} for a malformed key.
-  bool store(const Entry& entry) const;
+  // larger than a reader accepts (logged at warn; the caller still has its cubin), with the
+  // cause in *why_not where given. A store that fails for lack of space or quota (ENOSPC,
+  // EDQUOT) or on a read-only mount (EROFS) turns later stores and lock() off for the life of
+  // this instance, said once at warn: each would fail the same way, after a compile under the
+  // lock that other processes wait for. Throws Error{kInvalidArgument} for a malformed key.
+  bool store(const Entry& entry, std::string* why_not = nullptr) const;
 
   // Inter-process lock for compiling `key` (flock on locks/<key>.lock). Released by the
   // destructor, also for a child forked (without exec) while it was held.
   class Lock {
    public:
     Lock() = default;
-    explicit Lock(int fd);
+    Lock(int fd, bool waited);
     Lock(Lock&& other) noexcept;
     Lock& operator=(Lock&& other) noexcept;
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
     ~Lock();
     bool held() const { return fd_ >= 0; }
+    // Whether another process held the lock when it was first tried: a holder that released it
+    // without publishing the entry failed to build or store it.
+    bool waited() const { return waited_; }
 
    private:
     void release() noexcept;
     int fd_ = -1;
     int owner_pid_ = -1;  // the process that took the lock: only it unlocks, others just close
+    bool waited_ = false;
   };
 
   // How long lock() waits for another holder before compiling without the lock. Why 120 s: the
@@ -157,7 +165,8 @@ class DiskCache {
   //    holder to release (it may be stopped, or be a forked child that inherited the lock);
   //  - after `max_wait` an empty lock is returned (logged at warn): the caller compiles without
   //    it, at worst a duplicate compile, since store() publishes atomically.
-  // Also empty when the cache is not writable, or the lock file can't be opened (logged).
+  // Also empty when the cache is not writable, when stores are off (see store()), or when the
+  // lock file can't be opened (logged).
   // Throws Error{kInvalidArgument} for a malformed key.
   Lock lock(const std::string& key, std::optional<Entry>* published = nullptr,
             std::chrono::milliseconds max_wait = std::chrono::seconds(kLockWaitSeconds)) const;
@@ -196,16 +205,18 @@ class DiskCache {
   std::string dir_;
   CacheMode mode_;
   std::string mode_reason_;
+  // The errno of the store that turned stores and locks off (see store()), else 0.
+  mutable std::atomic<int> stores_off_{0};
   bool out_of_space_ = false;  // read-only because the disk or quota is full (removals_allowed)
   std::string version_dir_;    // dir_/v<kCacheSchemaVersion>
 };
 
 // Tests only: what a test can't otherwise make happen, or not at the right moment. Process-wide:
-// set them while no other thread uses a cache. Consulted by the constructor's write probe and by
-// gc(), never by a lookup.
+// set them while no other thread uses a cache. Consulted by the constructor's write probe, by
+// store() and by gc(), never by a lookup.
 struct CacheTestHooks {
-  // Creating the write probe fails with this errno (0: never), as on a full disk (ENOSPC) or a
-  // read-only mount (EROFS).
+  // Creating the write probe, or writing an entry, fails with this errno (0: never), as on a
+  // full disk (ENOSPC) or a read-only mount (EROFS).
   int write_error = 0;
   // Runs in gc() between its scan and its removals, as another process acting meanwhile.
   std::function<void()> after_gc_scan;

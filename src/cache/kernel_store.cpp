@@ -7,6 +7,7 @@
 #include <future>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "common/check.hpp"
@@ -57,6 +58,17 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
       return {std::make_shared<const Entry>(std::move(*hit)), CacheOutcome::kDiskHit,
               ms_since(start)};
     }
+    if (lock.waited()) {
+      // Why release it: the holder let go without publishing, so its build threw or its store
+      // failed, and what stopped it (a full disk, a failing compile) most likely stops this
+      // build too. Held here, every other waiter would compile after this one, one at a time,
+      // the last ones near the lock's wait bound; released, the waiters build side by side.
+      log().debug(
+          "cache entry {} not published by the process that held its lock; building "
+          "it without the lock",
+          key);
+      lock = DiskCache::Lock();
+    }
   }
   start = Clock::now();
   Entry built = build();
@@ -77,9 +89,10 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
   }
   if (m.compile_ms == 0) m.compile_ms = build_ms;
 
-  const bool stored = disk.store(built);
+  std::string why_not;
+  const bool stored = disk.store(built, &why_not);
   log().debug("built {} ({}) in {:.1f} ms, {}", key, m.kernel, build_ms,
-              stored ? "stored" : "not stored (cache not writable)");
+              stored ? std::string("stored") : "not stored (" + why_not + ")");
   return {std::make_shared<const Entry>(std::move(built)),
           stored ? CacheOutcome::kCompiled : CacheOutcome::kCompiledNotStored, build_ms};
 }

@@ -32,13 +32,14 @@ class KernelStore {
   // The entry for `key`: memory, else (once per key at a time in this process) disk, else, under
   // the inter-process lock, disk again (another process may have published it meanwhile), else
   // `build()` and publish. An entry published while waiting for the lock is taken at once; a
-  // lock still held after DiskCache::kLockWaitSeconds is given up and `build()` runs without it. No
-  // mutex is held while the disk is read or `build` runs. Callers that arrive while a key is in
-  // flight wait and get the leader's Result (same entry, outcome and time), or the leader's
-  // exception rethrown; a failed key is tried again on the next call. The entry `build` returns
-  // gets manifest.key = `key` when empty (another key is an Error{kInternal}); cubin_size,
-  // cubin_hash, created_unix and (when 0) compile_ms are filled. Throws Error{kInvalidArgument} for
-  // a malformed key, and whatever `build` throws.
+  // lock still held after DiskCache::kLockWaitSeconds is given up and `build()` runs without it,
+  // as it does when the lock, taken after a wait, finds the entry still missing (its holder
+  // failed to build or store it). No mutex is held while the disk is read or `build` runs.
+  // Callers that arrive while a key is in flight wait and get the leader's Result (same entry,
+  // outcome and time), or the leader's exception rethrown; a failed key is tried again on the
+  // next call. The entry `build` returns gets manifest.key = `key` when empty (another key is an
+  // Error{kInternal}); cubin_size, cubin_hash, created_unix and (when 0) compile_ms are filled.
+  // Throws Error{kInvalidArgument} for a malformed key, and whatever `build` throws.
   // Fork: a child process does not wait for a key its parent had in flight at the fork (no
   // thread of the child would ever finish it); its first caller for that key leads anew. And a
   // fork never copies the table's mutex locked (pthread_atfork).

@@ -1,5 +1,5 @@
 // KernelStore: memory / disk / compile, single flight across threads and processes, healing of
-// corrupt entries, read-only and unwritable caches.
+// corrupt entries, read-only and unwritable caches, full disks, lock holders that fail.
 #include <catch2/catch.hpp>
 #include <fcntl.h>
 #include <signal.h>
@@ -91,6 +91,16 @@ std::size_t count_files(const std::string& dir) {
 std::shared_ptr<const DiskCache> open_disk(const std::string& dir, CacheMode mode) {
   return std::make_shared<const DiskCache>(dir, mode);
 }
+
+// Writing a cache entry fails with `error` for the holder's lifetime, as on a full disk (set
+// after the caches are opened: their write probes would fail too).
+class WritesFail {
+ public:
+  explicit WritesFail(int error) { moejit::detail::set_cache_test_hooks({error, {}}); }
+  ~WritesFail() { moejit::detail::set_cache_test_hooks({}); }
+  WritesFail(const WritesFail&) = delete;
+  WritesFail& operator=(const WritesFail&) = delete;
+};
 
 // Runs in a forked process: `threads` threads, released together once `start_fd` reaches EOF,
 // each calling get(key) on one store. Writes "<outcome> <cubin hash>" per caller to
@@ -521,4 +531,76 @@ TEST_CASE("a key published while another process still holds its lock is a disk 
   CHECK(result.outcome == CacheOutcome::kDiskHit);
   CHECK(result.entry->cubin == "their cubin");
   CHECK(waited < 10.0);  // well before the lock wait bound
+}
+
+TEST_CASE("a store that fails for lack of space turns stores and locks off, said once", "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  auto disk = open_disk(dir, CacheMode::kReadWrite);
+  REQUIRE(disk->effective_mode() == CacheMode::kReadWrite);
+  KernelStore store(disk);
+  const std::string cached = key_for("stored before the disk filled");
+  const std::string first = key_for("first after the disk filled");
+  const std::string second = key_for("second after the disk filled");
+  auto build = [](const std::string& key) { return [key] { return built_entry(key, "cubin"); }; };
+  REQUIRE(store.get(cached, build(cached)).outcome == CacheOutcome::kCompiled);
+
+  WritesFail full(ENOSPC);
+  WarningCapture warnings;
+  // The debug line of the build names the cause, not "not writable".
+  moejit::test::LogWatch cause("not stored (writing");
+  CHECK(store.get(first, build(first)).outcome == CacheOutcome::kCompiledNotStored);
+  CHECK(cause.seen());
+  CHECK(store.get(second, build(second)).outcome == CacheOutcome::kCompiledNotStored);
+  INFO(warnings.all());
+  CHECK(warnings.warning_count() == 1);
+  CHECK(warnings.warned({"not stored", "No space left on device", "stores no more entries", dir}));
+  // No lock is taken for a compile that can't be published.
+  CHECK(fs::exists(dir + "/locks/" + first + ".lock"));
+  CHECK_FALSE(fs::exists(dir + "/locks/" + second + ".lock"));
+  // Entries already on disk still load (in a store that has not seen them yet).
+  KernelStore reader(disk);
+  CHECK(reader.get(cached, build(cached)).outcome == CacheOutcome::kDiskHit);
+}
+
+// Other processes waiting for a key's lock while its holder fails (its build throws, or its
+// store fails): each waiter that then takes the lock finds nothing on disk.
+TEST_CASE("waiters whose lock holder published nothing build side by side, not one at a time",
+          "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  const std::string key = key_for("holder failed");
+  auto disk_a = open_disk(dir, CacheMode::kReadWrite);
+  auto disk_b = open_disk(dir, CacheMode::kReadWrite);
+  KernelStore waiter_a(disk_a);
+  KernelStore waiter_b(disk_b);
+  const int holder =
+      ::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  REQUIRE(holder >= 0);
+  REQUIRE(::flock(holder, LOCK_EX | LOCK_NB) == 0);
+  // The holder failed for lack of space, and so do the waiters' stores.
+  WritesFail full(ENOSPC);
+  std::atomic<int> building{0};
+  std::atomic<int> most_building{0};
+  auto build = [&] {
+    const int now = ++building;
+    int most = most_building.load();
+    while (now > most && !most_building.compare_exchange_weak(most, now)) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    --building;
+    return built_entry(key, "cubin");
+  };
+  CacheOutcome outcome_a = CacheOutcome::kMemoryHit;
+  CacheOutcome outcome_b = CacheOutcome::kMemoryHit;
+  std::thread a([&] { outcome_a = waiter_a.get(key, build).outcome; });
+  std::thread b([&] { outcome_b = waiter_b.get(key, build).outcome; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  ::close(holder);  // released without publishing
+  a.join();
+  b.join();
+  CHECK(outcome_a == CacheOutcome::kCompiledNotStored);
+  CHECK(outcome_b == CacheOutcome::kCompiledNotStored);
+  // Under the lock the second build would start only once the first had failed to store.
+  CHECK(most_building == 2);
 }
