@@ -21,6 +21,7 @@
 
 #include "cache/file_io.hpp"
 #include "common/check.hpp"
+#include "common/fork.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
 #include "moejit/error.hpp"
@@ -833,10 +834,11 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
 
 // ---- Lock ----
 
-DiskCache::Lock::Lock(int fd, bool waited) : fd_(fd), owner_pid_(::getpid()), waited_(waited) {}
+DiskCache::Lock::Lock(int fd, bool waited)
+    : fd_(fd), owner_generation_(fork_generation()), waited_(waited) {}
 
 DiskCache::Lock::Lock(Lock&& other) noexcept
-    : fd_(other.fd_), owner_pid_(other.owner_pid_), waited_(other.waited_) {
+    : fd_(other.fd_), owner_generation_(other.owner_generation_), waited_(other.waited_) {
   other.fd_ = -1;
 }
 
@@ -844,7 +846,7 @@ DiskCache::Lock& DiskCache::Lock::operator=(Lock&& other) noexcept {
   if (this != &other) {
     release();
     fd_ = other.fd_;
-    owner_pid_ = other.owner_pid_;
+    owner_generation_ = other.owner_generation_;
     waited_ = other.waited_;
     other.fd_ = -1;
   }
@@ -859,7 +861,7 @@ void DiskCache::Lock::release() noexcept {
   // without exec shares; closing only our descriptor would leave the lock held for as long as
   // that child lives. Only the taker unlocks, so such a child closing its copy takes nothing away
   // from the parent.
-  if (::getpid() == owner_pid_) ::flock(fd_, LOCK_UN);
+  if (fork_generation() == owner_generation_) ::flock(fd_, LOCK_UN);
   ::close(fd_);
   fd_ = -1;
 }

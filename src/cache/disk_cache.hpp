@@ -147,7 +147,8 @@ class DiskCache {
    private:
     void release() noexcept;
     int fd_ = -1;
-    int owner_pid_ = -1;  // the process that took the lock: only it unlocks, others just close
+    // The process that took the lock (fork_generation): only it unlocks, others just close.
+    uint64_t owner_generation_ = 0;
     bool waited_ = false;
   };
 

@@ -1,7 +1,5 @@
 #include "cache/kernel_store.hpp"
 
-#include <unistd.h>
-
 #include <chrono>
 #include <exception>
 #include <future>
@@ -19,10 +17,10 @@
 namespace moejit::detail {
 
 // One key being resolved: the leader fulfils the promise, everyone else waits on the future.
-// `pid` is the leader's process: after a fork the child holds a copy of the flight but not the
-// thread that would fulfil it.
+// `generation` is the leader's process (fork_generation): after a fork the child holds a copy of
+// the flight but not the thread that would fulfil it.
 struct KernelStore::Flight {
-  pid_t pid = ::getpid();
+  uint64_t generation = fork_generation();
   std::promise<Result> promise;
   std::shared_future<Result> future = promise.get_future().share();
 };
@@ -119,7 +117,7 @@ KernelStore::Result KernelStore::get(const std::string& key,
     if (hit != memory_.end()) return {hit->second, CacheOutcome::kMemoryHit, ms_since(start)};
     std::shared_ptr<Flight>& slot = flights_[key];
     // A flight of another process is the parent's, copied by a fork: nobody here finishes it.
-    if (!slot || slot->pid != ::getpid()) {
+    if (!slot || slot->generation != fork_generation()) {
       slot = std::make_shared<Flight>();
       leader = true;
     }

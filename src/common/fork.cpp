@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <atomic>
 #include <unordered_set>
 #include <vector>
 
@@ -60,9 +61,16 @@ void fork_release() {  // in the parent and in the child: the thread that forked
   g.held_mutex.unlock();
 }
 
+std::atomic<uint64_t> generation{0};  // fork_generation()
+
+void fork_child() {
+  generation.fetch_add(1, std::memory_order_relaxed);
+  fork_release();
+}
+
 ForkGuard& installed_guard() {
   static std::once_flag once;
-  std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_release); });
+  std::call_once(once, [] { ::pthread_atfork(fork_prepare, fork_release, fork_child); });
   return fork_guard();
 }
 
@@ -98,6 +106,12 @@ void hold_across_fork_last(std::mutex* mutex) {
 }
 void hold_across_fork_last(std::shared_mutex* mutex) {
   add(&ForkGuard::last_mutex, &ForkGuard::last, mutex);
+}
+
+uint64_t fork_generation() {
+  // Why install the handlers here: a fork before they are installed would not be counted.
+  installed_guard();
+  return generation.load(std::memory_order_relaxed);
 }
 
 }  // namespace moejit::detail

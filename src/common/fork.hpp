@@ -7,6 +7,7 @@
 // fork waits for whichever thread holds one (a log line written to a full pipe delays it).
 #pragma once
 
+#include <cstdint>
 #include <mutex>
 #include <shared_mutex>
 
@@ -27,5 +28,12 @@ void release_while_alive(std::mutex* mutex);
 // may be registered while any other registered mutex is held.
 void hold_across_fork_last(std::mutex* mutex);
 void hold_across_fork_last(std::shared_mutex* mutex);
+
+// This process's fork generation: a counter that a fork increments in the child only. A value
+// recorded in memory that a fork later copied is therefore equal to it in the process that
+// recorded it and smaller in every process forked from that one. Why not the pid: a pid is reused
+// once its process has exited, so a descendant (a grandchild, after the parent exited) can hold
+// a copy of a record made under its own pid.
+uint64_t fork_generation();
 
 }  // namespace moejit::detail

@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "common/fork.hpp"
 #include "common/log.hpp"
 #include "moejit/error.hpp"
 #include "moejit/runtime.hpp"
@@ -70,4 +71,19 @@ TEST_CASE("a forked child logs, looks up shapes and asks decode_moe_problem whil
     failed = moejit::test::children_failing_under([&] { (void)use_all(); }, use_all);
   }
   CHECK(failed == 0);
+}
+
+// What KernelStore's flights and DiskCache's locks recognise their own process by: equal in the
+// process that recorded it, different in its children and theirs, whatever pids they get.
+TEST_CASE("the fork generation tells a process from every process forked from it", "[fork]") {
+  const uint64_t mine = moejit::detail::fork_generation();
+  CHECK(moejit::test::forked_child_passes([mine] {
+    const uint64_t child = moejit::detail::fork_generation();
+    const bool grandchild_differs = moejit::test::forked_child_passes([mine, child] {
+      const uint64_t grandchild = moejit::detail::fork_generation();
+      return grandchild != mine && grandchild != child;
+    });
+    return child != mine && grandchild_differs && moejit::detail::fork_generation() == child;
+  }));
+  CHECK(moejit::detail::fork_generation() == mine);
 }

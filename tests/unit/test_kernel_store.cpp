@@ -1,12 +1,14 @@
 // KernelStore: memory / disk / compile, single flight across threads and processes, healing of
-// corrupt entries, read-only and unwritable caches, full disks, lock holders that fail.
+// corrupt entries, read-only and unwritable caches, full disks, lock holders that fail, pid reuse.
 #include <catch2/catch.hpp>
 #include <fcntl.h>
+#include <linux/sched.h>
 #include <signal.h>
 #include <spdlog/sinks/base_sink.h>
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -483,6 +485,102 @@ TEST_CASE("a forked child neither waits for its parent's flight nor for a copied
   };
   // (Without the fork handlers about half of these children block, each until its alarm.)
   CHECK(moejit::test::children_failing_under([&] { (void)hit(); }, hit) == 0);
+}
+
+namespace {
+
+// Runs in the process forked from the one that had `key` in flight (`ancestor`, which exits):
+// once that pid is free, makes a process with it (clone3 with set_tid), which asks `store` for
+// `key` and writes "led" to `out` when it is not made to wait. Writes one line of what happened.
+void reuse_ancestor_pid(KernelStore& store, const std::string& key, pid_t ancestor, int out) {
+  const auto say = [out](const std::string& line) {
+    const std::string text = line + "\n";
+    if (::write(out, text.data(), text.size()) < 0) ::_exit(2);
+  };
+  clone_args args{};
+  args.exit_signal = SIGCHLD;
+  pid_t wanted = ancestor;
+  args.set_tid = reinterpret_cast<uint64_t>(&wanted);
+  args.set_tid_size = 1;
+  long made = -1;
+  // EEXIST while the ancestor is still running or not yet reaped.
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    made = ::syscall(SYS_clone3, &args, sizeof(args));
+    if (made >= 0 || errno != EEXIST) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (made < 0) {
+    say(std::string("skip: clone3 with set_tid failed: ") + std::strerror(errno));
+    return;
+  }
+  if (made == 0) {
+    ::alarm(5);  // a process that waits for the ancestor's flight is killed here
+    const bool same_pid = ::getpid() == ancestor;
+    const KernelStore::Result r = store.get(key, [&] { return built_entry(key, "reused"); });
+    say(std::string(same_pid ? "same pid, " : "other pid, ") +
+        (r.entry->cubin == "reused" ? "led" : "got another's entry"));
+    ::_exit(0);
+  }
+  int status = 0;
+  ::waitpid(static_cast<pid_t>(made), &status, 0);
+  say(WIFEXITED(status) ? "exit " + std::to_string(WEXITSTATUS(status))
+                        : "killed by signal " + std::to_string(WTERMSIG(status)));
+}
+
+}  // namespace
+
+// A process forks while one of its threads compiles a key and exits; a process forked from that
+// child later gets the first one's pid. Why clone3 with set_tid: it picks the pid, which needs
+// root (else SKIPPED); the process it makes skips the fork handlers, which a copy of a
+// single-threaded process does not need.
+TEST_CASE("a process that got its ancestor's pid does not wait for the ancestor's flight",
+          "[store]") {
+  const std::string key = key_for("flight of an exited ancestor");
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const pid_t reaper = ::fork();
+  REQUIRE(reaper >= 0);
+  if (reaper == 0) {
+    // Reaps the ancestor (freeing its pid) and adopts the child it leaves behind.
+    ::close(out[0]);
+    ::alarm(30);
+    ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+    const pid_t ancestor = ::fork();
+    if (ancestor == 0) {
+      KernelStore store(open_disk("", CacheMode::kMemoryOnly));
+      std::atomic<bool> started{false};
+      std::thread leader([&] {
+        store.get(key, [&]() -> Entry {
+          started = true;
+          std::this_thread::sleep_for(std::chrono::seconds(20));
+          return built_entry(key, "never");
+        });
+      });
+      while (!started) std::this_thread::yield();
+      const pid_t me = ::getpid();
+      if (::fork() == 0) {
+        reuse_ancestor_pid(store, key, me, out[1]);
+        ::_exit(0);
+      }
+      ::_exit(0);  // with the compile still in flight
+    }
+    while (::wait(nullptr) > 0 || errno == EINTR) {
+    }
+    ::_exit(0);
+  }
+  ::close(out[1]);
+  std::string report;
+  char buffer[256];
+  for (ssize_t n; (n = ::read(out[0], buffer, sizeof(buffer))) > 0;) report.append(buffer, n);
+  ::close(out[0]);
+  int status = 0;
+  REQUIRE(::waitpid(reaper, &status, 0) == reaper);
+  if (report.rfind("skip: ", 0) == 0) {
+    std::cout << "SKIPPED: pid reuse: " << report.substr(6) << std::flush;
+    return;
+  }
+  INFO(report);
+  CHECK(report == "same pid, led\nexit 0\n");
 }
 
 TEST_CASE("memory-only store never touches the disk", "[store]") {
