@@ -208,6 +208,13 @@ int run_prewarm(const std::vector<std::string>& files, const std::vector<std::st
       std::cout << "prewarm: note: other users can't reach it: " << closed
                 << " is not searchable by them\n";
     }
+    // Why: a reader trusts only entries owned by itself or by root (a cache is code that runs
+    // on the GPU), so readable entries of another user are ignored all the same.
+    if (const uid_t me = ::geteuid(); me != 0) {
+      std::cout << "prewarm: note: other users will not trust these entries: they load only "
+                   "their own and root's (these are uid "
+                << me << "'s); prewarm as root for a cache that other users load\n";
+    }
   }
   if (!failed.empty()) {
     std::cout << "\nfailures:\n";

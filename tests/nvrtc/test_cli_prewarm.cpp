@@ -163,6 +163,9 @@ TEST_CASE("prewarm fills a cache that list, verify, gc and clear then maintain",
     CHECK(s.cached == s.kernels);
     CHECK(s.failed == 0);
     CHECK(out.find("readable by every user") != std::string::npos);
+    // Entries not owned by root are trusted by their owner alone, which prewarm says.
+    CHECK((out.find("other users will not trust these entries") != std::string::npos) ==
+          (::geteuid() != 0));
   }
   for (const auto& [path, perms] : modes()) {
     INFO(path);
