@@ -56,7 +56,8 @@ MoeWeightLayout moe_weight_layout(const ModelShape& shape);
 // repacked under another version must be repacked again (they would be misread, not refused).
 int moe_weight_layout_version();
 
-// The repacked weights moe_forward reads (sizes from moe_weight_layout, 256-byte aligned).
+// The repacked weights moe_forward reads (sizes from moe_weight_layout). w13, w13_scales, w2 and
+// w2_scales must be 16-byte aligned (256 is what an allocator gives), b13 4 and b2 2.
 struct MoeWeights {
   void* w13 = nullptr;
   void* w13_scales = nullptr;
@@ -95,7 +96,8 @@ struct SeparateCheckpoint {
 };
 
 struct MoeRepackTarget {
-  MoeWeights weights;    // w13, w13_scales, w2, w2_scales written (biases untouched)
+  MoeWeights weights;    // w13, w13_scales, w2, w2_scales written (biases untouched), each
+                         // 16-byte aligned as moe_forward reads them
   int first_expert = 0;  // local expert that checkpoint expert 0 becomes
   // Optional int32 [1] device counter: repack adds the number of scale bytes it cannot
   // dequantize exactly (0xFF = NaN, or a scale outside 2^-62 .. 2^64). Zero it first, read it

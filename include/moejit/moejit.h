@@ -149,7 +149,8 @@ typedef struct moejit_moe_weights {
 } moejit_moe_weights;
 
 /* Repack a gpt-oss checkpoint (w13 interleaved) or a separate w1 / w3 / w2 one into `target`'s
- * w13, w13_scales, w2, w2_scales; checkpoint expert 0 becomes local expert first_expert.
+ * w13, w13_scales, w2, w2_scales (each 16-byte aligned, as moejit_moe_forward reads them);
+ * checkpoint expert 0 becomes local expert first_expert.
  * bad_scale_count: optional int32 device counter, incremented by the scale bytes that can't be
  * dequantized exactly. Shapes of the tensors: see moejit/moe.hpp. */
 moejit_status moejit_moe_repack_gpt_oss(const moejit_moe* moe, const DLTensor* w13_blocks,

@@ -19,7 +19,8 @@ using Stream = CUstream_st*;
 //   kSigmoid: sigmoid(float(shared_logits[t, s])) * scale   (logits bf16, fp16 or fp32)
 //   kConstant: scale                                        (shared_logits unused, may be null)
 //   kGiven: shared_logits[t, s] (fp32 weights)               (scale unused)
-// Shapes: topk_ids, topk_weights [T, K]; shared_logits [T, S]; out_ids, out_weights [T, K + S].
+// Shapes: topk_ids, topk_weights [T, K]; shared_logits [T, S]; out_ids, out_weights [T, K + S],
+// with K from 1 to 64 and S from 1 to 8 (AppendSharedParams::kMaxTopK, kMaxShared).
 // ids are int32 or int64 (out_ids has the same type), weights fp32; every tensor contiguous on the
 // device of the current CUDA context. S comes from out_ids.shape[1] - K. The outputs share no
 // byte with each other or with the inputs (refused otherwise); shared_base >= 0; scale finite.

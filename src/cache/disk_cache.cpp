@@ -48,6 +48,12 @@ CacheTestHooks& test_hooks() {
   return hooks;
 }
 
+int64_t steady_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 int64_t now_unix() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -707,6 +713,11 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   return dest;
 }
 
+int DiskCache::stores_paused() const {
+  const int off = stores_off_.load();
+  return off != 0 && steady_ms() < stores_paused_until_ms_.load() ? off : 0;
+}
+
 bool DiskCache::store(const Entry& entry, std::string* why_not) const {
   const std::string& key = entry.manifest.key;
   const std::string path = entry_path(key);
@@ -717,26 +728,28 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
                (mode_reason_.empty() ? "" : " (" + mode_reason_ + ")");
     return false;
   }
-  if (const int off = stores_off_.load(); off != 0) {
-    *why_not = "an earlier store in this process failed: " + errno_text(off) +
-               "; no entry is stored since";
+  if (const int off = stores_paused(); off != 0) {
+    *why_not = "a store in this process failed less than " + std::to_string(kStoresPauseSeconds) +
+               " s ago: " + errno_text(off);
     return false;
   }
   // Logs a failed store at warn and returns false. A full disk or quota, or a read-only mount
-  // (`error`), fails every later store the same way: the first one turns stores and locks off
-  // for the life of this instance, which its warning says.
+  // (`error`), would fail the next stores the same way: it pauses stores and locks for
+  // kStoresPauseSeconds, which its warning says (one warning per pause).
   const auto refuse = [&](const std::string& what, int error) {
     *why_not = what + (error != 0 ? ": " + errno_text(error) : std::string());
-    int expected = 0;
-    if ((error == ENOSPC || error == EDQUOT || error == EROFS) &&
-        stores_off_.compare_exchange_strong(expected, error)) {
-      log().warn(
-          "cache entry {} not stored: {}; this process stores no more entries in {} and "
-          "takes no compile locks there (cached entries are still loaded)",
-          path, *why_not, dir_);
-    } else {
-      log().warn("cache entry {} not stored: {}", path, *why_not);
+    if (error == ENOSPC || error == EDQUOT || error == EROFS) {
+      const int64_t until = steady_ms() + int64_t{kStoresPauseSeconds} * 1000;
+      stores_paused_until_ms_.store(until);
+      if (stores_off_.exchange(error) == 0) {
+        log().warn(
+            "cache entry {} not stored: {}; for the next {} s this process stores no entries in "
+            "{} and takes no compile locks there (cached entries are still loaded)",
+            path, *why_not, kStoresPauseSeconds, dir_);
+      }
+      return false;
     }
+    log().warn("cache entry {} not stored: {}", path, *why_not);
     return false;
   };
 
@@ -829,16 +842,21 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
     }
   }
   log().debug("cache stored {} ({} bytes of cubin)", path, entry.cubin.size());
+  if (const int was = stores_off_.exchange(0); was != 0) {
+    log().info("cache {}: stores resumed ({} is past)", dir_, errno_text(was));
+  }
   return true;
 }
 
 // ---- Lock ----
 
-DiskCache::Lock::Lock(int fd, bool waited)
-    : fd_(fd), owner_generation_(fork_generation()), waited_(waited) {}
+DiskCache::Lock::Lock(int fd, bool holder_failed)
+    : fd_(fd), owner_generation_(fork_generation()), holder_failed_(holder_failed) {}
 
 DiskCache::Lock::Lock(Lock&& other) noexcept
-    : fd_(other.fd_), owner_generation_(other.owner_generation_), waited_(other.waited_) {
+    : fd_(other.fd_),
+      owner_generation_(other.owner_generation_),
+      holder_failed_(other.holder_failed_) {
   other.fd_ = -1;
 }
 
@@ -847,13 +865,17 @@ DiskCache::Lock& DiskCache::Lock::operator=(Lock&& other) noexcept {
     release();
     fd_ = other.fd_;
     owner_generation_ = other.owner_generation_;
-    waited_ = other.waited_;
+    holder_failed_ = other.holder_failed_;
     other.fd_ = -1;
   }
   return *this;
 }
 
 DiskCache::Lock::~Lock() { release(); }
+
+void DiskCache::Lock::mark_failed() const noexcept {
+  if (fd_ >= 0 && fork_generation() == owner_generation_) (void)::ftruncate(fd_, 1);
+}
 
 void DiskCache::Lock::release() noexcept {
   if (fd_ < 0) return;
@@ -873,7 +895,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
                "malformed cache key '" << key << "': expected 32 lowercase hex digits");
   // Why not after a store failed for lack of space or a read-only mount: the lock serves a
   // publish, and none can happen.
-  if (mode_ != CacheMode::kReadWrite || stores_off_.load() != 0) return Lock();
+  if (mode_ != CacheMode::kReadWrite || stores_paused() != 0) return Lock();
   const std::string lock_path = dir_ + "/locks/" + key + ".lock";
   if (int e = ensure_dir(dir_ + "/locks"); e != 0) {
     log().warn("cannot lock {}: cannot create {}/locks: {}; compiling without the "
@@ -901,7 +923,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
     return published->has_value();
   };
 
-  bool waited = false;  // another process held the lock when it was first tried
+  bool waited = false;  // another holder had the lock when it was first tried
   // Why: gc may unlink an idle lock file; a lock taken on the unlinked inode would exclude no
   // one, so after flock the path must still name the locked file, else try again.
   for (int attempt = 0; attempt < 100; ++attempt) {
@@ -934,6 +956,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
                    errno_text(error));
         return Lock();
       }
+      if (!waited && test_hooks().lock_waiting) test_hooks().lock_waiting();
       waited = true;
       if (take_published()) {
         log().debug("cache entry {} published by the lock holder while waiting for {}", path,
@@ -955,7 +978,11 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
     struct stat held {}, at_path {};
     if (::fstat(fd.get(), &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&
         held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
-      return Lock(fd.release(), waited);
+      // A mark left by a holder this process did not wait for is old news: cleared, so the
+      // waiters of this holder read only its own.
+      const bool holder_failed = waited && held.st_size > 0;
+      if (!holder_failed && held.st_size > 0) (void)::ftruncate(fd.get(), 0);
+      return Lock(fd.release(), holder_failed);
     }
   }
   log().warn("cannot lock {}: the lock file keeps being replaced; compiling without the "
@@ -1085,8 +1112,10 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
   for (const Candidate& c : candidates) {
     if (total <= max_bytes) break;
     // Why look again: since the scan another process may have published a fresh entry at this
-    // path, used it (load() sets the mtime) or removed it (another gc). Only the file scanned, as
-    // it was, is removed; one removed by someone else leaves the total without being counted.
+    // path, used it (load() sets the mtime) or removed it (another gc). Only a file still as it
+    // was scanned is removed (one published in the instant between this look and the unlink is
+    // still lost, and rebuilt); one removed by someone else leaves the total without being
+    // counted.
     struct stat st {};
     if (::lstat(c.path.c_str(), &st) != 0) {
       if (errno == ENOENT) {

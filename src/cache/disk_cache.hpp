@@ -123,33 +123,40 @@ class DiskCache {
   // whether it was stored: false when not writable, or when the write failed or the entry is
   // larger than a reader accepts (logged at warn; the caller still has its cubin), with the
   // cause in *why_not where given. A store that fails for lack of space or quota (ENOSPC,
-  // EDQUOT) or on a read-only mount (EROFS) turns later stores and lock() off for the life of
-  // this instance, said once at warn: each would fail the same way, after a compile under the
-  // lock that other processes wait for. Throws Error{kInvalidArgument} for a malformed key.
+  // EDQUOT) or on a read-only mount (EROFS) pauses later stores and lock() for
+  // kStoresPauseSeconds, said once at warn: each would fail the same way, after a compile under
+  // the lock that other processes wait for. The first store after the pause tries again (a gc may
+  // have made room); one that succeeds ends the pause (logged at info). Throws
+  // Error{kInvalidArgument} for a malformed key.
   bool store(const Entry& entry, std::string* why_not = nullptr) const;
 
   // Inter-process lock for compiling `key` (flock on locks/<key>.lock). Released by the
-  // destructor, also for a child forked (without exec) while it was held.
+  // destructor, also for a child forked (without exec) while it was held. A holder whose build or
+  // store failed says so with mark_failed() before it lets go (one byte in the lock file, cleared
+  // by the next holder that did not wait): the processes that waited for it then build side by
+  // side instead of one after another, while a holder that died (killed, crashed) marks nothing,
+  // and its waiters take turns so that the first one's entry serves the rest.
   class Lock {
    public:
     Lock() = default;
-    Lock(int fd, bool waited);
+    Lock(int fd, bool holder_failed);
     Lock(Lock&& other) noexcept;
     Lock& operator=(Lock&& other) noexcept;
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
     ~Lock();
     bool held() const { return fd_ >= 0; }
-    // Whether another process held the lock when it was first tried: a holder that released it
-    // without publishing the entry failed to build or store it.
-    bool waited() const { return waited_; }
+    // Whether this lock was taken after a wait for a holder that released it marked failed.
+    bool holder_failed() const { return holder_failed_; }
+    // Marks the lock file failed (see the class comment); best effort, and only while held.
+    void mark_failed() const noexcept;
 
    private:
     void release() noexcept;
     int fd_ = -1;
     // The process that took the lock (fork_generation): only it unlocks, others just close.
     uint64_t owner_generation_ = 0;
-    bool waited_ = false;
+    bool holder_failed_ = false;
   };
 
   // How long lock() waits for another holder before compiling without the lock. Why 120 s: the
@@ -166,7 +173,7 @@ class DiskCache {
   //    holder to release (it may be stopped, or be a forked child that inherited the lock);
   //  - after `max_wait` an empty lock is returned (logged at warn): the caller compiles without
   //    it, at worst a duplicate compile, since store() publishes atomically.
-  // Also empty when the cache is not writable, when stores are off (see store()), or when the
+  // Also empty when the cache is not writable, while stores are paused (see store()), or when the
   // lock file can't be opened (logged).
   // Throws Error{kInvalidArgument} for a malformed key.
   Lock lock(const std::string& key, std::optional<Entry>* published = nullptr,
@@ -194,6 +201,10 @@ class DiskCache {
 
   static constexpr int64_t kStaleTempSeconds = 10 * 60;
   static constexpr int64_t kQuarantineKeepSeconds = 7 * 24 * 3600;
+  // How long stores and locks pause after a store failed for lack of space (see store()). Why a
+  // minute: long enough that a burst of compiles does not try each store in turn, short enough
+  // that a server outlives a disk filled for a while.
+  static constexpr int kStoresPauseSeconds = 60;
 
  private:
   // Uses the cache in mode `to` from now on, for `reason` (mode_reason()); logs a warning, with
@@ -206,8 +217,11 @@ class DiskCache {
   std::string dir_;
   CacheMode mode_;
   std::string mode_reason_;
-  // The errno of the store that turned stores and locks off (see store()), else 0.
+  // The errno of the store that paused stores and locks (see store()), else 0, and until when
+  // (steady clock, ms); stores_paused() reads both.
+  int stores_paused() const;
   mutable std::atomic<int> stores_off_{0};
+  mutable std::atomic<int64_t> stores_paused_until_ms_{0};
   bool out_of_space_ = false;  // read-only because the disk or quota is full (removals_allowed)
   std::string version_dir_;    // dir_/v<kCacheSchemaVersion>
 };
@@ -221,6 +235,8 @@ struct CacheTestHooks {
   int write_error = 0;
   // Runs in gc() between its scan and its removals, as another process acting meanwhile.
   std::function<void()> after_gc_scan;
+  // Runs in lock() when a try finds the lock held, before the first wait, once per lock().
+  std::function<void()> lock_waiting;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 

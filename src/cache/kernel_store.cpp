@@ -56,18 +56,27 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
       return {std::make_shared<const Entry>(std::move(*hit)), CacheOutcome::kDiskHit,
               ms_since(start)};
     }
-    if (lock.waited()) {
-      // Why release it: the holder let go without publishing, so its build threw or its store
-      // failed, and what stopped it (a full disk, a failing compile) most likely stops this
-      // build too. Held here, every other waiter would compile after this one, one at a time,
-      // the last ones near the lock's wait bound; released, the waiters build side by side.
+    if (lock.holder_failed()) {
+      // Why release it: the holder's build threw or its store failed, and what stopped it (a
+      // full disk, a failing compile) most likely stops this build too. Held here, every other
+      // waiter would compile after this one, one at a time, the last ones near the lock's wait
+      // bound; released, the waiters build side by side.
       log().debug(
-          "cache entry {} not published by the process that held its lock; building "
-          "it without the lock",
+          "cache entry {}: the process that held its lock failed to build or store it; "
+          "building it without the lock",
           key);
       lock = DiskCache::Lock();
     }
   }
+  // Why mark: a build that throws, or an entry not stored, leaves the waiters nothing to load
+  // (see DiskCache::Lock).
+  struct MarkUnlessStored {
+    const DiskCache::Lock& lock;
+    bool stored = false;
+    ~MarkUnlessStored() {
+      if (!stored) lock.mark_failed();
+    }
+  } mark{lock};
   start = Clock::now();
   Entry built = build();
   const double build_ms = ms_since(start);
@@ -89,6 +98,7 @@ KernelStore::Result resolve(const DiskCache& disk, const std::string& key,
 
   std::string why_not;
   const bool stored = disk.store(built, &why_not);
+  mark.stored = stored;
   log().debug("built {} ({}) in {:.1f} ms, {}", key, m.kernel, build_ms,
               stored ? std::string("stored") : "not stored (" + why_not + ")");
   return {std::make_shared<const Entry>(std::move(built)),

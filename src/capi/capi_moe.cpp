@@ -32,7 +32,7 @@ moejit::MoeWeights weights_of(const char* call, const char* arg, const moejit_mo
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(call) + ": " + arg + ": expected a moejit_moe_weights, found null");
   }
-  const moejit_moe_weights known = moejit::detail::struct_in(call, arg, *w);
+  const auto known = moejit::detail::struct_in<moejit_moe_weights>(call, arg, w);
   moejit::MoeWeights out;
   out.w13 = known.w13;
   out.w13_scales = known.w13_scales;

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <algorithm>
-#include <cstddef>
+#include <cstddef>  // offsetof
 #include <cstring>
 #include <string>
 
@@ -51,14 +51,17 @@ std::size_t checked_struct_size(const char* call, const char* arg, std::size_t s
                   std::to_string(size) + (size == 0 ? " (left unset?)" : ""));
 }
 
-// The input struct `*in` as this library reads it: the fields past the caller's struct_size are
-// 0; a byte set past this library's own size is kUnsupported (a field it doesn't know).
+// The caller's input struct at `in` (non-null; its struct_size bytes are the caller's) as this
+// library reads it: the fields past the caller's struct_size are 0; a byte set past this
+// library's own size is kUnsupported (a field it doesn't know).
 template <typename T>
-T struct_in(const char* call, const char* arg, const T& in) {
-  const std::size_t size = checked_struct_size<T>(call, arg, in.struct_size);
+T struct_in(const char* call, const char* arg, const void* in) {
+  const auto* bytes = static_cast<const unsigned char*>(in);
+  std::size_t size = 0;
+  std::memcpy(&size, bytes + offsetof(T, struct_size), sizeof(size));
+  size = checked_struct_size<T>(call, arg, size);
   T value{};
-  std::memcpy(static_cast<void*>(&value), &in, std::min(size, sizeof(T)));
-  const auto* bytes = reinterpret_cast<const unsigned char*>(&in);
+  std::memcpy(static_cast<void*>(&value), bytes, std::min(size, sizeof(T)));
   for (std::size_t at = sizeof(T); at < size; ++at) {
     if (bytes[at] != 0) {
       throw Error(ErrorCode::kUnsupported,
@@ -66,7 +69,7 @@ T struct_in(const char* call, const char* arg, const T& in) {
                       std::to_string(size) + " is set, past the " + std::to_string(sizeof(T)) +
                       " bytes of " + CStruct<T>::kName + " that libmoejit " + library_version() +
                       " knows: a field this library can't honour (leave it 0, or use a newer "
-                      "library)");
+                      "library), or a struct_size left unset");
     }
   }
   value.struct_size = sizeof(T);

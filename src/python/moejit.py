@@ -124,26 +124,23 @@ class DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-class _Sized(ctypes.Structure):
-    """A struct that can grow (moejit.h): its first field, struct_size, holds its size."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.struct_size = ctypes.sizeof(self)
-
-
-class _WeightLayout(_Sized):
+class _WeightLayout(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("struct_size", "w13_bytes", "w13_scale_bytes", "w2_bytes", "w2_scale_bytes",
                  "b13_bytes", "b2_bytes")]
 
 
-class _Weights(_Sized):
+class _Weights(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_size_t)] + [
         (name, ctypes.c_void_p) for name in ("w13", "w13_scales", "w2", "w2_scales", "b13", "b2")]
 
 
-class PrewarmResult(_Sized):
+# A struct that can grow (moejit.h) starts with struct_size, its size: the binding constructs
+# each with it as the first positional field (an __init__ that set it cost a forward ~0.2 us).
+_WEIGHTS_SIZE = ctypes.sizeof(_Weights)
+
+
+class PrewarmResult(ctypes.Structure):
     """moejit_prewarm_result: kernel counts by outcome, and the call's wall time."""
 
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -517,15 +514,20 @@ def _stream_value(handle):
             raise TypeError("stream: expected a CUstream handle (int), found {}".format(
                 type(handle).__name__))
         handle = int(handle)
-    if not 0 <= handle < (1 << 64):
+    if not 0 <= handle < _STREAM_LIMIT:
         raise InvalidArgument("stream: expected a CUstream handle (0 to 2**64 - 1), found "
                               "{}".format(handle))
     return handle or None
 
 
+_STREAM_LIMIT = 1 << 64
+
+
 def _stream_handle(stream):
     if stream is None:
         return _torch_current_stream()
+    if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
+        return stream or None
     if isinstance(stream, int) and not isinstance(stream, bool):
         return _stream_value(stream)
     if hasattr(stream, "__cuda_stream__"):
@@ -598,7 +600,7 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
             raised.append(e)
 
     callback = _PROGRESS(report) if progress is not None else _PROGRESS()
-    result = PrewarmResult()
+    result = PrewarmResult(ctypes.sizeof(PrewarmResult))  # struct_size first (moejit.h)
     status = _lib.moejit_prewarm(array, len(names),
                                  _c_string("arch", arch) if arch is not None else None,
                                  _c_int("jobs", jobs),
@@ -691,7 +693,7 @@ class MoeLayer:
         _check(_lib.moejit_moe_create(_c_string("shape_name", shape_name), ctypes.byref(handle)))
         self._handle = handle
         self.shape_name = shape_name
-        layout = _WeightLayout()
+        layout = _WeightLayout(ctypes.sizeof(_WeightLayout))
         _check(_lib.moejit_moe_get_weight_layout(self._live(), ctypes.byref(layout)))
         # Bytes of each repacked buffer, by the name forward() and the repacks take them under.
         self.weight_bytes = {name: getattr(layout, field) for name, field in _WEIGHT_FIELDS}
@@ -755,7 +757,7 @@ class MoeLayer:
         if unknown:
             raise InvalidArgument("{}: unknown buffer(s) {}; expected {}".format(
                 what, unknown, [n for n, _ in _WEIGHT_FIELDS]))
-        struct = _Weights()
+        struct = _Weights(_WEIGHTS_SIZE)
         kept = []
         device, first = None, None
         for name, _ in _WEIGHT_FIELDS:

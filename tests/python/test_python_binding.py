@@ -177,8 +177,6 @@ class CpuTests(unittest.TestCase):
         result = moejit.prewarm(["py-tiny"], arch="sm_80", jobs=2,
                                 progress=lambda *args: seen.append(args))
         self.assertGreater(result.kernels, 0)
-        # The library filled the whole struct (moejit.h, structs that can grow).
-        self.assertEqual(result.struct_size, ctypes.sizeof(moejit.PrewarmResult))
         self.assertEqual(result.compiled, result.kernels)
         self.assertEqual(result.cached + result.not_stored + result.failed, 0)
         self.assertEqual(len(seen), result.kernels)

@@ -631,7 +631,7 @@ TEST_CASE("a key published while another process still holds its lock is a disk 
   CHECK(waited < 10.0);  // well before the lock wait bound
 }
 
-TEST_CASE("a store that fails for lack of space turns stores and locks off, said once", "[store]") {
+TEST_CASE("a store that fails for lack of space pauses stores and locks, said once", "[store]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/cache";
   auto disk = open_disk(dir, CacheMode::kReadWrite);
@@ -652,7 +652,8 @@ TEST_CASE("a store that fails for lack of space turns stores and locks off, said
   CHECK(store.get(second, build(second)).outcome == CacheOutcome::kCompiledNotStored);
   INFO(warnings.all());
   CHECK(warnings.warning_count() == 1);
-  CHECK(warnings.warned({"not stored", "No space left on device", "stores no more entries", dir}));
+  CHECK(warnings.warned(
+      {"not stored", "No space left on device", "for the next 60 s", "stores no entries", dir}));
   // No lock is taken for a compile that can't be published.
   CHECK(fs::exists(dir + "/locks/" + first + ".lock"));
   CHECK_FALSE(fs::exists(dir + "/locks/" + second + ".lock"));
@@ -662,43 +663,68 @@ TEST_CASE("a store that fails for lack of space turns stores and locks off, said
 }
 
 // Other processes waiting for a key's lock while its holder fails (its build throws, or its
-// store fails): each waiter that then takes the lock finds nothing on disk.
-TEST_CASE("waiters whose lock holder published nothing build side by side, not one at a time",
+// store fails, and it marks the lock file) or dies (it marks nothing).
+TEST_CASE("waiters of a holder that failed build side by side; of one that died, one at a time",
           "[store]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  const std::string key = key_for("holder failed");
-  auto disk_a = open_disk(dir, CacheMode::kReadWrite);
-  auto disk_b = open_disk(dir, CacheMode::kReadWrite);
-  KernelStore waiter_a(disk_a);
-  KernelStore waiter_b(disk_b);
-  const int holder =
-      ::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  REQUIRE(holder >= 0);
-  REQUIRE(::flock(holder, LOCK_EX | LOCK_NB) == 0);
-  // The holder failed for lack of space, and so do the waiters' stores.
-  WritesFail full(ENOSPC);
-  std::atomic<int> building{0};
-  std::atomic<int> most_building{0};
-  auto build = [&] {
-    const int now = ++building;
-    int most = most_building.load();
-    while (now > most && !most_building.compare_exchange_weak(most, now)) {
+  for (const bool holder_marks : {true, false}) {
+    INFO((holder_marks ? "the holder failed and marked the lock" : "the holder died"));
+    moejit::test::TempDir tmp;
+    const std::string dir = tmp.path() + "/cache";
+    const std::string key = key_for("holder failed");
+    auto disk_a = open_disk(dir, CacheMode::kReadWrite);
+    auto disk_b = open_disk(dir, CacheMode::kReadWrite);
+    KernelStore waiter_a(disk_a);
+    KernelStore waiter_b(disk_b);
+    const int holder =
+        ::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    REQUIRE(holder >= 0);
+    REQUIRE(::flock(holder, LOCK_EX | LOCK_NB) == 0);
+    // Both waiters are on the lock before the holder lets go.
+    std::mutex m;
+    std::condition_variable both_waiting;
+    int waiting = 0;
+    moejit::detail::CacheTestHooks hooks;
+    hooks.lock_waiting = [&] {
+      std::lock_guard<std::mutex> guard(m);
+      ++waiting;
+      both_waiting.notify_all();
+    };
+    moejit::detail::set_cache_test_hooks(hooks);
+    std::atomic<int> builds{0};
+    std::atomic<int> building{0};
+    std::atomic<int> most_building{0};
+    auto build = [&] {
+      ++builds;
+      const int now = ++building;
+      int most = most_building.load();
+      while (now > most && !most_building.compare_exchange_weak(most, now)) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      --building;
+      return built_entry(key, "cubin");
+    };
+    CacheOutcome outcome_a = CacheOutcome::kMemoryHit;
+    CacheOutcome outcome_b = CacheOutcome::kMemoryHit;
+    std::thread a([&] { outcome_a = waiter_a.get(key, build).outcome; });
+    std::thread b([&] { outcome_b = waiter_b.get(key, build).outcome; });
+    {
+      std::unique_lock<std::mutex> guard(m);
+      REQUIRE(both_waiting.wait_for(guard, std::chrono::seconds(30), [&] { return waiting == 2; }));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
-    --building;
-    return built_entry(key, "cubin");
-  };
-  CacheOutcome outcome_a = CacheOutcome::kMemoryHit;
-  CacheOutcome outcome_b = CacheOutcome::kMemoryHit;
-  std::thread a([&] { outcome_a = waiter_a.get(key, build).outcome; });
-  std::thread b([&] { outcome_b = waiter_b.get(key, build).outcome; });
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  ::close(holder);  // released without publishing
-  a.join();
-  b.join();
-  CHECK(outcome_a == CacheOutcome::kCompiledNotStored);
-  CHECK(outcome_b == CacheOutcome::kCompiledNotStored);
-  // Under the lock the second build would start only once the first had failed to store.
-  CHECK(most_building == 2);
+    if (holder_marks) REQUIRE(::ftruncate(holder, 1) == 0);
+    ::close(holder);  // released without publishing
+    a.join();
+    b.join();
+    moejit::detail::set_cache_test_hooks({});
+    if (holder_marks) {
+      // Under the lock the second build would start only once the first had stored.
+      CHECK(builds == 2);
+      CHECK(most_building == 2);
+    } else {
+      // The first waiter's entry serves the second.
+      CHECK(builds == 1);
+      CHECK(((outcome_a == CacheOutcome::kCompiled && outcome_b == CacheOutcome::kDiskHit) ||
+             (outcome_b == CacheOutcome::kCompiled && outcome_a == CacheOutcome::kDiskHit)));
+    }
+  }
 }
