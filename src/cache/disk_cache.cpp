@@ -108,6 +108,18 @@ bool is_entry_name(const std::string& name, std::string* key) {
   return true;
 }
 
+// What quarantine() and lock() name their files: "<32 hex>.mjc.<anything>" and "<32 hex>.lock".
+// Why gc and clear look at the names: a cache set up in a directory shared with other programs
+// (MOEJIT_CACHE_DIR=~/.cache) has "locks" and "quarantine" names others may use too.
+bool is_quarantined_name(const std::string& name) {
+  return name.size() > kKeyLength + 5 && is_cache_key(name.substr(0, kKeyLength)) &&
+         name.compare(kKeyLength, 5, ".mjc.") == 0;
+}
+bool is_lock_name(const std::string& name) {
+  return name.size() == kKeyLength + 5 && is_cache_key(name.substr(0, kKeyLength)) &&
+         ends_with(name, ".lock");
+}
+
 // Writers' temp files (and the writability probe): ".<anything>.tmp".
 bool is_temp_name(const std::string& name) {
   return name.size() > 5 && name[0] == '.' && ends_with(name, kTempSuffix);
@@ -253,7 +265,7 @@ bool remove_stale_temp(const DirEntry& file, uid_t me, int64_t now) {
 // This user's lock file that no process holds, older than kStaleTempSeconds: removed while held
 // here (see DiskCache::lock()), and only if the path still names the file locked.
 void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
-  if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !ends_with(file.name, ".lock") ||
+  if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !is_lock_name(file.name) ||
       age_seconds(file.st, now) <= DiskCache::kStaleTempSeconds) {
     return;
   }
@@ -1085,7 +1097,9 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
                           file.st.st_dev, file.st.st_ino});
   };
   walk.quarantined = [&](const DirEntry& file) {
-    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me) return;
+    if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !is_quarantined_name(file.name)) {
+      return;
+    }
     const uint64_t size = static_cast<uint64_t>(file.st.st_size);
     if (age_seconds(file.st, now) > kQuarantineKeepSeconds && ::unlink(file.path.c_str()) == 0) {
       report.bytes_before += size;
@@ -1185,7 +1199,9 @@ ClearReport DiskCache::clear() const {
       remove_temp(file);
     }
   };
-  walk.quarantined = remove;
+  walk.quarantined = [&](const DirEntry& file) {
+    if (is_quarantined_name(file.name)) remove(file);
+  };
   walk.lock_file = [&](const DirEntry& file) { remove_idle_lock(file, me, now); };
   walk_cache(dir_, "clear", walk, &report.unreadable);
   return report;

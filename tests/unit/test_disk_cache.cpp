@@ -918,6 +918,32 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   CHECK(fs::exists(stamp));
 }
 
+// A cache in a directory other programs use too (MOEJIT_CACHE_DIR=~/.cache): their files under
+// "locks" and "quarantine", however old, are not the cache's to remove.
+TEST_CASE("gc and clear leave other programs' files in locks/ and quarantine/", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/shared";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("shared-dir");
+  REQUIRE(cache.store(make_entry(key, 1000, 1)));
+  flip_bit(cache.entry_path(key), 64 + 1);
+  REQUIRE_FALSE(cache.load(key).has_value());  // quarantined: one file of the cache's own
+  REQUIRE(files_in(dir + "/quarantine").size() == 1);
+  const std::string old = std::to_string(now_unix() - DiskCache::kQuarantineKeepSeconds - 60);
+  const std::vector<std::string> theirs = {
+      dir + "/locks/editor.lock", dir + "/locks/" + key + ".lock.bak",
+      dir + "/quarantine/report.txt", dir + "/quarantine/" + key + ".txt"};
+  for (const std::string& path : theirs) {
+    write_file(path, "not the cache's");
+    set_mtime(path, std::stoll(old));
+  }
+  CHECK(cache.gc(0).removed == 1);  // the quarantined entry only
+  for (const std::string& path : theirs) CHECK(fs::exists(path));
+  REQUIRE(cache.store(make_entry(key, 1000, 1)));
+  CHECK(cache.clear().removed == 1);
+  for (const std::string& path : theirs) CHECK(fs::exists(path));
+}
+
 TEST_CASE("clear removes every entry and quarantined file", "[cache]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/cache";
