@@ -506,6 +506,9 @@ def _torch_current_stream():
     return torch.cuda.current_stream().cuda_stream or None
 
 
+_STREAM_LIMIT = 1 << 64
+
+
 def _stream_value(handle):
     """A stream handle as a pointer value; ctypes would wrap -1 or 2**64 + 5 silently into
     another handle, which the driver would then be given."""
@@ -518,9 +521,6 @@ def _stream_value(handle):
         raise InvalidArgument("stream: expected a CUstream handle (0 to 2**64 - 1), found "
                               "{}".format(handle))
     return handle or None
-
-
-_STREAM_LIMIT = 1 << 64
 
 
 def _stream_handle(stream):
