@@ -34,8 +34,8 @@ struct CStruct<moejit_moe_weights> {
   static constexpr std::size_t kFirstSize = 56;
 };
 
-// A struct_size no header ever declared: why 1024 is the cap, a struct_size left unset holds
-// whatever the stack held, and the library reads (inputs) the bytes it claims.
+// The largest struct_size accepted. Why a cap: a struct_size left unset holds whatever the stack
+// held, and for an input the library reads the bytes it claims; no struct will grow near 1 KiB.
 inline constexpr std::size_t kMaxStructSize = 1024;
 
 // The caller's struct_size of `arg`, checked: at least the struct's first size, a multiple of 8
