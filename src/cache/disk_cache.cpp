@@ -125,6 +125,14 @@ bool is_temp_name(const std::string& name) {
   return name.size() > 5 && name[0] == '.' && ends_with(name, kTempSuffix);
 }
 
+// The temp files older builds wrote their toolkit stamps through, in the cache root:
+// ".toolkit-<anything>.tmp". Why no other temp name there: the root is the directory a cache
+// shares with other programs when one is set up in, say, ~/.cache, and the library writes no
+// other file in it.
+bool is_old_stamp_temp(const std::string& name) {
+  return is_temp_name(name) && name.compare(0, 9, ".toolkit-") == 0;
+}
+
 // "toolkit-<32 hex>.json": the CUDA header fingerprint older builds (whose kernels included
 // toolkit headers) kept in the cache root. Nothing reads it now; gc and clear remove it.
 bool is_old_toolkit_stamp(const std::string& name) {
@@ -1080,7 +1088,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     if (S_ISREG(file.st.st_mode) && file.st.st_uid == me && is_old_toolkit_stamp(file.name) &&
         ::unlink(file.path.c_str()) == 0) {
       ++report.stale_temp_removed;
-    } else {
+    } else if (is_old_stamp_temp(file.name)) {
       remove_temp(file);  // older builds wrote their toolkit stamps' temp files here
     }
   };
@@ -1187,7 +1195,7 @@ ClearReport DiskCache::clear() const {
   walk.root_file = [&](const DirEntry& file) {
     if (is_old_toolkit_stamp(file.name)) {
       remove(file);
-    } else {
+    } else if (is_old_stamp_temp(file.name)) {
       remove_temp(file);
     }
   };

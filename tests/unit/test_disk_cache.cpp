@@ -918,9 +918,11 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   CHECK(fs::exists(stamp));
 }
 
-// A cache in a directory other programs use too (MOEJIT_CACHE_DIR=~/.cache): their files under
-// "locks" and "quarantine", however old, are not the cache's to remove.
-TEST_CASE("gc and clear leave other programs' files in locks/ and quarantine/", "[cache]") {
+// A cache in a directory other programs use too (MOEJIT_CACHE_DIR=~/.cache): their temp files
+// in the root and their files under "locks" and "quarantine", however old, are not the cache's
+// to remove.
+TEST_CASE("gc and clear leave other programs' files in the root, locks/ and quarantine/",
+          "[cache]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/shared";
   DiskCache cache(dir, CacheMode::kReadWrite);
@@ -931,7 +933,7 @@ TEST_CASE("gc and clear leave other programs' files in locks/ and quarantine/", 
   REQUIRE(files_in(dir + "/quarantine").size() == 1);
   const std::string old = std::to_string(now_unix() - DiskCache::kQuarantineKeepSeconds - 60);
   const std::vector<std::string> theirs = {
-      dir + "/locks/editor.lock", dir + "/locks/" + key + ".lock.bak",
+      dir + "/.editor-state.tmp", dir + "/locks/editor.lock", dir + "/locks/" + key + ".lock.bak",
       dir + "/quarantine/report.txt", dir + "/quarantine/" + key + ".txt"};
   for (const std::string& path : theirs) {
     write_file(path, "not the cache's");
