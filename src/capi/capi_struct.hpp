@@ -72,7 +72,6 @@ T struct_in(const char* call, const char* arg, const void* in) {
                       "library), or a struct_size left unset");
     }
   }
-  value.struct_size = sizeof(T);
   return value;
 }
 

@@ -931,13 +931,13 @@ TEST_CASE("gc and clear leave other programs' files in the root, locks/ and quar
   flip_bit(cache.entry_path(key), 64 + 1);
   REQUIRE_FALSE(cache.load(key).has_value());  // quarantined: one file of the cache's own
   REQUIRE(files_in(dir + "/quarantine").size() == 1);
-  const std::string old = std::to_string(now_unix() - DiskCache::kQuarantineKeepSeconds - 60);
+  const int64_t old = now_unix() - DiskCache::kQuarantineKeepSeconds - 60;
   const std::vector<std::string> theirs = {
       dir + "/.editor-state.tmp", dir + "/locks/editor.lock", dir + "/locks/" + key + ".lock.bak",
       dir + "/quarantine/report.txt", dir + "/quarantine/" + key + ".txt"};
   for (const std::string& path : theirs) {
     write_file(path, "not the cache's");
-    set_mtime(path, std::stoll(old));
+    set_mtime(path, old);
   }
   CHECK(cache.gc(0).removed == 1);  // the quarantined entry only
   for (const std::string& path : theirs) CHECK(fs::exists(path));
