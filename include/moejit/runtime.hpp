@@ -28,6 +28,16 @@ struct RuntimeConfig {
   // the tables make the large kernels' cubins ~4x bigger (slower to read, verify and load) and
   // change no instruction. A kernel built with them is a cache entry of its own.
   bool line_info = false;
+  // Before each launch, every buffer an op is given (tensors, weights, workspace) is asked of
+  // the driver (cuPointerGetAttributes on its first and last byte): memory CUDA does not know
+  // (plain host memory, freed or wrong addresses), device memory of another device, or a buffer
+  // running past the end of its allocation is refused as Error{kInvalidArgument} naming the
+  // argument, instead of faulting in a kernel. Off by default: it costs two driver calls per
+  // buffer on every call. It can't see inside an allocation: a tensor cut from a larger one (a
+  // caching allocator's) that is too small for its shape still passes. Managed memory, pinned
+  // host memory and memory mapped through cuMemMap (expandable segments) pass. The only field
+  // configure() may change after kernels are loaded.
+  bool check_pointers = false;
 
   // The configuration the environment asks for (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
   // Throws Error{kInvalidArgument} naming a variable whose value can't be used.
@@ -36,9 +46,9 @@ struct RuntimeConfig {
 
 // Replace the process runtime's configuration. Call before the first op; later calls throw
 // Error{kInvalidArgument} once kernels are loaded, or while another thread is loading one (its
-// build already read the configuration). Without a call the runtime takes the
-// environment's (RuntimeConfig::from_environment); when a variable there can't be used, the
-// first op or kernel build throws its error, and configure() replaces it.
+// build already read the configuration), unless they change check_pointers alone. Without a call
+// the runtime takes the environment's (RuntimeConfig::from_environment); when a variable there
+// can't be used, the first op or kernel build throws its error, and configure() replaces it.
 void configure(const RuntimeConfig& config);
 const RuntimeConfig& config();
 

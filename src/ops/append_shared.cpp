@@ -170,6 +170,14 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
     for (const detail::Span& o : outputs) {
       for (const detail::Span& i : inputs) detail::check_disjoint(kOp, o, i);
     }
+    if (target.check_pointers) {
+      for (const detail::Span& o : outputs) {
+        detail::check_span_memory(kOp, detail::driver(), device.ordinal, o);
+      }
+      for (const detail::Span& i : inputs) {
+        detail::check_span_memory(kOp, detail::driver(), device.ordinal, i);
+      }
+    }
   }
   if (tokens == 0) return;
 

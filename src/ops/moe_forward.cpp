@@ -224,6 +224,14 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
       detail::check_disjoint(kOp, scratch, i);
       detail::check_disjoint(kOp, output, i);
     }
+    if (target.check_pointers) {
+      for (const detail::Span& span : {scratch, output}) {
+        detail::check_span_memory(kOp, detail::driver(), device.ordinal, span);
+      }
+      for (const detail::Span& i : inputs) {
+        detail::check_span_memory(kOp, detail::driver(), device.ordinal, i);
+      }
+    }
   }
 
   const int t = static_cast<int>(tokens);

@@ -60,7 +60,93 @@ class SmemOptIns {
 
 std::string dims_text(const DLTensor& tensor) { return shape_text(tensor); }
 
+// What the driver says of one byte's memory (cuPointerGetAttributes, which reports a byte it does
+// not know with zeros instead of failing).
+struct ByteMemory {
+  unsigned type = 0;  // CUmemorytype; 0: memory CUDA does not know
+  int ordinal = -1;   // the device it was allocated on or registered with
+  bool managed = false;
+  bool mapped = false;  // something is mapped at it (else a reserved range's hole)
+  CUdeviceptr range_start = 0;
+  std::size_t range_size = 0;  // the allocation's, or the reserved address range's
+};
+
+ByteMemory byte_memory(const DriverApi& api, const char* op, const char* arg, CUdeviceptr address) {
+  CUpointer_attribute asked[] = {
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+      CU_POINTER_ATTRIBUTE_IS_MANAGED,       CU_POINTER_ATTRIBUTE_MAPPED,
+      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  constexpr unsigned kCount = sizeof(asked) / sizeof(asked[0]);
+  // Why 8 zeroed bytes each: the attributes are 4-byte ints and bools or 8-byte addresses and
+  // sizes, and one the driver leaves unset must read as 0.
+  uint64_t value[kCount] = {};
+  void* data[kCount];
+  for (unsigned i = 0; i < kCount; ++i) data[i] = &value[i];
+  const CUresult result = api.cuPointerGetAttributes(kCount, asked, data, address);
+  if (result != CUDA_SUCCESS) {
+    std::ostringstream os;
+    os << op << ": " << arg << ": the driver could not describe address 0x" << std::hex << address
+       << " (cuPointerGetAttributes: " << describe(result) << ")";
+    throw Error(ErrorCode::kDriver, os.str());
+  }
+  ByteMemory m;
+  m.type = static_cast<unsigned>(value[0] & 0xffffffffu);
+  m.ordinal = m.type == 0 ? -1 : static_cast<int>(static_cast<int32_t>(value[1] & 0xffffffffu));
+  m.managed = (value[2] & 0xffffffffu) != 0;
+  m.mapped = (value[3] & 0xffffffffu) != 0;
+  m.range_start = static_cast<CUdeviceptr>(value[4]);
+  m.range_size = static_cast<std::size_t>(value[5]);
+  return m;
+}
+
+std::string bytes_text(uint64_t bytes) {
+  return std::to_string(bytes) + (bytes == 1 ? " byte" : " bytes");
+}
+
+std::string address_text(uint64_t address) {
+  std::ostringstream os;
+  os << "0x" << std::hex << address;
+  return os.str();
+}
+
 }  // namespace
+
+void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span) {
+  if (span.bytes <= 0 || span.data == nullptr) return;
+  const uint64_t first = reinterpret_cast<uintptr_t>(span.data);
+  const uint64_t bytes = static_cast<uint64_t>(span.bytes);
+  const uint64_t last = first + bytes - 1;  // no wrap: offset_data and the sizes refuse it
+  const std::string expected = "memory the kernels reach on device " + std::to_string(device) +
+                               " for all its " + bytes_text(bytes) + " from " + address_text(first);
+  const auto refuse = [&](const std::string& found) {
+    throw_argument(op, span.arg, expected, found);
+  };
+  const ByteMemory head = byte_memory(api, op, span.arg, static_cast<CUdeviceptr>(first));
+  if (head.type == 0) {
+    refuse("memory CUDA does not know at " + address_text(first) +
+           " (plain host memory, freed device memory, or a wrong address)");
+  }
+  const bool device_memory = head.type == CU_MEMORYTYPE_DEVICE && !head.managed;
+  if (device_memory && head.ordinal != device) {
+    refuse("device memory of device " + std::to_string(head.ordinal));
+  }
+  if (device_memory && !head.mapped) {
+    refuse("no memory mapped at " + address_text(first) + " (a hole in a reserved range)");
+  }
+  if (head.range_size > 0 &&
+      (first < head.range_start || bytes > head.range_start + head.range_size - first)) {
+    const uint64_t end = head.range_start + head.range_size;
+    refuse("an allocation of " + bytes_text(head.range_size) + " from " +
+           address_text(head.range_start) + " that ends " + bytes_text(first + bytes - end) +
+           " before the buffer does");
+  }
+  if (bytes > 1) {
+    const ByteMemory tail = byte_memory(api, op, span.arg, static_cast<CUdeviceptr>(last));
+    if (tail.type == 0 || (tail.type == CU_MEMORYTYPE_DEVICE && !tail.managed && !tail.mapped)) {
+      refuse("no memory at its last byte, " + address_text(last));
+    }
+  }
+}
 
 void rethrow_for_op(const char* op) {
   const std::string prefix = std::string(op) + ": ";

@@ -12,6 +12,7 @@
 
 #include "moejit/error.hpp"
 #include "moejit/kernel_spec.hpp"
+#include "ops/tensor_checks.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace moejit::detail {
@@ -42,10 +43,12 @@ struct OpStream {
 // context pushed current for the query.
 OpStream check_stream_device(const char* op, const DriverApi& api, CUstream stream, int device);
 
-// What an op runs on: the current context's device and the caller's stream, checked against it.
+// What an op runs on: the current context's device and the caller's stream, checked against it;
+// and whether its buffers are asked of the driver too (RuntimeConfig::check_pointers).
 struct OpTarget {
   CurrentDevice device;
   OpStream stream;
+  bool check_pointers = false;
 };
 
 // Runtime::current_device for an op, and the caller's stream checked against it
@@ -59,6 +62,7 @@ inline OpTarget op_target(const char* op, Runtime& runtime, CUstream stream) {
     rethrow_for_op(op);
   }
   target.stream = check_stream_device(op, driver(), stream, target.device.ordinal);
+  target.check_pointers = runtime.check_pointers();
   return target;
 }
 
@@ -103,6 +107,16 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
 // kernel's CTA then waits for the SM to drain).
 void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
                          int bytes, bool max_carveout = false);
+
+// RuntimeConfig::check_pointers: `span` (unless empty) must be memory the op's kernels reach on
+// device `device` through its last byte, as the driver knows it
+// (cuPointerGetAttributes on its first and last byte). Refused, as Error{kInvalidArgument}
+// "<op>: <arg>: expected ..., found ...": memory CUDA does not know (plain host memory, freed or
+// wrong addresses), device memory of another device, a span running past the end of its
+// allocation (or of the address range cuMemAddressReserve gave it), or an end in a reserved
+// range with nothing mapped. Managed and pinned host memory pass. Two driver calls a span
+// (through `api`).
+void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span);
 
 // `pointer` non-null and aligned to `alignment` bytes, else Error{kInvalidArgument}.
 void check_device_pointer(const char* op, const char* arg, const void* pointer,

@@ -48,6 +48,7 @@ struct RepackContext {
   detail::CurrentDevice device;
   detail::OpStream stream;
   detail::MoeWeightSizes sizes;
+  bool check_pointers = false;  // RuntimeConfig::check_pointers, for this call
 };
 
 RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarget& target,
@@ -56,7 +57,8 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
   if (!reason.empty()) throw Error(ErrorCode::kInvalidDescriptor, std::string(op) + ": " + reason);
   detail::Runtime& runtime = detail::Runtime::instance();
   const detail::OpTarget on = detail::op_target(op, runtime, stream);
-  RepackContext context{runtime, on.device, on.stream, detail::moe_weight_sizes(shape)};
+  RepackContext context{runtime, on.device, on.stream, detail::moe_weight_sizes(shape),
+                        on.check_pointers};
   // Why 16: each thread writes its lane's 16 weight bytes with one store (the scales' 32-bit
   // stores would do with 4), and moe_forward reads all four buffers 16 bytes at a time: a target
   // it would refuse is refused here, before the repack fills it.
@@ -108,6 +110,14 @@ void check_repack_disjoint(const char* op, const RepackContext& context,
       detail::check_disjoint(op, writes[a], writes[b]);
     }
     for (const detail::Span& read : reads) detail::check_disjoint(op, read, writes[a]);
+  }
+  if (context.check_pointers) {
+    for (const detail::Span& write : writes) {
+      detail::check_span_memory(op, detail::driver(), context.device.ordinal, write);
+    }
+    for (const detail::Span& read : reads) {
+      detail::check_span_memory(op, detail::driver(), context.device.ordinal, read);
+    }
   }
 }
 

@@ -224,6 +224,7 @@ Runtime::Runtime() {
     config_ = resolved(RuntimeConfig{});
     environment_error_ = e;
   }
+  check_pointers_.store(config_.check_pointers);
 }
 
 class Runtime::GpuLoadScope {
@@ -246,6 +247,15 @@ class Runtime::GpuLoadScope {
 void Runtime::configure(const RuntimeConfig& config) {
   RuntimeConfig next = resolved(config);
   std::lock_guard<std::mutex> lock(setup_mutex_);
+  // Why check_pointers may change at any time: it is read per op call and changes no kernel.
+  if (!environment_error_ && next.cache_dir == config_.cache_dir &&
+      next.cache_mode == config_.cache_mode &&
+      next.allow_compile_during_capture == config_.allow_compile_during_capture &&
+      next.line_info == config_.line_info) {
+    config_.check_pointers = next.check_pointers;
+    check_pointers_.store(next.check_pointers);
+    return;
+  }
   if (gpu_loads_in_flight_ > 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 "moejit::configure() called while another thread is loading a kernel on a GPU "
@@ -259,6 +269,7 @@ void Runtime::configure(const RuntimeConfig& config) {
                     "); configure the runtime once, before the first op or kernel load");
   }
   config_ = std::move(next);
+  check_pointers_.store(config_.check_pointers);
   environment_error_.reset();
   if (store_) retired_stores_.push_back(std::move(store_));
   store_.reset();
@@ -552,6 +563,9 @@ RuntimeConfig RuntimeConfig::from_environment() {
   }
   if (auto line_info = detail::env("MOEJIT_LINEINFO")) {
     config.line_info = detail::parse_switch("MOEJIT_LINEINFO", *line_info);
+  }
+  if (auto check = detail::env("MOEJIT_CHECK_POINTERS")) {
+    config.check_pointers = detail::parse_switch("MOEJIT_CHECK_POINTERS", *check);
   }
   return config;
 }

@@ -56,6 +56,9 @@ class Runtime {
   // or while another thread is loading one.
   void configure(const RuntimeConfig& config);
 
+  // Hot path: RuntimeConfig::check_pointers, one relaxed load.
+  bool check_pointers() const { return check_pointers_.load(std::memory_order_relaxed); }
+
   // Build (memory / disk / compile) one kernel; never loads it on a GPU. Throws on failure.
   BuildResult build(const KernelSpec& spec);
   // Build, then load into the kernel table (no context needed: libraries are
@@ -113,6 +116,7 @@ class Runtime {
   std::shared_ptr<KernelStore> store_;
   std::vector<std::shared_ptr<KernelStore>> retired_stores_;  // keeps store() refs valid
   std::atomic<bool> gpu_loaded_{false};
+  std::atomic<bool> check_pointers_{false};  // config_.check_pointers, for the ops to read
   // Loads (build then load, for a GPU) begun and not yet ended, under setup_mutex_. Why counted:
   // a load reads the configuration when it builds and sets gpu_loaded_ only once the driver
   // holds the kernel, so configure() in between would succeed and leave a kernel of the old

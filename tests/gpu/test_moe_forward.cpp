@@ -961,6 +961,203 @@ TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
 
 namespace {
 
+bool contains(const std::string& text, const std::string& part) {
+  INFO(text);
+  return text.find(part) != std::string::npos;
+}
+
+// RuntimeConfig::check_pointers on for the holder's lifetime (configure() may change it alone
+// after kernels are loaded).
+class PointerChecks {
+ public:
+  PointerChecks() { set(true); }
+  ~PointerChecks() { set(false); }
+  PointerChecks(const PointerChecks&) = delete;
+  PointerChecks& operator=(const PointerChecks&) = delete;
+
+ private:
+  static void set(bool on) {
+    moejit::RuntimeConfig config = moejit::config();
+    config.check_pointers = on;
+    moejit::configure(config);
+  }
+};
+
+// Device memory of the current device in an address range of its own (cuMemAddressReserve),
+// mapped chunk by chunk (cuMemCreate + cuMemMap), as torch's expandable segments map theirs: one
+// reservation, several physical allocations. At least `bytes`, in at least two chunks.
+class ChunkedBuffer {
+ public:
+  explicit ChunkedBuffer(std::size_t bytes) {
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = current_device_ordinal();
+    MOEJIT_TEST_CU(
+        cu().cuMemGetAllocationGranularity(&chunk_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    const std::size_t chunks = std::max<std::size_t>(2, (bytes + chunk_ - 1) / chunk_);
+    size_ = chunks * chunk_;
+    MOEJIT_TEST_CU(cu().cuMemAddressReserve(&base_, size_, 0, 0, 0));
+    for (std::size_t c = 0; c < chunks; ++c) {
+      CUmemGenericAllocationHandle handle = 0;
+      MOEJIT_TEST_CU(cu().cuMemCreate(&handle, chunk_, &prop_, 0));
+      handles_.push_back(handle);
+      MOEJIT_TEST_CU(cu().cuMemMap(base_ + c * chunk_, chunk_, 0, handle, 0));
+    }
+    CUmemAccessDesc access{};
+    access.location = prop_.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    MOEJIT_TEST_CU(cu().cuMemSetAccess(base_, size_, &access, 1));
+  }
+  ~ChunkedBuffer() {
+    for (std::size_t c = 0; c < handles_.size(); ++c) {
+      cu().cuMemUnmap(base_ + c * chunk_, chunk_);
+      cu().cuMemRelease(handles_[c]);
+    }
+    if (base_ != 0) cu().cuMemAddressFree(base_, size_);
+  }
+  ChunkedBuffer(const ChunkedBuffer&) = delete;
+  ChunkedBuffer& operator=(const ChunkedBuffer&) = delete;
+
+  // Unmaps the last chunk: a hole at the end of the reservation.
+  void unmap_last() {
+    MOEJIT_TEST_CU(cu().cuMemUnmap(base_ + (handles_.size() - 1) * chunk_, chunk_));
+    MOEJIT_TEST_CU(cu().cuMemRelease(handles_.back()));
+    handles_.pop_back();
+  }
+  CUdeviceptr ptr() const { return base_; }
+  void* data() const { return reinterpret_cast<void*>(static_cast<uintptr_t>(base_)); }
+  std::size_t size() const { return size_; }
+  std::size_t chunk() const { return chunk_; }
+
+ private:
+  CUmemAllocationProp prop_{};
+  std::size_t chunk_ = 0;
+  std::size_t size_ = 0;
+  CUdeviceptr base_ = 0;
+  std::vector<CUmemGenericAllocationHandle> handles_;
+};
+
+}  // namespace
+
+TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, before launching",
+          "[gpu][moe]") {
+  gpu();
+  TestStream stream;
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  const ModelShape shape = resized(reference_shape("deepseek-v4-flash-tp4"), 32, 0, 32, 64);
+  prewarm_shapes({shape});
+  const Checkpoint ck = make_checkpoint(shape, false, rng());
+  std::unique_ptr<DeviceModel> model;
+  {
+    const DeviceCheckpoint dck(ck);
+    model = repacked_model(shape, dck, 0, stream.get());
+  }
+  IdPlan plan;
+  plan.lo = 0;
+  plan.hi = shape.num_experts;
+  const int tokens = 7;
+  ForwardIo io(shape, make_tokens(shape, tokens, plan, rng),
+               moejit::moe_workspace_bytes(shape, tokens));
+  const std::vector<uint16_t> auto_bits = io.run(*model, stream.get(), kAuto);
+  const std::vector<uint16_t> marlin_bits = io.run(*model, stream.get(), kMarlin);
+  REQUIRE(count_nonfinite(auto_bits) == 0);
+
+  PointerChecks checks;
+  // Valid calls pass, with the same bits.
+  CHECK(same_bits(io.run(*model, stream.get(), kAuto), auto_bits));
+  CHECK(same_bits(io.run(*model, stream.get(), kMarlin), marlin_bits));
+
+  // FC2's weights in a reservation mapped as several chunks pass, and give the same bits; with
+  // the reservation's last chunk unmapped (the weights run into a hole) they are refused.
+  ChunkedBuffer chunked(model->w2.bytes());
+  INFO("w2 " << model->w2.bytes() << " bytes in " << chunked.size() / chunked.chunk()
+             << " chunks of " << chunked.chunk());
+  // Placed so the weights end in the reservation's last chunk.
+  const std::size_t w2_offset = (chunked.size() - model->w2.bytes()) / 256 * 256;
+  MOEJIT_TEST_CU(cu().cuMemcpyDtoDAsync(chunked.ptr() + w2_offset, model->w2.ptr(),
+                                        model->w2.bytes(), stream.get()));
+  moejit::MoeForwardArgs a = io.args(*model);
+  a.weights.w2 = static_cast<char*>(chunked.data()) + w2_offset;
+  {
+    poison(io.out, stream.get());
+    moejit::moe_forward(shape, a, stream.get(), kAuto);
+    stream.sync();
+    CHECK(same_bits(io.output(), auto_bits));
+  }
+  chunked.unmap_last();
+  std::string e = expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+  CHECK(contains(e, "moe_forward: weights.w2: expected memory the kernels reach on device 0"));
+  CHECK(contains(e, "no memory at its last byte"));
+
+  // The output in pinned host memory passes (the kernels write it over the bus).
+  {
+    void* host = nullptr;
+    const std::size_t out_bytes = io.out.bytes();
+    MOEJIT_TEST_CU(cu().cuMemAllocHost(&host, out_bytes));
+    std::memset(host, 0xFF, out_bytes);
+    TensorView out(host, 0, {tokens, shape.hidden}, dl_bf16());
+    moejit::MoeForwardArgs h = io.args(*model);
+    h.out = out.dl();
+    moejit::moe_forward(shape, h, stream.get(), kAuto);
+    stream.sync();
+    std::vector<uint16_t> bits(auto_bits.size());
+    std::memcpy(bits.data(), host, bits.size() * 2);
+    cu().cuMemFreeHost(host);
+    CHECK(same_bits(bits, auto_bits));
+  }
+
+  // Refused, named, and nothing launched (the output is still the poison):
+  // a workspace in plain host memory,
+  {
+    std::vector<std::uint8_t> host(io.workspace_bytes + 256);
+    moejit::MoeForwardArgs w = io.args(*model);
+    w.workspace = host.data() + (256 - reinterpret_cast<uintptr_t>(host.data()) % 256) % 256;
+    e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+    CHECK(contains(e, "moe_forward: workspace: expected memory the kernels reach on device 0"));
+    CHECK(contains(e, "memory CUDA does not know"));
+  }
+  // FC1's weights starting 4 MiB into their allocation (so running 4 MiB past its end),
+  {
+    moejit::MoeForwardArgs w = io.args(*model);
+    w.weights.w13 = static_cast<char*>(model->w13.data()) + (std::size_t{4} << 20);
+    e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+    CHECK(contains(e, "weights.w13"));
+    CHECK(contains(e, "bytes before the buffer does"));
+  }
+  // and the hidden rows in freed device memory.
+  {
+    void* freed = nullptr;
+    {
+      DeviceBuffer gone(io.hidden.bytes());
+      freed = gone.data();
+    }
+    TensorView hidden(freed, 0, {tokens, shape.hidden}, dl_bf16());
+    moejit::MoeForwardArgs w = io.args(*model);
+    w.hidden = hidden.dl();
+    e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+    CHECK(contains(e, "moe_forward: hidden: expected"));
+    CHECK(contains(e, "memory CUDA does not know"));
+  }
+
+  // The repack checks its target: FC2's target weights running past their allocation.
+  {
+    auto target_model = allocate_model(shape);
+    const DeviceCheckpoint dck(ck);
+    DeviceModel& t = *target_model;
+    t.w2 = DeviceBuffer(t.w2.bytes() / 2);
+    try {
+      dck.repack(t, 0, shape.num_experts, 0, true, stream.get());
+      FAIL("the repack accepted a target half the size of FC2's weights");
+    } catch (const Error& err) {
+      CHECK(err.code() == ErrorCode::kInvalidArgument);
+      CHECK(contains(err.what(), "target.weights.w2"));
+      CHECK(contains(err.what(), "bytes before the buffer does"));
+    }
+  }
+}
+
+namespace {
+
 // CPU unpack of the kernel layout (layout.cuh) of local expert `expert` of one matrix, compared
 // with its checkpoint rows: matrix `m` of the RowSource (FC1: 0 = gate, 1 = up; FC2: 0) comes
 // from `sources[m]`, rows [first_row, first_row + rows) of it. Padding must be nibble 0 and scale

@@ -233,6 +233,16 @@ TEST_CASE("runtime gpu: configure() is refused once kernels are loaded", "[gpu]"
     CHECK(std::string(e.what()).find("before the first op") != std::string::npos);
   }
   CHECK(moejit::config().cache_dir == before);
+  // check_pointers alone may change at any time: it is read per call and changes no kernel.
+  moejit::RuntimeConfig checked = moejit::config();
+  checked.check_pointers = !checked.check_pointers;
+  moejit::configure(checked);
+  CHECK(moejit::config().check_pointers == checked.check_pointers);
+  CHECK(Runtime::instance().check_pointers() == checked.check_pointers);
+  checked.check_pointers = !checked.check_pointers;
+  moejit::configure(checked);
+  CHECK(Runtime::instance().check_pointers() == checked.check_pointers);
+  CHECK(moejit::config().cache_dir == before);
 }
 
 // Hidden: it needs a process in which no kernel was loaded yet (ctest's moejit_gpu_tests_fresh).
@@ -242,7 +252,11 @@ TEST_CASE("runtime gpu: configure() is refused while another thread loads a kern
   Runtime& runtime = Runtime::instance();
   const moejit::RuntimeConfig before = moejit::config();
   try {
-    moejit::configure(before);  // the same settings: refused only once a kernel was loaded
+    // Another cache directory and back: refused only once a kernel was loaded.
+    moejit::RuntimeConfig probe = before;
+    probe.cache_dir = before.cache_dir + "-probe";
+    moejit::configure(probe);
+    moejit::configure(before);
   } catch (const Error& e) {
     FAIL("run this case in a process of its own (ctest moejit_gpu_tests_fresh): " << e.what());
   }

@@ -560,7 +560,7 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
   std::vector<Saved> saved;
   for (const char* name :
        {"MOEJIT_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "MOEJIT_CACHE_MODE",
-        "MOEJIT_ALLOW_CAPTURE_COMPILE", "MOEJIT_LINEINFO"}) {
+        "MOEJIT_ALLOW_CAPTURE_COMPILE", "MOEJIT_LINEINFO", "MOEJIT_CHECK_POINTERS"}) {
     const char* value = std::getenv(name);
     saved.push_back({name, value ? value : "", value != nullptr});
   }
@@ -570,21 +570,25 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
   ::setenv("MOEJIT_CACHE_MODE", "ro", 1);
   ::setenv("MOEJIT_ALLOW_CAPTURE_COMPILE", "1", 1);
   ::setenv("MOEJIT_LINEINFO", "1", 1);
+  ::setenv("MOEJIT_CHECK_POINTERS", "1", 1);
   moejit::RuntimeConfig config = moejit::RuntimeConfig::from_environment();
   CHECK(config.cache_dir == "/srv/moejit-cache");
   CHECK(config.cache_mode == CacheMode::kReadOnly);
   CHECK(config.allow_compile_during_capture);
   CHECK(config.line_info);
+  CHECK(config.check_pointers);
 
   ::unsetenv("MOEJIT_CACHE_DIR");
   ::setenv("MOEJIT_CACHE_MODE", "memory", 1);
   ::setenv("MOEJIT_ALLOW_CAPTURE_COMPILE", "0", 1);
   ::unsetenv("MOEJIT_LINEINFO");
+  ::unsetenv("MOEJIT_CHECK_POINTERS");
   config = moejit::RuntimeConfig::from_environment();
   CHECK(config.cache_dir == "/xdg/moejit");
   CHECK(config.cache_mode == CacheMode::kMemoryOnly);
   CHECK_FALSE(config.allow_compile_during_capture);
-  CHECK_FALSE(config.line_info);  // the default
+  CHECK_FALSE(config.line_info);       // the default
+  CHECK_FALSE(config.check_pointers);  // the default
 
   ::unsetenv("XDG_CACHE_HOME");
   ::setenv("MOEJIT_CACHE_MODE", "rw", 1);
@@ -606,6 +610,8 @@ TEST_CASE("runtime: configuration from the environment", "[runtime]") {
   refused("MOEJIT_CACHE_MODE", "sometimes");
   ::setenv("MOEJIT_CACHE_MODE", "rw", 1);
   refused("MOEJIT_LINEINFO", "maybe");
+  ::unsetenv("MOEJIT_LINEINFO");
+  refused("MOEJIT_CHECK_POINTERS", "always");
 
   for (const Saved& s : saved) {
     if (s.set) {

@@ -302,3 +302,128 @@ TEST_CASE("driver: the stream check fails loudly if the caller's context is not 
           "current (cuCtxPopCurrent)");
   }
 }
+
+namespace {
+
+// The fake driver's memory for check_span_memory: address ranges as cuPointerGetAttributes
+// reports them. A range may have a hole (nothing mapped, as in a cuMemAddressReserve range
+// mapped in part).
+struct FakeRange {
+  std::uintptr_t start;
+  std::size_t size;
+  CUmemorytype type;
+  int ordinal;
+  bool managed;
+  std::uintptr_t hole_start = 0;  // [hole_start, hole_start + hole_size): nothing mapped
+  std::size_t hole_size = 0;
+};
+std::vector<FakeRange> g_ranges;
+int g_attribute_calls = 0;
+
+CUresult fake_pointer_attributes(unsigned count, CUpointer_attribute* attributes, void** data,
+                                 CUdeviceptr address) {
+  ++g_attribute_calls;
+  const FakeRange* in = nullptr;
+  for (const FakeRange& r : g_ranges) {
+    if (address >= r.start && address - r.start < r.size) in = &r;
+  }
+  for (unsigned i = 0; i < count; ++i) {
+    // Unknown memory: every attribute zero, the call still a success (as the driver does).
+    const bool mapped =
+        in != nullptr && !(address >= in->hole_start && address - in->hole_start < in->hole_size);
+    switch (attributes[i]) {
+      case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+        *static_cast<unsigned*>(data[i]) = in != nullptr ? in->type : 0u;
+        break;
+      case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+        *static_cast<int*>(data[i]) = in != nullptr ? in->ordinal : 0;
+        break;
+      case CU_POINTER_ATTRIBUTE_IS_MANAGED:
+        *static_cast<unsigned*>(data[i]) = in != nullptr && in->managed ? 1u : 0u;
+        break;
+      case CU_POINTER_ATTRIBUTE_MAPPED:
+        *static_cast<unsigned*>(data[i]) = mapped ? 1u : 0u;
+        break;
+      case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+        *static_cast<CUdeviceptr*>(data[i]) = in != nullptr ? in->start : 0;
+        break;
+      case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+        *static_cast<std::size_t*>(data[i]) = in != nullptr ? in->size : 0;
+        break;
+      default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+// The message check_span_memory throws for `span` on device 0 (empty when it throws none).
+std::string span_error(const DriverApi& api, const moejit::detail::Span& span) {
+  try {
+    moejit::detail::check_span_memory("moe_forward", api, 0, span);
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  return "";
+}
+
+const void* at(std::uintptr_t address) { return reinterpret_cast<const void*>(address); }
+
+}  // namespace
+
+TEST_CASE("driver: check_pointers refuses a buffer the kernels can't reach, naming it",
+          "[driver]") {
+  DriverApi api;
+  api.cuPointerGetAttributes = &fake_pointer_attributes;
+  g_ranges = {
+      {0x10000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, false},  // device 0, 1 MiB
+      {0x20000000, 0x100000, CU_MEMORYTYPE_DEVICE, 1, false},  // device 1
+      {0x30000000, 0x100000, CU_MEMORYTYPE_HOST, 0, false},    // pinned host memory
+      {0x40000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, true},   // managed
+      // A reserved range of 4 MiB whose third MiB is not mapped (as torch's expandable
+      // segments map chunks into one reservation).
+      {0x50000000, 0x400000, CU_MEMORYTYPE_DEVICE, 0, false, 0x50200000, 0x100000},
+  };
+  using moejit::detail::Span;
+  const auto contains = [](const std::string& text, const std::string& part) {
+    INFO(text);
+    return text.find(part) != std::string::npos;
+  };
+
+  // Passes: a whole allocation, a slice of it, pinned host and managed memory, a span across two
+  // mapped chunks of one reservation, and empty or null spans (nothing to read).
+  g_attribute_calls = 0;
+  CHECK(span_error(api, Span{"weights.w13", at(0x10000000), 0x100000}).empty());
+  CHECK(g_attribute_calls == 2);  // the first and the last byte
+  CHECK(span_error(api, Span{"hidden", at(0x10000010), 0x1000}).empty());
+  CHECK(span_error(api, Span{"out", at(0x30000000), 0x100000}).empty());
+  CHECK(span_error(api, Span{"out", at(0x40000100), 0x1000}).empty());
+  CHECK(span_error(api, Span{"weights.w2", at(0x50000000), 0x200000}).empty());
+  g_attribute_calls = 0;
+  CHECK(span_error(api, Span{"weights.b13", at(0x10000000), 0}).empty());
+  CHECK(span_error(api, Span{"weights.b13", nullptr, 64}).empty());
+  CHECK(g_attribute_calls == 0);
+
+  // Refused, each naming the op, the argument, what it needs and what was found.
+  std::string e = span_error(api, Span{"workspace", at(0x7000), 4096});
+  CHECK(contains(e, "moe_forward: workspace: expected memory the kernels reach on device 0"));
+  CHECK(contains(e, "4096 bytes from 0x7000"));
+  CHECK(contains(e, "memory CUDA does not know at 0x7000"));
+  e = span_error(api, Span{"weights.w2", at(0x20000000), 256});
+  CHECK(contains(e, "weights.w2"));
+  CHECK(contains(e, "device memory of device 1"));
+  // 16 bytes past the end of the 1 MiB allocation.
+  e = span_error(api, Span{"weights.w13", at(0x10000010), 0x100000});
+  CHECK(contains(e, "weights.w13"));
+  CHECK(contains(e, "an allocation of 1048576 bytes from 0x10000000 that ends 16 bytes before"));
+  // Into the reservation's unmapped MiB, and starting in it.
+  e = span_error(api, Span{"weights.w2", at(0x50100000), 0x100001});
+  CHECK(contains(e, "no memory at its last byte, 0x50200000"));
+  e = span_error(api, Span{"weights.w2", at(0x50200000), 16});
+  CHECK(contains(e, "no memory mapped at 0x50200000"));
+  // Past the reservation itself.
+  e = span_error(api, Span{"weights.w2", at(0x50300000), 0x100001});
+  CHECK(contains(e, "that ends 1 byte before the buffer does"));
+  g_ranges.clear();
+}
