@@ -4,6 +4,7 @@
                                          # the binding makes before a call, errors from the C ABI
     python3 test_python_binding.py gpu   # torch on a CUDA GPU: repack and forward against an fp64
                                          # reference; exits 77 (skipped) without one, saying why
+    python3 test_python_binding.py gpu GpuTests.test_name   # one case of a group
 
 ctest sets MOEJIT_LIBRARY (the build's libmoejit.so), PYTHONPATH (src/python) and
 MOEJIT_TEST_SOURCE_DIR. Each run uses a fresh kernel cache of its own.
@@ -19,7 +20,8 @@ import threading
 import unittest
 
 _CACHE = tempfile.TemporaryDirectory(prefix="moejit-python-test-")
-os.environ["MOEJIT_CACHE_DIR"] = _CACHE.name
+# A run of one case in a child process (GpuTests' pointer checks) reuses its parent's cache.
+os.environ["MOEJIT_CACHE_DIR"] = os.environ.get("MOEJIT_TEST_PARENT_CACHE") or _CACHE.name
 os.environ.pop("MOEJIT_CACHE_MODE", None)
 
 import moejit  # noqa: E402 -- after the cache is chosen
@@ -821,6 +823,21 @@ class GpuTests(unittest.TestCase):
                 self.check_torch_arguments(layer, weights, bound, hidden, ids, topk, workspace,
                                            outs["auto"])
 
+    def test_torch_memory_passes_the_pointer_checks(self):
+        """With MOEJIT_CHECK_POINTERS=1 every buffer is asked of the driver before a launch.
+        torch's tensors are cut from its caching allocator's segments, or with expandable
+        segments from one reserved range mapped in chunks: the case above must pass as it is,
+        in a process of its own (the switch is read when the library starts)."""
+        import subprocess
+        case = "GpuTests.test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph"
+        for conf in ("", "expandable_segments:True"):
+            env = dict(os.environ, MOEJIT_CHECK_POINTERS="1", PYTORCH_CUDA_ALLOC_CONF=conf,
+                       MOEJIT_TEST_PARENT_CACHE=os.environ["MOEJIT_CACHE_DIR"])
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "gpu", case],
+                                 env=env, capture_output=True, text=True, timeout=900)
+            self.assertEqual(run.returncode, 0, (conf, run.stdout + run.stderr))
+            self.assertIn("Ran 1 test", run.stderr, conf)
+
     def check_torch_arguments(self, layer, weights, bound, hidden, ids, topk, workspace, want):
         """The binding fills a DLTensor of its own for each torch argument: the library must read
         each as torch lays it out (a view's offset, its strides, its dtype) and refuse by name."""
@@ -1014,16 +1031,19 @@ class GpuTests(unittest.TestCase):
 
 def main(argv):
     groups = {"cpu": (CpuTests, TorchFillTests), "gpu": (GpuTests,)}
-    if len(argv) != 2 or argv[1] not in groups:
-        print("usage: test_python_binding.py cpu|gpu", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[1] not in groups:
+        print("usage: test_python_binding.py cpu|gpu [Class.test_name]", file=sys.stderr)
         return 2
     if argv[1] == "gpu":
         why = gpu_unavailable()
         if why:
             print("skipped: the GPU group needs torch on a CUDA GPU: " + why)
             return 77
-    suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(group)
-                               for group in groups[argv[1]])
+    if len(argv) == 3:
+        suite = unittest.defaultTestLoader.loadTestsFromName(argv[2], sys.modules[__name__])
+    else:
+        suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(group)
+                                   for group in groups[argv[1]])
     result = unittest.TextTestRunner(verbosity=2).run(suite)
     return 0 if result.wasSuccessful() else 1
 
