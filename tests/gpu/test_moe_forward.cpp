@@ -961,10 +961,7 @@ TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
 
 namespace {
 
-bool contains(const std::string& text, const std::string& part) {
-  INFO(text);
-  return text.find(part) != std::string::npos;
-}
+using Catch::Matchers::Contains;
 
 // RuntimeConfig::check_pointers on for the holder's lifetime (configure() may change it alone
 // after kernels are loaded).
@@ -1086,8 +1083,8 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
   }
   chunked.unmap_last();
   std::string e = expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument);
-  CHECK(contains(e, "moe_forward: weights.w2: expected memory the kernels reach on device 0"));
-  CHECK(contains(e, "no memory at its last byte"));
+  CHECK_THAT(e, Contains("moe_forward: weights.w2: expected memory the kernels reach on device 0"));
+  CHECK_THAT(e, Contains("no memory at its last byte"));
 
   // The output in pinned host memory passes (the kernels write it over the bus).
   {
@@ -1113,16 +1110,17 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
     moejit::MoeForwardArgs w = io.args(*model);
     w.workspace = host.data() + (256 - reinterpret_cast<uintptr_t>(host.data()) % 256) % 256;
     e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
-    CHECK(contains(e, "moe_forward: workspace: expected memory the kernels reach on device 0"));
-    CHECK(contains(e, "memory CUDA does not know"));
+    CHECK_THAT(e,
+               Contains("moe_forward: workspace: expected memory the kernels reach on device 0"));
+    CHECK_THAT(e, Contains("memory CUDA does not know"));
   }
   // FC1's weights starting 4 MiB into their allocation (so running 4 MiB past its end),
   {
     moejit::MoeForwardArgs w = io.args(*model);
     w.weights.w13 = static_cast<char*>(model->w13.data()) + (std::size_t{4} << 20);
     e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
-    CHECK(contains(e, "weights.w13"));
-    CHECK(contains(e, "bytes before the buffer does"));
+    CHECK_THAT(e, Contains("weights.w13"));
+    CHECK_THAT(e, Contains("bytes before the buffer does"));
   }
   // and the hidden rows in freed device memory.
   {
@@ -1135,24 +1133,50 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
     moejit::MoeForwardArgs w = io.args(*model);
     w.hidden = hidden.dl();
     e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
-    CHECK(contains(e, "moe_forward: hidden: expected"));
-    CHECK(contains(e, "memory CUDA does not know"));
+    CHECK_THAT(e, Contains("moe_forward: hidden: expected"));
+    CHECK_THAT(e, Contains("memory CUDA does not know"));
   }
 
-  // The repack checks its target: FC2's target weights running past their allocation.
+  // The repack checks its target: FC2's target weights running into an unmapped chunk (a
+  // reservation of their own, so no other buffer's bytes follow them and the overlap checks
+  // pass).
   {
-    auto target_model = allocate_model(shape);
+    auto t = allocate_model(shape);
     const DeviceCheckpoint dck(ck);
-    DeviceModel& t = *target_model;
-    t.w2 = DeviceBuffer(t.w2.bytes() / 2);
+    ChunkedBuffer short_w2(t->w2.bytes());
+    short_w2.unmap_last();
+    const int64_t n = shape.num_experts;
+    const int64_t h = shape.hidden;
+    const int64_t i = shape.intermediate;
+    TensorView w1b(dck.w1_blocks.data(), 0, {n, i, h / 32, 16}, dl_u8());
+    TensorView w1s(dck.w1_scales.data(), 0, {n, i, h / 32}, dl_u8());
+    TensorView w3b(dck.w3_blocks.data(), 0, {n, i, h / 32, 16}, dl_u8());
+    TensorView w3s(dck.w3_scales.data(), 0, {n, i, h / 32}, dl_u8());
+    TensorView w2b(dck.w2_blocks.data(), 0, {n, h, i / 32, 16}, dl_u8());
+    TensorView w2s(dck.w2_scales.data(), 0, {n, h, i / 32}, dl_u8());
+    moejit::SeparateCheckpoint checkpoint;
+    checkpoint.w1_blocks = w1b.dl();
+    checkpoint.w1_scales = w1s.dl();
+    checkpoint.w3_blocks = w3b.dl();
+    checkpoint.w3_scales = w3s.dl();
+    checkpoint.w2_blocks = w2b.dl();
+    checkpoint.w2_scales = w2s.dl();
+    moejit::MoeRepackTarget target;
+    target.weights = t->weights();
+    target.weights.w2 = short_w2.data();
     try {
-      dck.repack(t, 0, shape.num_experts, 0, true, stream.get());
-      FAIL("the repack accepted a target half the size of FC2's weights");
+      moejit::moe_repack_separate(shape, checkpoint, target, stream.get());
+      FAIL("the repack accepted FC2 target weights whose last chunk is not mapped");
     } catch (const Error& err) {
       CHECK(err.code() == ErrorCode::kInvalidArgument);
-      CHECK(contains(err.what(), "target.weights.w2"));
-      CHECK(contains(err.what(), "bytes before the buffer does"));
+      CHECK_THAT(err.what(), Contains("moe_repack_separate: target.weights.w2: expected memory"));
+      CHECK_THAT(err.what(), Contains("no memory at its last byte"));
     }
+    // The whole target mapped: the same call passes the checks and repacks.
+    target.weights.w2 = t->w2.data();
+    moejit::moe_repack_separate(shape, checkpoint, target, stream.get());
+    stream.sync();
+    CHECK(t->w2.download<uint8_t>(t->w2.bytes()) == model->w2.download<uint8_t>(model->w2.bytes()));
   }
 }
 
