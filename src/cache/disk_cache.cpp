@@ -289,6 +289,26 @@ void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
   }
 }
 
+// Moves `from` (a file just moved away from `path`, on the same filesystem) back to `path`,
+// unless the path has been taken since: never replaces what is there. Returns 0 when it
+// went back; EEXIST when another file has taken the path, which makes `from` redundant: it is
+// removed; else the errno, with `from` left where it is.
+int move_back_unless_taken(const std::string& from, const std::string& path) {
+  int error = test_hooks().no_replace_rename_error;
+  if (error == 0 &&
+      ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
+    error = errno;
+  }
+  // Why link and unlink: a filesystem without RENAME_NOREPLACE (EINVAL, or ENOSYS from an old
+  // kernel) still refuses to replace through link(), which fails with EEXIST too.
+  if (error == EINVAL || error == ENOSYS) {
+    error = ::link(from.c_str(), path.c_str()) == 0 ? 0 : errno;
+    if (error == 0) ::unlink(from.c_str());
+  }
+  if (error == EEXIST) ::unlink(from.c_str());
+  return error;
+}
+
 // What gc and clear meet, by where it is in the cache (dir entries as read_dir reports them:
 // any owner, any type; each callback decides). Directories below the root that can't be read
 // are skipped and named in *unreadable (read_dir_or_skip).
@@ -692,31 +712,22 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   const std::string name = path.substr(path.rfind('/') + 1);
   const std::string dest =
       quarantine_dir + "/" + name + "." + std::to_string(now_unix()) + "." + random_hex();
+  if (test_hooks().before_quarantine_rename) test_hooks().before_quarantine_rename();
   if (::rename(path.c_str(), dest.c_str()) != 0) {
     log().warn("cache entry {} failed verification ({}); ignored (cannot move it to {}: {})",
                path, reason, dest, errno_text(errno));
     return "";
   }
+  if (test_hooks().after_quarantine_rename) test_hooks().after_quarantine_rename();
   // Why check again: a good entry published between the check above and the rename is what the
   // rename moved. It goes back unless yet another one has taken its place.
   struct stat moved {};
   if (::lstat(dest.c_str(), &moved) == 0 &&
       (moved.st_dev != checked.st_dev || moved.st_ino != checked.st_ino)) {
-    int error = 0;
-    if (::renameat2(AT_FDCWD, dest.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
-      error = errno;
-      // Why link and unlink: a filesystem without RENAME_NOREPLACE (EINVAL, or ENOSYS from an
-      // old kernel) still refuses to replace through link(), which fails with EEXIST too.
-      if (error == EINVAL || error == ENOSYS) {
-        error = ::link(dest.c_str(), path.c_str()) == 0 ? 0 : errno;
-        if (error == 0) ::unlink(dest.c_str());
-      }
-    }
-    // Only EEXIST says a newer entry has taken the path, which makes this one redundant. After
-    // any other failure it stays in quarantine/ (gc ages it out), and the key is rebuilt.
-    if (error == EEXIST) {
-      ::unlink(dest.c_str());
-    } else if (error != 0) {
+    // Only EEXIST says a newer entry has taken the path, which makes this one redundant (it is
+    // removed). After any other failure it stays in quarantine/ (gc ages it out), and the key is
+    // rebuilt.
+    if (const int error = move_back_unless_taken(dest, path); error != 0 && error != EEXIST) {
       log().warn(
           "cache entry {} failed verification ({}); the good entry published there since "
           "could not be moved back from {}: {}",

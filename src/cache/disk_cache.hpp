@@ -228,7 +228,8 @@ class DiskCache {
 
 // Tests only: what a test can't otherwise make happen, or not at the right moment. Process-wide:
 // set them while no other thread uses a cache. Consulted by the constructor's write probe, by
-// store() and by gc(), never by a lookup.
+// store(), lock() and gc(), and by the quarantine of a bad entry, never by a lookup that finds a
+// good entry or none.
 struct CacheTestHooks {
   // Creating the write probe, or writing an entry, fails with this errno (0: never), as on a
   // full disk (ENOSPC) or a read-only mount (EROFS).
@@ -237,6 +238,18 @@ struct CacheTestHooks {
   std::function<void()> after_gc_scan;
   // Runs in lock() when a try finds the lock held, before the first wait, once per lock().
   std::function<void()> lock_waiting;
+  // Runs in the quarantine of a bad entry after its check that the path still names the file
+  // checked, just before it moves the file at the path to quarantine/, as another process
+  // publishing a good entry there meanwhile.
+  std::function<void()> before_quarantine_rename;
+  // Runs in the quarantine of a bad entry right after that move, before it looks at what it
+  // moved (a good entry published since its check goes back), as yet another process publishing
+  // meanwhile.
+  std::function<void()> after_quarantine_rename;
+  // The no-replace rename that moves a file back to an entry's path (quarantine, gc) fails with
+  // this errno (0: never), as on a filesystem without RENAME_NOREPLACE (EINVAL), where link and
+  // unlink do it instead.
+  int no_replace_rename_error = 0;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 
