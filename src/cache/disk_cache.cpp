@@ -1141,13 +1141,25 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     if (a.mtime_nsec != b.mtime_nsec) return a.mtime_nsec < b.mtime_nsec;
     return a.path < b.path;
   });
+  // Whether `st` is the file scanned as `c`, as it was then (not used since).
+  const auto as_scanned = [](const Candidate& c, const struct stat& st) {
+    return st.st_dev == c.dev && st.st_ino == c.ino && st.st_mtim.tv_sec == c.mtime_sec &&
+           st.st_mtim.tv_nsec == c.mtime_nsec;
+  };
+  // The file scanned as `c` has left the total; `instead`, found at its path (when given), joins
+  // it if it is this user's regular file.
+  const auto replaced = [&](const Candidate& c, const struct stat* instead) {
+    total -= c.size;
+    if (instead != nullptr && S_ISREG(instead->st_mode) && instead->st_uid == me) {
+      total += static_cast<uint64_t>(instead->st_size);
+    }
+  };
   if (test_hooks().after_gc_scan) test_hooks().after_gc_scan();
   for (const Candidate& c : candidates) {
     if (total <= max_bytes) break;
     // Why look again: since the scan another process may have published a fresh entry at this
     // path, used it (load() sets the mtime) or removed it (another gc). Only a file still as it
-    // was scanned is removed (one published in the instant between this look and the unlink is
-    // still lost, and rebuilt); one removed by someone else leaves the total without being
+    // was scanned is removed; one removed by someone else leaves the total without being
     // counted.
     struct stat st {};
     if (::lstat(c.path.c_str(), &st) != 0) {
@@ -1158,19 +1170,78 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       }
       continue;
     }
-    if (st.st_dev != c.dev || st.st_ino != c.ino || st.st_mtim.tv_sec != c.mtime_sec ||
-        st.st_mtim.tv_nsec != c.mtime_nsec) {
-      total -= c.size;
-      if (S_ISREG(st.st_mode) && st.st_uid == me) total += static_cast<uint64_t>(st.st_size);
+    if (!as_scanned(c, st)) {
+      replaced(c, &st);
       continue;
     }
-    if (::unlink(c.path.c_str()) == 0) {
+    if (test_hooks().before_gc_removal) test_hooks().before_gc_removal(c.path);
+    // Why a plain unlink for a quarantined file: nothing is ever published at its name (each
+    // quarantine makes a new one), so no other file can have taken its place since the look.
+    if (c.quarantined) {
+      if (::unlink(c.path.c_str()) == 0) {
+        total -= c.size;
+        ++report.removed;
+      } else if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+      }
+      continue;
+    }
+    // Why move the entry away first: a fresh entry published at the path between the look above
+    // and an unlink of the path would be lost (and rebuilt). The rename takes whatever is at the
+    // path to a temp name in the same directory, which is removed only if it is the file scanned;
+    // anything else goes back (a reader looking meanwhile misses, as it would while the entry is
+    // rebuilt). A gc killed in between leaves a temp file that a later gc removes as stale.
+    const std::size_t slash = c.path.rfind('/');
+    const std::string away = c.path.substr(0, slash + 1) + "." + c.path.substr(slash + 1) + ".gc." +
+                             std::to_string(::getpid()) + "." + random_hex() + kTempSuffix;
+    if (::rename(c.path.c_str(), away.c_str()) != 0) {
+      if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+      }
+      continue;
+    }
+    struct stat moved {};
+    if (::lstat(away.c_str(), &moved) != 0) {
+      // Gone already: another gc took it for a stale temp file (the file scanned may be that old).
+      if (errno != ENOENT) {
+        log().warn("cache gc: cannot inspect {} (moved from {}): {}", away, c.path,
+                   errno_text(errno));
+      }
       total -= c.size;
-      ++report.removed;
-    } else if (errno == ENOENT) {
-      total -= c.size;
+      continue;
+    }
+    if (as_scanned(c, moved)) {
+      if (::unlink(away.c_str()) == 0) {
+        total -= c.size;
+        ++report.removed;
+      } else if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot remove {} (moved from {}): {}", away, c.path,
+                   errno_text(errno));
+      }
+      continue;
+    }
+    // A fresh entry published at the path, or the entry used, since the look: it goes back, unless
+    // a newer entry has taken the path since the rename (EEXIST: the one moved is removed, and
+    // the newer one counts instead).
+    const int error = move_back_unless_taken(away, c.path);
+    if (error == 0) {
+      replaced(c, &moved);
+    } else if (error == EEXIST) {
+      struct stat at_path {};
+      replaced(c, ::lstat(c.path.c_str(), &at_path) == 0 ? &at_path : nullptr);
     } else {
-      log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+      log().warn(
+          "cache gc: the entry published at {} or used since its scan could not be moved "
+          "back from {}: {}; removed, it will be rebuilt",
+          c.path, away, errno_text(error));
+      ::unlink(away.c_str());
+      total -= c.size;
     }
   }
   report.bytes_after = total;

@@ -2,7 +2,8 @@
 //
 // Layout under the cache root `dir`:
 //   v<kCacheSchemaVersion>/<key[0:2]>/<key>.mjc        entries
-//   v<kCacheSchemaVersion>/<key[0:2]>/.<key>.*.tmp     writes in progress (never read)
+//   v<kCacheSchemaVersion>/<key[0:2]>/.<key>.*.tmp     writes in progress, entries gc is
+//                                                      removing (never read)
 //   locks/<key>.lock                                   inter-process compile locks (flock)
 //   quarantine/<key>.mjc.<time>.<random>               entries that failed verification
 //
@@ -191,6 +192,9 @@ class DiskCache {
   // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed; a
   // directory below the root that can't be read is skipped (GcReport::unreadable), as by clear.
+  // An entry is removed only while it is as scanned: one published at its path or used since
+  // stays, also when that happens just before the removal (the entry is moved away to a temp name
+  // first, and anything else the move took goes back).
   // Throws Error{kCache} unless removals_allowed().
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
@@ -250,6 +254,10 @@ struct CacheTestHooks {
   // this errno (0: never), as on a filesystem without RENAME_NOREPLACE (EINVAL), where link and
   // unlink do it instead.
   int no_replace_rename_error = 0;
+  // Runs in gc() for each entry it is about to remove (with the entry's path), after its last look
+  // finds the file as scanned and before it moves the file away, as another process publishing a
+  // fresh entry there, or using the entry, meanwhile.
+  std::function<void(const std::string& path)> before_gc_removal;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 

@@ -856,6 +856,60 @@ TEST_CASE("gc removes only the files it scanned, as they were, and counts only i
   CHECK(fresh->cubin == make_entry(keys[0], 7000, 10).cubin);
 }
 
+// Other processes act in the instant between gc's last look at an entry (which finds it as
+// scanned) and its removal: one publishes a fresh entry at the path of entry 0, another uses
+// entry 1. Both stay, put back by the no-replace rename or by link and unlink (EINVAL).
+TEST_CASE("an entry published or used just before gc removes its path stays", "[cache]") {
+  for (const int rename_error : {0, EINVAL}) {
+    INFO((rename_error == 0 ? "no-replace rename" : "link and unlink (rename: EINVAL)"));
+    moejit::test::TempDir tmp;
+    const std::string dir = tmp.path() + "/cache";
+    DiskCache cache(dir, CacheMode::kReadWrite);
+    std::vector<std::string> keys;
+    const int64_t base = now_unix() - 100000;
+    for (int i = 0; i < 3; ++i) {
+      keys.push_back(key_for("gc-instant-" + std::to_string(i)));
+      REQUIRE(cache.store(make_entry(keys.back(), 5000, static_cast<uint64_t>(i))));
+      set_mtime(cache.entry_path(keys.back()), base + i);
+    }
+    const auto path = [&](int i) { return cache.entry_path(keys[static_cast<std::size_t>(i)]); };
+    moejit::detail::CacheTestHooks hooks;
+    hooks.no_replace_rename_error = rename_error;
+    std::vector<std::string> looked_at;
+    hooks.before_gc_removal = [&](const std::string& p) {
+      looked_at.push_back(p);
+      if (p == path(0)) {
+        DiskCache other(dir, CacheMode::kReadWrite);
+        CHECK(other.store(make_entry(keys[0], 7000, 10)));
+      } else if (p == path(1)) {
+        DiskCache other(dir, CacheMode::kReadWrite);
+        CHECK(other.load(keys[1]).has_value());
+      }
+    };
+    moejit::detail::GcReport report;
+    {
+      HooksSet set(hooks);
+      LogCapture capture;
+      report = cache.gc(0);
+      INFO(capture.all());
+      CHECK(capture.warning_count() == 0);
+    }
+    CHECK(looked_at == std::vector<std::string>{path(0), path(1), path(2)});
+    CHECK(report.removed == 1);
+    CHECK(fs::exists(path(0)));
+    CHECK(fs::exists(path(1)));
+    CHECK_FALSE(fs::exists(path(2)));
+    CHECK(report.bytes_after == fs::file_size(path(0)) + fs::file_size(path(1)));
+    CHECK(temp_files(dir).empty());
+    const std::optional<Entry> fresh = cache.load(keys[0]);
+    REQUIRE(fresh.has_value());
+    CHECK(fresh->cubin == make_entry(keys[0], 7000, 10).cubin);
+    const std::optional<Entry> used = cache.load(keys[1]);
+    REQUIRE(used.has_value());
+    CHECK(used->cubin == make_entry(keys[1], 5000, 1).cubin);
+  }
+}
+
 TEST_CASE("a cache made read-only by a full disk or quota still lets gc and clear remove",
           "[cache]") {
   moejit::test::TempDir tmp;
