@@ -48,10 +48,12 @@ CacheTestHooks& test_hooks() {
   return hooks;
 }
 
+// The steady clock (ms) that times the pause of stores and locks.
 int64_t steady_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+             .count() +
+         test_hooks().steady_clock_shift_ms;
 }
 
 int64_t now_unix() {

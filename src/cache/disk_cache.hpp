@@ -258,6 +258,9 @@ struct CacheTestHooks {
   // finds the file as scanned and before it moves the file away, as another process publishing a
   // fresh entry there, or using the entry, meanwhile.
   std::function<void(const std::string& path)> before_gc_removal;
+  // Added to the steady clock (ms) that times the pause of stores and locks (see
+  // DiskCache::store()), as if that much more time had passed.
+  int64_t steady_clock_shift_ms = 0;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 
