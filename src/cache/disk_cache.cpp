@@ -48,10 +48,12 @@ CacheTestHooks& test_hooks() {
   return hooks;
 }
 
+// The steady clock (ms) that times the pause of stores and locks.
 int64_t steady_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+             .count() +
+         test_hooks().steady_clock_shift_ms;
 }
 
 int64_t now_unix() {
@@ -287,6 +289,26 @@ void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
       held.st_dev == at_path.st_dev && held.st_ino == at_path.st_ino) {
     ::unlink(file.path.c_str());
   }
+}
+
+// Moves `from` (a file just moved away from `path`, on the same filesystem) back to `path`,
+// unless the path has been taken since: never replaces what is there. Returns 0 when it
+// went back; EEXIST when another file has taken the path, which makes `from` redundant: it is
+// removed; else the errno, with `from` left where it is.
+int move_back_unless_taken(const std::string& from, const std::string& path) {
+  int error = test_hooks().no_replace_rename_error;
+  if (error == 0 &&
+      ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
+    error = errno;
+  }
+  // Why link and unlink: a filesystem without RENAME_NOREPLACE (EINVAL, or ENOSYS from an old
+  // kernel) still refuses to replace through link(), which fails with EEXIST too.
+  if (error == EINVAL || error == ENOSYS) {
+    error = ::link(from.c_str(), path.c_str()) == 0 ? 0 : errno;
+    if (error == 0) ::unlink(from.c_str());
+  }
+  if (error == EEXIST) ::unlink(from.c_str());
+  return error;
 }
 
 // What gc and clear meet, by where it is in the cache (dir entries as read_dir reports them:
@@ -692,31 +714,22 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   const std::string name = path.substr(path.rfind('/') + 1);
   const std::string dest =
       quarantine_dir + "/" + name + "." + std::to_string(now_unix()) + "." + random_hex();
+  if (test_hooks().before_quarantine_rename) test_hooks().before_quarantine_rename();
   if (::rename(path.c_str(), dest.c_str()) != 0) {
     log().warn("cache entry {} failed verification ({}); ignored (cannot move it to {}: {})",
                path, reason, dest, errno_text(errno));
     return "";
   }
+  if (test_hooks().after_quarantine_rename) test_hooks().after_quarantine_rename();
   // Why check again: a good entry published between the check above and the rename is what the
   // rename moved. It goes back unless yet another one has taken its place.
   struct stat moved {};
   if (::lstat(dest.c_str(), &moved) == 0 &&
       (moved.st_dev != checked.st_dev || moved.st_ino != checked.st_ino)) {
-    int error = 0;
-    if (::renameat2(AT_FDCWD, dest.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
-      error = errno;
-      // Why link and unlink: a filesystem without RENAME_NOREPLACE (EINVAL, or ENOSYS from an
-      // old kernel) still refuses to replace through link(), which fails with EEXIST too.
-      if (error == EINVAL || error == ENOSYS) {
-        error = ::link(dest.c_str(), path.c_str()) == 0 ? 0 : errno;
-        if (error == 0) ::unlink(dest.c_str());
-      }
-    }
-    // Only EEXIST says a newer entry has taken the path, which makes this one redundant. After
-    // any other failure it stays in quarantine/ (gc ages it out), and the key is rebuilt.
-    if (error == EEXIST) {
-      ::unlink(dest.c_str());
-    } else if (error != 0) {
+    // Only EEXIST says a newer entry has taken the path, which makes this one redundant (it is
+    // removed). After any other failure it stays in quarantine/ (gc ages it out), and the key is
+    // rebuilt.
+    if (const int error = move_back_unless_taken(dest, path); error != 0 && error != EEXIST) {
       log().warn(
           "cache entry {} failed verification ({}); the good entry published there since "
           "could not be moved back from {}: {}",
@@ -1130,13 +1143,25 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     if (a.mtime_nsec != b.mtime_nsec) return a.mtime_nsec < b.mtime_nsec;
     return a.path < b.path;
   });
+  // Whether `st` is the file scanned as `c`, as it was then (not used since).
+  const auto as_scanned = [](const Candidate& c, const struct stat& st) {
+    return st.st_dev == c.dev && st.st_ino == c.ino && st.st_mtim.tv_sec == c.mtime_sec &&
+           st.st_mtim.tv_nsec == c.mtime_nsec;
+  };
+  // The file scanned as `c` has left the total; `instead`, found at its path (when given), joins
+  // it if it is this user's regular file.
+  const auto replaced = [&](const Candidate& c, const struct stat* instead) {
+    total -= c.size;
+    if (instead != nullptr && S_ISREG(instead->st_mode) && instead->st_uid == me) {
+      total += static_cast<uint64_t>(instead->st_size);
+    }
+  };
   if (test_hooks().after_gc_scan) test_hooks().after_gc_scan();
   for (const Candidate& c : candidates) {
     if (total <= max_bytes) break;
     // Why look again: since the scan another process may have published a fresh entry at this
     // path, used it (load() sets the mtime) or removed it (another gc). Only a file still as it
-    // was scanned is removed (one published in the instant between this look and the unlink is
-    // still lost, and rebuilt); one removed by someone else leaves the total without being
+    // was scanned is removed; one removed by someone else leaves the total without being
     // counted.
     struct stat st {};
     if (::lstat(c.path.c_str(), &st) != 0) {
@@ -1147,19 +1172,78 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       }
       continue;
     }
-    if (st.st_dev != c.dev || st.st_ino != c.ino || st.st_mtim.tv_sec != c.mtime_sec ||
-        st.st_mtim.tv_nsec != c.mtime_nsec) {
-      total -= c.size;
-      if (S_ISREG(st.st_mode) && st.st_uid == me) total += static_cast<uint64_t>(st.st_size);
+    if (!as_scanned(c, st)) {
+      replaced(c, &st);
       continue;
     }
-    if (::unlink(c.path.c_str()) == 0) {
+    if (test_hooks().before_gc_removal) test_hooks().before_gc_removal(c.path);
+    // Why a plain unlink for a quarantined file: nothing is ever published at its name (each
+    // quarantine makes a new one), so no other file can have taken its place since the look.
+    if (c.quarantined) {
+      if (::unlink(c.path.c_str()) == 0) {
+        total -= c.size;
+        ++report.removed;
+      } else if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+      }
+      continue;
+    }
+    // Why move the entry away first: a fresh entry published at the path between the look above
+    // and an unlink of the path would be lost (and rebuilt). The rename takes whatever is at the
+    // path to a temp name in the same directory, which is removed only if it is the file scanned;
+    // anything else goes back (a reader looking meanwhile misses, as it would while the entry is
+    // rebuilt). A gc killed in between leaves a temp file that a later gc removes as stale.
+    const std::size_t slash = c.path.rfind('/');
+    const std::string away = c.path.substr(0, slash + 1) + "." + c.path.substr(slash + 1) + ".gc." +
+                             std::to_string(::getpid()) + "." + random_hex() + kTempSuffix;
+    if (::rename(c.path.c_str(), away.c_str()) != 0) {
+      if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+      }
+      continue;
+    }
+    struct stat moved {};
+    if (::lstat(away.c_str(), &moved) != 0) {
+      // Gone already: another gc took it for a stale temp file (the file scanned may be that old).
+      if (errno != ENOENT) {
+        log().warn("cache gc: cannot inspect {} (moved from {}): {}", away, c.path,
+                   errno_text(errno));
+      }
       total -= c.size;
-      ++report.removed;
-    } else if (errno == ENOENT) {
-      total -= c.size;
+      continue;
+    }
+    if (as_scanned(c, moved)) {
+      if (::unlink(away.c_str()) == 0) {
+        total -= c.size;
+        ++report.removed;
+      } else if (errno == ENOENT) {
+        total -= c.size;
+      } else {
+        log().warn("cache gc: cannot remove {} (moved from {}): {}", away, c.path,
+                   errno_text(errno));
+      }
+      continue;
+    }
+    // A fresh entry published at the path, or the entry used, since the look: it goes back, unless
+    // a newer entry has taken the path since the rename (EEXIST: the one moved is removed, and
+    // the newer one counts instead).
+    const int error = move_back_unless_taken(away, c.path);
+    if (error == 0) {
+      replaced(c, &moved);
+    } else if (error == EEXIST) {
+      struct stat at_path {};
+      replaced(c, ::lstat(c.path.c_str(), &at_path) == 0 ? &at_path : nullptr);
     } else {
-      log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+      log().warn(
+          "cache gc: the entry published at {} or used since its scan could not be moved "
+          "back from {}: {}; removed, it will be rebuilt",
+          c.path, away, errno_text(error));
+      ::unlink(away.c_str());
+      total -= c.size;
     }
   }
   report.bytes_after = total;

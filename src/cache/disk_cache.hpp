@@ -2,7 +2,8 @@
 //
 // Layout under the cache root `dir`:
 //   v<kCacheSchemaVersion>/<key[0:2]>/<key>.mjc        entries
-//   v<kCacheSchemaVersion>/<key[0:2]>/.<key>.*.tmp     writes in progress (never read)
+//   v<kCacheSchemaVersion>/<key[0:2]>/.<key>.*.tmp     writes in progress, entries gc is
+//                                                      removing (never read)
 //   locks/<key>.lock                                   inter-process compile locks (flock)
 //   quarantine/<key>.mjc.<time>.<random>               entries that failed verification
 //
@@ -191,6 +192,9 @@ class DiskCache {
   // the cache root's), older builds' toolkit stamps (toolkit-<hex>.json) and quarantined
   // files older than kQuarantineKeepSeconds. Files of other users are never removed; a
   // directory below the root that can't be read is skipped (GcReport::unreadable), as by clear.
+  // An entry is removed only while it is as scanned: one published at its path or used since
+  // stays, also when that happens just before the removal (the entry is moved away to a temp name
+  // first, and anything else the move took goes back).
   // Throws Error{kCache} unless removals_allowed().
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
@@ -228,7 +232,8 @@ class DiskCache {
 
 // Tests only: what a test can't otherwise make happen, or not at the right moment. Process-wide:
 // set them while no other thread uses a cache. Consulted by the constructor's write probe, by
-// store() and by gc(), never by a lookup.
+// store(), lock() and gc(), and by the quarantine of a bad entry, never by a lookup that finds a
+// good entry or none.
 struct CacheTestHooks {
   // Creating the write probe, or writing an entry, fails with this errno (0: never), as on a
   // full disk (ENOSPC) or a read-only mount (EROFS).
@@ -237,6 +242,25 @@ struct CacheTestHooks {
   std::function<void()> after_gc_scan;
   // Runs in lock() when a try finds the lock held, before the first wait, once per lock().
   std::function<void()> lock_waiting;
+  // Runs in the quarantine of a bad entry after its check that the path still names the file
+  // checked, just before it moves the file at the path to quarantine/, as another process
+  // publishing a good entry there meanwhile.
+  std::function<void()> before_quarantine_rename;
+  // Runs in the quarantine of a bad entry right after that move, before it looks at what it
+  // moved (a good entry published since its check goes back), as yet another process publishing
+  // meanwhile.
+  std::function<void()> after_quarantine_rename;
+  // The no-replace rename that moves a file back to an entry's path (quarantine, gc) fails with
+  // this errno (0: never), as on a filesystem without RENAME_NOREPLACE (EINVAL), where link and
+  // unlink do it instead.
+  int no_replace_rename_error = 0;
+  // Runs in gc() for each entry it is about to remove (with the entry's path), after its last look
+  // finds the file as scanned and before it moves the file away, as another process publishing a
+  // fresh entry there, or using the entry, meanwhile.
+  std::function<void(const std::string& path)> before_gc_removal;
+  // Added to the steady clock (ms) that times the pause of stores and locks (see
+  // DiskCache::store()), as if that much more time had passed.
+  int64_t steady_clock_shift_ms = 0;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 

@@ -339,6 +339,56 @@ TEST_CASE("corrupt entries are detected, logged, quarantined and reported as mis
   }
 }
 
+// Other processes racing the quarantine of a bad entry: one publishes a good entry at its path
+// just before the bad file is moved (so the move takes the good one), and with `newer`, another
+// publishes yet another entry there before the good one is moved back. Both with the no-replace
+// rename and with the link and unlink that stand in for it where a filesystem lacks it (EINVAL).
+TEST_CASE("a good entry the quarantine moved goes back, unless a newer one took its path",
+          "[cache]") {
+  for (const int rename_error : {0, EINVAL}) {
+    for (const bool newer : {false, true}) {
+      INFO((rename_error == 0 ? "no-replace rename" : "link and unlink (rename: EINVAL)")
+           << (newer ? ", a newer entry published before the move back" : ""));
+      moejit::test::TempDir tmp;
+      const std::string dir = tmp.path() + "/cache";
+      const std::string quarantine = dir + "/quarantine";
+      DiskCache cache(dir, CacheMode::kReadWrite);
+      const std::string key = key_for("quarantine-race");
+      const std::string path = cache.entry_path(key);
+      REQUIRE(cache.store(make_entry(key, 20000, 1)));
+      flip_bit(path, fs::file_size(path) - 1);
+      const auto publish = [&](uint64_t seed) {
+        DiskCache other(dir, CacheMode::kReadWrite);
+        CHECK(other.store(make_entry(key, 20000, seed)));
+      };
+      moejit::detail::CacheTestHooks hooks;
+      hooks.no_replace_rename_error = rename_error;
+      hooks.before_quarantine_rename = [&] { publish(2); };
+      if (newer) hooks.after_quarantine_rename = [&] { publish(3); };
+      {
+        HooksSet set(hooks);
+        LogCapture capture;
+        CHECK_FALSE(cache.load(key).has_value());  // the file checked was the bad one
+        INFO(capture.all());
+        CHECK(capture.warned({path, "cubin hash", "it had just been replaced"}));
+        CHECK_FALSE(capture.warned({"moved to"}));
+        CHECK_FALSE(capture.warned({"could not be moved back"}));
+      }
+      // Neither the good entry the move took nor (once the newer one is there) its redundant
+      // copy is left in quarantine/; the bad file went when the first good one replaced it.
+      CHECK(fs::is_directory(quarantine));
+      CHECK(files_in(quarantine).empty());
+      const std::optional<Entry> loaded = cache.load(key);
+      REQUIRE(loaded.has_value());
+      CHECK(loaded->cubin == make_entry(key, 20000, newer ? 3 : 2).cubin);
+      struct stat st {};
+      REQUIRE(::lstat(path.c_str(), &st) == 0);
+      CHECK(st.st_nlink == 1);
+      CHECK(temp_files(dir).empty());
+    }
+  }
+}
+
 // The entry file for `key` with a header and manifest that agree with each other, claiming a
 // manifest of `manifest_padding` extra spaces and a cubin of `cubin_length` bytes (zeros, with
 // the file extended sparsely to match), as a writer that stored such lengths would have left it.
@@ -804,6 +854,60 @@ TEST_CASE("gc removes only the files it scanned, as they were, and counts only i
   const std::optional<Entry> fresh = cache.load(keys[0]);
   REQUIRE(fresh.has_value());
   CHECK(fresh->cubin == make_entry(keys[0], 7000, 10).cubin);
+}
+
+// Other processes act in the instant between gc's last look at an entry (which finds it as
+// scanned) and its removal: one publishes a fresh entry at the path of entry 0, another uses
+// entry 1. Both stay, put back by the no-replace rename or by link and unlink (EINVAL).
+TEST_CASE("an entry published or used just before gc removes its path stays", "[cache]") {
+  for (const int rename_error : {0, EINVAL}) {
+    INFO((rename_error == 0 ? "no-replace rename" : "link and unlink (rename: EINVAL)"));
+    moejit::test::TempDir tmp;
+    const std::string dir = tmp.path() + "/cache";
+    DiskCache cache(dir, CacheMode::kReadWrite);
+    std::vector<std::string> keys;
+    const int64_t base = now_unix() - 100000;
+    for (int i = 0; i < 3; ++i) {
+      keys.push_back(key_for("gc-instant-" + std::to_string(i)));
+      REQUIRE(cache.store(make_entry(keys.back(), 5000, static_cast<uint64_t>(i))));
+      set_mtime(cache.entry_path(keys.back()), base + i);
+    }
+    const auto path = [&](int i) { return cache.entry_path(keys[static_cast<std::size_t>(i)]); };
+    moejit::detail::CacheTestHooks hooks;
+    hooks.no_replace_rename_error = rename_error;
+    std::vector<std::string> looked_at;
+    hooks.before_gc_removal = [&](const std::string& p) {
+      looked_at.push_back(p);
+      if (p == path(0)) {
+        DiskCache other(dir, CacheMode::kReadWrite);
+        CHECK(other.store(make_entry(keys[0], 7000, 10)));
+      } else if (p == path(1)) {
+        DiskCache other(dir, CacheMode::kReadWrite);
+        CHECK(other.load(keys[1]).has_value());
+      }
+    };
+    moejit::detail::GcReport report;
+    {
+      HooksSet set(hooks);
+      LogCapture capture;
+      report = cache.gc(0);
+      INFO(capture.all());
+      CHECK(capture.warning_count() == 0);
+    }
+    CHECK(looked_at == std::vector<std::string>{path(0), path(1), path(2)});
+    CHECK(report.removed == 1);
+    CHECK(fs::exists(path(0)));
+    CHECK(fs::exists(path(1)));
+    CHECK_FALSE(fs::exists(path(2)));
+    CHECK(report.bytes_after == fs::file_size(path(0)) + fs::file_size(path(1)));
+    CHECK(temp_files(dir).empty());
+    const std::optional<Entry> fresh = cache.load(keys[0]);
+    REQUIRE(fresh.has_value());
+    CHECK(fresh->cubin == make_entry(keys[0], 7000, 10).cubin);
+    const std::optional<Entry> used = cache.load(keys[1]);
+    REQUIRE(used.has_value());
+    CHECK(used->cubin == make_entry(keys[1], 5000, 1).cubin);
+  }
 }
 
 TEST_CASE("a cache made read-only by a full disk or quota still lets gc and clear remove",

@@ -104,6 +104,22 @@ class WritesFail {
   WritesFail& operator=(const WritesFail&) = delete;
 };
 
+// Writing a cache entry fails with `write_error` (0: it doesn't), and the clock that times the
+// stores pause (DiskCache::store()) runs `clock_shift_ms` ahead, for the holder's lifetime; no
+// hooks after. Set after the caches are opened, as WritesFail.
+class DiskAndClock {
+ public:
+  DiskAndClock(int write_error, int64_t clock_shift_ms) {
+    moejit::detail::CacheTestHooks hooks;
+    hooks.write_error = write_error;
+    hooks.steady_clock_shift_ms = clock_shift_ms;
+    moejit::detail::set_cache_test_hooks(hooks);
+  }
+  ~DiskAndClock() { moejit::detail::set_cache_test_hooks({}); }
+  DiskAndClock(const DiskAndClock&) = delete;
+  DiskAndClock& operator=(const DiskAndClock&) = delete;
+};
+
 // Runs in a forked process: `threads` threads, released together once `start_fd` reaches EOF,
 // each calling get(key) on one store. Writes "<outcome> <cubin hash>" per caller to
 // `result_path`. Returns the process exit code.
@@ -660,6 +676,72 @@ TEST_CASE("a store that fails for lack of space pauses stores and locks, said on
   // Entries already on disk still load (in a store that has not seen them yet).
   KernelStore reader(disk);
   CHECK(reader.get(cached, build(cached)).outcome == CacheOutcome::kDiskHit);
+}
+
+TEST_CASE("once the stores pause is over a store is tried again; one that succeeds ends the pause",
+          "[store]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  auto disk = open_disk(dir, CacheMode::kReadWrite);
+  REQUIRE(disk->effective_mode() == CacheMode::kReadWrite);
+  KernelStore store(disk);
+  auto build = [](const std::string& key) { return [key] { return built_entry(key, "cubin"); }; };
+  const auto get = [&](const std::string& key) { return store.get(key, build(key)).outcome; };
+  const auto lock_taken = [&](const std::string& key) {
+    return fs::exists(dir + "/locks/" + key + ".lock");
+  };
+  std::vector<std::string> keys;
+  for (int i = 0; i < 6; ++i) keys.push_back(key_for("pause ends " + std::to_string(i)));
+  const int64_t pause_ms = int64_t{DiskCache::kStoresPauseSeconds} * 1000;
+
+  WarningCapture warnings;
+  {
+    DiskAndClock full(ENOSPC, 0);
+    CHECK(get(keys[0]) == CacheOutcome::kCompiledNotStored);  // pauses stores and locks
+    CHECK(lock_taken(keys[0]));
+  }
+  {
+    // Past the pause, the disk still full: the next store is tried again, under a compile lock,
+    // fails the same way and pauses stores again, with no second warning.
+    DiskAndClock full(ENOSPC, pause_ms + 1000);
+    moejit::test::LogWatch tried("not stored (writing");
+    CHECK(get(keys[1]) == CacheOutcome::kCompiledNotStored);
+    CHECK(tried.seen());
+    CHECK(lock_taken(keys[1]));
+    moejit::test::LogWatch paused("not stored (a store in this process failed less than 60 s ago");
+    CHECK(get(keys[2]) == CacheOutcome::kCompiledNotStored);
+    CHECK(paused.seen());
+    CHECK_FALSE(lock_taken(keys[2]));
+  }
+  {
+    INFO(warnings.all());
+    CHECK(warnings.warning_count() == 1);
+  }
+  {
+    // Room again, but the new pause (from the retry) is not over: nothing is tried.
+    DiskAndClock room(0, pause_ms + 1000);
+    CHECK(get(keys[3]) == CacheOutcome::kCompiledNotStored);
+    CHECK_FALSE(lock_taken(keys[3]));
+  }
+  {
+    // Past the new pause too, a store succeeds and ends the pause.
+    DiskAndClock room(0, 2 * pause_ms + 2000);
+    moejit::test::LogWatch resumed("stores resumed");
+    CHECK(get(keys[4]) == CacheOutcome::kCompiled);
+    CHECK(resumed.seen());
+    CHECK(lock_taken(keys[4]));
+  }
+  KernelStore fresh(open_disk(dir, CacheMode::kReadWrite));
+  CHECK(fresh.get(keys[4], build(keys[4])).outcome == CacheOutcome::kDiskHit);
+  {
+    // The pause ended, the next store that fails for lack of space warns again.
+    DiskAndClock full(ENOSPC, 2 * pause_ms + 2000);
+    CHECK(get(keys[5]) == CacheOutcome::kCompiledNotStored);
+    CHECK(lock_taken(keys[5]));
+  }
+  INFO(warnings.all());
+  REQUIRE(warnings.warning_count() == 2);
+  CHECK(warnings.warned({keys[5], "No space left on device", "for the next 60 s"}));
 }
 
 // Other processes waiting for a key's lock while its holder fails (its build throws, or its
