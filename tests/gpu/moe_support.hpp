@@ -481,16 +481,18 @@ struct DeviceCheckpoint {
   // [target_first, target_first + count) of `model`; `stacked` = false passes one 3-D tensor
   // per expert (the separate layout's per-expert form). `c_abi`: call moejit_moe_repack_* on
   // that handle (made for model.shape) instead of the C++ functions, with the same tensors.
+  // `into`: the buffers to repack into in place of model's (model still gives the shape).
   // Returns the bad-scale count.
   int repack(DeviceModel& model, int first, int count, int target_first, bool stacked,
-             CUstream stream, const moejit_moe* c_abi = nullptr) const {
+             CUstream stream, const moejit_moe* c_abi = nullptr,
+             const MoeWeights* into = nullptr) const {
     const Checkpoint& c = *host;
     const int64_t h = c.hidden;
     const int64_t i = c.inter;
     DeviceBuffer bad(sizeof(int32_t));
     bad.upload(std::vector<int32_t>{0});
     moejit::MoeRepackTarget target;
-    target.weights = model.weights();
+    target.weights = into != nullptr ? *into : model.weights();
     target.bad_scale_count = static_cast<int32_t*>(bad.data());
     const moejit_moe_weights c_target = capi_weights(model);
     const auto require_ok = [](const char* call, moejit_status status) {

@@ -1145,27 +1145,10 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
     const DeviceCheckpoint dck(ck);
     ChunkedBuffer short_w2(t->w2.bytes());
     short_w2.unmap_last();
-    const int64_t n = shape.num_experts;
-    const int64_t h = shape.hidden;
-    const int64_t i = shape.intermediate;
-    TensorView w1b(dck.w1_blocks.data(), 0, {n, i, h / 32, 16}, dl_u8());
-    TensorView w1s(dck.w1_scales.data(), 0, {n, i, h / 32}, dl_u8());
-    TensorView w3b(dck.w3_blocks.data(), 0, {n, i, h / 32, 16}, dl_u8());
-    TensorView w3s(dck.w3_scales.data(), 0, {n, i, h / 32}, dl_u8());
-    TensorView w2b(dck.w2_blocks.data(), 0, {n, h, i / 32, 16}, dl_u8());
-    TensorView w2s(dck.w2_scales.data(), 0, {n, h, i / 32}, dl_u8());
-    moejit::SeparateCheckpoint checkpoint;
-    checkpoint.w1_blocks = w1b.dl();
-    checkpoint.w1_scales = w1s.dl();
-    checkpoint.w3_blocks = w3b.dl();
-    checkpoint.w3_scales = w3s.dl();
-    checkpoint.w2_blocks = w2b.dl();
-    checkpoint.w2_scales = w2s.dl();
-    moejit::MoeRepackTarget target;
-    target.weights = t->weights();
-    target.weights.w2 = short_w2.data();
+    MoeWeights into = t->weights();
+    into.w2 = short_w2.data();
     try {
-      moejit::moe_repack_separate(shape, checkpoint, target, stream.get());
+      dck.repack(*t, 0, shape.num_experts, 0, true, stream.get(), nullptr, &into);
       FAIL("the repack accepted FC2 target weights whose last chunk is not mapped");
     } catch (const Error& err) {
       CHECK(err.code() == ErrorCode::kInvalidArgument);
@@ -1173,9 +1156,7 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
       CHECK_THAT(err.what(), Contains("no memory at its last byte"));
     }
     // The whole target mapped: the same call passes the checks and repacks.
-    target.weights.w2 = t->w2.data();
-    moejit::moe_repack_separate(shape, checkpoint, target, stream.get());
-    stream.sync();
+    CHECK(dck.repack(*t, 0, shape.num_experts, 0, true, stream.get()) == 0);
     CHECK(t->w2.download<uint8_t>(t->w2.bytes()) == model->w2.download<uint8_t>(model->w2.bytes()));
   }
 }
