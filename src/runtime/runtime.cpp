@@ -247,9 +247,10 @@ class Runtime::GpuLoadScope {
 void Runtime::configure(const RuntimeConfig& config) {
   RuntimeConfig next = resolved(config);
   std::lock_guard<std::mutex> lock(setup_mutex_);
-  // Why check_pointers may change at any time: it is read per op call and changes no kernel.
-  if (!environment_error_ && next.cache_dir == config_.cache_dir &&
-      next.cache_mode == config_.cache_mode &&
+  // Why check_pointers may change once kernels are loaded: it is read per op call and changes
+  // no kernel. (Before, a configure() with the same settings still gives a fresh store.)
+  if ((gpu_loads_in_flight_ > 0 || gpu_loaded_.load()) && !environment_error_ &&
+      next.cache_dir == config_.cache_dir && next.cache_mode == config_.cache_mode &&
       next.allow_compile_during_capture == config_.allow_compile_during_capture &&
       next.line_info == config_.line_info) {
     config_.check_pointers = next.check_pointers;
