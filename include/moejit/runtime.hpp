@@ -46,9 +46,10 @@ struct RuntimeConfig {
 
 // Replace the process runtime's configuration. Call before the first op; later calls throw
 // Error{kInvalidArgument} once kernels are loaded, or while another thread is loading one (its
-// build already read the configuration), unless they change nothing but check_pointers. Without a call
-// the runtime takes the environment's (RuntimeConfig::from_environment); when a variable there
-// can't be used, the first op or kernel build throws its error, and configure() replaces it.
+// build already read the configuration), unless they change nothing but check_pointers.
+// Without a call the runtime takes the environment's (RuntimeConfig::from_environment); when a
+// variable there can't be used, the first op or kernel build throws its error, and configure()
+// replaces it.
 void configure(const RuntimeConfig& config);
 const RuntimeConfig& config();
 

@@ -53,7 +53,7 @@ class Runtime {
   const RuntimeConfig& config() const { return config_; }
   // Replaces the configuration (empty cache_dir = the environment's), and with it a bad
   // environment's error. Throws Error{kInvalidArgument} once a kernel has been loaded on a GPU,
-  // or while another thread is loading one.
+  // or while another thread is loading one, unless nothing but check_pointers changes.
   void configure(const RuntimeConfig& config);
 
   // Hot path: RuntimeConfig::check_pointers, one relaxed load.
