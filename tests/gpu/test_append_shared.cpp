@@ -544,6 +544,23 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
     CHECK(contains(moejit_last_error(), "gate"));
   }
 
+  // With RuntimeConfig::check_pointers, shared logits in plain host memory are refused by name
+  // (without it the kernel would read them through an address the GPU can't reach).
+  {
+    moejit::RuntimeConfig config = moejit::config();
+    config.check_pointers = true;
+    moejit::configure(config);
+    std::vector<uint16_t> host_logits(static_cast<std::size_t>(c.tokens * c.num_shared));
+    DLTensor logits = *data->shared_logits->dl();
+    logits.data = host_logits.data();
+    AppendSharedArgs args = data->args();
+    args.shared_logits = &logits;
+    expect_refused({"shared logits in host memory", {"shared_logits", "memory CUDA does not know"}},
+                   args);
+    config.check_pointers = false;
+    moejit::configure(config);
+  }
+
   // Nothing above launched: the outputs are still poison.
   stream.sync();
   for (int64_t id : data->downloaded_ids()) REQUIRE(id == -1);
