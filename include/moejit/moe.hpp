@@ -21,7 +21,8 @@
 // All pointers are device pointers of the device of the current CUDA context; every tensor is
 // contiguous (row-major, strides null or compact). The ops check raw pointers for null and
 // alignment only; RuntimeConfig::check_pointers (MOEJIT_CHECK_POINTERS=1) also asks the driver
-// whether each buffer is memory of that device for all its bytes, for debugging. Shapes use
+// whether each buffer's first and last byte are mapped memory of that device within one
+// allocation, for debugging. Shapes use
 // E = shape.num_experts (local), K = shape.top_k, H = shape.hidden, I = shape.intermediate,
 // T = tokens of the call.
 #pragma once

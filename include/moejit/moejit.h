@@ -1,5 +1,9 @@
 /* libmoejit C ABI: for engines that bind from Python or C. Every call that can fail returns a
- * moejit_status; on failure moejit_last_error() gives this thread's message. No call throws. */
+ * moejit_status; on failure moejit_last_error() gives this thread's message. No call throws.
+ * The runtime takes its settings from the environment when it first starts (README's table):
+ * e.g. MOEJIT_CHECK_POINTERS=1 makes every op ask the driver about each buffer it is given
+ * (first and last byte) and refuse one the kernels can't reach with
+ * MOEJIT_ERROR_INVALID_ARGUMENT naming it. */
 #ifndef MOEJIT_MOEJIT_H_
 #define MOEJIT_MOEJIT_H_
 

@@ -28,15 +28,20 @@ struct RuntimeConfig {
   // the tables make the large kernels' cubins ~4x bigger (slower to read, verify and load) and
   // change no instruction. A kernel built with them is a cache entry of its own.
   bool line_info = false;
-  // Before each launch, every buffer an op is given (tensors, weights, workspace) is asked of
-  // the driver (cuPointerGetAttributes on its first and last byte): memory CUDA does not know
-  // (plain host memory, freed or wrong addresses), device memory of another device, or a buffer
-  // running past the end of its allocation is refused as Error{kInvalidArgument} naming the
-  // argument, instead of faulting in a kernel. Off by default: it costs two driver calls per
-  // buffer on every call. It can't see inside an allocation: a tensor cut from a larger one (a
-  // caching allocator's) that is too small for its shape still passes. Managed memory, pinned
-  // host memory and memory mapped through cuMemMap (expandable segments) pass. The only field
-  // configure() may change after kernels are loaded.
+  // Each op call asks the driver about every buffer it is given (tensors, weights, workspace,
+  // repack targets) before it launches: cuPointerGetAttributes on each buffer's first and last
+  // byte. Memory CUDA does not know (host memory from malloc, memory cuMemFree'd, a wrong
+  // address), another device's memory, a buffer running past the end of its allocation, or an
+  // end in an unmapped hole of a reservation is refused as Error{kInvalidArgument} naming the
+  // argument, instead of faulting in a kernel. Managed memory, pinned host memory and memory
+  // mapped through cuMemMap in chunks (expandable segments) pass. Off by default: two driver
+  // calls per buffer on every call (a forward took 3.9-5.0 us more on an H100). What it can't
+  // see: the inside of an allocation (a tensor a caching allocator cut too small, or took back,
+  // still passes); whether the memory is mapped with access for this device; pageable host
+  // memory that HMM or ATS systems do let kernels read (it is refused). While the stream
+  // captures a graph, a buffer with no memory yet passes (an allocation made in the capture), and
+  // a graph's replays are not checked. The only field configure() may change after kernels are
+  // loaded.
   bool check_pointers = false;
 
   // The configuration the environment asks for (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).
@@ -51,6 +56,8 @@ struct RuntimeConfig {
 // variable there can't be used, the first op or kernel build throws its error, and configure()
 // replaces it.
 void configure(const RuntimeConfig& config);
+// The configuration in use. Not synchronized with configure(): don't call the two from different
+// threads at once (the ops themselves read check_pointers safely while it changes).
 const RuntimeConfig& config();
 
 // Shape registry: an engine registers shape files at run time; the CLI uses the same calls.

@@ -1198,11 +1198,25 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     const std::size_t slash = c.path.rfind('/');
     const std::string away = c.path.substr(0, slash + 1) + "." + c.path.substr(slash + 1) + ".gc." +
                              std::to_string(::getpid()) + "." + random_hex() + kTempSuffix;
-    if (::rename(c.path.c_str(), away.c_str()) != 0) {
-      if (errno == ENOENT) {
+    int renamed = test_hooks().gc_rename_error;
+    if (renamed == 0 && ::rename(c.path.c_str(), away.c_str()) != 0) renamed = errno;
+    if (renamed == ENOENT) {
+      total -= c.size;
+      continue;
+    }
+    if (renamed != 0) {
+      // Why unlink the path after all: a rename adds a directory entry before it drops one,
+      // which a full disk or quota can refuse (ENOSPC, EDQUOT) where an unlink still frees the
+      // entry's space, and freeing space is what gc is for. The instant the rename closes is
+      // open again for this entry.
+      if (::unlink(c.path.c_str()) == 0) {
+        total -= c.size;
+        ++report.removed;
+      } else if (errno == ENOENT) {
         total -= c.size;
       } else {
-        log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
+        log().warn("cache gc: cannot remove {}: {} (and cannot move it away: {})", c.path,
+                   errno_text(errno), errno_text(renamed));
       }
       continue;
     }
@@ -1238,11 +1252,14 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       struct stat at_path {};
       replaced(c, ::lstat(c.path.c_str(), &at_path) == 0 ? &at_path : nullptr);
     } else {
-      log().warn(
-          "cache gc: the entry published at {} or used since its scan could not be moved "
-          "back from {}: {}; removed, it will be rebuilt",
-          c.path, away, errno_text(error));
-      ::unlink(away.c_str());
+      // ENOENT: another gc removed the moved file meanwhile, as a stale temp file.
+      if (error != ENOENT) {
+        log().warn(
+            "cache gc: the entry published at {} or used since its scan could not be moved "
+            "back from {}: {}; removed, it will be rebuilt",
+            c.path, away, errno_text(error));
+        ::unlink(away.c_str());
+      }
       total -= c.size;
     }
   }

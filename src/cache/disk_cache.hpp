@@ -194,7 +194,10 @@ class DiskCache {
   // directory below the root that can't be read is skipped (GcReport::unreadable), as by clear.
   // An entry is removed only while it is as scanned: one published at its path or used since
   // stays, also when that happens just before the removal (the entry is moved away to a temp name
-  // first, and anything else the move took goes back).
+  // first, and anything else the move took goes back). Not when gc is killed between the move
+  // and the move back, when another gc takes the moved file for a stale temp file, or when the
+  // move fails (a full disk or quota: gc then unlinks the path, to free the space): that entry
+  // is rebuilt by its next user.
   // Throws Error{kCache} unless removals_allowed().
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit
@@ -258,6 +261,9 @@ struct CacheTestHooks {
   // finds the file as scanned and before it moves the file away, as another process publishing a
   // fresh entry there, or using the entry, meanwhile.
   std::function<void(const std::string& path)> before_gc_removal;
+  // gc()'s move of an entry away from its path (before it removes it) fails with this errno
+  // (0: never), as on a full disk or quota (ENOSPC, EDQUOT), where it unlinks the path instead.
+  int gc_rename_error = 0;
   // Added to the steady clock (ms) that times the pause of stores and locks (see
   // DiskCache::store()), as if that much more time had passed.
   int64_t steady_clock_shift_ms = 0;

@@ -171,11 +171,13 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
       for (const detail::Span& i : inputs) detail::check_disjoint(kOp, o, i);
     }
     if (target.check_pointers) {
+      const detail::DriverApi& api = detail::driver();
+      const bool capturing = detail::stream_capturing_now(api, target.stream.handle);
       for (const detail::Span& o : outputs) {
-        detail::check_span_memory(kOp, detail::driver(), device.ordinal, o);
+        detail::check_span_memory(kOp, api, device.ordinal, o, capturing);
       }
       for (const detail::Span& i : inputs) {
-        detail::check_span_memory(kOp, detail::driver(), device.ordinal, i);
+        detail::check_span_memory(kOp, api, device.ordinal, i, capturing);
       }
     }
   }

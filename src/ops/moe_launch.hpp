@@ -108,15 +108,22 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
 void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
                          int bytes, bool max_carveout = false);
 
-// RuntimeConfig::check_pointers: `span` (unless empty) must be memory the op's kernels reach on
-// device `device` through its last byte, as the driver knows it
-// (cuPointerGetAttributes on its first and last byte). Refused, as Error{kInvalidArgument}
-// "<op>: <arg>: expected ..., found ...": memory CUDA does not know (plain host memory, freed or
-// wrong addresses), device memory of another device, a span running past the end of its
-// allocation (or of the address range cuMemAddressReserve gave it), or an end in a reserved
-// range with nothing mapped. Managed and pinned host memory pass. Two driver calls a span
-// (through `api`).
-void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span);
+// RuntimeConfig::check_pointers: `span` (unless empty) must be memory the driver has mapped on
+// device `device` at its first and last byte, within one allocation (or one cuMemAddressReserve
+// range), as cuPointerGetAttributes reports those two bytes (one call each, through `api`).
+// Refused, as Error{kInvalidArgument} "<op>: <arg>: expected ..., found ...": memory CUDA does not
+// know (host memory from malloc, memory cuMemFree'd, wrong addresses), device memory of another
+// device at either end, a span running past the end of its allocation or range, or either end in
+// an unmapped hole of a reservation. Managed and pinned host memory pass. It can't see inside an
+// allocation: a tensor a caching allocator cut too small, or one it has taken back, passes. While
+// the stream `capturing` a graph, unknown and unmapped bytes pass (an allocation made in the
+// capture has no memory until the graph runs).
+void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span,
+                       bool capturing);
+// Whether `stream` is capturing a graph now (the legacy stream during another's global capture
+// counts), for check_span_memory; a stream the driver can't answer for counts as not capturing
+// (the launch then names it).
+bool stream_capturing_now(const DriverApi& api, CUstream stream);
 
 // `pointer` non-null and aligned to `alignment` bytes, else Error{kInvalidArgument}.
 void check_device_pointer(const char* op, const char* arg, const void* pointer,

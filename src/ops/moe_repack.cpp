@@ -112,11 +112,13 @@ void check_repack_disjoint(const char* op, const RepackContext& context,
     for (const detail::Span& read : reads) detail::check_disjoint(op, read, writes[a]);
   }
   if (context.check_pointers) {
+    const detail::DriverApi& api = detail::driver();
+    const bool capturing = detail::stream_capturing_now(api, context.stream.handle);
     for (const detail::Span& write : writes) {
-      detail::check_span_memory(op, detail::driver(), context.device.ordinal, write);
+      detail::check_span_memory(op, api, context.device.ordinal, write, capturing);
     }
     for (const detail::Span& read : reads) {
-      detail::check_span_memory(op, detail::driver(), context.device.ordinal, read);
+      detail::check_span_memory(op, api, context.device.ordinal, read, capturing);
     }
   }
 }

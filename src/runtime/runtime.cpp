@@ -267,7 +267,8 @@ void Runtime::configure(const RuntimeConfig& config) {
     throw Error(ErrorCode::kInvalidArgument,
                 "moejit::configure() called after kernels were loaded on a GPU (from cache " +
                     (config_.cache_dir.empty() ? std::string("in memory") : config_.cache_dir) +
-                    "); configure the runtime once, before the first op or kernel load");
+                    "); configure the runtime once, before the first op or kernel load (after "
+                    "it, only check_pointers may change: start from moejit::config())");
   }
   config_ = std::move(next);
   check_pointers_.store(config_.check_pointers);

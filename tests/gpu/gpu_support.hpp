@@ -74,6 +74,24 @@ inline const GpuEnv& gpu() {
   return env;
 }
 
+// RuntimeConfig::check_pointers set to `on` for the holder's lifetime, then back to what it was
+// (configure() may change it alone after kernels are loaded).
+class PointerChecks {
+ public:
+  explicit PointerChecks(bool on = true) : before_(moejit::config().check_pointers) { set(on); }
+  ~PointerChecks() { set(before_); }
+  PointerChecks(const PointerChecks&) = delete;
+  PointerChecks& operator=(const PointerChecks&) = delete;
+
+ private:
+  static void set(bool on) {
+    RuntimeConfig config = moejit::config();
+    config.check_pointers = on;
+    moejit::configure(config);
+  }
+  bool before_;
+};
+
 // Device memory in the context current at construction.
 class DeviceBuffer {
  public:

@@ -494,7 +494,15 @@ struct DeviceCheckpoint {
     moejit::MoeRepackTarget target;
     target.weights = into != nullptr ? *into : model.weights();
     target.bad_scale_count = static_cast<int32_t*>(bad.data());
-    const moejit_moe_weights c_target = capi_weights(model);
+    moejit_moe_weights c_target = capi_weights(model);
+    if (into != nullptr) {
+      c_target.w13 = into->w13;
+      c_target.w13_scales = into->w13_scales;
+      c_target.w2 = into->w2;
+      c_target.w2_scales = into->w2_scales;
+      c_target.b13 = into->b13;
+      c_target.b2 = into->b2;
+    }
     const auto require_ok = [](const char* call, moejit_status status) {
       INFO(call << ": " << moejit_last_error());
       REQUIRE(status == MOEJIT_OK);

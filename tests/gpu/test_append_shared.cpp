@@ -31,6 +31,7 @@ using moejit::test::AppendData;
 using moejit::test::cu;
 using moejit::test::gpu;
 using moejit::test::make_append_data;
+using moejit::test::PointerChecks;
 using moejit::test::TestStream;
 
 struct GateVariant {
@@ -547,9 +548,7 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
   // With RuntimeConfig::check_pointers, shared logits in plain host memory are refused by name
   // (without it the kernel would read them through an address the GPU can't reach).
   {
-    moejit::RuntimeConfig config = moejit::config();
-    config.check_pointers = true;
-    moejit::configure(config);
+    const PointerChecks checks;
     std::vector<uint16_t> host_logits(static_cast<std::size_t>(c.tokens * c.num_shared));
     DLTensor logits = *data->shared_logits->dl();
     logits.data = host_logits.data();
@@ -557,8 +556,6 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
     args.shared_logits = &logits;
     expect_refused({"shared logits in host memory", {"shared_logits", "memory CUDA does not know"}},
                    args);
-    config.check_pointers = false;
-    moejit::configure(config);
   }
 
   // Nothing above launched: the outputs are still poison.

@@ -963,23 +963,6 @@ namespace {
 
 using Catch::Matchers::Contains;
 
-// RuntimeConfig::check_pointers on for the holder's lifetime (configure() may change it alone
-// after kernels are loaded).
-class PointerChecks {
- public:
-  PointerChecks() { set(true); }
-  ~PointerChecks() { set(false); }
-  PointerChecks(const PointerChecks&) = delete;
-  PointerChecks& operator=(const PointerChecks&) = delete;
-
- private:
-  static void set(bool on) {
-    moejit::RuntimeConfig config = moejit::config();
-    config.check_pointers = on;
-    moejit::configure(config);
-  }
-};
-
 // Device memory of the current device in an address range of its own (cuMemAddressReserve),
 // mapped chunk by chunk (cuMemCreate + cuMemMap), as torch's expandable segments map theirs: one
 // reservation, several physical allocations. At least `bytes`, in at least two chunks.
@@ -1067,6 +1050,7 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
   // FC2's weights in a reservation mapped as several chunks pass, and give the same bits; with
   // the reservation's last chunk unmapped (the weights run into a hole) they are refused.
   ChunkedBuffer chunked(model->w2.bytes());
+  REQUIRE(model->w2.bytes() > chunked.chunk());  // so unmapping the last chunk leaves the first
   INFO("w2 " << model->w2.bytes() << " bytes in " << chunked.size() / chunked.chunk()
              << " chunks of " << chunked.chunk());
   // Placed so the weights end in the reservation's last chunk.
@@ -1083,8 +1067,48 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
   }
   chunked.unmap_last();
   std::string e = expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument);
-  CHECK_THAT(e, Contains("moe_forward: weights.w2: expected memory the kernels reach on device 0"));
+  CHECK_THAT(e, Contains("moe_forward: weights.w2: expected memory mapped on device 0"));
   CHECK_THAT(e, Contains("no memory at its last byte"));
+
+  // Captured into a graph with the output allocated inside the capture (cuMemAllocAsync: an
+  // address, and no memory until the graph runs): the checks pass it, and the graph gives the
+  // eager bits.
+  {
+    CUgraph graph = nullptr;
+    MOEJIT_TEST_CU(cu().cuStreamBeginCapture(stream.get(), CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CUdeviceptr in_graph = 0;
+    std::string failure;
+    const CUresult allocated = cu().cuMemAllocAsync(&in_graph, io.out.bytes(), stream.get());
+    if (allocated == CUDA_SUCCESS) {
+      TensorView out(reinterpret_cast<void*>(static_cast<uintptr_t>(in_graph)), 0,
+                     {tokens, shape.hidden}, dl_bf16());
+      moejit::MoeForwardArgs g = io.args(*model);
+      g.out = out.dl();
+      try {
+        moejit::moe_forward(shape, g, stream.get(), kAuto);
+      } catch (const Error& err) {
+        failure = err.what();
+      }
+      cu().cuMemcpyDtoDAsync(io.out.ptr(), in_graph, io.out.bytes(), stream.get());
+      cu().cuMemFreeAsync(in_graph, stream.get());
+    }
+    const CUresult ended = cu().cuStreamEndCapture(stream.get(), &graph);
+    INFO("cuMemAllocAsync in the capture: " << moejit::detail::describe(allocated));
+    REQUIRE(allocated == CUDA_SUCCESS);
+    INFO("moe_forward in the capture: " << failure);
+    REQUIRE(failure.empty());
+    MOEJIT_TEST_CU(ended);
+    CUgraphExec exec = nullptr;
+    const CUresult instantiated = cu().cuGraphInstantiate(&exec, graph, 0);
+    if (instantiated != CUDA_SUCCESS) cu().cuGraphDestroy(graph);
+    MOEJIT_TEST_CU(instantiated);
+    poison(io.out, stream.get());
+    MOEJIT_TEST_CU(cu().cuGraphLaunch(exec, stream.get()));
+    stream.sync();
+    CHECK(same_bits(io.output(), auto_bits));
+    cu().cuGraphExecDestroy(exec);
+    cu().cuGraphDestroy(graph);
+  }
 
   // The output in pinned host memory passes (the kernels write it over the bus).
   {
@@ -1110,12 +1134,12 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
     moejit::MoeForwardArgs w = io.args(*model);
     w.workspace = host.data() + (256 - reinterpret_cast<uintptr_t>(host.data()) % 256) % 256;
     e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
-    CHECK_THAT(e,
-               Contains("moe_forward: workspace: expected memory the kernels reach on device 0"));
+    CHECK_THAT(e, Contains("moe_forward: workspace: expected memory mapped on device 0"));
     CHECK_THAT(e, Contains("memory CUDA does not know"));
   }
   // FC1's weights starting 4 MiB into their allocation (so running 4 MiB past its end),
   {
+    REQUIRE(model->w13.bytes() > (std::size_t{4} << 20));
     moejit::MoeForwardArgs w = io.args(*model);
     w.weights.w13 = static_cast<char*>(model->w13.data()) + (std::size_t{4} << 20);
     e = expect_refused(io, w, stream.get(), kAuto, ErrorCode::kInvalidArgument);
@@ -1144,6 +1168,7 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
     auto t = allocate_model(shape);
     const DeviceCheckpoint dck(ck);
     ChunkedBuffer short_w2(t->w2.bytes());
+    REQUIRE(t->w2.bytes() > short_w2.chunk());
     short_w2.unmap_last();
     MoeWeights into = t->weights();
     into.w2 = short_w2.data();

@@ -4,7 +4,7 @@
                                          # the binding makes before a call, errors from the C ABI
     python3 test_python_binding.py gpu   # torch on a CUDA GPU: repack and forward against an fp64
                                          # reference; exits 77 (skipped) without one, saying why
-    python3 test_python_binding.py gpu GpuTests.test_name   # one case of a group
+    python3 test_python_binding.py gpu GpuTests.test_name...   # some cases of a group
 
 ctest sets MOEJIT_LIBRARY (the build's libmoejit.so), PYTHONPATH (src/python) and
 MOEJIT_TEST_SOURCE_DIR. Each run uses a fresh kernel cache of its own.
@@ -829,14 +829,39 @@ class GpuTests(unittest.TestCase):
         segments from one reserved range mapped in chunks: the case above must pass as it is,
         in a process of its own (the switch is read when the library starts)."""
         import subprocess
-        case = "GpuTests.test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph"
+        cases = ["GpuTests.test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph",
+                 "GpuTests.test_host_memory_is_refused_under_the_pointer_checks"]
         for conf in ("", "expandable_segments:True"):
             env = dict(os.environ, MOEJIT_CHECK_POINTERS="1", PYTORCH_CUDA_ALLOC_CONF=conf,
                        MOEJIT_TEST_PARENT_CACHE=os.environ["MOEJIT_CACHE_DIR"])
-            run = subprocess.run([sys.executable, os.path.abspath(__file__), "gpu", case],
-                                 env=env, capture_output=True, text=True, timeout=900)
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "gpu"] + cases,
+                                 env=env, capture_output=True, text=True, timeout=250)
             self.assertEqual(run.returncode, 0, (conf, run.stdout + run.stderr))
-            self.assertIn("Ran 1 test", run.stderr, conf)
+            # Both ran, none skipped: the second shows the switch on in the child.
+            self.assertIn("Ran 2 tests", run.stderr, conf)
+            self.assertNotIn("skipped", run.stderr, conf)
+
+    def test_host_memory_is_refused_under_the_pointer_checks(self):
+        """Run by the case above's children, under MOEJIT_CHECK_POINTERS=1 (skipped otherwise): a
+        workspace in host memory that says it is on the GPU is refused by name, before a launch."""
+        if os.environ.get("MOEJIT_CHECK_POINTERS") != "1":
+            self.skipTest("runs in test_torch_memory_passes_the_pointer_checks' children")
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(20261206)
+        e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
+        layer, weights, _ = self.tiny_layer(gen)
+        hidden, ids, topk = self.routed_tokens(gen, 2, h, e, k)
+        size = layer.workspace_bytes(2)
+        host = (ctypes.c_uint8 * (size + 256))()
+        aligned = (ctypes.addressof(host) + 255) // 256 * 256  # the workspace's alignment
+        workspace = FakeTensor([size], device=CUDA, address=aligned)
+        out = torch.full((2, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with self.assertRaises(moejit.InvalidArgument) as refused:
+            layer.forward(hidden, ids, topk, weights, workspace, out)
+        self.assertIn("workspace: expected memory mapped on device", str(refused.exception))
+        self.assertIn("memory CUDA does not know", str(refused.exception))
+        torch.cuda.synchronize()
+        self.assertTrue(bool(out.isnan().all()))  # nothing launched
 
     def check_torch_arguments(self, layer, weights, bound, hidden, ids, topk, workspace, want):
         """The binding fills a DLTensor of its own for each torch argument: the library must read
@@ -1031,16 +1056,16 @@ class GpuTests(unittest.TestCase):
 
 def main(argv):
     groups = {"cpu": (CpuTests, TorchFillTests), "gpu": (GpuTests,)}
-    if len(argv) not in (2, 3) or argv[1] not in groups:
-        print("usage: test_python_binding.py cpu|gpu [Class.test_name]", file=sys.stderr)
+    if len(argv) < 2 or argv[1] not in groups:
+        print("usage: test_python_binding.py cpu|gpu [Class.test_name...]", file=sys.stderr)
         return 2
     if argv[1] == "gpu":
         why = gpu_unavailable()
         if why:
             print("skipped: the GPU group needs torch on a CUDA GPU: " + why)
             return 77
-    if len(argv) == 3:
-        suite = unittest.defaultTestLoader.loadTestsFromName(argv[2], sys.modules[__name__])
+    if len(argv) > 2:
+        suite = unittest.defaultTestLoader.loadTestsFromNames(argv[2:], sys.modules[__name__])
     else:
         suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(group)
                                    for group in groups[argv[1]])

@@ -316,6 +316,7 @@ struct FakeRange {
   bool managed;
   std::uintptr_t hole_start = 0;  // [hole_start, hole_start + hole_size): nothing mapped
   std::size_t hole_size = 0;
+  bool range_known = true;  // else RANGE_START_ADDR and RANGE_SIZE read 0
 };
 std::vector<FakeRange> g_ranges;
 int g_attribute_calls = 0;
@@ -345,10 +346,10 @@ CUresult fake_pointer_attributes(unsigned count, CUpointer_attribute* attributes
         *static_cast<unsigned*>(data[i]) = mapped ? 1u : 0u;
         break;
       case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
-        *static_cast<CUdeviceptr*>(data[i]) = in != nullptr ? in->start : 0;
+        *static_cast<CUdeviceptr*>(data[i]) = in != nullptr && in->range_known ? in->start : 0;
         break;
       case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
-        *static_cast<std::size_t*>(data[i]) = in != nullptr ? in->size : 0;
+        *static_cast<std::size_t*>(data[i]) = in != nullptr && in->range_known ? in->size : 0;
         break;
       default:
         return CUDA_ERROR_INVALID_VALUE;
@@ -358,9 +359,10 @@ CUresult fake_pointer_attributes(unsigned count, CUpointer_attribute* attributes
 }
 
 // The message check_span_memory throws for `span` on device 0 (empty when it throws none).
-std::string span_error(const DriverApi& api, const moejit::detail::Span& span) {
+std::string span_error(const DriverApi& api, const moejit::detail::Span& span,
+                       bool capturing = false) {
   try {
-    moejit::detail::check_span_memory("moe_forward", api, 0, span);
+    moejit::detail::check_span_memory("moe_forward", api, 0, span, capturing);
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kInvalidArgument);
     return e.what();
@@ -379,11 +381,15 @@ TEST_CASE("driver: check_pointers refuses a buffer the kernels can't reach, nami
   g_ranges = {
       {0x10000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, false},  // device 0, 1 MiB
       {0x20000000, 0x100000, CU_MEMORYTYPE_DEVICE, 1, false},  // device 1
-      {0x30000000, 0x100000, CU_MEMORYTYPE_HOST, 0, false},    // pinned host memory
-      {0x40000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, true},   // managed
+      // Pinned host and managed memory, made with device 1 current: reachable from device 0.
+      {0x30000000, 0x100000, CU_MEMORYTYPE_HOST, 1, false},
+      {0x40000000, 0x100000, CU_MEMORYTYPE_DEVICE, 1, true},
       // A reserved range of 4 MiB whose third MiB is not mapped (as torch's expandable
       // segments map chunks into one reservation).
       {0x50000000, 0x400000, CU_MEMORYTYPE_DEVICE, 0, false, 0x50200000, 0x100000},
+      // Device 0's memory right below device 1's.
+      {0x60000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, false},
+      {0x60100000, 0x100000, CU_MEMORYTYPE_DEVICE, 1, false},
   };
   using moejit::detail::Span;
   const auto contains = [](const std::string& text, const std::string& part) {
@@ -407,8 +413,9 @@ TEST_CASE("driver: check_pointers refuses a buffer the kernels can't reach, nami
 
   // Refused, each naming the op, the argument, what it needs and what was found.
   std::string e = span_error(api, Span{"workspace", at(0x7000), 4096});
-  CHECK(contains(e, "moe_forward: workspace: expected memory the kernels reach on device 0"));
-  CHECK(contains(e, "4096 bytes from 0x7000"));
+  CHECK(contains(e,
+                 "moe_forward: workspace: expected memory mapped on device 0 for its 4096 "
+                 "bytes from 0x7000"));
   CHECK(contains(e, "memory CUDA does not know at 0x7000"));
   e = span_error(api, Span{"weights.w2", at(0x20000000), 256});
   CHECK(contains(e, "weights.w2"));
@@ -425,5 +432,22 @@ TEST_CASE("driver: check_pointers refuses a buffer the kernels can't reach, nami
   // Past the reservation itself.
   e = span_error(api, Span{"weights.w2", at(0x50300000), 0x100001});
   CHECK(contains(e, "that ends 1 byte before the buffer does"));
+  // Ending in another device's memory, where the driver reports no range for the first byte
+  // (so no range check): the last byte's own device refuses it.
+  g_ranges[5].range_known = false;
+  e = span_error(api, Span{"out", at(0x600ff000), 0x2000});
+  CHECK(contains(e, "its last byte, 0x60100fff, in device memory of device 1"));
+  // A span wrapping around the address space.
+  e = span_error(api, Span{"hidden", at(0xfffffffffffff000), 0x2000});
+  CHECK(contains(e, "a span that wraps around the address space"));
+
+  // While the stream captures a graph, what has no memory yet (an allocation made in the
+  // capture) passes; what the driver knows is still checked.
+  CHECK(span_error(api, Span{"out", at(0x7000), 4096}, true).empty());
+  CHECK(span_error(api, Span{"weights.w2", at(0x50100000), 0x100001}, true).empty());
+  CHECK(contains(span_error(api, Span{"weights.w2", at(0x20000000), 256}, true),
+                 "device memory of device 1"));
+  CHECK(contains(span_error(api, Span{"weights.w13", at(0x10000010), 0x100000}, true),
+                 "that ends 16 bytes before the buffer does"));
   g_ranges.clear();
 }
