@@ -126,8 +126,9 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
                        " (its first and last byte, within one allocation)",
                    found);
   };
-  if (bytes - 1 > std::numeric_limits<uint64_t>::max() - first)
+  if (bytes - 1 > std::numeric_limits<uint64_t>::max() - first) {
     refuse("a span that wraps around the address space");
+  }
   const uint64_t last = first + bytes - 1;
   // Why unknown or unmapped bytes pass while the stream captures: an allocation made in the
   // capture (cudaMallocAsync, a graph's memory node) has its address but no memory until the
