@@ -1156,6 +1156,19 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       total += static_cast<uint64_t>(instead->st_size);
     }
   };
+  // Removes `file` (c's file, at its path or moved away) and counts it; one already gone leaves
+  // the total uncounted; `note` follows the file's name in a failure's warning.
+  const auto remove_counted = [&](const Candidate& c, const std::string& file,
+                                  const std::string& note) {
+    if (::unlink(file.c_str()) == 0) {
+      total -= c.size;
+      ++report.removed;
+    } else if (errno == ENOENT) {
+      total -= c.size;
+    } else {
+      log().warn("cache gc: cannot remove {}{}: {}", file, note, errno_text(errno));
+    }
+  };
   if (test_hooks().after_gc_scan) test_hooks().after_gc_scan();
   for (const Candidate& c : candidates) {
     if (total <= max_bytes) break;
@@ -1180,14 +1193,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     // Why a plain unlink for a quarantined file: nothing is ever published at its name (each
     // quarantine makes a new one), so no other file can have taken its place since the look.
     if (c.quarantined) {
-      if (::unlink(c.path.c_str()) == 0) {
-        total -= c.size;
-        ++report.removed;
-      } else if (errno == ENOENT) {
-        total -= c.size;
-      } else {
-        log().warn("cache gc: cannot remove {}: {}", c.path, errno_text(errno));
-      }
+      remove_counted(c, c.path, "");
       continue;
     }
     // Why move the entry away first: a fresh entry published at the path between the look above
@@ -1209,15 +1215,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       // which a full disk or quota can refuse (ENOSPC, EDQUOT) where an unlink still frees the
       // entry's space, and freeing space is what gc is for. The instant the rename closes is
       // open again for this entry.
-      if (::unlink(c.path.c_str()) == 0) {
-        total -= c.size;
-        ++report.removed;
-      } else if (errno == ENOENT) {
-        total -= c.size;
-      } else {
-        log().warn("cache gc: cannot remove {}: {} (and cannot move it away: {})", c.path,
-                   errno_text(errno), errno_text(renamed));
-      }
+      remove_counted(c, c.path, " (nor move it away: " + errno_text(renamed) + ")");
       continue;
     }
     struct stat moved {};
@@ -1231,15 +1229,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       continue;
     }
     if (as_scanned(c, moved)) {
-      if (::unlink(away.c_str()) == 0) {
-        total -= c.size;
-        ++report.removed;
-      } else if (errno == ENOENT) {
-        total -= c.size;
-      } else {
-        log().warn("cache gc: cannot remove {} (moved from {}): {}", away, c.path,
-                   errno_text(errno));
-      }
+      remove_counted(c, away, " (moved from " + c.path + ")");
       continue;
     }
     // A fresh entry published at the path, or the entry used, since the look: it goes back, unless
