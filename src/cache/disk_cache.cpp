@@ -43,6 +43,13 @@ constexpr const char* kTempSuffix = ".tmp";
 constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 20;
 constexpr uint64_t kMaxCubinBytes = uint64_t{256} << 20;
 
+// A temp file's path in `dir`: "." + `stem` + ".<pid>.<random>.tmp". Why this form: a name
+// that starts with '.' and ends with ".tmp" is never taken for an entry ("<key>.mjc"), gc removes
+// it once stale, and the pid and random part keep writers apart.
+std::string temp_path(const std::string& dir, const std::string& stem) {
+  return dir + "/." + stem + "." + std::to_string(::getpid()) + "." + random_hex() + kTempSuffix;
+}
+
 CacheTestHooks& test_hooks() {
   static CacheTestHooks hooks;
   return hooks;
@@ -598,8 +605,7 @@ DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mo
   }
   // Why: permissions alone don't tell (root ignores them, a read-only mount overrides them);
   // creating a file is the test that matters.
-  const std::string probe = version_dir_ + "/.probe." + std::to_string(::getpid()) + "." +
-                            random_hex() + kTempSuffix;
+  const std::string probe = temp_path(version_dir_, "probe");
   int error = test_hooks().write_error;
   Fd fd(error != 0 ? -1 : open_file(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600));
   if (!fd.ok()) {
@@ -824,13 +830,10 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
     }
   }
 
-  // Why: the temp name starts with '.' and ends with ".tmp", so nothing that scans for entries
-  // ("<key>.mjc") can mistake it for one; the pid and random part keep writers apart.
   std::string temp;
   int raw_fd = -1;
   for (int attempt = 0; attempt < 4 && raw_fd < 0; ++attempt) {
-    temp = shard + "/." + key + "." + std::to_string(::getpid()) + "." + random_hex() +
-           kTempSuffix;
+    temp = temp_path(shard, key);
     raw_fd = open_file(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
     if (raw_fd < 0 && errno != EEXIST) {
       const int error = errno;
@@ -1202,8 +1205,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
     // anything else goes back (a reader looking meanwhile misses, as it would while the entry is
     // rebuilt). A gc killed in between leaves a temp file that a later gc removes as stale.
     const std::size_t slash = c.path.rfind('/');
-    const std::string away = c.path.substr(0, slash + 1) + "." + c.path.substr(slash + 1) + ".gc." +
-                             std::to_string(::getpid()) + "." + random_hex() + kTempSuffix;
+    const std::string away = temp_path(c.path.substr(0, slash), c.path.substr(slash + 1) + ".gc");
     int renamed = test_hooks().gc_rename_error;
     if (renamed == 0 && ::rename(c.path.c_str(), away.c_str()) != 0) renamed = errno;
     if (renamed == ENOENT) {

@@ -171,14 +171,9 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
       for (const detail::Span& i : inputs) detail::check_disjoint(kOp, o, i);
     }
     if (target.check_pointers) {
-      const detail::DriverApi& api = detail::driver();
-      const bool capturing = detail::stream_capturing_now(api, target.stream.handle);
-      for (const detail::Span& o : outputs) {
-        detail::check_span_memory(kOp, api, device.ordinal, o, capturing);
-      }
-      for (const detail::Span& i : inputs) {
-        detail::check_span_memory(kOp, api, device.ordinal, i, capturing);
-      }
+      const detail::SpanMemoryCheck check(kOp, target);
+      for (const detail::Span& o : outputs) check(o);
+      for (const detail::Span& i : inputs) check(i);
     }
   }
   if (tokens == 0) return;

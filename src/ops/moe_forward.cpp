@@ -225,14 +225,10 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
       detail::check_disjoint(kOp, output, i);
     }
     if (target.check_pointers) {
-      const detail::DriverApi& api = detail::driver();
-      const bool capturing = detail::stream_capturing_now(api, target.stream.handle);
-      for (const detail::Span& span : {scratch, output}) {
-        detail::check_span_memory(kOp, api, device.ordinal, span, capturing);
-      }
-      for (const detail::Span& i : inputs) {
-        detail::check_span_memory(kOp, api, device.ordinal, i, capturing);
-      }
+      const detail::SpanMemoryCheck check(kOp, target);
+      check(scratch);
+      check(output);
+      for (const detail::Span& i : inputs) check(i);
     }
   }
 

@@ -166,13 +166,14 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
   }
 }
 
-bool stream_capturing_now(const DriverApi& api, CUstream stream) {
+SpanMemoryCheck::SpanMemoryCheck(const char* op, const OpTarget& target)
+    : op_(op), api_(driver()), device_(target.device.ordinal) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  const CUresult result = api.cuStreamIsCapturing(stream, &status);
+  const CUresult result = api_.cuStreamIsCapturing(target.stream.handle, &status);
   // The legacy stream while another stream captures in global mode: the driver refuses the
   // question, and a capture is under way.
-  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
-  return result == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE;
+  capturing_ = result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+               (result == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE);
 }
 
 void rethrow_for_op(const char* op) {

@@ -120,10 +120,23 @@ void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel
 // capture has no memory until the graph runs).
 void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span,
                        bool capturing);
-// Whether `stream` is capturing a graph now (the legacy stream during another's global capture
-// counts), for check_span_memory; a stream the driver can't answer for counts as not capturing
-// (the launch then names it).
-bool stream_capturing_now(const DriverApi& api, CUstream stream);
+// check_span_memory for the buffers of one op call on `target`, through the process's driver:
+// whether the call's stream captures a graph is asked once, at construction (the legacy stream
+// during another's global capture counts; a stream the driver can't answer for counts as not
+// capturing, and the launch then names it).
+class SpanMemoryCheck {
+ public:
+  SpanMemoryCheck(const char* op, const OpTarget& target);
+  void operator()(const Span& span) const {
+    check_span_memory(op_, api_, device_, span, capturing_);
+  }
+
+ private:
+  const char* op_;
+  const DriverApi& api_;
+  int device_;
+  bool capturing_;
+};
 
 // `pointer` non-null and aligned to `alignment` bytes, else Error{kInvalidArgument}.
 void check_device_pointer(const char* op, const char* arg, const void* pointer,

@@ -45,10 +45,8 @@ std::string extents(std::initializer_list<int64_t> values) {
 
 struct RepackContext {
   detail::Runtime& runtime;
-  detail::CurrentDevice device;
-  detail::OpStream stream;
+  detail::OpTarget target;  // device, stream, check_pointers
   detail::MoeWeightSizes sizes;
-  bool check_pointers = false;  // RuntimeConfig::check_pointers, for this call
 };
 
 RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarget& target,
@@ -56,9 +54,8 @@ RepackContext begin(const char* op, const ModelShape& shape, const MoeRepackTarg
   const std::string reason = detail::moe_shape_problem(shape);
   if (!reason.empty()) throw Error(ErrorCode::kInvalidDescriptor, std::string(op) + ": " + reason);
   detail::Runtime& runtime = detail::Runtime::instance();
-  const detail::OpTarget on = detail::op_target(op, runtime, stream);
-  RepackContext context{runtime, on.device, on.stream, detail::moe_weight_sizes(shape),
-                        on.check_pointers};
+  RepackContext context{runtime, detail::op_target(op, runtime, stream),
+                        detail::moe_weight_sizes(shape)};
   // Why 16: each thread writes its lane's 16 weight bytes with one store (the scales' 32-bit
   // stores would do with 4), and moe_forward reads all four buffers 16 bytes at a time: a target
   // it would refuse is refused here, before the repack fills it.
@@ -111,15 +108,10 @@ void check_repack_disjoint(const char* op, const RepackContext& context,
     }
     for (const detail::Span& read : reads) detail::check_disjoint(op, read, writes[a]);
   }
-  if (context.check_pointers) {
-    const detail::DriverApi& api = detail::driver();
-    const bool capturing = detail::stream_capturing_now(api, context.stream.handle);
-    for (const detail::Span& write : writes) {
-      detail::check_span_memory(op, api, context.device.ordinal, write, capturing);
-    }
-    for (const detail::Span& read : reads) {
-      detail::check_span_memory(op, api, context.device.ordinal, read, capturing);
-    }
+  if (context.target.check_pointers) {
+    const detail::SpanMemoryCheck check(op, context.target);
+    for (const detail::Span& write : writes) check(write);
+    for (const detail::Span& read : reads) check(read);
   }
 }
 
@@ -135,10 +127,10 @@ RepackLaunch prepare_repack(const char* op, RepackContext& context, bool gate_up
                             const kern::moe::RepackParams& p) {
   RepackLaunch launch;
   launch.spec.family = Family::kRepack;
-  launch.spec.arch = context.device.arch;
+  launch.spec.arch = context.target.device.arch;
   launch.spec.params = detail::moe_repack_params(gate_up);
   const MoeRepackParams& params = std::get<MoeRepackParams>(launch.spec.params);
-  launch.kernel = detail::op_kernel(op, context.runtime, launch.spec, context.stream.handle);
+  launch.kernel = detail::op_kernel(op, context.runtime, launch.spec, context.target.stream.handle);
   const uint64_t threads = static_cast<uint64_t>(p.num_experts) * static_cast<uint64_t>(p.m_atoms) *
                            static_cast<uint64_t>(p.k_atoms) * 32u;
   const uint64_t block = static_cast<uint64_t>(params.block_threads);
@@ -165,7 +157,7 @@ void launch_repacks(const char* op, RepackContext& context, const kern::moe::Rep
     void* args[] = {&launch.params};
     // Why no PDL: repack_mxfp4 does not wait on griddepcontrol; plain stream order it is.
     detail::launch_moe_kernel(op, launch.spec, launch.kernel, launch.geometry, false,
-                              context.stream, args);
+                              context.target.stream, args);
   }
 }
 
@@ -217,7 +209,7 @@ void moe_repack_gpt_oss(const ModelShape& shape, const GptOssCheckpoint& checkpo
                         const MoeRepackTarget& target, Stream stream) {
   const char* op = kGptOssOp;
   RepackContext context = begin(op, shape, target, stream);
-  const int ordinal = context.device.ordinal;
+  const int ordinal = context.target.device.ordinal;
   const int64_t h = shape.hidden;
   const int64_t i = shape.intermediate;
   const std::string w13_text = "[n, 2I, H/32, 16] = " + extents({2 * i, h / 32, 16});
@@ -258,7 +250,7 @@ void moe_repack_separate(const ModelShape& shape, const SeparateCheckpoint& chec
                          const MoeRepackTarget& target, Stream stream) {
   const char* op = kSeparateOp;
   RepackContext context = begin(op, shape, target, stream);
-  const int ordinal = context.device.ordinal;
+  const int ordinal = context.target.device.ordinal;
   const int64_t h = shape.hidden;
   const int64_t i = shape.intermediate;
   const std::string w13_text = "[n, I, H/32, 16] = " + extents({i, h / 32, 16});
