@@ -56,9 +56,10 @@ struct RuntimeConfig {
 // variable there can't be used, the first op or kernel build throws its error, and configure()
 // replaces it.
 void configure(const RuntimeConfig& config);
-// The configuration in use. Not synchronized with configure(): don't call the two from different
-// threads at once (the ops themselves read check_pointers safely while it changes).
-const RuntimeConfig& config();
+// A copy of the configuration in use, taken under the lock configure() writes it under, so any
+// thread may ask while another configures. (Before 0.4.0 this returned a reference, which a
+// concurrent configure() could change under its reader.)
+RuntimeConfig config();
 
 // Shape registry: an engine registers shape files at run time; the CLI uses the same calls.
 // Registration is all-or-nothing per file; a name registered twice is refused.

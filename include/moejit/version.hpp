@@ -6,9 +6,9 @@ namespace moejit {
 // The one place the version is written: CMakeLists.txt reads the four lines below. While the major
 // version is 0, a minor release may change the C++ ABI (and names a new shared-library soname).
 inline constexpr int kVersionMajor = 0;
-inline constexpr int kVersionMinor = 3;
+inline constexpr int kVersionMinor = 4;
 inline constexpr int kVersionPatch = 0;
-inline constexpr const char* kVersionString = "0.3.0";
+inline constexpr const char* kVersionString = "0.4.0";
 
 // The version of the library this process runs, which can differ from the header's kVersionString
 // a program was built against (a shared library replaced under it). Never null.

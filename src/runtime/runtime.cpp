@@ -281,6 +281,11 @@ void Runtime::configure(const RuntimeConfig& config) {
                                                             : "memory");
 }
 
+RuntimeConfig Runtime::config() {
+  std::lock_guard<std::mutex> lock(setup_mutex_);
+  return config_;
+}
+
 std::shared_ptr<KernelStore> Runtime::current_store(RuntimeConfig* config_out) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
   if (environment_error_) throw *environment_error_;
@@ -574,7 +579,7 @@ RuntimeConfig RuntimeConfig::from_environment() {
 
 void configure(const RuntimeConfig& config) { detail::Runtime::instance().configure(config); }
 
-const RuntimeConfig& config() { return detail::Runtime::instance().config(); }
+RuntimeConfig config() { return detail::Runtime::instance().config(); }
 
 BuildResult build_kernel(const KernelSpec& spec) { return detail::Runtime::instance().build(spec); }
 

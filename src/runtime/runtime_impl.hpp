@@ -49,8 +49,8 @@ class Runtime {
  public:
   static Runtime& instance();
 
-  // Not synchronized with configure(): read it from one thread while nothing reconfigures.
-  const RuntimeConfig& config() const { return config_; }
+  // A copy of the configuration, taken under setup_mutex_ (configure() writes it under the same).
+  RuntimeConfig config();
   // Replaces the configuration (empty cache_dir = the environment's), and with it a bad
   // environment's error. Throws Error{kInvalidArgument} once a kernel has been loaded on a GPU,
   // or while another thread is loading one, unless nothing but check_pointers changes.

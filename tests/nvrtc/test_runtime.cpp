@@ -154,6 +154,45 @@ TEST_CASE("runtime: compile, then memory hit, then disk hit in a fresh store", "
   CHECK(moejit::config().cache_mode == CacheMode::kReadWrite);
 }
 
+// config() is a copy taken under the configuration's lock, so a thread may read it while another
+// configures: every copy is one whole configuration (its cache_dir, mode and check_pointers from
+// the same configure() call), never a mix or a string being replaced. Two configurations
+// alternate 20000 times (before any load, so each call replaces every field).
+TEST_CASE("runtime: config() beside configure() on another thread reads whole configurations",
+          "[runtime]") {
+  moejit::test::TempDir dir;
+  moejit::RuntimeConfig a;
+  a.cache_dir = dir.path() + "/a-cache-with-a-name-longer-than-short-string-storage";
+  a.cache_mode = CacheMode::kReadWrite;
+  a.check_pointers = true;
+  moejit::RuntimeConfig b;
+  b.cache_dir = dir.path() + "/b";
+  b.cache_mode = CacheMode::kMemoryOnly;
+  b.check_pointers = false;
+  moejit::configure(a);
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    for (int i = 0; i < 20000; ++i) moejit::configure(i % 2 == 0 ? b : a);
+    done.store(true);
+  });
+  std::size_t reads = 0;
+  std::size_t mixed = 0;
+  while (!done.load()) {
+    const moejit::RuntimeConfig now = moejit::config();
+    const bool is_a = now.cache_dir == a.cache_dir && now.cache_mode == a.cache_mode &&
+                      now.check_pointers == a.check_pointers;
+    const bool is_b = now.cache_dir == b.cache_dir && now.cache_mode == b.cache_mode &&
+                      now.check_pointers == b.check_pointers;
+    if (!is_a && !is_b) ++mixed;
+    ++reads;
+  }
+  writer.join();
+  CHECK(mixed == 0);
+  CHECK(reads > 0);
+  CHECK(moejit::config().cache_dir == a.cache_dir);  // the last call (i = 19999) set a
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+}
+
 // What a forked child (a prefork server, Python multiprocessing) finds: copies of the runtime's
 // mutexes, which another thread of the parent takes in a loop (the key memo, the configuration,
 // the store's table: a memory hit). Each child gets 10 s (SIGALRM) and exits 0 only with the
