@@ -1127,6 +1127,63 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
     CHECK(same_bits(bits, auto_bits));
   }
 
+  // The output in managed memory passes.
+  {
+    CUdeviceptr managed = 0;
+    MOEJIT_TEST_CU(cu().cuMemAllocManaged(&managed, io.out.bytes(), CU_MEM_ATTACH_GLOBAL));
+    TensorView out(reinterpret_cast<void*>(static_cast<uintptr_t>(managed)), 0,
+                   {tokens, shape.hidden}, dl_bf16());
+    moejit::MoeForwardArgs m = io.args(*model);
+    m.out = out.dl();
+    poison(io.out, stream.get());
+    std::string failure;
+    try {
+      moejit::moe_forward(shape, m, stream.get(), kAuto);
+      MOEJIT_TEST_CU(cu().cuMemcpyDtoDAsync(io.out.ptr(), managed, io.out.bytes(), stream.get()));
+    } catch (const Error& err) {
+      failure = err.what();
+    }
+    stream.sync();
+    cu().cuMemFree(managed);
+    INFO("moe_forward with a managed output: " << failure);
+    CHECK(failure.empty());
+    CHECK(same_bits(io.output(), auto_bits));
+  }
+
+  // The hidden rows and the output from the device's stream-ordered pool, outside any capture
+  // (cuMemAllocAsync, as torch's cudaMallocAsync backend allocates), pass: the driver knows
+  // them as live device memory of this device.
+  {
+    CUdeviceptr pooled_hidden = 0;
+    CUdeviceptr pooled_out = 0;
+    MOEJIT_TEST_CU(cu().cuMemAllocAsync(&pooled_hidden, io.hidden.bytes(), stream.get()));
+    MOEJIT_TEST_CU(cu().cuMemAllocAsync(&pooled_out, io.out.bytes(), stream.get()));
+    MOEJIT_TEST_CU(
+        cu().cuMemcpyDtoDAsync(pooled_hidden, io.hidden.ptr(), io.hidden.bytes(), stream.get()));
+    TensorView hidden(reinterpret_cast<void*>(static_cast<uintptr_t>(pooled_hidden)), 0,
+                      {tokens, shape.hidden}, dl_bf16());
+    TensorView out(reinterpret_cast<void*>(static_cast<uintptr_t>(pooled_out)), 0,
+                   {tokens, shape.hidden}, dl_bf16());
+    moejit::MoeForwardArgs p = io.args(*model);
+    p.hidden = hidden.dl();
+    p.out = out.dl();
+    poison(io.out, stream.get());
+    std::string failure;
+    try {
+      moejit::moe_forward(shape, p, stream.get(), kAuto);
+      MOEJIT_TEST_CU(
+          cu().cuMemcpyDtoDAsync(io.out.ptr(), pooled_out, io.out.bytes(), stream.get()));
+    } catch (const Error& err) {
+      failure = err.what();
+    }
+    cu().cuMemFreeAsync(pooled_out, stream.get());
+    cu().cuMemFreeAsync(pooled_hidden, stream.get());
+    stream.sync();
+    INFO("moe_forward on pool allocations: " << failure);
+    CHECK(failure.empty());
+    CHECK(same_bits(io.output(), auto_bits));
+  }
+
   // Refused, named, and nothing launched (the output is still the poison):
   // a workspace in plain host memory,
   {
