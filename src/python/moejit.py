@@ -35,8 +35,8 @@ import sys
 import threading
 
 # The library minor this binding is written for: before 1.0 a minor release may change the ABI,
-# and the shared library's soname carries it (libmoejit.so.0.3).
-ABI = "0.3"
+# and the shared library's soname carries it (libmoejit.so.0.4).
+ABI = "0.4"
 
 __all__ = [
     "ABI", "MoejitError", "InvalidDescriptor", "InvalidArgument", "Unsupported", "CompileFailed",
