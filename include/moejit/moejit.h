@@ -64,6 +64,13 @@ const char* moejit_last_error(void);
  * the version a binding was written for, since the shared library can be replaced under it. */
 const char* moejit_version(void);
 
+/* Turn the pointer checks on (nonzero) or off for the ops' later calls, from any thread, at any
+ * time (moejit::set_check_pointers; MOEJIT_CHECK_POINTERS sets them at start-up): each op then asks
+ * the driver about every buffer it is given before it launches, and refuses memory a kernel
+ * can't reach (README, "Environment variables"). `previous` (may be NULL) receives the setting
+ * before the call, 0 or 1. */
+moejit_status moejit_set_check_pointers(int on, int* previous);
+
 /* Register a shape file; names are then usable by name. */
 moejit_status moejit_register_shapes_file(const char* path);
 

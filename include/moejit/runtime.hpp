@@ -60,6 +60,11 @@ void configure(const RuntimeConfig& config);
 // thread may ask while another configures. (Before 0.4.0 this returned a reference, which a
 // concurrent configure() could change under its reader.)
 RuntimeConfig config();
+// Turns RuntimeConfig::check_pointers on or off for the ops' later calls, from any thread, before
+// or after kernels are loaded; returns the previous setting. Nothing else of the configuration
+// changes, and an unusable environment's error stays (what configure() would replace). The C ABI's
+// moejit_set_check_pointers; MOEJIT_CHECK_POINTERS sets it at start-up.
+bool set_check_pointers(bool on);
 
 // Shape registry: an engine registers shape files at run time; the CLI uses the same calls.
 // Registration is all-or-nothing per file; a name registered twice is refused.

@@ -118,6 +118,13 @@ const char* moejit_last_error(void) {
 
 const char* moejit_version(void) { return moejit::library_version(); }
 
+moejit_status moejit_set_check_pointers(int on, int* previous) {
+  return guarded({}, [&] {
+    const bool was = moejit::set_check_pointers(on != 0);
+    if (previous != nullptr) *previous = was ? 1 : 0;
+  });
+}
+
 moejit_status moejit_register_shapes_file(const char* path) {
   return guarded({}, [&] {
     if (path == nullptr) {

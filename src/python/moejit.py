@@ -41,7 +41,8 @@ ABI = "0.4"
 __all__ = [
     "ABI", "MoejitError", "InvalidDescriptor", "InvalidArgument", "Unsupported", "CompileFailed",
     "CacheCorrupt", "CacheError", "DriverError", "CaptureMiss", "IoError", "InternalError",
-    "PrewarmResult", "MoeLayer", "BoundWeights", "version", "weight_layout_version",
+    "PrewarmResult", "MoeLayer", "BoundWeights", "version", "set_check_pointers",
+    "weight_layout_version",
     "register_shapes_file", "register_shapes", "prewarm", "append_shared",
 ]
 
@@ -196,6 +197,7 @@ def _load():
     signatures = {
         "moejit_last_error": (c_char_p, []),
         "moejit_version": (c_char_p, []),
+        "moejit_set_check_pointers": (c_int, [c_int, ctypes.POINTER(c_int)]),
         "moejit_register_shapes_file": (c_int, [c_char_p]),
         "moejit_register_shapes": (c_int, [c_char_p, c_char_p]),
         "moejit_prewarm": (c_int, [ctypes.POINTER(c_char_p), c_size_t, c_char_p, c_int, _PROGRESS,
@@ -244,6 +246,18 @@ def _check(status):
 def version():
     """The running library's version, "MAJOR.MINOR.PATCH"."""
     return _lib.moejit_version().decode()
+
+
+def set_check_pointers(on):
+    """Turns the library's pointer checks on or off for later calls, from any thread
+    (MOEJIT_CHECK_POINTERS sets them at start-up): each op then asks the driver about every buffer
+    it is given and refuses memory a kernel can't reach, at ~0.25 us a buffer. Returns the
+    previous setting."""
+    if not isinstance(on, bool):
+        raise TypeError("set_check_pointers: on: expected a bool, found " + type(on).__name__)
+    previous = ctypes.c_int(0)
+    _check(_lib.moejit_set_check_pointers(1 if on else 0, ctypes.byref(previous)))
+    return previous.value != 0
 
 
 def weight_layout_version():

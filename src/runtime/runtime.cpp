@@ -286,6 +286,14 @@ RuntimeConfig Runtime::config() {
   return config_;
 }
 
+bool Runtime::set_check_pointers(bool on) {
+  std::lock_guard<std::mutex> lock(setup_mutex_);
+  const bool previous = config_.check_pointers;
+  config_.check_pointers = on;
+  check_pointers_.store(on);
+  return previous;
+}
+
 std::shared_ptr<KernelStore> Runtime::current_store(RuntimeConfig* config_out) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
   if (environment_error_) throw *environment_error_;
@@ -580,6 +588,8 @@ RuntimeConfig RuntimeConfig::from_environment() {
 void configure(const RuntimeConfig& config) { detail::Runtime::instance().configure(config); }
 
 RuntimeConfig config() { return detail::Runtime::instance().config(); }
+
+bool set_check_pointers(bool on) { return detail::Runtime::instance().set_check_pointers(on); }
 
 BuildResult build_kernel(const KernelSpec& spec) { return detail::Runtime::instance().build(spec); }
 

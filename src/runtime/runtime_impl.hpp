@@ -51,6 +51,8 @@ class Runtime {
 
   // A copy of the configuration, taken under setup_mutex_ (configure() writes it under the same).
   RuntimeConfig config();
+  // RuntimeConfig::check_pointers alone, under setup_mutex_; returns the previous setting.
+  bool set_check_pointers(bool on);
   // Replaces the configuration (empty cache_dir = the environment's), and with it a bad
   // environment's error. Throws Error{kInvalidArgument} once a kernel has been loaded on a GPU,
   // or while another thread is loading one, unless nothing but check_pointers changes.

@@ -196,6 +196,88 @@ TEST_CASE("runtime: config() beside configure() on another thread reads whole co
   use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
 }
 
+// Run by the case below in a process of its own started with an unusable MOEJIT_CACHE_MODE:
+// set_check_pointers changes the checks and keeps the environment's error, which the first build
+// still throws (a configure() would have replaced it).
+TEST_CASE("runtime child: set_check_pointers under an unusable environment",
+          "[.][runtime_env_child]") {
+  REQUIRE(std::getenv("MOEJIT_CHECK_POINTERS") == nullptr);
+  int previous = -1;
+  REQUIRE(moejit_set_check_pointers(1, &previous) == MOEJIT_OK);
+  CHECK(previous == 0);
+  CHECK(moejit::config().check_pointers);
+  try {
+    moejit::build_kernel(spec_of(6, 1));
+    FAIL("a kernel was built under MOEJIT_CACHE_MODE=sometimes");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+    CHECK(std::string(e.what()).find("MOEJIT_CACHE_MODE=sometimes") != std::string::npos);
+  }
+}
+
+// set_check_pointers (C: moejit_set_check_pointers) changes check_pointers alone, as the ops read
+// it (Runtime::check_pointers) and as config() reports it, and returns the previous setting.
+TEST_CASE("runtime: set_check_pointers turns the checks on and off and changes nothing else",
+          "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);  // check_pointers off
+  const moejit::RuntimeConfig before = moejit::config();
+  const auto& runtime = moejit::detail::Runtime::instance();
+  CHECK_FALSE(moejit::set_check_pointers(true));
+  CHECK(runtime.check_pointers());
+  const moejit::RuntimeConfig on = moejit::config();
+  CHECK(on.check_pointers);
+  CHECK(on.cache_dir == before.cache_dir);
+  CHECK(on.cache_mode == before.cache_mode);
+  CHECK(on.allow_compile_during_capture == before.allow_compile_during_capture);
+  CHECK(on.line_info == before.line_info);
+  int previous = -1;
+  CHECK(moejit_set_check_pointers(0, &previous) == MOEJIT_OK);
+  CHECK(previous == 1);
+  CHECK_FALSE(runtime.check_pointers());
+  CHECK_FALSE(moejit::config().check_pointers);
+  CHECK(moejit_set_check_pointers(7, nullptr) == MOEJIT_OK);  // any nonzero value is on
+  CHECK(runtime.check_pointers());
+  CHECK(moejit::set_check_pointers(false));
+
+  // In a process whose environment the runtime could not use (the case above).
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (entry.rfind("MOEJIT_CACHE_MODE=", 0) != 0 &&
+        entry.rfind("MOEJIT_CHECK_POINTERS=", 0) != 0) {
+      env_strings.push_back(entry);
+    }
+  }
+  env_strings.push_back("MOEJIT_CACHE_MODE=sometimes");
+  std::vector<char*> envp;
+  for (std::string& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string self = fs::read_symlink("/proc/self/exe").string();
+  std::string tag = "[runtime_env_child]";
+  std::vector<char*> argv = {self.data(), tag.data(), nullptr};
+  const std::string log = dir.path() + "/child.log";
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec.
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    ::execve(self.c_str(), argv.data(), envp.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  const std::string output = moejit::test::read_text(log);
+  INFO("child output:\n" << output);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(output.find("All tests passed") != std::string::npos);  // it ran, and passed
+}
+
 // What a forked child (a prefork server, Python multiprocessing) finds: copies of the runtime's
 // mutexes, which another thread of the parent takes in a loop (the key memo, the configuration,
 // the store's table: a memory hit). Each child gets 10 s (SIGALRM) and exits 0 only with the

@@ -129,6 +129,18 @@ class CpuTests(unittest.TestCase):
         self.assertEqual(moejit.ABI, ".".join(parts[:2]))
         self.assertGreaterEqual(moejit.weight_layout_version(), 1)
 
+    def test_set_check_pointers_returns_the_previous_setting(self):
+        first = moejit.set_check_pointers(True)
+        try:
+            self.assertEqual(first, os.environ.get("MOEJIT_CHECK_POINTERS") == "1")
+            self.assertIs(moejit.set_check_pointers(False), True)
+            self.assertIs(moejit.set_check_pointers(False), False)
+            with self.assertRaises(TypeError) as e:
+                moejit.set_check_pointers(1)
+            self.assertIn("set_check_pointers: on: expected a bool, found int", str(e.exception))
+        finally:
+            moejit.set_check_pointers(first)
+
     def test_registration_errors_name_the_source(self):
         with self.assertRaises(moejit.InvalidDescriptor) as e:
             moejit.register_shapes({"shapes": [TINY]}, "again")
@@ -827,7 +839,7 @@ class GpuTests(unittest.TestCase):
         """With MOEJIT_CHECK_POINTERS=1 every buffer is asked of the driver before a launch.
         torch's tensors are cut from its caching allocator's segments, or with expandable
         segments from one reserved range mapped in chunks: the case above must pass as it is,
-        in a process of its own (the switch is read when the library starts)."""
+        in a process of its own (the variable is read when the library starts)."""
         import subprocess
         cases = ["GpuTests.test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph",
                  "GpuTests.test_host_memory_is_refused_under_the_pointer_checks"]
@@ -842,10 +854,17 @@ class GpuTests(unittest.TestCase):
             self.assertNotIn("skipped=", run.stderr, conf)
 
     def test_host_memory_is_refused_under_the_pointer_checks(self):
-        """Run by the case above's children, under MOEJIT_CHECK_POINTERS=1 (skipped otherwise): a
-        workspace in host memory that says it is on the GPU is refused by name, before a launch."""
-        if os.environ.get("MOEJIT_CHECK_POINTERS") != "1":
-            self.skipTest("runs in test_torch_memory_passes_the_pointer_checks' children")
+        """Under the pointer checks (MOEJIT_CHECK_POINTERS=1 in the case above's children, else
+        turned on here by moejit.set_check_pointers): a workspace in host memory that says it is
+        on the GPU is refused by name, before a launch."""
+        previous = moejit.set_check_pointers(True)
+        try:
+            self.assertEqual(previous, os.environ.get("MOEJIT_CHECK_POINTERS") == "1")
+            self.check_host_workspace_refused()
+        finally:
+            moejit.set_check_pointers(previous)
+
+    def check_host_workspace_refused(self):
         torch = self.torch
         gen = torch.Generator(device="cuda").manual_seed(20261206)
         e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
