@@ -1244,7 +1244,7 @@ GcReport DiskCache::gc(uint64_t max_bytes) const {
       struct stat at_path {};
       replaced(c, ::lstat(c.path.c_str(), &at_path) == 0 ? &at_path : nullptr);
     } else {
-      // ENOENT: another gc removed the moved file meanwhile, as a stale temp file.
+      // ENOENT: the moved file is gone already (another process removed it): nothing goes back.
       if (error != ENOENT) {
         log().warn(
             "cache gc: the entry published at {} or used since its scan could not be moved "

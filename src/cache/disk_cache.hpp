@@ -195,9 +195,10 @@ class DiskCache {
   // An entry is removed only while it is as scanned: one published at its path or used since
   // stays, also when that happens just before the removal (the entry is moved away to a temp name
   // first, and anything else the move took goes back). Not when gc is killed between the move
-  // and the move back, when another gc takes the moved file for a stale temp file, or when the
-  // move fails (a full disk or quota: gc then unlinks the path, to free the space): that entry
-  // is rebuilt by its next user.
+  // and the move back, or when the move fails (a full disk or quota: gc then unlinks the path, to
+  // free the space): that entry is rebuilt by its next user. (Another gc may take a moved file
+  // for a stale temp file, but only one as old as the scan found it, which this gc removes too:
+  // a use or a publish gives the file a fresh mtime.)
   // Throws Error{kCache} unless removals_allowed().
   GcReport gc(uint64_t max_bytes) const;
   // Removes every entry (all schema versions), every quarantined file and older builds' toolkit

@@ -251,8 +251,8 @@ def version():
 def set_check_pointers(on):
     """Turns the library's pointer checks on or off for later calls, from any thread
     (MOEJIT_CHECK_POINTERS sets them at start-up): each op then asks the driver about every buffer
-    it is given and refuses memory a kernel can't reach, at ~0.25 us a buffer. Returns the
-    previous setting."""
+    it is given and refuses memory a kernel can't reach (two driver calls a buffer: a forward
+    took 3.9-5.0 us more on an H100). Returns the previous setting."""
     if not isinstance(on, bool):
         raise TypeError("set_check_pointers: on: expected a bool, found " + type(on).__name__)
     previous = ctypes.c_int(0)

@@ -253,8 +253,7 @@ void Runtime::configure(const RuntimeConfig& config) {
       next.cache_dir == config_.cache_dir && next.cache_mode == config_.cache_mode &&
       next.allow_compile_during_capture == config_.allow_compile_during_capture &&
       next.line_info == config_.line_info) {
-    config_.check_pointers = next.check_pointers;
-    check_pointers_.store(next.check_pointers);
+    store_check_pointers(next.check_pointers);
     return;
   }
   if (gpu_loads_in_flight_ > 0) {
@@ -286,11 +285,15 @@ RuntimeConfig Runtime::config() {
   return config_;
 }
 
+void Runtime::store_check_pointers(bool on) {
+  config_.check_pointers = on;
+  check_pointers_.store(on);
+}
+
 bool Runtime::set_check_pointers(bool on) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
   const bool previous = config_.check_pointers;
-  config_.check_pointers = on;
-  check_pointers_.store(on);
+  store_check_pointers(on);
   return previous;
 }
 

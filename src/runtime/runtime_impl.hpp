@@ -108,6 +108,8 @@ class Runtime {
   CUkernel load_built(const KernelSpec& spec, const Entry& entry, const std::string& key,
                       CUresult* failure);
   CurrentDevice query_device(int ordinal);
+  // config_.check_pointers and its copy for the ops (check_pointers_); setup_mutex_ held.
+  void store_check_pointers(bool on);
 
   RuntimeConfig config_;
   // Why kept, not thrown from the constructor: a bad MOEJIT_* variable must not stop
