@@ -31,17 +31,18 @@ struct RuntimeConfig {
   // Each op call asks the driver about every buffer it is given (tensors, weights, workspace,
   // repack targets) before it launches: cuPointerGetAttributes on each buffer's first and last
   // byte. Memory CUDA does not know (host memory from malloc, memory cuMemFree'd, a wrong
-  // address), another device's memory, a buffer running past the end of its allocation, or an
-  // end in an unmapped hole of a reservation is refused as Error{kInvalidArgument} naming the
-  // argument, instead of faulting in a kernel. Managed memory, pinned host memory and memory
-  // mapped through cuMemMap in chunks (expandable segments) pass. Off by default: two driver
-  // calls per buffer on every call (a forward took 3.9-5.0 us more on an H100). What it can't
-  // see: the inside of an allocation (a tensor a caching allocator cut too small, or took back,
-  // still passes); whether the memory is mapped with access for this device; pageable host
-  // memory that HMM or ATS systems do let kernels read (it is refused). While the stream
-  // captures a graph, a buffer with no memory yet passes (an allocation made in the capture), and
-  // a graph's replays are not checked. The only field configure() may change after kernels are
-  // loaded.
+  // address), another device's memory, a buffer running past the end of its allocation, an end
+  // in an unmapped hole of a reservation, an end mapped without access for this device
+  // (cuMemMap without cuMemSetAccess), or an output, workspace or repack target with an end
+  // mapped read-only is refused as Error{kInvalidArgument} naming the argument, instead of
+  // faulting in a kernel. Managed memory, pinned host memory and memory mapped through cuMemMap
+  // in chunks (expandable segments) pass. Off by default: two driver calls per buffer on every
+  // call (a forward took 3.9-5.0 us more on an H100). What it can't see: the inside of an
+  // allocation (a tensor a caching allocator cut too small, or took back, still passes), and a
+  // hole or a chunk without access between a buffer's two ends; pageable host memory that HMM
+  // or ATS systems do let kernels read (it is refused). While the stream captures a graph, a
+  // buffer with no memory yet passes (an allocation made in the capture), and a graph's replays
+  // are not checked. The only field configure() may change after kernels are loaded.
   bool check_pointers = false;
 
   // The configuration the environment asks for (MOEJIT_CACHE_DIR, MOEJIT_CACHE_MODE, ...).

@@ -172,8 +172,8 @@ void append_shared(const AppendSharedArgs& args, Stream stream) {
     }
     if (target.check_pointers) {
       const detail::SpanMemoryCheck check(kOp, target);
-      for (const detail::Span& o : outputs) check(o);
-      for (const detail::Span& i : inputs) check(i);
+      for (const detail::Span& o : outputs) check.write(o);
+      for (const detail::Span& i : inputs) check.read(i);
     }
   }
   if (tokens == 0) return;

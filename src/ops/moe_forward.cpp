@@ -226,9 +226,9 @@ void moe_forward(const ModelShape& shape, const MoeForwardArgs& args, Stream str
     }
     if (target.check_pointers) {
       const detail::SpanMemoryCheck check(kOp, target);
-      check(scratch);
-      check(output);
-      for (const detail::Span& i : inputs) check(i);
+      check.write(scratch);
+      check.write(output);
+      for (const detail::Span& i : inputs) check.read(i);
     }
   }
 

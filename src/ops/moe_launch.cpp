@@ -69,6 +69,7 @@ struct ByteMemory {
   int ordinal = -1;   // the device it was allocated on or registered with
   bool managed = false;
   bool mapped = false;  // something is mapped at it (else a reserved range's hole)
+  unsigned access = 0;  // CUDA_POINTER_ATTRIBUTE_ACCESS_FLAGS of the current context's device
   CUdeviceptr range_start = 0;
   std::size_t range_size = 0;  // the allocation's, or the reserved address range's
 };
@@ -77,7 +78,8 @@ ByteMemory byte_memory(const DriverApi& api, const char* op, const char* arg, CU
   CUpointer_attribute asked[] = {
       CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
       CU_POINTER_ATTRIBUTE_IS_MANAGED,       CU_POINTER_ATTRIBUTE_MAPPED,
-      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+      CU_POINTER_ATTRIBUTE_ACCESS_FLAGS};
   constexpr unsigned kCount = sizeof(asked) / sizeof(asked[0]);
   // Why 8 zeroed bytes each: the attributes are 4-byte ints and bools or 8-byte addresses and
   // sizes, and one the driver leaves unset must read as 0.
@@ -98,6 +100,7 @@ ByteMemory byte_memory(const DriverApi& api, const char* op, const char* arg, CU
   m.mapped = (value[3] & 0xffffffffu) != 0;
   m.range_start = static_cast<CUdeviceptr>(value[4]);
   m.range_size = static_cast<std::size_t>(value[5]);
+  m.access = static_cast<unsigned>(value[6] & 0xffffffffu);
   return m;
 }
 
@@ -114,7 +117,7 @@ std::string address_text(uint64_t address) {
 }  // namespace
 
 void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span,
-                       bool capturing) {
+                       SpanUse use, bool capturing) {
   if (span.bytes <= 0 || span.data == nullptr) return;
   const uint64_t first = reinterpret_cast<uintptr_t>(span.data);
   const uint64_t bytes = static_cast<uint64_t>(span.bytes);
@@ -123,7 +126,8 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
     throw_argument(op, span.arg,
                    "memory mapped on device " + std::to_string(device) + " for its " +
                        bytes_text(bytes) + " from " + address_text(first) +
-                       " (its first and last byte, within one allocation)",
+                       " (its first and last byte, within one allocation, " +
+                       (use == SpanUse::kWrite ? "read-write" : "readable") + " for it)",
                    found);
   };
   if (bytes - 1 > std::numeric_limits<uint64_t>::max() - first) {
@@ -133,10 +137,10 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
   // Why unknown or unmapped bytes pass while the stream captures: an allocation made in the
   // capture (cudaMallocAsync, a graph's memory node) has its address but no memory until the
   // graph runs. What the driver does know is still checked.
-  const auto unreachable = [&](const ByteMemory& m) {
-    if (capturing) return false;
+  const auto no_memory = [](const ByteMemory& m) {
     return m.type == 0 || (m.type == CU_MEMORYTYPE_DEVICE && !m.managed && !m.mapped);
   };
+  const auto unreachable = [&](const ByteMemory& m) { return !capturing && no_memory(m); };
   const auto other_device = [&](const ByteMemory& m) {
     return m.type == CU_MEMORYTYPE_DEVICE && !m.managed && m.ordinal != device;
   };
@@ -149,6 +153,27 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
                : "no memory mapped at " + address_text(first) + " (a hole in a reserved range)");
   }
   if (other_device(head)) refuse("device memory of device " + std::to_string(head.ordinal));
+  // What an end's access flags refuse. Why only where there is memory: the driver reports no
+  // access for bytes it does not know or that nothing is mapped at, which get here only while
+  // capturing. Why each end: a reservation's chunks are mapped, and given access, one by one.
+  enum class Access { kOk, kNone, kReadOnly };
+  const auto access_of = [&](const ByteMemory& m) {
+    if (no_memory(m)) return Access::kOk;
+    if ((m.access & CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ) == 0) return Access::kNone;
+    if (use == SpanUse::kWrite && m.access != CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE) {
+      return Access::kReadOnly;
+    }
+    return Access::kOk;
+  };
+  const auto access_text = [&](Access access) {
+    const std::string of = "device " + std::to_string(device);
+    return access == Access::kNone
+               ? "mapped without access for " + of + " (cuMemSetAccess gave it none)"
+               : "mapped read-only for " + of + ", for a buffer the kernels write";
+  };
+  if (const Access access = access_of(head); access != Access::kOk) {
+    refuse("memory at " + address_text(first) + " " + access_text(access));
+  }
   if (head.range_size > 0 &&
       (first < head.range_start || bytes > head.range_start + head.range_size - first)) {
     const uint64_t end = head.range_start + head.range_size;
@@ -162,6 +187,9 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
     if (other_device(tail)) {
       refuse("its last byte, " + address_text(last) + ", in device memory of device " +
              std::to_string(tail.ordinal));
+    }
+    if (const Access access = access_of(tail); access != Access::kOk) {
+      refuse("its last byte, " + address_text(last) + ", in memory " + access_text(access));
     }
   }
 }

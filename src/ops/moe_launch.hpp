@@ -108,18 +108,23 @@ void launch_moe_kernel(const char* op, const KernelSpec& spec, CUkernel kernel,
 void ensure_dynamic_smem(const char* op, const KernelSpec& spec, CUkernel kernel, int device,
                          int bytes, bool max_carveout = false);
 
+// Whether the kernels only read a buffer or also write it (outputs, workspaces, repack targets).
+enum class SpanUse { kRead, kWrite };
+
 // RuntimeConfig::check_pointers: `span` (unless empty) must be memory the driver has mapped on
 // device `device` at its first and last byte, within one allocation (or one cuMemAddressReserve
-// range), as cuPointerGetAttributes reports those two bytes (one call each, through `api`).
+// range), with access for `device` at both ends (read-write where `use` is kWrite), as
+// cuPointerGetAttributes reports those two bytes (one call each, through `api`).
 // Refused, as Error{kInvalidArgument} "<op>: <arg>: expected ..., found ...": memory CUDA does not
 // know (host memory from malloc, memory cuMemFree'd, wrong addresses), device memory of another
-// device at either end, a span running past the end of its allocation or range, or either end in
-// an unmapped hole of a reservation. Managed and pinned host memory pass. It can't see inside an
-// allocation: a tensor a caching allocator cut too small, or one it has taken back, passes. While
-// the stream `capturing` a graph, unknown and unmapped bytes pass (an allocation made in the
-// capture has no memory until the graph runs).
+// device at either end, a span running past the end of its allocation or range, either end in
+// an unmapped hole of a reservation, either end mapped without access for `device` (cuMemMap
+// without cuMemSetAccess), or a written span with an end mapped read-only. Managed and pinned
+// host memory pass. It can't see inside an allocation: a tensor a caching allocator cut too
+// small, or one it has taken back, passes. While the stream `capturing` a graph, unknown and
+// unmapped bytes pass (an allocation made in the capture has no memory until the graph runs).
 void check_span_memory(const char* op, const DriverApi& api, int device, const Span& span,
-                       bool capturing);
+                       SpanUse use, bool capturing);
 // check_span_memory for the buffers of one op call on `target`, through the process's driver:
 // whether the call's stream captures a graph is asked once, at construction (the legacy stream
 // during another's global capture counts; a stream the driver can't answer for counts as not
@@ -127,8 +132,13 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
 class SpanMemoryCheck {
  public:
   SpanMemoryCheck(const char* op, const OpTarget& target);
-  void operator()(const Span& span) const {
-    check_span_memory(op_, api_, device_, span, capturing_);
+  // A buffer the kernels only read.
+  void read(const Span& span) const {
+    check_span_memory(op_, api_, device_, span, SpanUse::kRead, capturing_);
+  }
+  // A buffer the kernels write (and may read).
+  void write(const Span& span) const {
+    check_span_memory(op_, api_, device_, span, SpanUse::kWrite, capturing_);
   }
 
  private:

@@ -110,8 +110,8 @@ void check_repack_disjoint(const char* op, const RepackContext& context,
   }
   if (context.target.check_pointers) {
     const detail::SpanMemoryCheck check(op, context.target);
-    for (const detail::Span& write : writes) check(write);
-    for (const detail::Span& read : reads) check(read);
+    for (const detail::Span& write : writes) check.write(write);
+    for (const detail::Span& read : reads) check.read(read);
   }
 }
 

@@ -965,10 +965,11 @@ using Catch::Matchers::Contains;
 
 // Device memory of the current device in an address range of its own (cuMemAddressReserve),
 // mapped chunk by chunk (cuMemCreate + cuMemMap), as torch's expandable segments map theirs: one
-// reservation, several physical allocations. At least `bytes`, in at least two chunks.
+// reservation, several physical allocations. At least `bytes`, in at least two chunks. With
+// `access` false the device is given no access to it (no cuMemSetAccess).
 class ChunkedBuffer {
  public:
-  explicit ChunkedBuffer(std::size_t bytes) {
+  explicit ChunkedBuffer(std::size_t bytes, bool access = true) {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = current_device_ordinal();
@@ -983,10 +984,7 @@ class ChunkedBuffer {
       handles_.push_back(handle);
       MOEJIT_TEST_CU(cu().cuMemMap(base_ + c * chunk_, chunk_, 0, handle, 0));
     }
-    CUmemAccessDesc access{};
-    access.location = prop_.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    MOEJIT_TEST_CU(cu().cuMemSetAccess(base_, size_, &access, 1));
+    if (access) MOEJIT_TEST_CU(set_access(CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
   }
   ~ChunkedBuffer() {
     for (std::size_t c = 0; c < handles_.size(); ++c) {
@@ -1003,6 +1001,13 @@ class ChunkedBuffer {
     MOEJIT_TEST_CU(cu().cuMemUnmap(base_ + (handles_.size() - 1) * chunk_, chunk_));
     MOEJIT_TEST_CU(cu().cuMemRelease(handles_.back()));
     handles_.pop_back();
+  }
+  // The device's access to the whole reservation.
+  CUresult set_access(CUmemAccess_flags flags) {
+    CUmemAccessDesc access{};
+    access.location = prop_.location;
+    access.flags = flags;
+    return cu().cuMemSetAccess(base_, size_, &access, 1);
   }
   CUdeviceptr ptr() const { return base_; }
   void* data() const { return reinterpret_cast<void*>(static_cast<uintptr_t>(base_)); }
@@ -1069,6 +1074,54 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
   std::string e = expect_refused(io, a, stream.get(), kAuto, ErrorCode::kInvalidArgument);
   CHECK_THAT(e, Contains("moe_forward: weights.w2: expected memory mapped on device 0"));
   CHECK_THAT(e, Contains("no memory at its last byte"));
+
+  // The device's access, as the driver reports it for a byte (what the checks ask).
+  const auto access_at = [](CUdeviceptr address) {
+    unsigned flags = 0xFFu;
+    MOEJIT_TEST_CU(cu().cuPointerGetAttribute(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, address));
+    return flags;
+  };
+  // FC2's weights in a reservation this device may only read pass, and give the same bits; the
+  // output there is refused. Why the driver's flags are asked first: a write the checks let
+  // through would fault the context and every test after this one.
+  {
+    ChunkedBuffer read_only(model->w2.bytes());
+    MOEJIT_TEST_CU(
+        cu().cuMemcpyDtoDAsync(read_only.ptr(), model->w2.ptr(), model->w2.bytes(), stream.get()));
+    stream.sync();
+    const CUresult downgraded = read_only.set_access(CU_MEM_ACCESS_FLAGS_PROT_READ);
+    if (downgraded != CUDA_SUCCESS) {
+      WARN("read-only mappings not tested: cuMemSetAccess(PROT_READ) gave "
+           << moejit::detail::describe(downgraded));
+    } else {
+      REQUIRE(access_at(read_only.ptr()) == CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ);
+      moejit::MoeForwardArgs r = io.args(*model);
+      r.weights.w2 = read_only.data();
+      poison(io.out, stream.get());
+      moejit::moe_forward(shape, r, stream.get(), kAuto);
+      stream.sync();
+      CHECK(same_bits(io.output(), auto_bits));
+      TensorView out(read_only.data(), 0, {tokens, shape.hidden}, dl_bf16());
+      moejit::MoeForwardArgs o = io.args(*model);
+      o.out = out.dl();
+      e = expect_refused(io, o, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+      CHECK_THAT(e, Contains("moe_forward: out: expected memory mapped on device 0"));
+      CHECK_THAT(e, Contains("read-write for it"));
+      CHECK_THAT(e, Contains("mapped read-only for device 0, for a buffer the kernels write"));
+    }
+  }
+  // A reservation mapped without access for this device is refused as an input.
+  {
+    ChunkedBuffer no_access(model->w2.bytes(), false);
+    const unsigned flags = access_at(no_access.ptr());
+    INFO("access flags of a mapping given no access: " << flags);
+    REQUIRE(flags == CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE);
+    moejit::MoeForwardArgs n = io.args(*model);
+    n.weights.w2 = no_access.data();
+    e = expect_refused(io, n, stream.get(), kAuto, ErrorCode::kInvalidArgument);
+    CHECK_THAT(e, Contains("moe_forward: weights.w2: expected memory mapped on device 0"));
+    CHECK_THAT(e, Contains("mapped without access for device 0"));
+  }
 
   // Captured into a graph with the output allocated inside the capture (cuMemAllocAsync: an
   // address, and no memory until the graph runs): the checks pass it, and the graph gives the

@@ -317,6 +317,11 @@ struct FakeRange {
   std::uintptr_t hole_start = 0;  // [hole_start, hole_start + hole_size): nothing mapped
   std::size_t hole_size = 0;
   bool range_known = true;  // else RANGE_START_ADDR and RANGE_SIZE read 0
+  unsigned access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE;  // device 0's, where mapped
+  // [read_only_start, read_only_start + read_only_size): mapped read-only for device 0 (one
+  // chunk of a reservation given less access than the rest)
+  std::uintptr_t read_only_start = 0;
+  std::size_t read_only_size = 0;
 };
 std::vector<FakeRange> g_ranges;
 int g_attribute_calls = 0;
@@ -351,6 +356,16 @@ CUresult fake_pointer_attributes(unsigned count, CUpointer_attribute* attributes
       case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
         *static_cast<std::size_t*>(data[i]) = in != nullptr && in->range_known ? in->size : 0;
         break;
+      case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: {
+        // Bytes the driver does not know, or nothing is mapped at, have no access.
+        unsigned access = mapped ? in->access : 0u;
+        if (mapped && address >= in->read_only_start &&
+            address - in->read_only_start < in->read_only_size) {
+          access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ;
+        }
+        *static_cast<unsigned*>(data[i]) = access;
+        break;
+      }
       default:
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -360,9 +375,10 @@ CUresult fake_pointer_attributes(unsigned count, CUpointer_attribute* attributes
 
 // The message check_span_memory throws for `span` on device 0 (empty when it throws none).
 std::string span_error(const DriverApi& api, const moejit::detail::Span& span,
-                       bool capturing = false) {
+                       bool capturing = false,
+                       moejit::detail::SpanUse use = moejit::detail::SpanUse::kRead) {
   try {
-    moejit::detail::check_span_memory("moe_forward", api, 0, span, capturing);
+    moejit::detail::check_span_memory("moe_forward", api, 0, span, use, capturing);
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kInvalidArgument);
     return e.what();
@@ -449,5 +465,64 @@ TEST_CASE("driver: check_pointers refuses a buffer the kernels can't reach, nami
                  "device memory of device 1"));
   CHECK(contains(span_error(api, Span{"weights.w13", at(0x10000010), 0x100000}, true),
                  "that ends 16 bytes before the buffer does"));
+  g_ranges.clear();
+}
+
+TEST_CASE("driver: check_pointers refuses memory mapped without access, or read-only for outputs",
+          "[driver]") {
+  DriverApi api;
+  api.cuPointerGetAttributes = &fake_pointer_attributes;
+  FakeRange read_only{0x10000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, false};
+  read_only.access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ;
+  FakeRange no_access{0x20000000, 0x100000, CU_MEMORYTYPE_DEVICE, 0, false};
+  no_access.access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE;
+  // A reservation of 4 MiB whose last MiB device 0 may only read.
+  FakeRange last_read_only{0x30000000, 0x400000, CU_MEMORYTYPE_DEVICE, 0, false};
+  last_read_only.read_only_start = 0x30300000;
+  last_read_only.read_only_size = 0x100000;
+  // Pinned host memory read-only for the device (cuMemHostRegister's READ_ONLY flag).
+  FakeRange host_read_only{0x40000000, 0x100000, CU_MEMORYTYPE_HOST, 0, false};
+  host_read_only.access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ;
+  g_ranges = {read_only, no_access, last_read_only, host_read_only};
+  using moejit::detail::Span;
+  using moejit::detail::SpanUse;
+  const auto contains = [](const std::string& text, const std::string& part) {
+    INFO(text);
+    return text.find(part) != std::string::npos;
+  };
+  const auto write_error = [&](const Span& span, bool capturing = false) {
+    return span_error(api, span, capturing, SpanUse::kWrite);
+  };
+
+  // Read-only memory serves a buffer the kernels only read, not one they write.
+  CHECK(span_error(api, Span{"weights.w13", at(0x10000000), 0x100000}).empty());
+  CHECK(span_error(api, Span{"weights.w13", at(0x40000000), 0x1000}).empty());
+  std::string e = write_error(Span{"out", at(0x10000000), 0x1000});
+  CHECK(contains(e,
+                 "moe_forward: out: expected memory mapped on device 0 for its 4096 bytes from "
+                 "0x10000000 (its first and last byte, within one allocation, read-write for "
+                 "it), found memory at 0x10000000 mapped read-only for device 0, for a buffer "
+                 "the kernels write"));
+  CHECK(contains(write_error(Span{"out", at(0x40000000), 0x1000}), "mapped read-only"));
+  // No access at all: refused whichever way the kernels use it.
+  e = span_error(api, Span{"weights.w2", at(0x20000000), 0x1000});
+  CHECK(contains(e, "(its first and last byte, within one allocation, readable for it)"));
+  CHECK(contains(e,
+                 "found memory at 0x20000000 mapped without access for device 0 "
+                 "(cuMemSetAccess gave it none)"));
+  CHECK(contains(write_error(Span{"workspace", at(0x20000000), 0x1000}),
+                 "mapped without access for device 0"));
+  // A reservation's ends are asked one by one: a span ending in its read-only chunk is refused
+  // as an output by its last byte, and passes as an input; one ending before that chunk passes.
+  CHECK(write_error(Span{"out", at(0x30000000), 0x300000}).empty());
+  e = write_error(Span{"out", at(0x30200000), 0x100001});
+  CHECK(contains(e, "found its last byte, 0x30300000, in memory mapped read-only for device 0"));
+  CHECK(span_error(api, Span{"hidden", at(0x30200000), 0x100001}).empty());
+  // While capturing: bytes with no memory yet still pass as outputs (they report no access),
+  // and what the driver knows is still checked.
+  CHECK(write_error(Span{"out", at(0x7000), 4096}, true).empty());
+  CHECK(contains(write_error(Span{"out", at(0x10000000), 0x1000}, true), "mapped read-only"));
+  CHECK(
+      contains(span_error(api, Span{"hidden", at(0x20000000), 16}, true), "mapped without access"));
   g_ranges.clear();
 }
