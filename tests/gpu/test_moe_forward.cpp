@@ -1075,10 +1075,12 @@ TEST_CASE("moe_forward: check_pointers refuses buffers the kernels can't reach, 
   CHECK_THAT(e, Contains("moe_forward: weights.w2: expected memory mapped on device 0"));
   CHECK_THAT(e, Contains("no memory at its last byte"));
 
-  // The device's access, as the driver reports it for a byte (what the checks ask).
+  // The device's access, as the driver reports it for a byte (the call the checks make).
   const auto access_at = [](CUdeviceptr address) {
     unsigned flags = 0xFFu;
-    MOEJIT_TEST_CU(cu().cuPointerGetAttribute(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, address));
+    CUpointer_attribute asked = CU_POINTER_ATTRIBUTE_ACCESS_FLAGS;
+    void* data = &flags;
+    MOEJIT_TEST_CU(cu().cuPointerGetAttributes(1, &asked, &data, address));
     return flags;
   };
   // FC2's weights in a reservation this device may only read pass, and give the same bits; the
