@@ -483,7 +483,10 @@ TEST_CASE("driver: check_pointers refuses memory mapped without access, or read-
   // Pinned host memory read-only for the device (cuMemHostRegister's READ_ONLY flag).
   FakeRange host_read_only{0x40000000, 0x100000, CU_MEMORYTYPE_HOST, 0, false};
   host_read_only.access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ;
-  g_ranges = {read_only, no_access, last_read_only, host_read_only};
+  // Pinned host memory this device has no access to (the hint is for device memory only).
+  FakeRange host_no_access{0x50000000, 0x100000, CU_MEMORYTYPE_HOST, 0, false};
+  host_no_access.access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE;
+  g_ranges = {read_only, no_access, last_read_only, host_read_only, host_no_access};
   using moejit::detail::Span;
   using moejit::detail::SpanUse;
   const auto contains = [](const std::string& text, const std::string& part) {
@@ -509,9 +512,12 @@ TEST_CASE("driver: check_pointers refuses memory mapped without access, or read-
   CHECK(contains(e, "(its first and last byte, within one allocation, readable for it)"));
   CHECK(contains(e,
                  "found memory at 0x20000000 mapped without access for device 0 "
-                 "(cuMemSetAccess gave it none)"));
+                 "(cuMemMap'd, and cuMemSetAccess gave it none)"));
   CHECK(contains(write_error(Span{"workspace", at(0x20000000), 0x1000}),
                  "mapped without access for device 0"));
+  e = span_error(api, Span{"hidden", at(0x50000000), 0x1000});
+  CHECK(contains(e, "found memory at 0x50000000 mapped without access for device 0"));
+  CHECK(!contains(e, "cuMemSetAccess"));
   // A reservation's ends are asked one by one: a span ending in its read-only chunk is refused
   // as an output by its last byte, and passes as an input; one ending before that chunk passes.
   CHECK(write_error(Span{"out", at(0x30000000), 0x300000}).empty());
