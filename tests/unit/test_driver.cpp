@@ -480,7 +480,7 @@ TEST_CASE("driver: check_pointers refuses memory mapped without access, or read-
   FakeRange last_read_only{0x30000000, 0x400000, CU_MEMORYTYPE_DEVICE, 0, false};
   last_read_only.read_only_start = 0x30300000;
   last_read_only.read_only_size = 0x100000;
-  // Pinned host memory read-only for the device (cuMemHostRegister's READ_ONLY flag).
+  // Pinned host memory the device may only read (as cuMemHostRegister's READ_ONLY flag asks).
   FakeRange host_read_only{0x40000000, 0x100000, CU_MEMORYTYPE_HOST, 0, false};
   host_read_only.access = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ;
   // Pinned host memory this device has no access to (the hint is for device memory only).
