@@ -156,27 +156,25 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
   // What an end's access flags refuse. Why only where there is memory: the driver reports no
   // access for bytes it does not know or that nothing is mapped at, which get here only while
   // capturing. Why each end: a reservation's chunks are mapped, and given access, one by one.
-  enum class Access { kOk, kNone, kNoneDevice, kReadOnly };
+  enum class Access { kOk, kNone, kReadOnly };
   const auto access_of = [&](const ByteMemory& m) {
     if (no_memory(m)) return Access::kOk;
-    if ((m.access & CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ) == 0) {
-      return m.type == CU_MEMORYTYPE_DEVICE ? Access::kNoneDevice : Access::kNone;
-    }
+    if ((m.access & CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ) == 0) return Access::kNone;
     if (use == SpanUse::kWrite && m.access != CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE) {
       return Access::kReadOnly;
     }
     return Access::kOk;
   };
-  const auto access_text = [&](Access access) {
+  const auto access_text = [&](const ByteMemory& m, Access access) {
     const std::string of = "device " + std::to_string(device);
     if (access == Access::kReadOnly) {
       return "mapped read-only for " + of + ", for a buffer the kernels write";
     }
     return "mapped without access for " + of +
-           (access == Access::kNoneDevice ? " (cuMemMap'd, and cuMemSetAccess gave it none)" : "");
+           (m.type == CU_MEMORYTYPE_DEVICE ? " (cuMemMap'd, and cuMemSetAccess gave it none)" : "");
   };
   if (const Access access = access_of(head); access != Access::kOk) {
-    refuse("memory at " + address_text(first) + " " + access_text(access));
+    refuse("memory at " + address_text(first) + " " + access_text(head, access));
   }
   if (head.range_size > 0 &&
       (first < head.range_start || bytes > head.range_start + head.range_size - first)) {
@@ -193,7 +191,7 @@ void check_span_memory(const char* op, const DriverApi& api, int device, const S
              std::to_string(tail.ordinal));
     }
     if (const Access access = access_of(tail); access != Access::kOk) {
-      refuse("its last byte, " + address_text(last) + ", in memory " + access_text(access));
+      refuse("its last byte, " + address_text(last) + ", in memory " + access_text(tail, access));
     }
   }
 }
