@@ -1044,6 +1044,15 @@ inline bool same_bits(const std::vector<uint16_t>& a, const std::vector<uint16_t
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 2) == 0;
 }
 
+// The first byte offset where a and b differ (the shorter one's size where one is a prefix of the
+// other), or -1 where they are equal. Why not `a == b` in a CHECK: Catch2 prints both operands,
+// and a buffer of megabytes as text takes minutes.
+inline int64_t first_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  const auto diff = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+  if (diff.first == a.end() && diff.second == b.end()) return -1;
+  return diff.first - a.begin();
+}
+
 // One call with `args` (io's tensors, perhaps altered) that must throw Error{code} before
 // anything runs: io's output is poisoned first and still the poison after the stream drains.
 // Returns the message.
