@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -1469,14 +1470,19 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
 
 namespace {
 
+// The variable run_child_case sets to the tag of the hidden case it starts.
+constexpr const char* kChildCaseVariable = "MOEJIT_TEST_CHILD_CASE";
+
 // Runs this test binary's hidden case `tag` in a process of its own, under `timeout` (a hang
-// ends there): its output and its exit status (as waitpid gives it).
+// ends there), with kChildCaseVariable set to `tag`: its output and its exit status (as waitpid
+// gives it).
 std::string run_child_case(const std::string& tag, int timeout_s, int* status) {
   char self[4096] = {};
   const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
   REQUIRE(length > 0);
-  const std::string command =
-      "timeout " + std::to_string(timeout_s) + " '" + std::string(self) + "' '[" + tag + "]' 2>&1";
+  const std::string command = std::string(kChildCaseVariable) + "='" + tag + "' timeout " +
+                              std::to_string(timeout_s) + " '" + std::string(self) + "' '[" + tag +
+                              "]' 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   REQUIRE(pipe != nullptr);
   std::string output;
@@ -1484,6 +1490,19 @@ std::string run_child_case(const std::string& tag, int timeout_s, int* status) {
   while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
   *status = pclose(pipe);
   return output;
+}
+
+// Whether the hidden case `tag` runs as `parent`'s child (run_child_case). Why ask: a test spec
+// that names a hidden case runs it in the caller's process, where the repack child finds its
+// kernel already loaded (no capture miss: a false failure) and the trap child ends the process
+// with status 0 before the cases after it run (a run that reads as passed). Started any other
+// way, the case skips with a warning that names its parent.
+bool started_by_parent(const char* tag, const char* parent) {
+  const char* value = std::getenv(kChildCaseVariable);
+  if (value != nullptr && std::string(value) == tag) return true;
+  WARN("SKIPPED: the hidden case [" << tag << "] is the child half of \"" << parent
+                                    << "\", which runs it in a process of its own; run that case");
+  return false;
 }
 
 // A gpt-oss layout of two experts small enough to repack in a moment (H = 160, I = 96: K not a
@@ -1585,6 +1604,10 @@ TEST_CASE("moe repack: overlapping buffers and too many experts are refused, nam
 // line with what it found; outside a capture the same call then repacks.
 TEST_CASE("moe repack (child process): a capture miss on FC2's kernel launches nothing",
           "[.][repack_capture_child]") {
+  if (!started_by_parent("repack_capture_child",
+                         "moe repack: a capture miss on the second kernel launches neither")) {
+    return;
+  }
   gpu();
   TestStream stream;
   moejit::detail::Runtime& runtime = moejit::detail::Runtime::instance();
@@ -1857,6 +1880,11 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
 // after the limit; 3: anything else), so no destructor touches the dead context.
 TEST_CASE("moe_forward (child process): FC2 waiting for a count that never comes traps",
           "[.][wait_trap_child]") {
+  if (!started_by_parent("wait_trap_child",
+                         "moe_forward: a wait that can never end fails the launch instead of "
+                         "hanging")) {
+    return;
+  }
   gpu();
   TestStream stream;
   MOEJIT_TEST_SEEDED_RNG(seed, rng);

@@ -239,6 +239,15 @@ TEST_CASE("runtime: config() beside configure() on another thread reads whole co
 // still throws (a configure() would have replaced it).
 TEST_CASE("runtime child: set_check_pointers under an unusable environment",
           "[.][runtime_env_child]") {
+  // Why skip otherwise: named by a test spec in another process, the case would turn that
+  // process's pointer checks on and fail for want of the environment it is about.
+  const char* mode = std::getenv("MOEJIT_CACHE_MODE");
+  if (mode == nullptr || std::string(mode) != "sometimes") {
+    WARN(
+        "SKIPPED: the hidden case [runtime_env_child] runs only in the process its parent case "
+        "starts with MOEJIT_CACHE_MODE=sometimes; run that case");
+    return;
+  }
   REQUIRE(std::getenv("MOEJIT_CHECK_POINTERS") == nullptr);
   int previous = -1;
   REQUIRE(moejit_set_check_pointers(1, &previous) == MOEJIT_OK);
@@ -289,8 +298,10 @@ TEST_CASE("runtime: set_check_pointers turns the checks on and off and changes n
   INFO("child output:\n" << output);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
-  // It ran (Catch2 exits 0 when no test matches), and passed.
+  // It ran (Catch2 exits 0 when no test matches, and the case skips without its environment),
+  // and passed.
   CHECK(output.find("Passed 1 test case") != std::string::npos);
+  CHECK(output.find("SKIPPED") == std::string::npos);
 }
 
 // What a forked child (a prefork server, Python multiprocessing) finds: copies of the runtime's
