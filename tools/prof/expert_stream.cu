@@ -10,9 +10,10 @@
 // In mode "stream" its warps release each stage as it lands; in mode "mma" each lane loads its
 // 16 bytes and scale word per atom, dequantizes them with mxfp4::dequant_step into the A
 // registers of four k16 steps, and issues four wgmma m64nNk16 against a fixed activation tile
-// of N tokens in shared memory (the tile's bytes come from L2 in the real kernel: 1/8 of a
-// stage's at N = 16), as moe_gemm_wg.cuh's loop does. The results are summed into a sink so
-// nothing is dropped; their values are not checked (the inputs are arbitrary bits).
+// of N tokens in shared memory (in the tile the lead describes, the expert's rows stay resident
+// for all of K), as moe_gemm_wg.cuh's loop does; every fourth stage of a warpgroup drains its
+// wgmmas, as an m64 tile's epilogue would. The results are summed into a sink so nothing is
+// dropped; their values are not checked (the inputs are arbitrary bits).
 //
 // Prints per variant the median of 20 launches (each reads one of two copies of the weights in
 // turn, 642 MB in all, so no launch finds its bytes in the 50 MB L2), the bytes' rate and its
@@ -112,6 +113,8 @@ __global__ void __launch_bounds__(128 * kGroups + 32, 1)
   u32 a[2][4][4];
   const u32 tile_addr = kern::ptx::smem_u32(tile);
   int atom_count = 0;
+  int tile_stages = 0;
+  float sum = 0.0f;
   for (int s = group; s < kStagesPerExpert; s += kGroups) {
     const int slot = s % kRing;
     pipe::wait(full0 + 8 * slot, (s / kRing) & 1);
@@ -146,6 +149,18 @@ __global__ void __launch_bounds__(128 * kGroups + 32, 1)
         kern::wgmma::wait<1>();  // the other set's wgmmas are done: it may be rewritten
         kern::wgmma::fence_operands(d);
       }
+      // Every fourth stage of a warpgroup ends an m64 tile's K (2048 = FC1's H): the tile's
+      // epilogue drains its wgmmas and starts the next tile from zero, as the real tile would
+      // (its outputs folded into `sum` here instead of activated into shared memory).
+      if (++tile_stages % 4 == 0) {
+        kern::wgmma::wait<0>();
+        kern::wgmma::fence_operands(d);
+#pragma unroll
+        for (int i = 0; i < kN / 2; ++i) {
+          sum += d[i];
+          d[i] = 0.0f;
+        }
+      }
     } else {
       __syncwarp();
       if (lane == 0) pipe::arrive(empty0 + 8 * slot);
@@ -153,7 +168,7 @@ __global__ void __launch_bounds__(128 * kGroups + 32, 1)
   }
   kern::wgmma::wait<0>();
   kern::wgmma::fence_operands(d);
-  float sum = static_cast<float>(atom_count);
+  sum += static_cast<float>(atom_count);
 #pragma unroll
   for (int i = 0; i < kN / 2; ++i) sum += d[i];
   sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
