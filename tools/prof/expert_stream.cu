@@ -190,9 +190,26 @@ __global__ void fill(unsigned char* p, long long bytes, unsigned seed, bool scal
   }
 }
 
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+// The median time of `enqueue(i)` in ms over `runs` calls after `warmup` more, each timed alone.
+template <class Enqueue>
+float median_ms(cudaStream_t stream, int warmup, int runs, const char* what, Enqueue enqueue) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<float> ms;
+  for (int i = 0; i < warmup + runs; ++i) {
+    cudaEventRecord(start, stream);
+    enqueue(i);
+    cudaEventRecord(stop, stream);
+    check(cudaEventSynchronize(stop), what);
+    float t = 0;
+    cudaEventElapsedTime(&t, start, stop);
+    if (i >= warmup) ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 double copy_rate(cudaStream_t stream) {  // GB/s, read + write
@@ -201,22 +218,12 @@ double copy_rate(cudaStream_t stream) {  // GB/s, read + write
   void* b = nullptr;
   check(cudaMalloc(&a, bytes), "cudaMalloc copy");
   check(cudaMalloc(&b, bytes), "cudaMalloc copy");
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> ms;
-  for (int i = 0; i < 12; ++i) {
-    cudaEventRecord(start, stream);
+  const float ms = median_ms(stream, 2, 10, "copy", [&](int) {
     cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream);
-    cudaEventRecord(stop, stream);
-    check(cudaEventSynchronize(stop), "copy");
-    float t = 0;
-    cudaEventElapsedTime(&t, start, stop);
-    if (i >= 2) ms.push_back(t);
-  }
+  });
   cudaFree(a);
   cudaFree(b);
-  return 2.0 * bytes / (median(ms) * 1e-3) / 1e9;
+  return 2.0 * bytes / (ms * 1e-3) / 1e9;
 }
 
 template <Mode kMode, int kN, int kGroups, int kRing = kRingMax>
@@ -227,21 +234,10 @@ void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "smem attribute");
   const int threads = 128 * kGroups + 32;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> us;
-  for (int i = 0; i < 24; ++i) {
-    cudaEventRecord(start, stream);
-    kernel<<<kExperts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink);
-    cudaEventRecord(stop, stream);
-    check(cudaEventSynchronize(stop), name);
-    float t = 0;
-    cudaEventElapsedTime(&t, start, stop);
-    if (i >= 4) us.push_back(t * 1e3f);
-  }
+  const float t = 1e3f * median_ms(stream, 4, 20, name, [&](int i) {
+                    kernel<<<kExperts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink);
+                  });
   const double bytes = kExperts * (kExpertWeightBytes + kExpertWeightBytes / 16.0);
-  const float t = median(us);
   const double gbs = bytes / (t * 1e-6) / 1e9;
   std::printf("  %-12s %3d warps  ring %2d x 17 KB  %8.1f us  %7.1f GB/s  %5.1f%% of copy\n", name,
               threads / 32, kRing, t, gbs, 100.0 * gbs / copy_gbs);
