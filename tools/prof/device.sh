@@ -34,6 +34,10 @@
 #       which correct patterns the tool reports anyway. RACECHECK_REPORT=hazard (or all) prints
 #       racecheck's hazards one by one, with their threads and shared-memory addresses, in place
 #       of its analysis; the first of them are shown.
+#   tools/prof/device.sh probe NAME [ARGS...]
+#       Builds the standalone probe tools/prof/NAME.cu with the GPU machine's nvcc for sm_90a
+#       (it may include the kernels' headers) and runs it with ARGS, its output also in
+#       $OUT/NAME.txt. E.g. `probe expert_stream` (PERF_LOG: "an expert-stationary fused tile").
 #   tools/prof/device.sh stalls NAME KERNEL_REGEX LAUNCH_SKIP [BENCH_ARGS...]
 #       ncu of one launch (the LAUNCH_SKIP-th match of KERNEL_REGEX) inside moejit_bench_moe
 #       BENCH_ARGS: the warp stall metrics, then the per-instruction export read by
@@ -224,6 +228,31 @@ cmd_ab() {
   done
 }
 
+# Builds tools/prof/NAME.cu with the GPU machine's nvcc for sm_90a (FLAGS: more nvcc flags) into
+# $out/NAME and prints that path. The probes include the kernels' own headers as the library
+# embeds them: moejit/kern = kernels/.
+build_prof_tool() {
+  local name=$1 nvcc
+  shift
+  nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -n 1) || true
+  [[ -n $nvcc ]] || die "nvcc not found: needed to build tools/prof/$name.cu"
+  [[ -f $root/tools/prof/$name.cu ]] || die "no tools/prof/$name.cu"
+  mkdir -p "$out/include/moejit"
+  ln -sfn "$root/kernels" "$out/include/moejit/kern"
+  "$nvcc" -std=c++17 -gencode arch=compute_90a,code=sm_90a "$@" -I "$out/include" \
+    -o "$out/$name" "$root/tools/prof/$name.cu" >&2 || die "tools/prof/$name.cu did not build"
+  echo "$out/$name"
+}
+
+cmd_probe() {
+  [[ $# -ge 1 ]] || usage
+  local name=$1 tool
+  shift
+  tool=$(build_prof_tool "$name" -O3)
+  echo "== tools/prof/$name.cu $*"
+  "$tool" "$@" 2>&1 | tee "$out/$name.txt"
+}
+
 cmd_sanitize() {
   [[ $# -eq 2 || $# -eq 4 ]] || usage
   local name=$1 tool=$2 dir cs report=${RACECHECK_REPORT:-analysis}
@@ -243,14 +272,8 @@ cmd_sanitize() {
   fi
   [[ -n $cs ]] || die "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"
   if [[ $tool == synccheck || $tool == racecheck ]]; then
-    local nvcc patterns=$out/sanitizer_patterns c
-    nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -n 1) || true
-    [[ -n $nvcc ]] || die "nvcc not found: needed to build tools/prof/sanitizer_patterns.cu"
-    # It includes the kernels' own wrappers as the library embeds them: moejit/kern = kernels/.
-    mkdir -p "$out/include/moejit"
-    ln -sfn "$root/kernels" "$out/include/moejit/kern"
-    "$nvcc" -std=c++17 -arch=sm_90a -O2 -I "$out/include" -o "$patterns" \
-      "$root/tools/prof/sanitizer_patterns.cu" || die "tools/prof/sanitizer_patterns.cu did not build"
+    local patterns c
+    patterns=$(build_prof_tool sanitizer_patterns -O2)
     echo "== $tool on tools/prof/sanitizer_patterns.cu (a case a process)"
     for c in 0 1 2 3 4 5 6 7 8 9 10 11 12 13; do
       "$cs" "${tool_args[@]}" --print-limit 1 "$patterns" "$c" >"$out/patterns-$tool-$c.txt" 2>&1 ||
@@ -342,10 +365,10 @@ shift
 t0=$(date +%s)
 case $command in
   stage) cmd_stage "$@" ;;
-  suite | tables | ab | sanitize | stalls)
+  suite | tables | ab | sanitize | stalls | probe)
     mkdir -p "$out"
     "cmd_$command" "$@"
     ;;
   -h | --help | help) usage 0 ;;
-  *) die "unknown command '$command' (stage, suite, tables, ab, sanitize, stalls; --help)" ;;
+  *) die "unknown command '$command' (stage, suite, tables, ab, sanitize, stalls, probe; --help)" ;;
 esac

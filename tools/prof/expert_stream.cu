@@ -20,7 +20,8 @@
 // fraction of the device-to-device copy rate measured in the same run (read + write counted, as
 // moejit_bench_moe does). The lead needs "mma" at N = 16 and 32 to hold >= ~90% of copy.
 //
-// Build (here or on the GPU machine) and run on the GPU machine:
+// On the GPU machine: `tools/prof/device.sh probe expert_stream` (builds it with that machine's
+// nvcc, runs it, keeps its output under $OUT). By hand (here or there):
 //   mkdir -p /tmp/moejit-inc/moejit && ln -sfn "$PWD/kernels" /tmp/moejit-inc/moejit/kern
 //   nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 -I /tmp/moejit-inc \
 //     -o expert_stream tools/prof/expert_stream.cu && ./expert_stream
