@@ -18,7 +18,7 @@
 // Prints per variant the median of 20 launches (each reads one of two copies of the weights in
 // turn, 642 MB in all, so no launch finds its bytes in the 50 MB L2), the bytes' rate and its
 // fraction of the device-to-device copy rate measured in the same run (read + write counted, as
-// moejit_bench_moe does). The lead needs "mma" at N = 16 and 32 to hold >= ~90% of copy.
+// moejit_bench_moe does). The lead is worth building if "mma" holds ~85% of copy or more.
 //
 // On the GPU machine: `tools/prof/device.sh probe expert_stream` (builds it with that machine's
 // nvcc, runs it, keeps its output under $OUT). By hand (here or there):
