@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -1470,9 +1469,6 @@ TEST_CASE("moe repack: GPU round trip vs a CPU unpack, both checkpoint layouts",
 
 namespace {
 
-// The variable run_child_case sets to the tag of the hidden case it starts.
-constexpr const char* kChildCaseVariable = "MOEJIT_TEST_CHILD_CASE";
-
 // Runs this test binary's hidden case `tag` in a process of its own, under `timeout` (a hang
 // ends there), with kChildCaseVariable set to `tag`: its output and its exit status (as waitpid
 // gives it).
@@ -1490,19 +1486,6 @@ std::string run_child_case(const std::string& tag, int timeout_s, int* status) {
   while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
   *status = pclose(pipe);
   return output;
-}
-
-// Whether the hidden case `tag` runs as `parent`'s child (run_child_case). Why ask: a test spec
-// that names a hidden case runs it in the caller's process, where the repack child finds its
-// kernel already loaded (no capture miss: a false failure) and the trap child ends the process
-// with status 0 before the cases after it run (a run that reads as passed). Started any other
-// way, the case skips with a warning that names its parent.
-bool started_by_parent(const char* tag, const char* parent) {
-  const char* value = std::getenv(kChildCaseVariable);
-  if (value != nullptr && std::string(value) == tag) return true;
-  WARN("SKIPPED: the hidden case [" << tag << "] is the child half of \"" << parent
-                                    << "\", which runs it in a process of its own; run that case");
-  return false;
 }
 
 // A gpt-oss layout of two experts small enough to repack in a moment (H = 160, I = 96: K not a

@@ -118,28 +118,31 @@ void write_file(const std::string& path, const std::string& text) {
   fs::rename(temp, path);
 }
 
-// Starts this test binary on the Catch2 tests `tag` (compact reporter) in a child process whose
-// stdout and stderr go to `log`, with this process's environment less the variables `dropped`
-// and plus `added` ("NAME=value" each). Returns its pid, or -1 if fork failed. Why exec: the
-// child must start without the threads this process may already have (a fork of a threaded
-// process may inherit held locks), and gets a runtime of its own.
+// Starts this test binary on its hidden case tagged `tag` (no brackets; compact reporter) in a
+// child process whose stdout and stderr go to `log`, with this process's environment less the
+// variables `dropped` and plus `added` ("NAME=value" each) and kChildCaseVariable = `tag`. Returns
+// its pid, or -1 if fork failed. Why exec: the child must start without the threads this process
+// may already have (a fork of a threaded process may inherit held locks), and gets a runtime of its
+// own.
 pid_t start_self(const std::string& tag, const std::string& log,
                  const std::vector<std::string>& added,
                  const std::vector<std::string>& dropped = {}) {
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry = *e;
-    const bool drop = std::any_of(dropped.begin(), dropped.end(), [&](const std::string& name) {
-      return entry.rfind(name + "=", 0) == 0;
-    });
+    const bool drop = entry.rfind(std::string(moejit::test::kChildCaseVariable) + "=", 0) == 0 ||
+                      std::any_of(dropped.begin(), dropped.end(), [&](const std::string& name) {
+                        return entry.rfind(name + "=", 0) == 0;
+                      });
     if (!drop) env_strings.push_back(entry);
   }
   env_strings.insert(env_strings.end(), added.begin(), added.end());
+  env_strings.push_back(std::string(moejit::test::kChildCaseVariable) + "=" + tag);
   std::vector<char*> envp;
   for (std::string& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
   std::string self = fs::read_symlink("/proc/self/exe").string();
-  std::string tag_arg = tag;
+  std::string tag_arg = "[" + tag + "]";
   std::string quiet = "--reporter=compact";
   std::vector<char*> argv = {self.data(), tag_arg.data(), quiet.data(), nullptr};
   const pid_t pid = ::fork();
@@ -239,13 +242,9 @@ TEST_CASE("runtime: config() beside configure() on another thread reads whole co
 // still throws (a configure() would have replaced it).
 TEST_CASE("runtime child: set_check_pointers under an unusable environment",
           "[.][runtime_env_child]") {
-  // Why skip otherwise: named by a test spec in another process, the case would turn that
-  // process's pointer checks on and fail for want of the environment it is about.
-  const char* mode = std::getenv("MOEJIT_CACHE_MODE");
-  if (mode == nullptr || std::string(mode) != "sometimes") {
-    WARN(
-        "SKIPPED: the hidden case [runtime_env_child] runs only in the process its parent case "
-        "starts with MOEJIT_CACHE_MODE=sometimes; run that case");
+  if (!moejit::test::started_by_parent(
+          "runtime_env_child",
+          "runtime: set_check_pointers turns the checks on and off and changes nothing else")) {
     return;
   }
   REQUIRE(std::getenv("MOEJIT_CHECK_POINTERS") == nullptr);
@@ -289,7 +288,7 @@ TEST_CASE("runtime: set_check_pointers turns the checks on and off and changes n
 
   // In a process whose environment the runtime could not use (the case above).
   const std::string log = dir.path() + "/child.log";
-  const pid_t pid = start_self("[runtime_env_child]", log, {"MOEJIT_CACHE_MODE=sometimes"},
+  const pid_t pid = start_self("runtime_env_child", log, {"MOEJIT_CACHE_MODE=sometimes"},
                                {"MOEJIT_CACHE_MODE", "MOEJIT_CHECK_POINTERS"});
   REQUIRE(pid >= 0);
   int status = 0;
@@ -395,6 +394,11 @@ TEST_CASE("runtime: unsupported specs are refused before any compile", "[runtime
 
 // Run by the test below in each child process (hidden: selected only by its tag).
 TEST_CASE("runtime child: 8 threads build one cold spec", "[.][runtime_child]") {
+  if (!moejit::test::started_by_parent(
+          "runtime_child",
+          "runtime: 8 threads in each of 3 processes compile a cold kernel once")) {
+    return;
+  }
   const char* cache = std::getenv("MOEJIT_TEST_RACE_CACHE");
   const char* out = std::getenv("MOEJIT_TEST_RACE_OUT");
   const char* go = std::getenv("MOEJIT_TEST_RACE_GO");
@@ -436,7 +440,7 @@ TEST_CASE("runtime: 8 threads in each of 3 processes compile a cold kernel once"
   for (int p = 0; p < kRaceProcesses; ++p) {
     const std::string output = dir.path() + "/outcomes." + std::to_string(p);
     outputs.push_back(output);
-    const pid_t pid = start_self("[runtime_child]", output + ".log",
+    const pid_t pid = start_self("runtime_child", output + ".log",
                                  {"MOEJIT_TEST_RACE_CACHE=" + cache,
                                   "MOEJIT_TEST_RACE_OUT=" + output, "MOEJIT_TEST_RACE_GO=" + go});
     REQUIRE(pid >= 0);
