@@ -60,7 +60,13 @@ enum class Mode { kStream, kMma };
 
 template <Mode kMode, int kN, int kGroups, int kRing>
 __global__ void __launch_bounds__(128 * kGroups + 32, 1)
-    expert_stream(const unsigned char* weights, const unsigned char* scales, float* sink) {
+    expert_stream(const unsigned char* weights, const unsigned char* scales, float* sink,
+                  int rotate) {
+  // Each warpgroup has slots of its own: a parity wait tells apart only two phases of a
+  // barrier, so a warpgroup must never wait on a slot whose previous fill another warpgroup has
+  // yet to see land (it would pass at once, on the old phase).
+  constexpr int kSlots = kRing / kGroups;
+  static_assert(kSlots >= 2, "two slots a warpgroup at least");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The activation tile first (1024-aligned for the 128-byte swizzle), then the ring, then the
   // barriers.
@@ -93,14 +99,18 @@ __global__ void __launch_bounds__(128 * kGroups + 32, 1)
       const unsigned char* w = weights + expert * kExpertWeightBytes;
       const unsigned char* sc = scales + expert * (kExpertWeightBytes / 16);
       for (int s = 0; s < kStagesPerExpert; ++s) {
-        const int slot = s % kRing;
-        if (s >= kRing) pipe::wait(empty0 + 8 * slot, ((s / kRing) - 1) & 1);
+        const int k = s / kGroups;  // the stage's turn within its group
+        const int slot = (s % kGroups) * kSlots + k % kSlots;
+        if (k >= kSlots) pipe::wait(empty0 + 8 * slot, ((k / kSlots) - 1) & 1);
         const u32 full = full0 + 8 * slot;
         const u32 dst = kern::ptx::smem_u32(ring + slot * kStageBytes);
         pipe::expect_tx(full, kStageBytes);
-        pipe::copy(dst, w + static_cast<long long>(s) * kStageWeightBytes, kStageWeightBytes, full,
+        // With `rotate`, expert e starts its stream at stage e * rotate (wrapping), so the
+        // experts' concurrent reads do not sit at one offset of their equal strides.
+        const long long at = (s + expert * rotate) % kStagesPerExpert;
+        pipe::copy(dst, w + at * kStageWeightBytes, kStageWeightBytes, full,
                    policy);
-        pipe::copy(dst + kStageWeightBytes, sc + static_cast<long long>(s) * kStageScaleBytes,
+        pipe::copy(dst + kStageWeightBytes, sc + at * kStageScaleBytes,
                    kStageScaleBytes, full, policy);
         pipe::arrive(full);
       }
@@ -117,8 +127,9 @@ __global__ void __launch_bounds__(128 * kGroups + 32, 1)
   int tile_stages = 0;
   float sum = 0.0f;
   for (int s = group; s < kStagesPerExpert; s += kGroups) {
-    const int slot = s % kRing;
-    pipe::wait(full0 + 8 * slot, (s / kRing) & 1);
+    const int k = s / kGroups;
+    const int slot = group * kSlots + k % kSlots;
+    pipe::wait(full0 + 8 * slot, (k / kSlots) & 1);
     if constexpr (kMode == Mode::kMma) {
       const u32 stage = kern::ptx::smem_u32(ring + slot * kStageBytes);
       u32 words[kAtomsPerStrip][4];
@@ -191,6 +202,8 @@ __global__ void fill(unsigned char* p, long long bytes, unsigned seed, bool scal
   }
 }
 
+__global__ void empty() {}
+
 // The median time of `enqueue(i)` in ms over `runs` calls after `warmup` more, each timed alone.
 template <class Enqueue>
 float median_ms(cudaStream_t stream, int warmup, int runs, const char* what, Enqueue enqueue) {
@@ -229,19 +242,19 @@ double copy_rate(cudaStream_t stream) {  // GB/s, read + write
 
 template <Mode kMode, int kN, int kGroups, int kRing = kRingMax>
 void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&sc)[2], float* sink,
-         cudaStream_t stream, double copy_gbs) {
+         cudaStream_t stream, double copy_gbs, int rotate = 0) {
   auto kernel = expert_stream<kMode, kN, kGroups, kRing>;
   const int smem = 1024 + kN * 128 + kRing * kStageBytes + 16 * kRing;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "smem attribute");
   const int threads = 128 * kGroups + 32;
   const float t = 1e3f * median_ms(stream, 4, 20, name, [&](int i) {
-                    kernel<<<kExperts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink);
+                    kernel<<<kExperts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink, rotate);
                   });
   const double bytes = kExperts * (kExpertWeightBytes + kExpertWeightBytes / 16.0);
   const double gbs = bytes / (t * 1e-6) / 1e9;
   std::printf("  %-12s %3d warps  ring %2d x 17 KB  %8.1f us  %7.1f GB/s  %5.1f%% of copy\n", name,
-              threads / 32, kRing, t, gbs, 100.0 * gbs / copy_gbs);
+              threads / 32, kRing / kGroups * kGroups, t, gbs, 100.0 * gbs / copy_gbs);
 }
 
 }  // namespace
@@ -266,10 +279,17 @@ int main() {
   float* sink = nullptr;
   check(cudaMalloc(&sink, kExperts * 1024 * sizeof(float)), "sink");
   check(cudaStreamSynchronize(stream), "fill");
+  // What a launch alone costs in this timing (an empty kernel of the same grid).
+  std::printf("  empty launch %8.1f us\n", 1e3f * median_ms(stream, 4, 20, "empty", [&](int) {
+                empty<<<kExperts, 416, 0, stream>>>();
+              }));
   run<Mode::kStream, 16, 1>("stream", w, sc, sink, stream, copy_gbs);
   run<Mode::kStream, 16, 3>("stream", w, sc, sink, stream, copy_gbs);
+  run<Mode::kStream, 16, 1>("stream rot", w, sc, sink, stream, copy_gbs, 37);
+  run<Mode::kStream, 16, 3>("stream rot", w, sc, sink, stream, copy_gbs, 37);
   run<Mode::kMma, 16, 2>("mma N = 16", w, sc, sink, stream, copy_gbs);
   run<Mode::kMma, 16, 3>("mma N = 16", w, sc, sink, stream, copy_gbs);
+  run<Mode::kMma, 16, 3>("mma16 rot", w, sc, sink, stream, copy_gbs, 37);
   // The ring that fits beside 64 KB of resident activations (16 tokens x 2048 K) and FC1's
   // 24 KB of output rows.
   run<Mode::kMma, 16, 3, 7>("mma N = 16", w, sc, sink, stream, copy_gbs);
