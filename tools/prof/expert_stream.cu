@@ -7,6 +7,8 @@
 // lane streams the expert with bulk copies (cp.async.bulk, evict-first) into a ring of 17 KB
 // stages: 16 KB of weight atoms (4 strips x 8 atoms of layout.cuh, the m64 rows of one
 // warpgroup over 512 K) and their 1 KB of scales. Consumer warpgroup g takes stages g, g + G, ...
+// into slots of its own (ring / G of them). With `rotate` ("rot" rows) expert e starts at stage
+// e x rotate, wrapping, so the experts do not read in lockstep at one offset of equal strides.
 // In mode "stream" its warps release each stage as it lands; in mode "mma" each lane loads its
 // 16 bytes and scale word per atom, dequantizes them with mxfp4::dequant_step into the A
 // registers of four k16 steps, and issues four wgmma m64nNk16 against a fixed activation tile
@@ -108,10 +110,9 @@ __global__ void __launch_bounds__(128 * kGroups + 32, 1)
         // With `rotate`, expert e starts its stream at stage e * rotate (wrapping), so the
         // experts' concurrent reads do not sit at one offset of their equal strides.
         const long long at = (s + expert * rotate) % kStagesPerExpert;
-        pipe::copy(dst, w + at * kStageWeightBytes, kStageWeightBytes, full,
+        pipe::copy(dst, w + at * kStageWeightBytes, kStageWeightBytes, full, policy);
+        pipe::copy(dst + kStageWeightBytes, sc + at * kStageScaleBytes, kStageScaleBytes, full,
                    policy);
-        pipe::copy(dst + kStageWeightBytes, sc + at * kStageScaleBytes,
-                   kStageScaleBytes, full, policy);
         pipe::arrive(full);
       }
     }
@@ -253,7 +254,7 @@ void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&
                   });
   const double bytes = kExperts * (kExpertWeightBytes + kExpertWeightBytes / 16.0);
   const double gbs = bytes / (t * 1e-6) / 1e9;
-  std::printf("  %-12s %3d warps  ring %2d x 17 KB  %8.1f us  %7.1f GB/s  %5.1f%% of copy\n", name,
+  std::printf("  %-12s %3d warps  slots %2d x 17 KB  %8.1f us  %7.1f GB/s  %5.1f%% of copy\n", name,
               threads / 32, kRing / kGroups * kGroups, t, gbs, 100.0 * gbs / copy_gbs);
 }
 
@@ -281,8 +282,8 @@ int main() {
   check(cudaStreamSynchronize(stream), "fill");
   // What a launch alone costs in this timing (an empty kernel of the same grid).
   std::printf("  empty launch %8.1f us\n", 1e3f * median_ms(stream, 4, 20, "empty", [&](int) {
-                empty<<<kExperts, 416, 0, stream>>>();
-              }));
+                                             empty<<<kExperts, 416, 0, stream>>>();
+                                           }));
   run<Mode::kStream, 16, 1>("stream", w, sc, sink, stream, copy_gbs);
   run<Mode::kStream, 16, 3>("stream", w, sc, sink, stream, copy_gbs);
   run<Mode::kStream, 16, 1>("stream rot", w, sc, sink, stream, copy_gbs, 37);
@@ -291,7 +292,7 @@ int main() {
   run<Mode::kMma, 16, 3>("mma N = 16", w, sc, sink, stream, copy_gbs);
   run<Mode::kMma, 16, 3>("mma16 rot", w, sc, sink, stream, copy_gbs, 37);
   // The ring that fits beside 64 KB of resident activations (16 tokens x 2048 K) and FC1's
-  // 24 KB of output rows.
+  // 24 KB of output rows (seven stages: six slots at three warpgroups).
   run<Mode::kMma, 16, 3, 7>("mma N = 16", w, sc, sink, stream, copy_gbs);
   run<Mode::kMma, 32, 2>("mma N = 32", w, sc, sink, stream, copy_gbs);
   run<Mode::kMma, 32, 3>("mma N = 32", w, sc, sink, stream, copy_gbs);
