@@ -47,6 +47,10 @@ using u32 = unsigned int;
 using u64 = unsigned long long;
 
 constexpr int kExperts = 128;
+// The grid: kExperts, or fewer from the command line. Fewer CTAs, each on an SM of its own,
+// share the same HBM rate, so each must stream (and dequantize) faster: at 94 CTAs an H100's
+// 3.0 TB/s gives an SM the share the H200's 4.2 TB/s gives each of 128.
+int g_experts = kExperts;
 constexpr int kStrips = 4;         // one warpgroup's m64 rows
 constexpr int kAtomsPerStrip = 8;  // 512 K a stage
 constexpr int kStageWeightBytes = kStrips * kAtomsPerStrip * kern::layout::kAtomBytes;  // 16 KB
@@ -250,9 +254,9 @@ void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&
         "smem attribute");
   const int threads = 128 * kGroups + 32;
   const float t = 1e3f * median_ms(stream, 4, 20, name, [&](int i) {
-                    kernel<<<kExperts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink, rotate);
+                    kernel<<<g_experts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink, rotate);
                   });
-  const double bytes = kExperts * (kExpertWeightBytes + kExpertWeightBytes / 16.0);
+  const double bytes = g_experts * (kExpertWeightBytes + kExpertWeightBytes / 16.0);
   const double gbs = bytes / (t * 1e-6) / 1e9;
   std::printf("  %-12s %3d warps  slots %2d x 17 KB  %8.1f us  %7.1f GB/s  %5.1f%% of copy\n", name,
               threads / 32, kRing / kGroups * kGroups, t, gbs, 100.0 * gbs / copy_gbs);
@@ -260,14 +264,19 @@ void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) g_experts = std::atoi(argv[1]);
+  if (g_experts < 1 || g_experts > kExperts) {
+    std::fprintf(stderr, "expert_stream: experts %s: 1 to %d\n", argv[1], kExperts);
+    return 1;
+  }
   cudaStream_t stream;
   check(cudaStreamCreate(&stream), "stream");
   cudaDeviceProp prop;
   check(cudaGetDeviceProperties(&prop, 0), "device");
   const double copy_gbs = copy_rate(stream);
   std::printf("expert_stream: %s, %d SMs; copy %.0f GB/s (read + write); %d experts x %.3f MB\n",
-              prop.name, prop.multiProcessorCount, copy_gbs, kExperts,
+              prop.name, prop.multiProcessorCount, copy_gbs, g_experts,
               (kExpertWeightBytes + kExpertWeightBytes / 16) / 1e6);
   unsigned char* w[2];
   unsigned char* sc[2];
@@ -282,7 +291,7 @@ int main() {
   check(cudaStreamSynchronize(stream), "fill");
   // What a launch alone costs in this timing (an empty kernel of the same grid).
   std::printf("  empty launch %8.1f us\n", 1e3f * median_ms(stream, 4, 20, "empty", [&](int) {
-                                             empty<<<kExperts, 416, 0, stream>>>();
+                                             empty<<<g_experts, 416, 0, stream>>>();
                                            }));
   run<Mode::kStream, 16, 1>("stream", w, sc, sink, stream, copy_gbs);
   run<Mode::kStream, 16, 3>("stream", w, sc, sink, stream, copy_gbs);
