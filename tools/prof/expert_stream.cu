@@ -20,10 +20,14 @@
 // Prints per variant the median of 20 launches (each reads one of two copies of the weights in
 // turn, 642 MB in all, so no launch finds its bytes in the 50 MB L2), the bytes' rate and its
 // fraction of the device-to-device copy rate measured in the same run (read + write counted, as
-// moejit_bench_moe does). The lead is worth building if "mma" holds ~85% of copy or more.
+// moejit_bench_moe does). The lead is worth building if "mma" holds ~85% of copy or more at an
+// SM's share of the H200's rate, and at qwen3-30b-a3b T = 256's width (N = 32): on an H100 at 94
+// CTAs it held 86% at N = 16 and 75% at N = 32 (PERF_LOG, P75c), so it is not built.
 //
-// On the GPU machine: `tools/prof/device.sh probe expert_stream` (builds it with that machine's
-// nvcc, runs it, keeps its output under $OUT). By hand (here or there):
+// Its one argument is the grid, 1 to 128 CTAs (default 128): fewer CTAs share the same HBM rate,
+// so 94 ask an H100's SMs (3.0 TB/s) for what 128 ask of the H200's (4.2 TB/s).
+// On the GPU machine: `tools/prof/device.sh probe expert_stream [CTAS]` (builds it with that
+// machine's nvcc, runs it, keeps its output under $OUT). By hand (here or there):
 //   mkdir -p /tmp/moejit-inc/moejit && ln -sfn "$PWD/kernels" /tmp/moejit-inc/moejit/kern
 //   nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 -I /tmp/moejit-inc \
 //     -o expert_stream tools/prof/expert_stream.cu && ./expert_stream
