@@ -68,14 +68,22 @@ constexpr int kRingMax = 10;  // 170 KB of stages
 
 enum class Mode { kStream, kMma };
 
+// The slots each warpgroup owns in a ring of `ring` stages (the kernel uses the first
+// slots(ring, groups) x groups).
+__host__ __device__ constexpr int slots(int ring, int groups) { return ring / groups; }
+// The threads of a CTA: `groups` consumer warpgroups and the producer warp.
+__host__ __device__ constexpr int threads_of(int groups) { return 128 * groups + 32; }
+// Expert e's stream starts at stage e x kRotate in the "rot" rows.
+constexpr int kRotate = 37;
+
 template <Mode kMode, int kN, int kGroups, int kRing>
-__global__ void __launch_bounds__(128 * kGroups + 32, 1)
+__global__ void __launch_bounds__(threads_of(kGroups), 1)
     expert_stream(const unsigned char* weights, const unsigned char* scales, float* sink,
                   int rotate) {
   // Each warpgroup has slots of its own: a parity wait tells apart only two phases of a
   // barrier, so a warpgroup must never wait on a slot whose previous fill another warpgroup has
   // yet to see land (it would pass at once, on the old phase).
-  constexpr int kSlots = kRing / kGroups;
+  constexpr int kSlots = slots(kRing, kGroups);
   static_assert(kSlots >= 2, "two slots a warpgroup at least");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The activation tile first (1024-aligned for the 128-byte swizzle), then the ring, then the
@@ -256,14 +264,14 @@ void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&
   const int smem = 1024 + kN * 128 + kRing * kStageBytes + 16 * kRing;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "smem attribute");
-  const int threads = 128 * kGroups + 32;
+  const int threads = threads_of(kGroups);
   const float t = 1e3f * median_ms(stream, 4, 20, name, [&](int i) {
                     kernel<<<g_experts, threads, smem, stream>>>(w[i % 2], sc[i % 2], sink, rotate);
                   });
   const double bytes = g_experts * (kExpertWeightBytes + kExpertWeightBytes / 16.0);
   const double gbs = bytes / (t * 1e-6) / 1e9;
   std::printf("  %-12s %3d warps  slots %2d x 17 KB  %8.1f us  %7.1f GB/s  %5.1f%% of copy\n", name,
-              threads / 32, kRing / kGroups * kGroups, t, gbs, 100.0 * gbs / copy_gbs);
+              threads / 32, slots(kRing, kGroups) * kGroups, t, gbs, 100.0 * gbs / copy_gbs);
 }
 
 }  // namespace
@@ -295,15 +303,15 @@ int main(int argc, char** argv) {
   check(cudaStreamSynchronize(stream), "fill");
   // What a launch alone costs in this timing (an empty kernel of the same grid).
   std::printf("  empty launch %8.1f us\n", 1e3f * median_ms(stream, 4, 20, "empty", [&](int) {
-                                             empty<<<g_experts, 416, 0, stream>>>();
+                                             empty<<<g_experts, threads_of(3), 0, stream>>>();
                                            }));
   run<Mode::kStream, 16, 1>("stream", w, sc, sink, stream, copy_gbs);
   run<Mode::kStream, 16, 3>("stream", w, sc, sink, stream, copy_gbs);
-  run<Mode::kStream, 16, 1>("stream rot", w, sc, sink, stream, copy_gbs, 37);
-  run<Mode::kStream, 16, 3>("stream rot", w, sc, sink, stream, copy_gbs, 37);
+  run<Mode::kStream, 16, 1>("stream rot", w, sc, sink, stream, copy_gbs, kRotate);
+  run<Mode::kStream, 16, 3>("stream rot", w, sc, sink, stream, copy_gbs, kRotate);
   run<Mode::kMma, 16, 2>("mma N = 16", w, sc, sink, stream, copy_gbs);
   run<Mode::kMma, 16, 3>("mma N = 16", w, sc, sink, stream, copy_gbs);
-  run<Mode::kMma, 16, 3>("mma16 rot", w, sc, sink, stream, copy_gbs, 37);
+  run<Mode::kMma, 16, 3>("mma16 rot", w, sc, sink, stream, copy_gbs, kRotate);
   // The ring that fits beside 64 KB of resident activations (16 tokens x 2048 K) and FC1's
   // 24 KB of output rows (seven stages: six slots at three warpgroups).
   run<Mode::kMma, 16, 3, 7>("mma N = 16", w, sc, sink, stream, copy_gbs);
