@@ -29,6 +29,7 @@ no synchronization.
 import ctypes
 import glob
 import json
+import operator
 import os
 from struct import Struct
 import sys
@@ -496,9 +497,14 @@ def _c_string(name, value):
 
 def _c_int(name, value, bits=32):
     """value as a C int of `bits` bits; ctypes would keep the low bits of a larger one silently
-    (first_expert = 2**32 would repack into expert 0)."""
-    if type(value) is not int:
-        value = int(value)
+    (first_expert = 2**32 would repack into expert 0). Why operator.index, not int(): int() cuts
+    a float down as silently (first_expert = 2.5 would repack into expert 2); index() takes
+    Python, numpy and integer torch scalars and refuses the rest."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError("{}: expected an int, found {}".format(name, type(value).__name__)) \
+            from None
     if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
         raise InvalidArgument("{}: expected a {}-bit integer, found {}".format(name, bits, value))
     return value

@@ -336,6 +336,14 @@ class CpuTests(unittest.TestCase):
             layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
                                   fake_weights(layer), first_expert=2**32)
         self.assertIn("first_expert: expected a 32-bit integer", str(e.exception))
+        # int() would cut a float down: 2.5 tokens or experts must not read as 2.
+        with self.assertRaises(TypeError) as e:
+            layer.workspace_bytes(256.9)
+        self.assertIn("max_tokens: expected an int, found float", str(e.exception))
+        with self.assertRaises(TypeError) as e:
+            layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
+                                  fake_weights(layer), first_expert=2.5)
+        self.assertIn("first_expert: expected an int, found float", str(e.exception))
 
     def test_strings_streams_and_null_buffers_reach_the_library_as_given(self):
         # A NUL would end the C string early: the rest of the text silently dropped.
