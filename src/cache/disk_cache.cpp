@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -532,11 +533,24 @@ bool is_cache_key(const std::string& key) {
 // ---- DiskCache ----
 
 DiskCache::DiskCache(std::string dir, CacheMode mode) : dir_(std::move(dir)), mode_(mode) {
+  // Why absolute, taken against the working directory of now: every path below is built from
+  // dir_, so a relative one would follow a later chdir() (a daemon's chdir("/")) to a directory
+  // whose ownership and permissions were never checked.
+  std::string unresolved;
+  if (!dir_.empty() && dir_.front() != '/' && mode_ != CacheMode::kMemoryOnly) {
+    std::error_code error;
+    const std::filesystem::path absolute = std::filesystem::absolute(dir_, error);
+    if (error) {
+      unresolved = "cannot resolve the relative cache directory " + dir_ + ": " + error.message();
+    } else {
+      dir_ = absolute.lexically_normal().string();
+    }
+  }
   while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
   version_dir_ = dir_ + "/v" + std::to_string(kCacheSchemaVersion);
   if (mode_ == CacheMode::kMemoryOnly) return;
-  if (dir_.empty()) {
-    degrade(CacheMode::kMemoryOnly, "no cache directory was given");
+  if (dir_.empty() || !unresolved.empty()) {
+    degrade(CacheMode::kMemoryOnly, dir_.empty() ? "no cache directory was given" : unresolved);
     return;
   }
 

@@ -269,6 +269,38 @@ TEST_CASE("an entry round-trips with its manifest; a miss is nullopt", "[cache]"
   }
 }
 
+TEST_CASE("a relative cache directory stays where it was when the cache was made", "[cache]") {
+  moejit::test::TempDir tmp;
+  fs::create_directories(tmp.path() + "/first");
+  fs::create_directories(tmp.path() + "/second");
+  struct Restore {
+    fs::path to;
+    ~Restore() {
+      std::error_code ignored;
+      fs::current_path(to, ignored);
+    }
+  } restore{fs::current_path()};
+  fs::current_path(tmp.path() + "/first");
+  const std::string first = fs::current_path().string();  // getcwd's spelling of it
+
+  DiskCache cache("rel/./cache/", CacheMode::kReadWrite);
+  REQUIRE(cache.effective_mode() == CacheMode::kReadWrite);
+  CHECK(cache.dir() == first + "/rel/cache");
+  // A later chdir (a daemon's chdir("/")) must not move the entries, nor the locks.
+  fs::current_path(tmp.path() + "/second");
+  const std::string key = key_for("relative");
+  {
+    DiskCache::Lock lock = cache.lock(key);
+    CHECK(lock.held());
+    REQUIRE(cache.store(make_entry(key, 4096, 3)));
+  }
+  CHECK(cache.entry_path(key).rfind(first + "/rel/cache/", 0) == 0);
+  CHECK(fs::is_regular_file(cache.entry_path(key)));
+  CHECK(fs::exists(first + "/rel/cache/locks"));
+  CHECK_FALSE(fs::exists(tmp.path() + "/second/rel"));
+  CHECK(cache.load(key).has_value());
+}
+
 TEST_CASE("corrupt entries are detected, logged, quarantined and reported as misses",
           "[cache]") {
   moejit::test::TempDir tmp;
