@@ -339,13 +339,15 @@ struct ProblemKey {
         activation(s.activation),
         has_bias(s.has_bias),
         id_dtype(s.id_dtype) {}
-  bool operator==(const ProblemKey& o) const {
+  // Why against the shape itself, not a key built from it: a key copies the name, which for a
+  // name past the short-string buffer is a heap allocation on every forced-decode forward.
+  bool matches(const ModelShape& s) const {
     const Activation& a = activation;
-    const Activation& b = o.activation;
-    return num_experts == o.num_experts && top_k == o.top_k && hidden == o.hidden &&
-           intermediate == o.intermediate && has_bias == o.has_bias && id_dtype == o.id_dtype &&
+    const Activation& b = s.activation;
+    return num_experts == s.num_experts && top_k == s.top_k && hidden == s.hidden &&
+           intermediate == s.intermediate && has_bias == s.has_bias && id_dtype == s.id_dtype &&
            a.kind == b.kind && a.limit == b.limit && a.alpha == b.alpha && a.beta == b.beta &&
-           a.linear_beta == b.linear_beta && name == o.name;
+           a.linear_beta == b.linear_beta && name == s.name;
   }
 };
 
@@ -355,7 +357,8 @@ std::string decode_moe_problem(const ModelShape& shape) {
   // Why a memo: the walk asks the planner for 768 tiles, and moe_forward asks on every call that
   // forces the decode path, which then cost 110-150 us of host time a call against 8.5-12 us for
   // its three launches (moejit_bench_runtime (f), tools/PERF_LOG.md, fifty-eighth session). A
-  // process serves a few shapes; the memo keeps the last kMemoShapes.
+  // process serves a few shapes; the memo keeps the last kMemoShapes. A hit allocates nothing
+  // (an empty answer is a shape decode_moe serves; any other makes the caller throw).
   constexpr std::size_t kMemoShapes = 64;
   // Why leaked, as the runtime is: ops may run from threads that outlive static destruction.
   static std::mutex& mutex = []() -> std::mutex& {
@@ -365,17 +368,16 @@ std::string decode_moe_problem(const ModelShape& shape) {
   }();
   static std::vector<std::pair<ProblemKey, std::string>>& memo =
       *new std::vector<std::pair<ProblemKey, std::string>>;
-  ProblemKey key(shape);
   {
     std::lock_guard<std::mutex> lock(mutex);
     for (const auto& entry : memo) {
-      if (entry.first == key) return entry.second;
+      if (entry.first.matches(shape)) return entry.second;
     }
   }
   std::string answer = decode_moe_problem_walk(shape);
   std::lock_guard<std::mutex> lock(mutex);
   if (memo.size() == kMemoShapes) memo.erase(memo.begin());
-  memo.emplace_back(std::move(key), answer);
+  memo.emplace_back(ProblemKey(shape), answer);
   return answer;
 }
 
