@@ -654,6 +654,12 @@ std::string DiskCache::entry_path(const std::string& key) const {
 }
 
 std::optional<Entry> DiskCache::load(const std::string& key) const {
+  bool refused = false;
+  return load(key, refused);
+}
+
+std::optional<Entry> DiskCache::load(const std::string& key, bool& refused) const {
+  refused = false;
   const std::string path = entry_path(key);
   if (mode_ == CacheMode::kMemoryOnly) return std::nullopt;
 
@@ -662,6 +668,7 @@ std::optional<Entry> DiskCache::load(const std::string& key) const {
   Fd fd(open_file(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK));
   if (!fd.ok()) {
     const int error = errno;
+    refused = error != ENOENT && error != ENOTDIR;
     if (error == ENOENT || error == ENOTDIR) {
       log().debug("cache miss {}", key);
     } else if (error == ELOOP) {
@@ -675,6 +682,7 @@ std::optional<Entry> DiskCache::load(const std::string& key) const {
     }
     return std::nullopt;
   }
+  refused = true;  // from here every miss is the file's
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
     log().warn("cache entry {} cannot be inspected: {}; treated as a miss", path,
@@ -956,8 +964,10 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
   const std::string path = entry_path(key);
   const Clock::time_point deadline = Clock::now() + max_wait;
   std::chrono::milliseconds pause(1);
-  // The entry file load() last rejected (device, inode, mtime), so a bad file is not loaded (and
-  // logged) again on every poll.
+  // The entry file load() last refused (device, inode, mtime), so a bad file is not loaded (and
+  // logged) again on every poll. Why not a file load() found gone: gc may move an entry away and
+  // back between the lstat below and the load; skipping the holder's good entry after that would
+  // leave it unseen for the rest of the wait.
   struct stat rejected {};
   // Whether the holder has published the entry; loads it into *published if so.
   auto take_published = [&]() {
@@ -968,8 +978,11 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
         st.st_mtim.tv_nsec == rejected.st_mtim.tv_nsec) {
       return false;
     }
-    *published = load(key);
-    if (!published->has_value()) rejected = st;
+    bool refused = false;
+    if (test_hooks().before_published_load) test_hooks().before_published_load(path);
+    *published = load(key, refused);
+    if (test_hooks().after_published_load) test_hooks().after_published_load(path);
+    if (!published->has_value() && refused) rejected = st;
     return published->has_value();
   };
 

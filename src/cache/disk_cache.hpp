@@ -221,6 +221,10 @@ class DiskCache {
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
+  // load(), and on a miss whether it was a file at the path that load() turned down (a link, not
+  // a regular file, untrusted, failed verification, or could not be opened or read) rather than
+  // no file there at all.
+  std::optional<Entry> load(const std::string& key, bool& refused) const;
 
   std::string dir_;
   CacheMode mode_;
@@ -268,6 +272,10 @@ struct CacheTestHooks {
   // Added to the steady clock (ms) that times the pause of stores and locks (see
   // DiskCache::store()), as if that much more time had passed.
   int64_t steady_clock_shift_ms = 0;
+  // Run in lock() around its load of an entry it found at the path while another process holds
+  // the lock (with the entry's path), as gc moving the file away and back meanwhile.
+  std::function<void(const std::string& path)> before_published_load;
+  std::function<void(const std::string& path)> after_published_load;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 

@@ -1221,6 +1221,44 @@ TEST_CASE("lock(key) returns an entry published while it waits, the holder still
   CHECK(lock_is_held(dir, key));
 }
 
+TEST_CASE("lock(key) still takes a published entry that gc moved away and back during a poll",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("moved away and back");
+  const Entry entry = make_entry(key, 4096, 11);
+  ForeignHolder holder(dir, key);
+  {
+    DiskCache other(dir, CacheMode::kReadWrite);
+    REQUIRE(other.store(entry));  // published; the holder keeps the lock
+  }
+  // The first poll's load finds the path empty (gc's move to a temp name), and the same file (the
+  // same inode and mtime) is back before the next poll.
+  int loads = 0;
+  moejit::detail::CacheTestHooks hooks;
+  hooks.before_published_load = [&](const std::string& path) {
+    if (loads++ == 0) REQUIRE(std::rename(path.c_str(), (path + ".gc-away").c_str()) == 0);
+  };
+  hooks.after_published_load = [&](const std::string& path) {
+    if (loads == 1) REQUIRE(std::rename((path + ".gc-away").c_str(), path.c_str()) == 0);
+  };
+  moejit::detail::set_cache_test_hooks(hooks);
+  struct Unhook {
+    ~Unhook() { moejit::detail::set_cache_test_hooks({}); }
+  } unhook;
+
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<Entry> published;
+  DiskCache::Lock lock = cache.lock(key, &published, std::chrono::seconds(5));
+  const double waited = seconds_since(start);
+  CHECK_FALSE(lock.held());
+  CHECK(loads == 2);
+  REQUIRE(published.has_value());
+  CHECK(published->cubin == entry.cubin);
+  CHECK(waited < 4.0);  // taken on the next poll, not after the wait bound
+}
+
 TEST_CASE("lock(key) gives up on a holder that never releases after the wait bound", "[cache]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/cache";
