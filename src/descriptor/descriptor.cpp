@@ -117,9 +117,13 @@ class ShapeFileParser {
       }
       bool bad_word = reason.find("invalid literal") != std::string::npos ||
                       reason.find("invalid number") != std::string::npos;
-      if (bad_word && offset > 0 && offset <= text_.size()) {
-        // Why: the lexer stops one past a broken word ("tru"); show the word from its start.
-        offset = token_start(offset - 1);
+      if (bad_word && offset <= text_.size()) {
+        // Why: the lexer stops one past a word broken partway ("tru}" at the brace); show the word
+        // from its start. A word whose first character is already wrong ("NaN", "//", anything
+        // after the root value) stops on that character: stepping back would name the one before
+        // it, on the line before where the word starts a line.
+        if (offset > 0 && is_bare(text_[offset - 1])) --offset;
+        offset = token_start(offset);
         reason.erase(std::min(reason.find("; last read: "), reason.size()),
                      std::min(reason.find("; expected "), reason.size()) -
                          std::min(reason.find("; last read: "), reason.size()));
@@ -168,11 +172,13 @@ class ShapeFileParser {
   }
 
   // The first byte of the JSON token whose last byte is at `offset`.
+  // A character of a bare word: a literal or a number.
+  static bool is_bare(char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '+' || c == '-';
+  }
+
   std::size_t token_start(std::size_t offset) const {
     if (offset >= text_.size()) return offset;
-    auto bare = [](char c) {
-      return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '+' || c == '-';
-    };
     if (text_[offset] == '"') {
       // Back to the opening quote: the first quote before it not escaped by a backslash.
       for (std::size_t i = offset; i-- > 0;) {
@@ -183,7 +189,7 @@ class ShapeFileParser {
       }
       return offset;
     }
-    while (offset > 0 && bare(text_[offset]) && bare(text_[offset - 1])) --offset;
+    while (offset > 0 && is_bare(text_[offset]) && is_bare(text_[offset - 1])) --offset;
     return offset;
   }
 

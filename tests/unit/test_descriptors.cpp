@@ -338,6 +338,21 @@ TEST_CASE("JSON syntax errors give the column of the offending character", "[des
   expect_refusal(word, position_of(word, "tru"), "", {"invalid literal", "found 'tru'"});
   std::string number = base_with("\"top_k\": 8", "\"top_k\": 1.5e");
   expect_refusal(number, position_of(number, "1.5e"), "", {"invalid number", "found '1.5e'"});
+
+  // A word wrong from its first character is placed at that character, not the one before it,
+  // also where it starts a line.
+  std::string nan = base_with("\"top_k\": 8", "\"top_k\":NaN");
+  expect_refusal(nan, position_of(nan, "NaN"), "", {"invalid literal", "found 'NaN'"});
+  std::string infinity = base_with("\"top_k\": 8", "\"top_k\":\n      Infinity");
+  expect_refusal(infinity, position_of(infinity, "Infinity"), "",
+                 {"invalid literal", "found 'Infinity'"});
+  std::string own_line = base_with("\"top_k\": 8,", "\"top_k\": 8,\n// eight\n");
+  expect_refusal(own_line, position_of(own_line, "//"), "", {"invalid literal", "found '/'"});
+  std::string after_root = base_with("", "") + "\nx";
+  Position x = position_of(after_root, "\nx");
+  ++x.line;
+  x.column = 1;
+  expect_refusal(after_root, x, "", {"found 'x'"});
 }
 
 TEST_CASE("unknown fields are refused with the accepted ones", "[descriptor]") {
