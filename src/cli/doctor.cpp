@@ -8,6 +8,7 @@
 
 #include "cache/disk_cache.hpp"
 #include "cli/cli.hpp"
+#include "common/log.hpp"
 #include "compile/nvrtc.hpp"
 #include "moejit/error.hpp"
 #include "moejit/moe.hpp"
@@ -70,6 +71,9 @@ int run_doctor() {
     problems.push_back(std::string("NVRTC: ") + e.what());
   }
 
+  if (const std::string problem = detail::log_level_problem(); !problem.empty()) {
+    problems.push_back(problem);
+  }
   bool configured = true;
   try {
     configure_from_environment();

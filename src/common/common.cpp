@@ -4,9 +4,13 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <xxhash.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
 
 #include "common/check.hpp"
 #include "common/env.hpp"
@@ -47,6 +51,34 @@ std::optional<std::string> env(const char* name) {
   return std::string(value);
 }
 
+namespace {
+
+// MOEJIT_LOG_LEVEL's level, any case; nullopt for a name that is none. Why not spdlog's
+// from_str alone: it is case-sensitive and takes an unknown name for "off", so WARN or a typo
+// would silence every warning (healed corruption, a degraded cache) without a word.
+std::optional<spdlog::level::level_enum> log_level_named(std::string name) {
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  // spdlog's own names (warning, error, ...) and their short forms.
+  if (name == "warn") return spdlog::level::warn;
+  if (name == "err") return spdlog::level::err;
+  for (int level = spdlog::level::trace; level < spdlog::level::n_levels; ++level) {
+    const auto named = static_cast<spdlog::level::level_enum>(level);
+    const auto text = spdlog::level::to_string_view(named);
+    if (std::string_view(text.data(), text.size()) == name) return named;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string log_level_problem() {
+  const std::optional<std::string> text = env("MOEJIT_LOG_LEVEL");
+  if (!text || log_level_named(*text)) return "";
+  return "MOEJIT_LOG_LEVEL=" + *text +
+         " is not a level (trace, debug, info, warn, error, critical or off, in any case): "
+         "logging at warn";
+}
+
 spdlog::logger& log() {
   static std::shared_ptr<spdlog::logger> logger = [] {
     // Why: a child forked while a thread of its parent was writing a line would copy the console
@@ -58,9 +90,10 @@ spdlog::logger& log() {
     if (existing) return existing;
     auto made = spdlog::stderr_color_mt("moejit");
     made->set_pattern("[moejit %L] %v");
-    auto level = spdlog::level::warn;
-    if (auto text = env("MOEJIT_LOG_LEVEL")) level = spdlog::level::from_str(*text);
-    made->set_level(level);
+    std::optional<spdlog::level::level_enum> level;
+    if (auto text = env("MOEJIT_LOG_LEVEL")) level = log_level_named(*text);
+    made->set_level(level.value_or(spdlog::level::warn));
+    if (const std::string problem = log_level_problem(); !problem.empty()) made->warn(problem);
     return made;
   }();
   return *logger;

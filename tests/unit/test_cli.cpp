@@ -407,7 +407,8 @@ TEST_CASE("doctor runs without a GPU and says what it found", "[cli]") {
 
 TEST_CASE("doctor reports a bad environment variable and the rest with the defaults", "[cli]") {
   TempDir cache;
-  for (const char* bad : {"MOEJIT_CACHE_MODE=bogus", "MOEJIT_LINEINFO=maybe"}) {
+  for (const char* bad :
+       {"MOEJIT_CACHE_MODE=bogus", "MOEJIT_LINEINFO=maybe", "MOEJIT_LOG_LEVEL=bogus"}) {
     std::string out;
     const int rc = cli("doctor", &out, cache.path(), bad);
     INFO(bad << "\n" << out);
@@ -417,6 +418,29 @@ TEST_CASE("doctor reports a bad environment variable and the rest with the defau
     CHECK(out.find("cache dir:") != std::string::npos);
     CHECK(out.find("entries:") != std::string::npos);
     CHECK(out.find("problem(s)") != std::string::npos);
+  }
+}
+
+TEST_CASE("MOEJIT_LOG_LEVEL is read in any case; a name that is no level keeps the warnings",
+          "[cli]") {
+  // A cache "directory" that is a file: the cache says so at warn, and runs memory-only.
+  TempDir tmp;
+  const std::string file = tmp.path() + "/not-a-dir";
+  write_file(file, "x");
+  const std::string warned = "is not a directory";
+  for (const char* level : {"WARN", "Warning", "warn", "DEBUG", "bogus", "Off"}) {
+    std::string out;
+    cli("list", &out, file, std::string("MOEJIT_LOG_LEVEL=") + level);
+    INFO(level << "\n" << out);
+    const std::string name = level;
+    if (name == "Off") {
+      CHECK(out.find("[moejit ") == std::string::npos);
+    } else {
+      CHECK(out.find("[moejit W] " + file + " " + warned) != std::string::npos);
+    }
+    CHECK((out.find("[moejit D]") != std::string::npos) == (name == "DEBUG"));
+    CHECK((out.find("MOEJIT_LOG_LEVEL=bogus is not a level") != std::string::npos) ==
+          (name == "bogus"));
   }
 }
 
