@@ -227,12 +227,22 @@ Runtime::Runtime() {
   check_pointers_.store(config_.check_pointers);
 }
 
+int Runtime::gpu_loads_in_flight_here() {
+  if (gpu_loads_generation_ != fork_generation()) {
+    gpu_loads_generation_ = fork_generation();
+    gpu_loads_in_flight_ = 0;
+  }
+  return gpu_loads_in_flight_;
+}
+
 class Runtime::GpuLoadScope {
  public:
   explicit GpuLoadScope(Runtime& runtime) : runtime_(runtime) {
     std::lock_guard<std::mutex> lock(runtime_.setup_mutex_);
+    runtime_.gpu_loads_in_flight_here();
     ++runtime_.gpu_loads_in_flight_;
   }
+  // Runs on the thread that made it, so in the process (and fork generation) that counted it.
   ~GpuLoadScope() {
     std::lock_guard<std::mutex> lock(runtime_.setup_mutex_);
     --runtime_.gpu_loads_in_flight_;
@@ -249,14 +259,15 @@ void Runtime::configure(const RuntimeConfig& config) {
   std::lock_guard<std::mutex> lock(setup_mutex_);
   // Why check_pointers may change once kernels are loaded: it is read per op call and changes
   // no kernel. (Before, a configure() with the same settings still gives a fresh store.)
-  if ((gpu_loads_in_flight_ > 0 || gpu_loaded_.load()) && !environment_error_ &&
+  const int loads_in_flight = gpu_loads_in_flight_here();
+  if ((loads_in_flight > 0 || gpu_loaded_.load()) && !environment_error_ &&
       next.cache_dir == config_.cache_dir && next.cache_mode == config_.cache_mode &&
       next.allow_compile_during_capture == config_.allow_compile_during_capture &&
       next.line_info == config_.line_info) {
     store_check_pointers(next.check_pointers);
     return;
   }
-  if (gpu_loads_in_flight_ > 0) {
+  if (loads_in_flight > 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 "moejit::configure() called while another thread is loading a kernel on a GPU "
                 "under the current configuration; configure the runtime once, before the first "

@@ -126,6 +126,12 @@ class Runtime {
   // holds the kernel, so configure() in between would succeed and leave a kernel of the old
   // configuration loaded. configure() refuses while any is in flight.
   int gpu_loads_in_flight_ = 0;
+  // The fork generation gpu_loads_in_flight_ counts in: a forked child inherits its parent's
+  // count, but not the threads whose loads it counts, which would never end in the child.
+  uint64_t gpu_loads_generation_ = 0;
+  // gpu_loads_in_flight_ in this process (zero in a child that forked since it was counted).
+  // Under setup_mutex_.
+  int gpu_loads_in_flight_here();
   class GpuLoadScope;  // counts one load in gpu_loads_in_flight_ for its lifetime
 
   // memoized_key's table. What a key depends on besides the spec: line_info; the NVRTC version

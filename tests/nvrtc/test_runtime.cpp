@@ -2,6 +2,7 @@
 // across threads and processes, read-only and unusable cache dirs, healing of corrupt entries,
 // prewarm of the reference shapes.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -323,6 +324,65 @@ TEST_CASE("runtime: a forked child never waits on a mutex its parent's thread he
            moejit::detail::Runtime::instance().cache_key(spec) == key;
   };
   CHECK(moejit::test::children_failing_under(hammer, child) == 0);
+}
+
+// A child forked while a thread of its parent is inside a kernel load inherits the count of loads
+// in flight that configure() refuses under, but not the thread that would end that load.
+TEST_CASE("runtime: a child forked during its parent's kernel load can configure", "[runtime]") {
+  moejit::test::TempDir dir;
+  const std::string cache = dir.path() + "/cache";
+  use_cache(cache, CacheMode::kReadWrite);
+  // Why sm_71 (no NVRTC targets it): the build fails in compile() once it runs, so no machine,
+  // with a GPU or without, ever loads it (a loaded kernel would make configure() refuse for good).
+  KernelSpec spec = spec_of(5, 2);
+  spec.arch.sm = 71;
+  spec.arch.arch_specific = false;
+  const std::string key = moejit::detail::Runtime::instance().cache_key(spec);
+  // Another process's compile lock on the key keeps the load waiting, counted in flight.
+  const int held =
+      ::open((cache + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  REQUIRE(held >= 0);
+  REQUIRE(::flock(held, LOCK_EX | LOCK_NB) == 0);
+  std::atomic<bool> waiting{false};
+  moejit::detail::CacheTestHooks hooks;
+  hooks.lock_waiting = [&] { waiting = true; };
+  moejit::detail::set_cache_test_hooks(hooks);
+  std::string loader_error;
+  std::thread loader([&] {
+    try {
+      moejit::detail::Runtime::instance().build_and_load(spec);
+    } catch (const moejit::Error& e) {
+      loader_error = e.what();
+    }
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!waiting && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  moejit::RuntimeConfig other;
+  other.cache_dir = dir.path() + "/other";
+  other.cache_mode = CacheMode::kReadWrite;
+  std::string parent_refusal;
+  if (waiting) {
+    try {
+      moejit::configure(other);  // refused here: the load is in flight in this process
+    } catch (const moejit::Error& e) {
+      parent_refusal = e.what();
+    }
+  }
+  const bool child_configured = waiting && moejit::test::forked_child_passes([&] {
+                                  moejit::configure(other);
+                                  return moejit::config().cache_dir == other.cache_dir;
+                                });
+  ::close(held);  // the lock is free: the loader compiles (and fails, for sm_71)
+  loader.join();
+  moejit::detail::set_cache_test_hooks({});
+  REQUIRE(waiting);
+  CHECK(parent_refusal.find("while another thread is loading a kernel") != std::string::npos);
+  CHECK(child_configured);
+  CHECK(loader_error.find("sm_71") != std::string::npos);
+  use_cache(cache, CacheMode::kReadWrite);  // the load has ended: the parent configures again
+  CHECK(moejit::config().cache_dir == cache);
 }
 
 // The runtime computes a spec's key once per process (Runtime::memoized_key); a later build under
