@@ -415,7 +415,7 @@ class _CallSlots(threading.local):
     """One call site's slot sets, per thread, so concurrent calls never share a DLTensor. A call
     pops a set from `free` (or makes one, new(), where none is free) and appends it back when it
     returns. Why not one set a thread: between its fills a call runs user code (a tensor's
-    __dlpack__, a stream's __cuda_stream__, an int's __int__), and a call made from there on the
+    __dlpack__, a stream's __cuda_stream__, an int's __index__), and a call made from there on the
     same thread would refill the outer call's slots with its own tensors. (The pop and append
     cost ~0.03 us a call on the Debian machine.)"""
 

@@ -275,12 +275,20 @@ struct AppendData {
                                 out_weights->dl(), c.shared_base, c.scale, gate, stream);
   }
 
-  // 0xFF bytes: NaN weights and -1 ids, so an element the kernel skips can't pass.
+  // Bytes the outputs are poisoned with: weights 0xFF (NaN), ids 0xA5 (a negative id other than
+  // -1), so an element the kernel skips can't pass. Why not 0xFF for the ids too: it reads as -1,
+  // the id a dropped slot is expected to get.
+  static constexpr unsigned char kIdPoisonByte = 0xA5;
   void poison(CUstream stream) {
-    MOEJIT_TEST_CU(cu().cuMemsetD8Async(out_ids->buffer().ptr(), 0xFF, out_ids->buffer().bytes(),
-                                        stream));
+    MOEJIT_TEST_CU(cu().cuMemsetD8Async(out_ids->buffer().ptr(), kIdPoisonByte,
+                                        out_ids->buffer().bytes(), stream));
     MOEJIT_TEST_CU(cu().cuMemsetD8Async(out_weights->buffer().ptr(), 0xFF,
                                         out_weights->buffer().bytes(), stream));
+  }
+  // An id as downloaded_ids() reads the poison.
+  int64_t id_poison() const {
+    if (c.id_dtype == DType::kI32) return static_cast<int32_t>(0xA5A5A5A5u);
+    return static_cast<int64_t>(0xA5A5A5A5A5A5A5A5ull);
   }
 
   std::vector<int64_t> downloaded_ids() const {

@@ -560,7 +560,7 @@ TEST_CASE("append_shared: invalid arguments are refused with messages, nothing l
 
   // Nothing above launched: the outputs are still poison.
   stream.sync();
-  for (int64_t id : data->downloaded_ids()) REQUIRE(id == -1);
+  for (int64_t id : data->downloaded_ids()) REQUIRE(id == data->id_poison());
   for (float w : data->downloaded_weights()) {
     uint32_t bits = 0;
     std::memcpy(&bits, &w, 4);

@@ -645,6 +645,7 @@ TEST_CASE("decode_moe: no local expert, T = 0, the workspace contract and bad op
           // moe_workspace_bytes covers a forced block_n as well as the planner's.
           CHECK(need <= sized);
           const std::vector<uint16_t> expected = io.run(*model, stream.get(), options);
+          CHECK(count_nonfinite(expected) == 0);  // written: the poison is NaN
           DeviceBuffer region(need + guard);
           poison(region, stream.get(), 0x5A);
           moejit::MoeForwardArgs a = io.args(*model);

@@ -155,19 +155,16 @@ void sweep_paths(const ModelShape& shape, const std::string& name, int real_expe
     const std::string label = name + " T=" + std::to_string(tokens);
     INFO(label << " " << describe(shape, real_experts));
     // Forced decode_moe serves T <= 256 on the shapes it accepts (sm_90 or newer); the
-    // automatic path takes it there for the T detail::decode_by_default names.
+    // automatic path takes it there for the T detail::decode_by_default names. (What the calls
+    // below do is checked against these; the planner's answers themselves are the unit tests'.)
     const moejit::Arch arch = moejit::detail::Runtime::instance().current_arch();
     const bool decode = decode_serves(shape, tokens);
-    CHECK(decode == (decode_accepts && tokens <= 256 && arch.sm >= 90));
     const bool auto_decode = auto_takes_decode(shape, tokens);
     // The sm_90a warpgroup main loop serves marlin_moe here (T = 1000; T = 256 where experts
     // average 14 rows) on such a device: the forced marlin line says so.
     const bool wgmma_tile =
         moejit::detail::moe_forward_specs(moejit::detail::choose_moe_config(shape, tokens), arch)
             .fc1_params.wgmma_n != 0;
-    CHECK(auto_decode ==
-          (moejit::detail::decode_by_default(moejit::detail::choose_moe_config(shape, tokens)) &&
-           decode));
 
     std::vector<uint16_t> auto_out;
     std::vector<uint16_t> marlin_out;
@@ -556,6 +553,8 @@ TEST_CASE("moe_forward: a prewarmed call in a CUDA graph replays the same bits",
     for (const MoeForwardOptions& options : paths) {
       INFO("T=" << tokens << ", path " << path_name(options.path));
       const std::vector<uint16_t> eager = io.run(*model, stream.get(), options);
+      // The poison is NaN: an eager call that wrote nothing would match replays that did not.
+      CHECK(count_nonfinite(eager) == 0);
       const std::vector<std::vector<uint16_t>> replays =
           io.graph_replays(*model, stream.get(), options, 3);
       for (std::size_t replay = 0; replay < replays.size(); ++replay) {
@@ -934,6 +933,7 @@ TEST_CASE("moe_forward: the workspace size query is respected", "[gpu][moe]") {
                 << " bytes");
       CHECK(need <= used.bytes);
       const std::vector<uint16_t> reference_out = io.run(*model, stream.get(), options);
+      CHECK(count_nonfinite(reference_out) == 0);  // written: the poison is NaN
       // Exactly the bytes this call needs (and the size for the largest T), followed by a guard
       // band: the guard is never written, and the output is the same as with a private
       // workspace.

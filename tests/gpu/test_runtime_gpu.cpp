@@ -132,7 +132,7 @@ TEST_CASE("runtime gpu: a thread without a current context gets a clear error", 
 
 TEST_CASE("runtime gpu: kernel handles are shared by every context and stay valid", "[gpu]") {
   const moejit::test::GpuEnv& env = gpu();
-  std::mt19937_64 rng(std::random_device{}());
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   Runtime& runtime = Runtime::instance();
   const KernelSpec spec = sigmoid_spec(runtime.current_arch());
   const CUkernel kernel = runtime.kernel(spec, nullptr);
@@ -327,7 +327,7 @@ TEST_CASE("runtime gpu: a kernel ptxas would encode in the faulting copy form ru
                                         nullptr, 0));
   CUkernel kernel = nullptr;
   MOEJIT_TEST_CU(cu().cuLibraryGetKernel(&kernel, library, built.lowered_name.c_str()));
-  std::mt19937 rng(0x5eed);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
   std::vector<uint32_t> input(4096);
   for (uint32_t& word : input) word = static_cast<uint32_t>(rng());
   moejit::test::DeviceBuffer in(input.size() * 4);

@@ -662,7 +662,7 @@ class TorchFillTests(unittest.TestCase):
         outer, inner = tensors(3), tensors(5)
 
         class BlockN:
-            def __int__(self):
+            def __index__(self):
                 hidden, ids, topk, out = inner
                 layer.forward(hidden, ids, topk, weights, space, out)
                 return 0
@@ -724,6 +724,14 @@ class GpuTests(unittest.TestCase):
         torch.zeros(1, device="cuda")  # the primary context, current on this thread
         result = moejit.prewarm(["py-tiny", "py-biased"])  # the device's arch, loaded
         assert result.failed == 0, result
+
+    def generator(self):
+        """A CUDA generator from a fresh seed, so each run tests fresh inputs. The seed is printed
+        with the test's name; MOEJIT_TEST_SEED=<seed> replays it."""
+        seed = int(os.environ.get("MOEJIT_TEST_SEED") or
+                   int.from_bytes(os.urandom(8), "little") >> 1)
+        sys.stderr.write("{}: seed {}\n".format(self.id(), seed))
+        return self.torch.Generator(device="cuda").manual_seed(seed)
 
     def dequant(self, blocks, scales):
         """[n, rows, K/32, 16] uint8 nibbles and [n, rows, K/32] E8M0 -> [n, rows, K] float64."""
@@ -798,7 +806,7 @@ class GpuTests(unittest.TestCase):
 
     def test_repack_and_forward_match_fp64_on_every_path_and_in_a_graph(self):
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(20261205)
+        gen = self.generator()
         e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
         layer, weights, (w1, w1_s, w3, w3_s, w2, w2_s) = self.tiny_layer(gen)
         g, u, d = self.dequant(w1, w1_s), self.dequant(w3, w3_s), self.dequant(w2, w2_s)
@@ -874,7 +882,7 @@ class GpuTests(unittest.TestCase):
 
     def check_host_workspace_refused(self):
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(20261206)
+        gen = self.generator()
         e, k, h = TINY["num_experts"], TINY["top_k"], TINY["hidden"]
         layer, weights, _ = self.tiny_layer(gen)
         hidden, ids, topk = self.routed_tokens(gen, 2, h, e, k)
@@ -939,7 +947,7 @@ class GpuTests(unittest.TestCase):
         bits the same forward gives alone."""
         import threading
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(20261207)
+        gen = self.generator()
         layer, weights, _ = self.tiny_layer(gen)
         bound = layer.bind_weights(weights)
         jobs = self.forwards_alone(gen, layer, bound, (1, 2, 3, 5, 6, 8))
@@ -971,9 +979,9 @@ class GpuTests(unittest.TestCase):
 
     def test_a_forward_made_inside_another_gives_each_its_own_result(self):
         """A forward called from user code that an outer forward runs between its fills (here
-        decode_block_n's __int__, on the same thread): each writes the bits it gives alone."""
+        decode_block_n's __index__, on the same thread): each writes the bits it gives alone."""
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(20261208)
+        gen = self.generator()
         layer, weights, _ = self.tiny_layer(gen)
         bound = layer.bind_weights(weights)
         jobs = [job + (torch.full_like(job[4], float("nan")),)
@@ -1014,7 +1022,7 @@ class GpuTests(unittest.TestCase):
 
     def test_gpt_oss_checkpoint_with_biases_matches_fp64(self):
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(20261206)
+        gen = self.generator()
         e, k = BIASED["num_experts"], BIASED["top_k"]
         h, i = BIASED["hidden"], BIASED["intermediate"]
         w13 = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, device="cuda",
@@ -1060,7 +1068,7 @@ class GpuTests(unittest.TestCase):
 
     def test_append_shared_matches_its_definition(self):
         torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(7)
+        gen = self.generator()
         tokens, k, shared = 5, 6, 2
         ids = torch.randint(0, 64, (tokens, k), dtype=torch.int32, device="cuda", generator=gen)
         weights = torch.rand(tokens, k, device="cuda", generator=gen)
