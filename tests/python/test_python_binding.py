@@ -634,7 +634,7 @@ class TorchFillTests(unittest.TestCase):
         self.assertTrue(all(a.address != b.address for a in mine for b in seen[0]))
 
     def test_a_call_made_inside_another_on_its_thread_keeps_each_ones_tensors(self):
-        # The binding runs user code between its fills (here decode_block_n's __int__; a stream's
+        # The binding runs user code between its fills (here decode_block_n's __index__; a stream's
         # __cuda_stream__ or a tensor's __dlpack__ could do the same), and a forward called from
         # there must not refill the slots the outer call has filled. The library's entry point is
         # replaced by a recorder of what each call's DLTensors say when it is made.
@@ -989,7 +989,7 @@ class GpuTests(unittest.TestCase):
         outer, inner = jobs
 
         class BlockN:
-            def __int__(self):
+            def __index__(self):
                 layer.forward(inner[0], inner[1], inner[2], bound, inner[3], inner[5])
                 return 0
 
