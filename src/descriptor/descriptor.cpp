@@ -534,7 +534,7 @@ class ShapeFileParser {
         read_string(obj, pointer, "name", "a string of A-Z a-z 0-9 . _ -");
     if (!name) missing(obj, pointer, "name", required);
     s.name = *name;
-    s.num_experts = req_int("num_experts", 1, kMaxLocalExperts);
+    s.num_experts = req_int("num_experts", 1, kMaxRoutedLocalExperts);
     s.top_k = req_int("top_k", 1, kMaxTopK);
     s.hidden = req_int("hidden", 1, kMaxDim);
     s.intermediate = req_int("intermediate", 1, kMaxDim);

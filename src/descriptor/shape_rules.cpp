@@ -230,8 +230,12 @@ std::optional<FloatRatio> float_ratio(float value) {
 
 std::optional<ShapeViolation> find_shape_violation(const ModelShape& s) {
   if (auto v = check_name(s.name)) return v;
-  if (auto v = check_range("/num_experts", "num_experts", s.num_experts, 1, kMaxLocalExperts))
+  // Why two bounds: past kMaxLocalExperts a count is a typo, below it a rank the route kernel
+  // can't serve (the rule after says how to split it); both name the range accepted.
+  if (auto v = check_range("/num_experts", "num_experts", s.num_experts, 1, kMaxLocalExperts)) {
+    v->expected = range_text(1, kMaxRoutedLocalExperts);
     return v;
+  }
   if (s.num_experts > kMaxRoutedLocalExperts) {
     ShapeViolation v;
     v.field = "/num_experts";

@@ -420,14 +420,14 @@ TEST_CASE("fields of the wrong JSON type are refused", "[descriptor]") {
 
 TEST_CASE("zero, negative and absurd sizes are refused", "[descriptor]") {
   expect_value_refusal("\"num_experts\": 64", "\"num_experts\": 0", "0,", "/shapes/0/num_experts",
-                       {"num_experts must be positive", "an integer in 1..4096", "found 0"});
+                       {"num_experts must be positive", "an integer in 1..3509", "found 0"});
   expect_value_refusal("\"hidden\": 2048", "\"hidden\": -32", "-32", "/shapes/0/hidden",
                        {"hidden must be positive", "found -32"});
   expect_value_refusal("\"intermediate\": 768", "\"intermediate\": 0", "0,",
                        "/shapes/0/intermediate", {"intermediate must be positive"});
   expect_value_refusal("\"num_experts\": 64", "\"num_experts\": 5000", "5000",
                        "/shapes/0/num_experts",
-                       {"larger than any model", "1..4096", "found 5000", "typo"});
+                       {"larger than any model", "1..3509", "found 5000", "typo"});
   expect_value_refusal("\"num_experts\": 64", "\"num_experts\": 3510", "3510",
                        "/shapes/0/num_experts",
                        {"more local experts than the route kernel serves", "at most 3509",
