@@ -225,7 +225,7 @@ inline std::size_t call_workspace_bytes(const ModelShape& shape, int tokens,
 
 // ---- shapes -----------------------------------------------------------------------------------
 
-// A shape of tools/shapes/reference.json (the table of DESIGN.md).
+// A shape of tools/shapes/reference.json (the reference models).
 inline ModelShape reference_shape(const std::string& name) {
   static const std::vector<ModelShape> shapes =
       moejit::load_shapes_file(shapes_dir() + "/reference.json");

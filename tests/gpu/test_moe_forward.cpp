@@ -1,6 +1,6 @@
 // The MXFP4 MoE layer on the GPU (moejit/moe.hpp): moe_forward against the fp64 CPU reference
-// (src/ops/moe_reference) on every reference shape of DESIGN.md and T in {1, 7, 48, 256, 1000}
-// (and T = 1100, 4096 for the prefill tile, on 128 sampled tokens),
+// (src/ops/moe_reference) on every reference shape (tools/shapes/reference.json) and T in
+// {1, 7, 48, 256, 1000} (and T = 1100, 4096 for the prefill tile, on 128 sampled tokens),
 // on the automatic path, forced marlin_moe and forced decode_moe where it serves (T <= 256 on the
 // shapes it accepts; refused elsewhere), the automatic path bit for bit the one the library picks
 // (decode_moe for T = 1 on the shapes it serves, as detail::decode_by_default says, else
@@ -88,7 +88,7 @@ struct SweepShape {
   bool sample_t1000;  // at T = 1000 check 128 sampled tokens (the reference's heaviest shapes)
 };
 
-// DESIGN.md's reference shapes. Experts: at most 48 (fp64 weights of up to 7 GB on the host);
+// The reference shapes. Experts: at most 48 (fp64 weights of up to 7 GB on the host);
 // some fewer so no two entries are the same shape.
 constexpr SweepShape kSweep[] = {
     {"gpt-oss-120b", 24, false},          {"gpt-oss-20b", 32, true},
@@ -217,7 +217,7 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   }
 }
 
-// A model integrator's shape is not one of DESIGN.md's: tools/shapes/public.json holds public MoE
+// A model integrator's shape is not one of the reference shapes: tools/shapes/public.json holds public MoE
 // models whose sizes the reference set lacks (top-k 1 and 2, 8-60 experts, I = 1408, 6400 and
 // 14336, H = 1536, 5120 and 7168), every one through the same sweep at T from the pair to the
 // 64-row prefill bucket. Experts are cut where the fp64 weights would pass ~6 GB on the host.

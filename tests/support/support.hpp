@@ -54,7 +54,7 @@ std::string shapes_dir();
 // naming the path when the file is missing.
 std::vector<ModelShape> reference_shapes();
 
-// tools/shapes/public.json: public MoE models beyond DESIGN.md's table, for the planner's and
+// tools/shapes/public.json: public MoE models beyond the reference models, for the planner's and
 // the kernels' generality.
 std::vector<ModelShape> public_shapes();
 
