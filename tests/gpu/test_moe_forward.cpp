@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "descriptor/descriptor.hpp"
 #include "gpu/gpu_support.hpp"
 #include "gpu/moe_support.hpp"
 #include "moejit/error.hpp"
@@ -1756,6 +1757,19 @@ TEST_CASE("moe route: workspace route arrays equal the CPU route model bitwise",
     ModelShape s = reference_shape(name);
     s.max_tokens = 4096;
     shapes.push_back(s);
+  }
+  // The most local experts the route serves (kMaxRoutedLocalExperts): its one-CTA kernel at one
+  // warp, 32 entries a thread, whose rank tables fill the 48 KB of static shared memory. Small H
+  // and I keep its weights at ~0.7 GB.
+  {
+    ModelShape widest = reference_shape("qwen3-30b-a3b");
+    widest.name = "route-widest";
+    widest.num_experts = widest.global_experts = moejit::detail::kMaxRoutedLocalExperts;
+    widest.hidden = 512;
+    widest.intermediate = 256;
+    widest.max_tokens = 4096;
+    REQUIRE_FALSE(moejit::detail::find_shape_violation(widest).has_value());
+    shapes.push_back(widest);
   }
   // marlin_moe's kernels only: this test forces that path.
   build_kernels(shapes, false);
