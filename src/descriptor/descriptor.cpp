@@ -171,12 +171,12 @@ class ShapeFileParser {
     return at == std::string::npos ? what : what.substr(at + 2);
   }
 
-  // The first byte of the JSON token whose last byte is at `offset`.
   // A character of a bare word: a literal or a number.
   static bool is_bare(char c) {
     return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '+' || c == '-';
   }
 
+  // The first byte of the JSON token whose last byte is at `offset`.
   std::size_t token_start(std::size_t offset) const {
     if (offset >= text_.size()) return offset;
     if (text_[offset] == '"') {
