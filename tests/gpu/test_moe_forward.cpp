@@ -218,10 +218,10 @@ TEST_CASE("moe_forward: reference shapes x T vs the fp64 reference, auto and mar
   }
 }
 
-// A model integrator's shape is not one of the reference shapes: tools/shapes/public.json holds public MoE
-// models whose sizes the reference set lacks (top-k 1 and 2, 8-60 experts, I = 1408, 6400 and
-// 14336, H = 1536, 5120 and 7168), every one through the same sweep at T from the pair to the
-// 64-row prefill bucket. Experts are cut where the fp64 weights would pass ~6 GB on the host.
+// A model integrator's shape is not one of the reference shapes: tools/shapes/public.json holds
+// public MoE models whose sizes the reference set lacks (top-k 1 and 2, 8-60 experts, I = 1408,
+// 6400 and 14336, H = 1536, 5120 and 7168), every one through the same sweep at T from the pair to
+// the 64-row prefill bucket. Experts are cut where the fp64 weights would pass ~6 GB on the host.
 TEST_CASE("moe_forward: public MoE shapes beyond the reference set vs the fp64 reference",
           "[gpu][moe]") {
   gpu();
