@@ -16,7 +16,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <sstream>
+#include <string_view>
 #include <system_error>
 
 #include "cache/file_io.hpp"
@@ -273,14 +276,58 @@ fs::path loaded_nvrtc_path() {
 
 }  // namespace
 
+std::optional<MappedFile> mapped_file(const std::function<bool(const std::string&)>& matches) {
+  constexpr std::string_view kDeleted = " (deleted)";
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    // "start-end perms offset dev inode path": the path is the rest of the line from its '/'.
+    const std::size_t slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash);
+    if (path.size() > kDeleted.size() &&
+        path.compare(path.size() - kDeleted.size(), kDeleted.size(), kDeleted) == 0) {
+      path.resize(path.size() - kDeleted.size());
+    }
+    if (!matches(path)) continue;
+    struct stat st {};
+    const std::string range = line.substr(0, line.find(' '));
+    if (::stat(("/proc/self/map_files/" + range).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      return std::nullopt;
+    }
+    return MappedFile{path, static_cast<std::uintmax_t>(st.st_size)};
+  }
+  return std::nullopt;
+}
+
 const std::string& nvrtc_identity() {
   static const std::string identity = [] {
     const std::string version = nvrtc_version();
     const fs::path path = loaded_nvrtc_path();
     std::error_code ec;
-    const fs::path file = path.empty() ? path : fs::canonical(path, ec);
-    const std::uintmax_t size = file.empty() || ec ? 0 : fs::file_size(file, ec);
-    if (file.empty() || ec || size == 0) {
+    const fs::path canonical = path.empty() ? path : fs::canonical(path, ec);
+    const std::string wanted = path.empty() || ec ? std::string() : canonical.string();
+    // Why the mapped file first: it is the library this process compiles with, where the file at
+    // its path may be a newer one an upgrade put there since (whose size would key the old
+    // library's cubins as its own), or none. The path is the fallback where the process can't
+    // stat its own mappings. (No library found: a static link.)
+    std::optional<MappedFile> mapped;
+    if (!wanted.empty()) mapped = mapped_file([&](const std::string& p) { return p == wanted; });
+    if (!mapped && !path.empty()) {
+      mapped = mapped_file([](const std::string& p) { return is_nvrtc_library(fs::path(p)); });
+    }
+    fs::path file;
+    std::uintmax_t size = 0;
+    if (mapped) {
+      file = mapped->path;
+      size = mapped->size;
+    } else if (!wanted.empty()) {
+      file = canonical;
+      std::error_code unsized;
+      size = fs::file_size(file, unsized);
+      if (unsized) size = 0;
+    }
+    if (file.empty() || size == 0) {
       log().warn(
           "the NVRTC library this process uses was not found among its mapped files (a "
           "static link?): cache keys name NVRTC {} by its version alone, so a patch "

@@ -1,6 +1,9 @@
 // NVRTC: compile a generated translation unit to a cubin for one arch.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +23,16 @@ std::string nvrtc_version();
 // else among the process's mapped files (a relative load path, a non-PIE executable); where it
 // can't be located (a static link), just the version, with a warning.
 const std::string& nvrtc_identity();
+
+// A file this process maps, as /proc/self/maps names it (" (deleted)" dropped), and its size
+// read through /proc/self/map_files: the size of the file mapped, even where its path now names
+// another file (an upgrade renamed a new one over it) or none. The first mapping whose path
+// `matches`; nullopt where none does or the process can't stat its own mappings.
+struct MappedFile {
+  std::string path;
+  std::uintmax_t size = 0;
+};
+std::optional<MappedFile> mapped_file(const std::function<bool(const std::string&)>& matches);
 
 // "" when NVRTC compiles a one-line kernel to a cubin (for its lowest target arch), else what
 // went wrong: a missing libnvrtc-builtins shows here, not at the first real compile. For

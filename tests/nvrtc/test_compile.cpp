@@ -1,12 +1,17 @@
 // NVRTC compiles of every append_shared variant, compile-failure reports, the traits' asserts
 // under NVRTC, and the compile's independence from the CUDA toolkit's headers. Needs NVRTC, no
 // GPU.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -285,6 +290,48 @@ TEST_CASE("the key's NVRTC field names the loaded library's patch build, never a
   const std::string size = identity.substr(identity.rfind(' ') + 1);
   CHECK(std::all_of(size.begin(), size.end(), [](char c) { return c >= '0' && c <= '9'; }));
   CHECK(std::stoull(size) > 1000000);
+}
+
+// What a package upgrade does to a library a process has loaded: a new file renamed over its
+// path. The key's NVRTC field must keep naming the library the process compiles with.
+TEST_CASE("the key's NVRTC field takes the mapped library's size, not the file now at its path",
+          "[nvrtc]") {
+  moejit::test::TempDir dir;
+  const std::string path = fs::canonical(dir.path()).string() + "/libmapped.so.1";
+  constexpr std::size_t kMappedBytes = 8192;
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << std::string(kMappedBytes, 'm');
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  REQUIRE(fd >= 0);
+  void* const map = ::mmap(nullptr, kMappedBytes, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  REQUIRE(map != MAP_FAILED);
+  {
+    std::ofstream out(path + ".new", std::ios::binary);
+    out << std::string(100, 'n');
+  }
+  REQUIRE(std::rename((path + ".new").c_str(), path.c_str()) == 0);
+  const auto mapped = moejit::detail::mapped_file([&](const std::string& p) { return p == path; });
+  ::munmap(map, kMappedBytes);
+  if (!mapped) {
+    WARN("SKIPPED: this process can't stat its own mappings (/proc/self/map_files)");
+    return;
+  }
+  CHECK(mapped->path == path);
+  CHECK(mapped->size == kMappedBytes);
+  CHECK(fs::file_size(path) == 100);
+  // And the field names the NVRTC library this process maps, by its size.
+  const auto nvrtc = moejit::detail::mapped_file([](const std::string& p) {
+    return fs::path(p).filename().string().rfind("libnvrtc.so", 0) == 0;
+  });
+  REQUIRE(nvrtc.has_value());
+  const std::string& identity = moejit::detail::nvrtc_identity();
+  INFO(identity);
+  CHECK(identity == moejit::detail::nvrtc_version() + " " +
+                        fs::path(nvrtc->path).filename().string() + " " +
+                        std::to_string(nvrtc->size));
 }
 
 TEST_CASE("compile options: arch first, C++17, ptxas report, never fast-math", "[nvrtc]") {
