@@ -20,7 +20,8 @@ std::string nvrtc_version();
 // version: nvrtcVersion reports major.minor only, and a patch release (a ptxas fix among them)
 // must not reuse cubins its predecessor built. The name and size carry no path, so machines with
 // the same toolkit still share keys. The library is found by the address of its nvrtcVersion,
-// else among the process's mapped files (a relative load path, a non-PIE executable); where it
+// else among the process's mapped files (a relative load path, a non-PIE executable), and its
+// size is the mapped file's (mapped_file), whatever an upgrade has since put at its path; where it
 // can't be located (a static link), just the version, with a warning.
 const std::string& nvrtc_identity();
 
