@@ -90,10 +90,10 @@ spdlog::logger& log() {
     if (existing) return existing;
     auto made = spdlog::stderr_color_mt("moejit");
     made->set_pattern("[moejit %L] %v");
-    std::optional<spdlog::level::level_enum> level;
-    if (auto text = env("MOEJIT_LOG_LEVEL")) level = log_level_named(*text);
+    const std::optional<std::string> text = env("MOEJIT_LOG_LEVEL");
+    const auto level = text ? log_level_named(*text) : std::nullopt;
     made->set_level(level.value_or(spdlog::level::warn));
-    if (const std::string problem = log_level_problem(); !problem.empty()) made->warn(problem);
+    if (text && !level) made->warn(log_level_problem());
     return made;
   }();
   return *logger;

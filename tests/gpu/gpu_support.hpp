@@ -287,8 +287,10 @@ struct AppendData {
   }
   // An id as downloaded_ids() reads the poison.
   int64_t id_poison() const {
-    if (c.id_dtype == DType::kI32) return static_cast<int32_t>(0xA5A5A5A5u);
-    return static_cast<int64_t>(0xA5A5A5A5A5A5A5A5ull);
+    uint64_t bits = 0;
+    for (int byte = 0; byte < 8; ++byte) bits = bits << 8 | kIdPoisonByte;
+    if (c.id_dtype == DType::kI32) return static_cast<int32_t>(static_cast<uint32_t>(bits));
+    return static_cast<int64_t>(bits);
   }
 
   std::vector<int64_t> downloaded_ids() const {

@@ -279,7 +279,7 @@ void run(const char* name, unsigned char* const (&w)[2], unsigned char* const (&
 int main(int argc, char** argv) {
   if (argc > 1) g_experts = std::atoi(argv[1]);
   if (g_experts < 1 || g_experts > kExperts) {
-    std::fprintf(stderr, "expert_stream: experts %s: 1 to %d\n", argv[1], kExperts);
+    std::fprintf(stderr, "expert_stream: grid %s: 1 to %d CTAs\n", argv[1], kExperts);
     return 1;
   }
   cudaStream_t stream;
