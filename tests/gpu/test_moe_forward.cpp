@@ -1534,7 +1534,8 @@ TEST_CASE("moe repack: overlapping buffers and too many experts are refused, nam
   const ModelShape shape = small_gpt_oss("repack overlap");
   ModelShape stack = shape;
   stack.num_experts = 3;  // one expert more than the shape holds
-  const Checkpoint ck = make_checkpoint(stack, true, 7);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  const Checkpoint ck = make_checkpoint(stack, true, rng());
   const DeviceCheckpoint dck(ck);
   auto model = allocate_model(shape);
   const auto call = [&](int64_t n, const moejit::MoeRepackTarget& target) {
@@ -1604,7 +1605,9 @@ TEST_CASE("moe repack (child process): a capture miss on FC2's kernel launches n
   runtime.kernel(fc1, stream.get());  // loaded before the capture: a hit inside it
 
   const ModelShape shape = small_gpt_oss("repack capture miss");
-  const Checkpoint ck = make_checkpoint(shape, true, 11);
+  MOEJIT_TEST_SEEDED_RNG(seed, rng);
+  std::printf("repack_capture_child: seed %llu\n", static_cast<unsigned long long>(seed));
+  const Checkpoint ck = make_checkpoint(shape, true, rng());
   const DeviceCheckpoint dck(ck);
   auto model = allocate_model(shape);
   GptOssViews views(dck, 2, shape.hidden, shape.intermediate);
