@@ -8,6 +8,7 @@
 
 #include "cli/cli.hpp"
 #include "common/env.hpp"
+#include "descriptor/descriptor.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
 
@@ -51,21 +52,25 @@ std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths) 
   std::vector<ModelShape> shapes;
   for (const std::string& path : paths) {
     try {
-      std::vector<ModelShape> loaded = load_shapes_file(path);
+      std::vector<detail::LocatedShape> loaded =
+          detail::parse_shapes_located(detail::read_shapes_text(path), path);
       // Why: a name is unique inside a file (the parser's rule) and across the files an engine
       // registers (the registry's), so one command's files follow the registry's rule too.
-      for (const ModelShape& shape : loaded) {
+      for (const detail::LocatedShape& s : loaded) {
         for (const ModelShape& earlier : shapes) {
-          if (earlier.name != shape.name) continue;
-          throw Failure{kExitShapeFile,
-                        "invalid shape file: " + shape.source + ": shape \"" + shape.name +
-                            "\" is also defined at " + earlier.source +
-                            "; names must be unique across the files of one command, as an "
-                            "engine registering both files would be refused: rename one, or "
-                            "pass its file once"};
+          if (earlier.name != s.shape.name) continue;
+          throw Failure{
+              kExitShapeFile,
+              "invalid shape file: " +
+                  detail::descriptor_message(
+                      path, s.name_line, s.name_column, s.name_pointer,
+                      "shape \"" + s.shape.name + "\" is also defined at " + earlier.source,
+                      "a name no earlier file of the command defines (an engine "
+                      "registering both files would be refused)",
+                      "\"" + s.shape.name + "\"", "rename one, or pass its file once")};
         }
       }
-      shapes.insert(shapes.end(), loaded.begin(), loaded.end());
+      for (detail::LocatedShape& s : loaded) shapes.push_back(std::move(s.shape));
     } catch (const DescriptorError& e) {
       std::string message = e.what();
       // Why: the location must reach the user even if a message was written without it.

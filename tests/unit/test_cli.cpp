@@ -194,8 +194,9 @@ TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anythin
       int rc = cli("prewarm " + quote(bad) + " " + quote(second) + " --arch sm_90a", &out, cache);
       INFO(out);
       CHECK(rc == 3);
-      CHECK(out.find(second + ":1: shape \"twice\" is also defined at " + bad + ":1") !=
-            std::string::npos);
+      // The second definition's name value: file, line and column, then its JSON pointer.
+      CHECK(out.find(second + ":1:22: /shapes/0/name: shape \"twice\" is also defined at " + bad +
+                     ":1;") != std::string::npos);
     }
   }
   SECTION("a missing file") {
