@@ -818,9 +818,13 @@ __global__ void __launch_bounds__(kThreads, T::kMinBlocksPerSm)
       const u32 final_count = pipe::load_acquire_cta(misc + kMiscIssuedFinal);
       if (retired == final_count) break;
       // Why the bounds: the barriers of items not yet issued still show their previous round,
-      // and the one after the last item is the producer's.
+      // and the one after the last item is the producer's. Why the count read again after each
+      // barrier, not final_count: the producer may store it and complete its barrier after the
+      // read above; a barrier seen complete (an acquire) orders the producer's store (released
+      // before its arrive) before the read, so that barrier is never taken for an item.
       u32 done = retired + 1;
-      while (done - retired < kInFlight && done != final_count && item_finished(done, false)) {
+      while (done - retired < kInFlight && item_finished(done, false) &&
+             done != pipe::load_acquire_cta(misc + kMiscIssuedFinal)) {
         ++done;
       }
       // One fence before the first FC1 counter: it orders every retired item's inter stores.
