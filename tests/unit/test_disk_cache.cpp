@@ -1189,48 +1189,54 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// A fresh read-write cache whose lock on the key named `name` a ForeignHolder holds.
+struct ForeignLockCase {
+  explicit ForeignLockCase(const std::string& name)
+      : dir(tmp.path() + "/cache"),
+        cache(dir, CacheMode::kReadWrite),
+        key(key_for(name)),
+        holder(dir, key) {}
+  moejit::test::TempDir tmp;
+  const std::string dir;
+  DiskCache cache;
+  const std::string key;
+  ForeignHolder holder;
+};
+
 }  // namespace
 
 TEST_CASE("lock(key) returns an entry published while it waits, the holder still holding",
           "[cache]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  DiskCache cache(dir, CacheMode::kReadWrite);
-  const std::string key = key_for("published while waiting");
-  const Entry entry = make_entry(key, 4096, 7);
-  ForeignHolder holder(dir, key);
+  ForeignLockCase c("published while waiting");
+  const Entry entry = make_entry(c.key, 4096, 7);
   // The holder publishes, then keeps the lock (stopped, hung, or a forked child holding it).
   std::thread publisher([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(150));
-    DiskCache other(dir, CacheMode::kReadWrite);
+    DiskCache other(c.dir, CacheMode::kReadWrite);
     CHECK(other.store(entry));
   });
 
   const auto start = std::chrono::steady_clock::now();
   std::optional<Entry> published;
-  DiskCache::Lock lock = cache.lock(key, &published);
+  DiskCache::Lock lock = c.cache.lock(c.key, &published);
   const double waited = seconds_since(start);
   publisher.join();
   CHECK_FALSE(lock.held());
   REQUIRE(published.has_value());
   CHECK(published->cubin == entry.cubin);
-  CHECK(published->manifest.key == key);
+  CHECK(published->manifest.key == c.key);
   // Returned within the poll interval of the publish, not after any wait bound.
   CHECK(waited >= 0.1);
   CHECK(waited < 10.0);
-  CHECK(lock_is_held(dir, key));
+  CHECK(lock_is_held(c.dir, c.key));
 }
 
 TEST_CASE("lock(key) still takes a published entry that gc moved away and back during a poll",
           "[cache]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  DiskCache cache(dir, CacheMode::kReadWrite);
-  const std::string key = key_for("moved away and back");
-  const Entry entry = make_entry(key, 4096, 11);
-  ForeignHolder holder(dir, key);
+  ForeignLockCase c("moved away and back");
+  const Entry entry = make_entry(c.key, 4096, 11);
   {
-    DiskCache other(dir, CacheMode::kReadWrite);
+    DiskCache other(c.dir, CacheMode::kReadWrite);
     REQUIRE(other.store(entry));  // published; the holder keeps the lock
   }
   // The first poll's load finds the path empty (gc's move to a temp name), and the same file (the
@@ -1250,7 +1256,7 @@ TEST_CASE("lock(key) still takes a published entry that gc moved away and back d
 
   const auto start = std::chrono::steady_clock::now();
   std::optional<Entry> published;
-  DiskCache::Lock lock = cache.lock(key, &published, std::chrono::seconds(5));
+  DiskCache::Lock lock = c.cache.lock(c.key, &published, std::chrono::seconds(5));
   const double waited = seconds_since(start);
   CHECK_FALSE(lock.held());
   CHECK(loads == 2);
@@ -1260,24 +1266,20 @@ TEST_CASE("lock(key) still takes a published entry that gc moved away and back d
 }
 
 TEST_CASE("lock(key) gives up on a holder that never releases after the wait bound", "[cache]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  DiskCache cache(dir, CacheMode::kReadWrite);
-  const std::string key = key_for("held forever");
-  ForeignHolder holder(dir, key);
+  ForeignLockCase c("held forever");
   LogCapture capture;
 
   const auto start = std::chrono::steady_clock::now();
   std::optional<Entry> published;
-  DiskCache::Lock lock = cache.lock(key, &published, std::chrono::milliseconds(300));
+  DiskCache::Lock lock = c.cache.lock(c.key, &published, std::chrono::milliseconds(300));
   const double waited = seconds_since(start);
   CHECK_FALSE(lock.held());
   CHECK_FALSE(published.has_value());
   CHECK(waited >= 0.3);
   CHECK(waited < 10.0);
   INFO(capture.all());
-  CHECK(capture.warned(
-      {"waited 300 ms for", dir + "/locks/" + key + ".lock", "without the inter-process lock"}));
+  CHECK(capture.warned({"waited 300 ms for", c.dir + "/locks/" + c.key + ".lock",
+                        "without the inter-process lock"}));
   // The bound is generous by default: minutes, far beyond the slowest compile.
   CHECK(DiskCache::kLockWaitSeconds >= 60);
   CHECK(DiskCache::kLockWaitSeconds < DiskCache::kStaleTempSeconds);
@@ -1285,7 +1287,7 @@ TEST_CASE("lock(key) gives up on a holder that never releases after the wait bou
   // Uncontended, the lock is taken at once.
   const std::string free_key = key_for("free");
   const auto free_start = std::chrono::steady_clock::now();
-  CHECK(cache.lock(free_key, &published, std::chrono::milliseconds(0)).held());
+  CHECK(c.cache.lock(free_key, &published, std::chrono::milliseconds(0)).held());
   CHECK(seconds_since(free_start) < 1.0);
 }
 
