@@ -744,6 +744,10 @@ __device__ __forceinline__ void produce(const DecodeMoeParams& p, const CtaShare
     s.headers[4 * slot] = -1;
     pipe::arrive(ptx::smem_u32(s.full + slot));
   }
+  // Why: the last chunks' activation copies (cp.async, each lane's own) may still be in flight,
+  // and nothing says a thread's pending cp.async outlive it; the lanes wait for theirs before
+  // they exit (the bulk copies are the barriers' to track). The consumers do not wait on this.
+  ptx::cp_async_wait_all();
 }
 
 template <class T>

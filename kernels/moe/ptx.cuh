@@ -66,6 +66,10 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
+// Every cp.async this thread issued, committed to a group or not, has landed.
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 __device__ __forceinline__ void lds128(u32 addr, u32 (&r)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -172,13 +176,15 @@ __device__ __forceinline__ u64 globaltimer() {
 // visible after). Call once a first look found it short. Why relaxed polls and one acquire at the
 // end: each acquire load also invalidates the SM's L1 (CCTL.IVALL), which the polls need not do.
 // Past limit_ns (params.cuh kCounterWaitLimitNs says why the op's limit is what it is) it traps,
-// so the launch fails with an error that the stream's next synchronization reports, instead of
-// hanging the stream. Why no message (printf) first: any call in a kernel, vprintf's included,
-// makes ptxas serialize every wgmma of it (C7510).
+// so the launch fails instead of hanging the stream: the stream's next synchronization reports
+// it, and the context is unusable after it (a trap's error is sticky). Why no message (printf)
+// first: any call in a kernel, vprintf's included, makes ptxas serialize every wgmma of it
+// (C7510). Why the elapsed time compared signed: a timer read that steps back must not wrap
+// into a wait past its limit.
 __device__ __forceinline__ void wait_at_least(const u32* counter, u32 target, u64 limit_ns) {
   const u64 start = globaltimer();
   while (load_relaxed(counter) < target) {
-    if (globaltimer() - start > limit_ns) __trap();
+    if (static_cast<i64>(globaltimer() - start) > static_cast<i64>(limit_ns)) __trap();
     sleep_ns(32);
   }
   load_acquire(counter);
