@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -25,6 +26,7 @@
 #include "common/fork.hpp"
 #include "common/hash.hpp"
 #include "common/log.hpp"
+#include "compile/cubin_check.hpp"
 #include "moejit/error.hpp"
 #include "moejit/version.hpp"
 
@@ -416,6 +418,11 @@ std::string parse_manifest(const std::string& text, Manifest* m) {
     m->library_version = j.at("library_version").get<std::string>();
     m->compile_ms = j.at("compile_ms").get<double>();
     m->ptxas_info = j.at("ptxas_info").get<std::string>();
+    // Why the kinds first: get<> converts a float to an integer, undefined where it is out of
+    // range (1e300), where a writer only ever stores integers.
+    if (!j.at("cubin_size").is_number_unsigned() || !j.at("created_unix").is_number_integer()) {
+      return "manifest cubin_size or created_unix is not an integer";
+    }
     m->cubin_size = j.at("cubin_size").get<uint64_t>();
     m->cubin_hash = j.at("cubin_hash").get<std::string>();
     m->created_unix = j.at("created_unix").get<int64_t>();
@@ -517,12 +524,22 @@ ReadResult read_entry(int fd, uint64_t file_size, const std::string& key, bool w
     return corrupt("cubin hash mismatch: recorded " + cubin_digest.hex() + ", computed " +
                    actual.hex() + " (content changed on disk)");
   }
+  // Why, though the hash matched: the hash shows the bytes are the ones written, not that the
+  // writer wrote a cubin, and the driver reads whatever an ELF header points at.
+  if (std::string why = elf_image_problem(out->cubin); !why.empty()) {
+    out->cubin.clear();
+    return corrupt("the stored cubin is not a whole ELF image: " + why);
+  }
   return {};
 }
 
 }  // namespace
 
-std::string manifest_to_json(const Manifest& manifest) { return manifest_json(manifest).dump(); }
+// Why replace: a compiler's log (ptxas_info) may hold bytes that are not UTF-8, which dump()
+// would otherwise throw on; they are stored as U+FFFD.
+std::string manifest_to_json(const Manifest& manifest) {
+  return manifest_json(manifest).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 void set_cache_test_hooks(CacheTestHooks hooks) { test_hooks() = std::move(hooks); }
 
@@ -669,8 +686,13 @@ std::optional<Entry> DiskCache::load(const std::string& key, bool& refused) cons
   if (!fd.ok()) {
     const int error = errno;
     refused = error != ENOENT && error != ENOTDIR;
-    if (error == ENOENT || error == ENOTDIR) {
+    if (error == ENOENT) {
       log().debug("cache miss {}", key);
+    } else if (error == ENOTDIR) {
+      log().warn(
+          "cache entry {}: a component of its directory is not a directory; treated as a "
+          "miss, and entries under it cannot be stored",
+          path);
     } else if (error == ELOOP) {
       log().warn("cache entry {} is a symbolic link; ignored (treated as a miss)", path);
     } else {
@@ -744,8 +766,16 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
       quarantine_dir + "/" + name + "." + std::to_string(now_unix()) + "." + random_hex();
   if (test_hooks().before_quarantine_rename) test_hooks().before_quarantine_rename();
   if (::rename(path.c_str(), dest.c_str()) != 0) {
-    log().warn("cache entry {} failed verification ({}); ignored (cannot move it to {}: {})",
-               path, reason, dest, errno_text(errno));
+    const int error = errno;
+    struct stat gone {};
+    if (error == ENOENT && ::lstat(path.c_str(), &gone) != 0 && errno == ENOENT) {
+      // The entry, not the destination, is missing: another process moved it first.
+      log().warn("cache entry {} failed verification ({}); it has already been moved away", path,
+                 reason);
+    } else {
+      log().warn("cache entry {} failed verification ({}); ignored (cannot move it to {}: {})",
+                 path, reason, dest, errno_text(error));
+    }
     return "";
   }
   if (test_hooks().after_quarantine_rename) test_hooks().after_quarantine_rename();
@@ -814,7 +844,12 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
     return false;
   };
 
+  if (std::string why = elf_image_problem(entry.cubin); !why.empty()) {
+    return refuse("its cubin is not a whole ELF image: " + why, 0);
+  }
   Manifest manifest = entry.manifest;
+  // Why: JSON has no NaN or infinity (dump() writes null, which no reader takes as a number).
+  if (!std::isfinite(manifest.compile_ms)) manifest.compile_ms = 0;
   const Digest cubin_digest = hash_bytes(entry.cubin);
   manifest.cubin_size = entry.cubin.size();
   manifest.cubin_hash = cubin_digest.hex();

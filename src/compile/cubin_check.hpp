@@ -1,6 +1,7 @@
 // Checks of the SASS in a compiled cubin that the driver would not make before a launch.
 #pragma once
 
+#include <string>
 #include <string_view>
 
 namespace moejit::detail {
@@ -19,8 +20,16 @@ namespace moejit::detail {
 // it without the hint.
 //
 // Returns how many 128-bit instructions of the ELF image's executable sections have that opcode.
-// Throws Error{kInternal} naming the problem when `cubin` is not a little-endian ELF64 image whose
-// section table lies inside it.
+// Throws Error{kInternal} naming the problem when `cubin` is not a whole image
+// (elf_image_problem) or an executable section is not whole 16-byte instructions.
 int count_faulting_hinted_copies(std::string_view cubin);
+
+// "" when `image` is a whole little-endian ELF64 image: its header, its program and section
+// tables and every segment's and section's file bytes lie inside it. Else what is wrong.
+//
+// Why: the driver is given a cubin by address alone (cuLibraryLoadData takes no length) and reads
+// whatever its header points at, so the cache checks that all of that is inside the bytes it
+// holds before it serves them (cache/disk_cache.cpp), as compile() does before its scan.
+std::string elf_image_problem(std::string_view image);
 
 }  // namespace moejit::detail

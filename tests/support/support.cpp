@@ -11,6 +11,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -315,6 +316,43 @@ int children_failing_under(const std::function<void()>& hammer, const std::funct
   stop = true;
   thread.join();
   return failed;
+}
+
+std::string elf_image(const std::vector<ElfSection>& sections) {
+  const auto put = [](std::string& image, std::size_t at, auto value) {
+    std::memcpy(image.data() + at, &value, sizeof(value));
+  };
+  std::string image(64, '\0');
+  image.replace(0, 4,
+                "\x7f"
+                "ELF");
+  image[4] = 2;                                       // ELFCLASS64
+  image[5] = 1;                                       // ELFDATA2LSB
+  image[6] = 1;                                       // EV_CURRENT
+  std::vector<std::pair<uint64_t, uint64_t>> placed;  // offset, size
+  for (const ElfSection& s : sections) {
+    placed.emplace_back(image.size(), s.bytes.size());
+    image += s.bytes;
+  }
+  const uint64_t table = image.size();
+  image.append(64 * (sections.size() + 1), '\0');
+  for (std::size_t i = 0; i < sections.size(); ++i) {
+    const std::size_t header = table + 64 * (i + 1);
+    put(image, header + 4, sections[i].type);
+    put(image, header + 8, sections[i].flags);
+    put(image, header + 24, placed[i].first);
+    put(image, header + 32, placed[i].second);
+  }
+  put(image, 0x28, table);
+  put(image, 0x3A, uint16_t{64});
+  put(image, 0x3C, static_cast<uint16_t>(sections.size() + 1));
+  return image;
+}
+
+std::string cubin_image(const std::string& payload) {
+  constexpr uint32_t kProgbits = 1;
+  constexpr uint64_t kAlloc = 0x2;
+  return elf_image({{kProgbits, kAlloc, payload}});
 }
 
 }  // namespace moejit::test

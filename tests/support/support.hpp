@@ -1,6 +1,7 @@
 // Helpers shared by the tests.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -37,6 +38,18 @@ inline const char* const kRingLibraryCopy = "kp::cp_async_16_stream(dst, from, 1
 inline const char* const kRingHintedCopy =
     "asm volatile(\"cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;\""
     " :: \"r\"(dst), \"l\"(from), \"l\"(pol) : \"memory\");";
+
+// A little-endian ELF64 image as the cubin checks read one (src/compile/cubin_check.hpp): the
+// header, each section's bytes, then the section table (entry 0 the null section, as ELF has it).
+struct ElfSection {
+  uint32_t type;      // SHT_*
+  uint64_t flags;     // SHF_*
+  std::string bytes;  // the section's contents
+};
+std::string elf_image(const std::vector<ElfSection>& sections);
+// A whole ELF64 image carrying `payload` as its one data section: the cubin of a made-up cache
+// entry (the disk cache stores and serves whole ELF images only).
+std::string cubin_image(const std::string& payload);
 
 // A whole file's bytes ("" when it can't be read).
 std::string read_text(const std::string& path);

@@ -8,6 +8,7 @@
 
 #include "compile/cubin_check.hpp"
 #include "moejit/error.hpp"
+#include "support/support.hpp"
 
 namespace {
 
@@ -24,40 +25,21 @@ void put(std::string& image, std::size_t at, T value) {
   std::memcpy(image.data() + at, &value, sizeof(T));
 }
 
+// A section of 64-bit words.
 struct Section {
   uint32_t type;                // SHT_*
   uint64_t flags;               // SHF_*
   std::vector<uint64_t> words;  // 64-bit words of the section's contents
 };
 
-// An ELF64 little-endian image: header, then each section's contents, then the section table
-// (entry 0 the null section, as ELF has it).
 std::string elf_image(const std::vector<Section>& sections) {
-  std::string image(64, '\0');
-  image.replace(0, 4,
-                "\x7f"
-                "ELF");
-  image[4] = 2;                                       // ELFCLASS64
-  image[5] = 1;                                       // ELFDATA2LSB
-  image[6] = 1;                                       // EV_CURRENT
-  std::vector<std::pair<uint64_t, uint64_t>> placed;  // offset, size
+  std::vector<moejit::test::ElfSection> byte_sections;
   for (const Section& s : sections) {
-    placed.emplace_back(image.size(), s.words.size() * 8);
-    for (uint64_t w : s.words) image.append(reinterpret_cast<const char*>(&w), 8);
+    byte_sections.push_back(
+        {s.type, s.flags,
+         std::string(reinterpret_cast<const char*>(s.words.data()), s.words.size() * 8)});
   }
-  const uint64_t table = image.size();
-  image.append(64 * (sections.size() + 1), '\0');
-  for (std::size_t i = 0; i < sections.size(); ++i) {
-    const std::size_t header = table + 64 * (i + 1);
-    put<uint32_t>(image, header + 4, sections[i].type);
-    put<uint64_t>(image, header + 8, sections[i].flags);
-    put<uint64_t>(image, header + 24, placed[i].first);
-    put<uint64_t>(image, header + 32, placed[i].second);
-  }
-  put<uint64_t>(image, 0x28, table);
-  put<uint16_t>(image, 0x3A, 64);
-  put<uint16_t>(image, 0x3C, static_cast<uint16_t>(sections.size() + 1));
-  return image;
+  return moejit::test::elf_image(byte_sections);
 }
 
 constexpr uint32_t kProgbits = 1;
@@ -117,5 +99,47 @@ TEST_CASE("cubin check: an image that is not a whole ELF64 is an error naming th
   uint64_t table = 0;
   std::memcpy(&table, outside.data() + 0x28, 8);
   put<uint64_t>(outside, table + 64 + 32, uint64_t{1} << 20);  // section 1's size: past the end
-  CHECK(contains(message_of(outside), "whole 16-byte instructions"));
+  CHECK(contains(message_of(outside), "section 1 (offset 64, 1048576 bytes) lies outside"));
+}
+
+TEST_CASE("cubin check: a whole image is one whose every table, segment and section is inside it",
+          "[unit]") {
+  using moejit::detail::elf_image_problem;
+  constexpr uint32_t kNobits = 8;
+  const std::string whole = elf_image({{kProgbits, kExec, {kPlainCopy, 0}}});
+  CHECK(elf_image_problem(whole).empty());
+  CHECK(elf_image_problem(moejit::test::cubin_image("any payload, any length")).empty());
+  CHECK(contains(elf_image_problem(""), "not a little-endian ELF64 image (0 bytes)"));
+  uint64_t table = 0;
+  std::memcpy(&table, whole.data() + 0x28, 8);
+
+  // A section with no file bytes (.nv.shared) may claim any size; one with bytes may not.
+  std::string nobits = elf_image({{kNobits, 0, {}}});
+  put<uint64_t>(nobits, table - 16 + 64 + 32, uint64_t{1} << 40);  // its table is 16 bytes lower
+  CHECK(elf_image_problem(nobits).empty());
+  std::string wrapped = whole;  // offset + size wraps past 2^64 to a small number
+  put<uint64_t>(wrapped, table + 64 + 24, ~uint64_t{0} - 7);
+  put<uint64_t>(wrapped, table + 64 + 32, 16);
+  CHECK(contains(elf_image_problem(wrapped), "section 1 (offset 18446744073709551608"));
+
+  std::string entry_size = whole;
+  put<uint16_t>(entry_size, 0x3A, 40);
+  CHECK(contains(elf_image_problem(entry_size), "section table: entries of 40 bytes, not 64"));
+  std::string hidden_count = whole;  // e_shnum 0 beside a table: entry 0 is read for the count
+  put<uint16_t>(hidden_count, 0x3C, 0);
+  CHECK(elf_image_problem(hidden_count).empty());
+  put<uint64_t>(hidden_count, 0x28, hidden_count.size() - 32);
+  CHECK(contains(elf_image_problem(hidden_count), "section table of 1 entries"));
+
+  // Program headers: the table, then each segment's file bytes.
+  std::string segments = whole;
+  put<uint64_t>(segments, 0x20, segments.size() - 56);
+  put<uint16_t>(segments, 0x36, 56);
+  put<uint16_t>(segments, 0x38, 2);
+  CHECK(contains(elf_image_problem(segments), "program header table of 2 entries"));
+  put<uint16_t>(segments, 0x38, 1);  // its one entry is the section table's last 56 bytes
+  CHECK(elf_image_problem(segments).empty());
+  put<uint64_t>(segments, segments.size() - 56 + 32, segments.size());  // p_filesz: past the end
+  put<uint64_t>(segments, segments.size() - 56 + 8, 1);                 // p_offset
+  CHECK(contains(elf_image_problem(segments), "segment 0 (offset 1, "));
 }

@@ -1,7 +1,6 @@
 // DiskCache: entry format, atomic publish under SIGKILL, verification and quarantine, trust,
 // modes (a full disk included), LRU gc (racing other processes), locks (bounded waits, entries
 // published while waiting, forked holders).
-#include <catch2/catch.hpp>
 #include <fcntl.h>
 #include <signal.h>
 #include <spdlog/sinks/base_sink.h>
@@ -13,8 +12,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -62,6 +64,8 @@ std::string pseudo_random_bytes(std::size_t size, uint64_t seed) {
   return out;
 }
 
+// An entry for `key` whose cubin is an ELF image carrying `cubin_size` pseudo-random bytes of
+// `seed`.
 Entry make_entry(const std::string& key, std::size_t cubin_size, uint64_t seed) {
   Entry e;
   e.manifest.key = key;
@@ -75,7 +79,7 @@ Entry make_entry(const std::string& key, std::size_t cubin_size, uint64_t seed) 
   e.manifest.compile_ms = 812.5;
   e.manifest.ptxas_info = "ptxas info: Used 40 registers, 0 bytes spill";
   e.manifest.created_unix = 1700000000;
-  e.cubin = pseudo_random_bytes(cubin_size, seed);
+  e.cubin = moejit::test::cubin_image(pseudo_random_bytes(cubin_size, seed));
   return e;
 }
 
@@ -421,16 +425,10 @@ TEST_CASE("a good entry the quarantine moved goes back, unless a newer one took 
   }
 }
 
-// The entry file for `key` with a header and manifest that agree with each other, claiming a
-// manifest of `manifest_padding` extra spaces and a cubin of `cubin_length` bytes (zeros, with
-// the file extended sparsely to match), as a writer that stored such lengths would have left it.
-void write_huge_entry(const std::string& path, const std::string& key, std::size_t manifest_padding,
-                      uint64_t cubin_length) {
-  moejit::detail::Manifest m = make_entry(key, 0, 1).manifest;
-  m.cubin_size = cubin_length;
-  m.cubin_hash = std::string(32, '0');
-  const std::string manifest =
-      moejit::detail::manifest_to_json(m) + std::string(manifest_padding, ' ');
+// An entry file's 64-byte header for a manifest's text and a cubin of `cubin_length` bytes whose
+// digest is `cubin_digest`, as DiskCache::store writes it.
+std::string entry_header(const std::string& manifest, uint64_t cubin_length,
+                         const moejit::detail::Digest& cubin_digest) {
   const moejit::detail::Digest manifest_digest = moejit::detail::hash_bytes(manifest);
   unsigned char header[64] = {'m', 'o', 'e', 'j', 'i', 't', 'c', '\n'};
   const auto put = [&header](std::size_t at, uint64_t value, int bytes) {
@@ -440,12 +438,40 @@ void write_huge_entry(const std::string& path, const std::string& key, std::size
   put(12, 64, 4);
   put(16, manifest.size(), 8);
   put(24, cubin_length, 8);
-  put(32, 0, 8);  // the cubin digest: all zeros, as m.cubin_hash says
-  put(40, 0, 8);
+  put(32, cubin_digest.high, 8);
+  put(40, cubin_digest.low, 8);
   put(48, manifest_digest.high, 8);
   put(56, manifest_digest.low, 8);
-  write_file(path, std::string(reinterpret_cast<const char*>(header), sizeof(header)) + manifest);
+  return std::string(reinterpret_cast<const char*>(header), sizeof(header));
+}
+
+// The entry file for `key` with a header and manifest that agree with each other, claiming a
+// manifest of `manifest_padding` extra spaces and a cubin of `cubin_length` bytes (zeros, with
+// the file extended sparsely to match), as a writer that stored such lengths would have left it.
+void write_huge_entry(const std::string& path, const std::string& key, std::size_t manifest_padding,
+                      uint64_t cubin_length) {
+  moejit::detail::Manifest m = make_entry(key, 0, 1).manifest;
+  m.cubin_size = cubin_length;
+  m.cubin_hash = std::string(32, '0');  // the cubin digest: all zeros
+  const std::string manifest =
+      moejit::detail::manifest_to_json(m) + std::string(manifest_padding, ' ');
+  write_file(path, entry_header(manifest, cubin_length, moejit::detail::Digest{}) + manifest);
   REQUIRE(::truncate(path.c_str(), static_cast<off_t>(64 + manifest.size() + cubin_length)) == 0);
+}
+
+// The entry file for `entry` as a writer that skipped the writer's checks would leave it: the
+// header's lengths and both digests agree with `manifest` (entry's manifest as JSON, cubin size
+// and digest filled in, unless given) and the cubin, so only what they hold can be wrong.
+void forge_entry(const std::string& path, const Entry& entry, std::string manifest = "") {
+  const moejit::detail::Digest cubin_digest = moejit::detail::hash_bytes(entry.cubin);
+  if (manifest.empty()) {
+    moejit::detail::Manifest m = entry.manifest;
+    m.cubin_size = entry.cubin.size();
+    m.cubin_hash = cubin_digest.hex();
+    manifest = moejit::detail::manifest_to_json(m);
+  }
+  write_file(path,
+             entry_header(manifest, entry.cubin.size(), cubin_digest) + manifest + entry.cubin);
 }
 
 TEST_CASE("a header claiming a huge manifest or cubin is a bad entry, not an allocation",
@@ -600,7 +626,7 @@ TEST_CASE("a publisher killed mid-write never leaves a visible partial entry", "
       if (!verified[path].empty()) ++entries_replaced;
       std::optional<Entry> e = cache.load(key);
       REQUIRE(e.has_value());
-      CHECK(e->cubin.size() == kCubinBytes);
+      CHECK(e->cubin.size() == kCubinBytes + moejit::test::cubin_image("").size());
       verified[path] = identity(path);
     }
   }
@@ -1438,4 +1464,131 @@ TEST_CASE("a lock file others can write is not waited on", "[cache]") {
   CHECK(capture.warned({"not waiting on lock file", path, "writable by group or others"}));
   CHECK_FALSE(capture.warned({"still held by another process"}));
   ::close(planted);
+}
+
+TEST_CASE(
+    "the writer refuses a cubin that is not a whole ELF image, and the reader never serves one",
+    "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string whole = make_entry(key_for("whole"), 100, 1).cubin;
+  struct Case {
+    const char* name;
+    std::string cubin;
+    const char* problem;
+  };
+  std::string table_outside = whole;  // e_shoff past the end
+  table_outside[0x28] = static_cast<char>(0xf0);
+  table_outside[0x29] = static_cast<char>(0xff);
+  for (const Case& c : {Case{"empty", "", "not a little-endian ELF64 image (0 bytes)"},
+                        Case{"text", "not a cubin", "not a little-endian ELF64 image (11 bytes)"},
+                        Case{"a header cut short", whole.substr(0, 63),
+                             "not a little-endian ELF64 image (63 bytes)"},
+                        Case{"its section table past its end", table_outside,
+                             "section table of 2 entries (offset 65520"}}) {
+    SECTION(c.name) {
+      const std::string key = key_for(c.name);
+      Entry entry = make_entry(key, 100, 2);
+      entry.cubin = c.cubin;
+      LogCapture capture;
+      std::string why_not;
+      CHECK_FALSE(cache.store(entry, &why_not));
+      CHECK(why_not.find(std::string("its cubin is not a whole ELF image: ") + c.problem) !=
+            std::string::npos);
+      CHECK_FALSE(fs::exists(cache.entry_path(key)));
+
+      // Another writer's file whose hashes all agree with such a cubin: quarantined, not served.
+      REQUIRE(cache.store(make_entry(key, 100, 3)));  // makes the shard
+      forge_entry(cache.entry_path(key), entry);
+      CHECK_FALSE(cache.load(key).has_value());
+      INFO(capture.all());
+      CHECK(capture.warned({cache.entry_path(key), "the stored cubin is not a whole ELF image",
+                            c.problem, "moved to"}));
+      CHECK_FALSE(fs::exists(cache.entry_path(key)));
+    }
+  }
+}
+
+TEST_CASE("a manifest the JSON writer can't hold as given is stored as a reader reads it back",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  DiskCache cache(tmp.path() + "/cache", CacheMode::kReadWrite);
+  // Bytes that are not UTF-8 in a compiler's log, and a compile time that is no JSON number.
+  const std::string key = key_for("odd manifest");
+  Entry entry = make_entry(key, 100, 1);
+  entry.manifest.ptxas_info = "ptxas \xe9\xff info";
+  entry.manifest.compile_ms = std::numeric_limits<double>::infinity();
+  bool stored = false;
+  REQUIRE_NOTHROW(stored = cache.store(entry));
+  REQUIRE(stored);
+  const std::optional<Entry> loaded = cache.load(key);
+  REQUIRE(loaded.has_value());
+  CHECK(loaded->cubin == entry.cubin);
+  CHECK(loaded->manifest.ptxas_info == "ptxas \xef\xbf\xbd\xef\xbf\xbd info");  // U+FFFD twice
+  CHECK(loaded->manifest.compile_ms == 0);
+  entry.manifest.compile_ms = std::nan("");
+  REQUIRE(cache.store(entry));
+  REQUIRE(cache.load(key).has_value());
+}
+
+TEST_CASE("a manifest's sizes and times that are not integers are a bad entry", "[cache]") {
+  moejit::test::TempDir tmp;
+  DiskCache cache(tmp.path() + "/cache", CacheMode::kReadWrite);
+  for (const char* field : {"cubin_size", "created_unix"}) {
+    for (const char* value : {"1e300", "1.5", "-1e300"}) {
+      DYNAMIC_SECTION(field << " " << value) {
+        const std::string key = key_for(std::string(field) + value);
+        const Entry entry = make_entry(key, 100, 1);
+        REQUIRE(cache.store(entry));
+        // The stored manifest with one number swapped for `value`.
+        std::string manifest = moejit::test::read_text(cache.entry_path(key)).substr(64);
+        manifest.resize(manifest.size() - entry.cubin.size());
+        const std::string name = std::string("\"") + field + "\":";
+        const std::size_t at = manifest.find(name) + name.size();
+        REQUIRE(at != std::string::npos + name.size());
+        manifest.replace(at, manifest.find_first_of(",}", at) - at, value);
+        forge_entry(cache.entry_path(key), entry, manifest);
+        LogCapture capture;
+        CHECK_FALSE(cache.load(key).has_value());
+        INFO(capture.all());
+        CHECK(capture.warned({"cubin_size or created_unix is not an integer", "moved to"}));
+      }
+    }
+  }
+}
+
+TEST_CASE("an entry path under a shard that is not a directory is a miss that says so", "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("shard is a file");
+  const std::string path = cache.entry_path(key);
+  write_file(path.substr(0, path.rfind('/')), "a file where the shard directory goes");
+  LogCapture capture;
+  CHECK_FALSE(cache.load(key).has_value());
+  INFO(capture.all());
+  CHECK(capture.warned({path, "a component of its directory is not a directory"}));
+  std::string why_not;
+  CHECK_FALSE(cache.store(make_entry(key, 100, 1), &why_not));
+  CHECK(why_not.find("Not a directory") != std::string::npos);
+}
+
+TEST_CASE("a bad entry another process moved away first is reported as moved, not as a failure",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("moved by another");
+  const std::string path = cache.entry_path(key);
+  REQUIRE(cache.store(make_entry(key, 2000, 1)));
+  flip_bit(path, fs::file_size(path) - 1);
+  moejit::detail::CacheTestHooks hooks;
+  hooks.before_quarantine_rename = [&] { REQUIRE(::unlink(path.c_str()) == 0); };
+  HooksSet set(hooks);
+  LogCapture capture;
+  CHECK_FALSE(cache.load(key).has_value());
+  INFO(capture.all());
+  CHECK(capture.warned({path, "cubin hash", "it has already been moved away"}));
+  CHECK_FALSE(capture.warned({"cannot move it"}));
 }

@@ -43,6 +43,7 @@ using moejit::CacheOutcome;
 using moejit::detail::DiskCache;
 using moejit::detail::Entry;
 using moejit::detail::KernelStore;
+using moejit::test::cubin_image;
 
 namespace {
 
@@ -50,13 +51,14 @@ using moejit::test::WarningCapture;
 
 std::string key_for(const std::string& name) { return moejit::detail::hash_bytes(name).hex(); }
 
+// An entry for `key` whose cubin is an ELF image carrying `cubin` (cubin_image).
 Entry built_entry(const std::string& key, const std::string& cubin) {
   Entry e;
   e.manifest.key = key;
   e.manifest.kernel = "test-kernel";
   e.manifest.lowered_name = "_Z4testv";
   e.manifest.options = {"--gpu-architecture=sm_90a"};
-  e.cubin = cubin;
+  e.cubin = cubin_image(cubin);
   return e;
 }
 
@@ -196,11 +198,11 @@ TEST_CASE("get compiles once, then hits memory, then disk in a new process state
   CHECK(first.outcome == CacheOutcome::kCompiled);
   CHECK(builds == 1);
   REQUIRE(first.entry != nullptr);
-  CHECK(first.entry->cubin == std::string(4096, 'c'));
+  CHECK(first.entry->cubin == cubin_image(std::string(4096, 'c')));
   CHECK(first.entry->manifest.key == key);
-  CHECK(first.entry->manifest.cubin_size == 4096);
+  CHECK(first.entry->manifest.cubin_size == cubin_image(std::string(4096, 'c')).size());
   CHECK(first.entry->manifest.cubin_hash ==
-        moejit::detail::hash_bytes(std::string(4096, 'c')).hex());
+        moejit::detail::hash_bytes(cubin_image(std::string(4096, 'c'))).hex());
   CHECK(first.entry->manifest.created_unix > 0);
   CHECK(first.milliseconds >= 0);
 
@@ -329,7 +331,7 @@ TEST_CASE("a failing build reaches every waiter, and the key is retried later", 
   const int failed_builds = builds;
   KernelStore::Result r = store.get(key, [&] { return built_entry(key, "now it works"); });
   CHECK(r.outcome == CacheOutcome::kCompiled);
-  CHECK(r.entry->cubin == "now it works");
+  CHECK(r.entry->cubin == cubin_image("now it works"));
   CHECK(builds == failed_builds);
 }
 
@@ -381,7 +383,7 @@ TEST_CASE("corrupt entries are logged, quarantined, rebuilt and republished", "[
     });
     CHECK(r.outcome == CacheOutcome::kCompiled);
     CHECK(builds == 1);
-    CHECK(r.entry->cubin == good);
+    CHECK(r.entry->cubin == cubin_image(good));
     CHECK(capture.warned({path, "failed verification", "quarantine"}));
     // Republished: a new store finds a verified entry on disk.
     KernelStore next(open_disk(dir, CacheMode::kReadWrite));
@@ -390,7 +392,7 @@ TEST_CASE("corrupt entries are logged, quarantined, rebuilt and republished", "[
       return {};
     });
     CHECK(again.outcome == CacheOutcome::kDiskHit);
-    CHECK(again.entry->cubin == good);
+    CHECK(again.entry->cubin == cubin_image(good));
   };
 
   damage_and_heal("truncated", [&] {
@@ -422,10 +424,10 @@ TEST_CASE("read-only cache: hits load, misses compile without storing", "[store]
   };
   KernelStore::Result hit = store.get(cached, build);
   CHECK(hit.outcome == CacheOutcome::kDiskHit);
-  CHECK(hit.entry->cubin == "baked cubin");
+  CHECK(hit.entry->cubin == cubin_image("baked cubin"));
   KernelStore::Result miss = store.get(missing, build);
   CHECK(miss.outcome == CacheOutcome::kCompiledNotStored);
-  CHECK(miss.entry->cubin == "fresh cubin");
+  CHECK(miss.entry->cubin == cubin_image("fresh cubin"));
   CHECK(store.get(missing, build).outcome == CacheOutcome::kMemoryHit);
   CHECK(builds == 1);
   CHECK(snapshot(tmp.path()) == before);
@@ -488,16 +490,18 @@ TEST_CASE("a forked child neither waits for its parent's flight nor for a copied
   // (A child that waited on the parent's flight is killed by its alarm.)
   CHECK(moejit::test::forked_child_passes([&] {
     KernelStore::Result r = store.get(slow, [&] { return built_entry(slow, "child"); });
-    return r.outcome == CacheOutcome::kCompiledNotStored && r.entry->cubin == "child";
+    return r.outcome == CacheOutcome::kCompiledNotStored && r.entry->cubin == cubin_image("child");
   }));
   leader.join();
-  CHECK(store.get(slow, [&] { return built_entry(slow, "again"); }).entry->cubin == "parent");
+  CHECK(store.get(slow, [&] { return built_entry(slow, "again"); }).entry->cubin ==
+        cubin_image("parent"));
 
   // Forks while another thread takes the store's mutex in a loop (memory hits).
   const std::string hot = key_for("memory-hot");
   store.get(hot, [&] { return built_entry(hot, "hot"); });
   const auto hit = [&] {
-    return store.get(hot, [&] { return built_entry(hot, "unused"); }).entry->cubin == "hot";
+    return store.get(hot, [&] { return built_entry(hot, "unused"); }).entry->cubin ==
+           cubin_image("hot");
   };
   // (Without the fork handlers about half of these children block, each until its alarm.)
   CHECK(moejit::test::children_failing_under([&] { (void)hit(); }, hit) == 0);
@@ -534,7 +538,7 @@ void reuse_ancestor_pid(KernelStore& store, const std::string& key, pid_t ancest
     const bool same_pid = ::getpid() == ancestor;
     const KernelStore::Result r = store.get(key, [&] { return built_entry(key, "reused"); });
     say(std::string(same_pid ? "same pid, " : "other pid, ") +
-        (r.entry->cubin == "reused" ? "led" : "got another's entry"));
+        (r.entry->cubin == cubin_image("reused") ? "led" : "got another's entry"));
     ::_exit(0);
   }
   int status = 0;
@@ -643,7 +647,7 @@ TEST_CASE("a key published while another process still holds its lock is a disk 
   ::close(holder);
   CHECK(builds == 0);
   CHECK(result.outcome == CacheOutcome::kDiskHit);
-  CHECK(result.entry->cubin == "their cubin");
+  CHECK(result.entry->cubin == cubin_image("their cubin"));
   CHECK(waited < 10.0);  // well before the lock wait bound
 }
 
