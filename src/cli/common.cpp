@@ -88,11 +88,16 @@ std::vector<ModelShape> load_shape_files(const std::vector<std::string>& paths) 
 
 const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::string& name,
                              const std::string& file) {
-  std::string names;
   for (const ModelShape& s : shapes) {
     if (s.name == name) return s;
-    names += (names.empty() ? "" : ", ") + s.name;
   }
+  // The first names, as the registry lists them: a file may hold thousands.
+  constexpr std::size_t kListed = 20;
+  std::string names;
+  for (std::size_t i = 0; i < shapes.size() && i < kListed; ++i) {
+    names += (i == 0 ? "" : ", ") + shapes[i].name;
+  }
+  if (shapes.size() > kListed) names += ", ... (" + std::to_string(shapes.size()) + " in all)";
   throw Failure{kExitUsage,
                 "no shape named '" + name + "' in " + file + " (it has: " + names + ")"};
 }

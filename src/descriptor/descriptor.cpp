@@ -90,6 +90,10 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+// The longest unknown key matched against the accepted ones for a "did you mean" hint: the edit
+// distance costs its length times theirs, and a key this long is no typo of a field name.
+constexpr std::size_t kMaxHintedKey = 64;
+
 class ShapeFileParser {
  public:
   ShapeFileParser(const std::string& text, const std::string& file)
@@ -104,6 +108,10 @@ class ShapeFileParser {
       fail_at(nul, "", "the file holds a NUL byte, which JSON text never does",
               "valid JSON (RFC 8259) text", "a NUL byte");
     }
+    // Why: a file the scan found nested too deeply is refused for that unless the JSON reader
+    // finds an error first, which accept() learns without building the tree (millions of
+    // nested arrays in a file under the size cap made a tree of hundreds of MB).
+    if (scan_.too_deep && Json::accept(text_)) fail_if_too_deep();
     Json root;
     try {
       root = Json::parse(text_);
@@ -208,12 +216,11 @@ class ShapeFileParser {
         ++end;
       }
     }
+    // A character of more than one UTF-8 byte (a typographic quote pasted from a document) is
+    // shown whole, not as its first byte.
+    while (end < text_.size() && (static_cast<unsigned char>(text_[end]) & 0xC0) == 0x80) ++end;
     constexpr std::size_t kMax = 40;
-    std::string t = text_.substr(offset, std::min(end - offset, kMax));
-    for (char& c : t) {
-      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-    }
-    return "'" + t + (end - offset > kMax ? "...'" : "'");
+    return "'" + printable(std::string_view(text_).substr(offset, end - offset), kMax) + "'";
   }
 
   void fail_if_too_deep() const {
@@ -234,14 +241,16 @@ class ShapeFileParser {
                              : std::string();
     const std::optional<std::pair<std::string, ValueSpan>> first =
         number.empty() ? std::nullopt : scan_.first_scalar(number);
+    // Why shortened: the number is as long as the file wrote it (a file of nines overflows too).
+    const std::string found = printable(number, 60);
     if (!first) {
-      fail_at(0, "", "a number overflows a double", "finite numbers", number);
+      fail_at(0, "", "a number overflows a double", "finite numbers", found);
     }
     const std::string& pointer = first->first;
     std::string key = pointer.substr(pointer.rfind('/') + 1);
     if (key.empty() || key.find_first_not_of("0123456789") == std::string::npos) key = "the number";
-    fail_at(first->second.begin, pointer,
-            key + " is not finite (it overflows to infinity)", "a finite number", number);
+    fail_at(first->second.begin, pointer, key + " is not finite (it overflows to infinity)",
+            "a finite number", found);
   }
 
   [[noreturn]] void fail_at(std::size_t offset, const std::string& pointer,
@@ -338,7 +347,7 @@ class ShapeFileParser {
       std::string hint;
       if (std::find(misplaced.begin(), misplaced.end(), key) != misplaced.end()) {
         hint = misplaced_hint;
-      } else {
+      } else if (key.size() <= kMaxHintedKey) {
         std::size_t best = 3;
         for (const std::string& a : accepted) {
           std::size_t d = edit_distance(key, a);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <unordered_map>
 
 namespace moejit::detail {
@@ -228,6 +229,20 @@ std::optional<std::pair<std::string, ValueSpan>> JsonScan::first_scalar(
   for (std::uint32_t i = 0; i < nodes_.size(); ++i) {
     const ValueSpan& span = nodes_[i].span;
     if (span.end != kNoOffset && text_.substr(span.begin, span.end - span.begin) == token) {
+      return std::make_pair(pointer_of(i), span);
+    }
+  }
+  // Why a second pass: a bare value ends only at a JSON delimiter, so a number the parser read
+  // up to a stray character ("1e400x") is a longer value here: the token, then a character no
+  // number holds ("-2.5" is not the start of "-2.5e3").
+  const auto in_number = [](char c) {
+    return (c >= '0' && c <= '9') || std::strchr(".eE+-", c) != nullptr;
+  };
+  for (std::uint32_t i = 0; i < nodes_.size(); ++i) {
+    const ValueSpan& span = nodes_[i].span;
+    if (span.end != kNoOffset && span.end - span.begin > token.size() &&
+        text_.substr(span.begin, token.size()) == token &&
+        !in_number(text_[span.begin + token.size()])) {
       return std::make_pair(pointer_of(i), span);
     }
   }

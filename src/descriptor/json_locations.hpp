@@ -40,7 +40,8 @@ class JsonScan {
   // The keys of the object at `pointer`, decoded, in the order the text writes them; empty when
   // it is not an object.
   std::vector<std::string> keys(std::string_view pointer) const;
-  // The pointer and span of the first scalar (in text order) written exactly as `token`.
+  // The pointer and span of the first scalar (in text order) written exactly as `token`, else of
+  // the first written as `token` and then a character no number holds ("1e400x").
   std::optional<std::pair<std::string, ValueSpan>> first_scalar(std::string_view token) const;
 
   std::optional<DuplicateKey> duplicate;  // the first key repeated in its object

@@ -146,6 +146,21 @@ TEST_CASE("usage errors exit 2", "[cli]") {
   CHECK(out.find("qwen2-57b-a14b") != std::string::npos);
   CHECK(usage_error("plan " + shapes + " --arch sm_nine").find("sm_nine") != std::string::npos);
   usage_error("plan");  // FILE is required
+
+  // A file of many shapes: the names there are, the first 20 of them and the count.
+  moejit::test::TempDir tmp;
+  std::string many = "{\"shapes\": [";
+  for (int i = 0; i < 25; ++i) {
+    many += std::string(i == 0 ? "" : ",") + "{\"name\": \"shape-" + std::to_string(i) +
+            "\", \"num_experts\": 8, \"top_k\": 2, \"hidden\": 256, \"intermediate\": 256, "
+            "\"activation\": {\"kind\": \"swiglu\"}}";
+  }
+  const std::string many_path = tmp.path() + "/many.json";
+  moejit::test::write_text(many_path, many + "]}");
+  out = usage_error("plan " + quote(many_path) + " --shape no-such-model");
+  CHECK(out.find("shape-0, shape-1, ") != std::string::npos);
+  CHECK(out.find("shape-19, ... (25 in all)") != std::string::npos);
+  CHECK(out.find("shape-20") == std::string::npos);
 }
 
 TEST_CASE("an invalid shape file exits 3 naming file:line:column, before anything compiles",

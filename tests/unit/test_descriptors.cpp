@@ -288,6 +288,19 @@ TEST_CASE("the schema lists exactly the fields the parser accepts", "[descriptor
   // The bound a file is refused past, not the parser's wider typo guard.
   CHECK(schema.at("$defs").at("shape").at("properties").at("num_experts").at("maximum") ==
         moejit::detail::kMaxRoutedLocalExperts);
+  // An activation constant at either bound is one the parser takes; the next float past it not.
+  const nlohmann::json& constant = schema.at("$defs").at("activation_constant");
+  const auto limit = [](const std::string& value) {
+    return base_with("{\"kind\": \"swiglu\"}",
+                     "{\"kind\": \"clamped_swiglu\", \"limit\": " + value + "}");
+  };
+  for (const char* bound : {"minimum", "maximum"}) {
+    INFO(bound << " " << constant.at(bound).dump());
+    CHECK_NOTHROW(parse_shapes(limit(constant.at(bound).dump()), "ok.json"));
+  }
+  CHECK(refuse(limit("4.6566128730773926e-10")).message.find("no exact int ratio") !=
+        std::string::npos);  // 2^-31
+  CHECK(refuse(limit("2147483648")).message.find("no exact int ratio") != std::string::npos);
   const std::string reference_text = moejit::test::read_text(dir + "/reference.json");
   REQUIRE_FALSE(reference_text.empty());
   nlohmann::json reference = nlohmann::json::parse(reference_text);
@@ -353,6 +366,29 @@ TEST_CASE("JSON syntax errors give the column of the offending character", "[des
   ++x.line;
   x.column = 1;
   expect_refusal(after_root, x, "", {"found 'x'"});
+
+  // A character of several UTF-8 bytes (a typographic quote pasted from a document) is shown
+  // whole, not as its first byte.
+  std::string quote = base_with("\"swiglu\"", "\xE2\x80\x9Cswiglu\xE2\x80\x9D");
+  Refusal q = refuse(quote);
+  REQUIRE(q.refused);
+  CHECK(q.line == position_of(quote, "\xE2\x80\x9C").line);
+  CHECK(q.message.find("found '\xE2\x80\x9C'") != std::string::npos);
+}
+
+TEST_CASE("a number that overflows is placed at its value and shown shortened", "[descriptor]") {
+  // The JSON reader refuses the number before the stray character after it; the place is the
+  // number's.
+  expect_value_refusal("\"top_k\": 8", "\"top_k\": 1e400x", "1e400x", "/shapes/0/top_k",
+                       {"top_k is not finite", "found 1e400"});
+  // However many digits it has, the message shows the first of them.
+  std::string nines = base_with("\"top_k\": 8", "\"top_k\": " + std::string(100000, '9'));
+  Refusal n = refuse(nines);
+  REQUIRE(n.refused);
+  CHECK(n.pointer == "/shapes/0/top_k");
+  CHECK(n.line == position_of(nines, "999").line);
+  CHECK(n.message.find("found " + std::string(60, '9') + "...") != std::string::npos);
+  CHECK(n.message.size() < 400);
 }
 
 TEST_CASE("unknown fields are refused with the accepted ones", "[descriptor]") {
@@ -837,7 +873,7 @@ TEST_CASE("the position scanner", "[descriptor]") {
   REQUIRE(first);
   CHECK(first->first == "/\xF0\x9F\x98\x80");
   CHECK(first->second.begin == n.begin);
-  CHECK_FALSE(scan.first_scalar("-2.5"));
+  CHECK_FALSE(scan.first_scalar("-2.5"));  // the start of a number is not the number
 
   auto dup = scan_json(R"({"a": {"k": 1, "j": 2, "k": 3}})", 8);
   REQUIRE(dup.duplicate);

@@ -1335,6 +1335,41 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
   CHECK_THROWS_WITH(moejit::moe_workspace_bytes(huge_limit, 1),
                     Catch::Contains("no exact int ratio"));
 
+  // Shared experts past what append_shared's template holds, or with sizes, scales, gates or
+  // logits no kernel takes: refused as the shape file's rules refuse them, not planned.
+  const ModelShape with_shared = [] {
+    for (const ModelShape& s : reference_shapes()) {
+      if (s.shared.count > 0) return s;
+    }
+    FAIL("no reference shape has shared experts");
+    return ModelShape{};
+  }();
+  REQUIRE_NOTHROW(moejit::plan_kernels(with_shared, Arch::parse("sm_90a")));
+  struct SharedCase {
+    const char* found;
+    std::function<void(moejit::SharedExperts&)> set;
+  };
+  for (const SharedCase& c : std::vector<SharedCase>{
+           {"shared.count = 9", [](auto& sh) { sh.count = 9; }},
+           {"shared.count = -1", [](auto& sh) { sh.count = -1; }},
+           {"shared.intermediate = 0", [](auto& sh) { sh.intermediate = 0; }},
+           {"shared.intermediate = 100", [](auto& sh) { sh.intermediate = 100; }},
+           {"shared.scale = ", [](auto& sh) { sh.scale = std::nanf(""); }},
+           {"shared.scale = -", [](auto& sh) { sh.scale = -1.f; }},
+           {"shared.gate = 7", [](auto& sh) { sh.gate = static_cast<moejit::SharedGate>(7); }},
+           {"shared.logit_dtype = int32",
+            [](auto& sh) { sh.logit_dtype = moejit::DType::kI32; }}}) {
+    INFO(c.found);
+    ModelShape bad = with_shared;
+    c.set(bad.shared);
+    CHECK_THROWS_WITH(moejit::plan_kernels(bad, Arch::parse("sm_90a")), Catch::Contains(c.found));
+    CHECK_THROWS_WITH(moejit::moe_weight_layout(bad), Catch::Contains(c.found));
+  }
+  ModelShape no_shared = with_shared;  // no shared experts: their other fields are not read
+  no_shared.shared.count = 0;
+  no_shared.shared.intermediate = 100;
+  CHECK_NOTHROW(moejit::plan_kernels(no_shared, Arch::parse("sm_90a")));
+
   ModelShape odd = find_shape(reference_shapes(), "qwen3-30b-a3b");
   odd.hidden = 48;
   try {
