@@ -1335,8 +1335,8 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
   CHECK_THROWS_WITH(moejit::moe_workspace_bytes(huge_limit, 1),
                     Catch::Contains("no exact int ratio"));
 
-  // Shared experts past what append_shared's template holds, or with sizes, scales, gates or
-  // logits no kernel takes: refused as the shape file's rules refuse them, not planned.
+  // Shared experts past what append_shared's template holds, or with gates or logits it does not
+  // take: refused as the shape file's rules refuse them, not planned.
   const ModelShape with_shared = [] {
     for (const ModelShape& s : reference_shapes()) {
       if (s.shared.count > 0) return s;
@@ -1352,10 +1352,6 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
   for (const SharedCase& c : std::vector<SharedCase>{
            {"shared.count = 9", [](auto& sh) { sh.count = 9; }},
            {"shared.count = -1", [](auto& sh) { sh.count = -1; }},
-           {"shared.intermediate = 0", [](auto& sh) { sh.intermediate = 0; }},
-           {"shared.intermediate = 100", [](auto& sh) { sh.intermediate = 100; }},
-           {"shared.scale = ", [](auto& sh) { sh.scale = std::nanf(""); }},
-           {"shared.scale = -", [](auto& sh) { sh.scale = -1.f; }},
            {"shared.gate = 7", [](auto& sh) { sh.gate = static_cast<moejit::SharedGate>(7); }},
            {"shared.logit_dtype = int32",
             [](auto& sh) { sh.logit_dtype = moejit::DType::kI32; }}}) {
@@ -1367,7 +1363,7 @@ TEST_CASE("moe plan: a shape the kernels can't serve is refused before any compi
   }
   ModelShape no_shared = with_shared;  // no shared experts: their other fields are not read
   no_shared.shared.count = 0;
-  no_shared.shared.intermediate = 100;
+  no_shared.shared.gate = static_cast<moejit::SharedGate>(7);
   CHECK_NOTHROW(moejit::plan_kernels(no_shared, Arch::parse("sm_90a")));
 
   ModelShape odd = find_shape(reference_shapes(), "qwen3-30b-a3b");
