@@ -73,6 +73,16 @@ std::string elf_image_problem(std::string_view image) {
   }
   const uint64_t segments_at = read<uint64_t>(image, kPhoff);
   const uint16_t segments = read<uint16_t>(image, kPhnum);
+  const uint64_t sections_at = read<uint64_t>(image, kShoff);
+  const uint16_t sections = read<uint16_t>(image, kShnum);
+  // Why refused: with e_phnum 0xffff or e_shnum 0 beside a table, ELF keeps the real count in
+  // section 0 ("extended numbering", for 0xff00 or more entries), which no cubin needs and this
+  // check would not bound.
+  if (segments == 0xffff || (sections == 0 && sections_at != 0)) {
+    return "extended section or segment numbering (e_phnum " + std::to_string(segments) +
+           ", e_shnum " + std::to_string(sections) + " with a section table at offset " +
+           std::to_string(sections_at) + "), which no cubin has";
+  }
   std::string why = table_problem("program header table", segments_at, segments,
                                   read<uint16_t>(image, kPhentsize), kSegmentBytes, image.size());
   for (uint16_t s = 0; why.empty() && s < segments; ++s) {
@@ -80,10 +90,6 @@ std::string elf_image_problem(std::string_view image) {
     why = extent_problem("segment " + std::to_string(s), read<uint64_t>(image, header + kPOffset),
                          read<uint64_t>(image, header + kPFilesz), image.size());
   }
-  const uint64_t sections_at = read<uint64_t>(image, kShoff);
-  // Why one entry where e_shnum is 0 beside a table: ELF keeps a count past 0xff00 in entry 0.
-  const uint16_t sections =
-      read<uint16_t>(image, kShnum) == 0 && sections_at != 0 ? 1 : read<uint16_t>(image, kShnum);
   if (why.empty()) {
     why = table_problem("section table", sections_at, sections, read<uint16_t>(image, kShentsize),
                         kSectionBytes, image.size());

@@ -236,7 +236,7 @@ std::optional<std::pair<std::string, ValueSpan>> JsonScan::first_scalar(
   // up to a stray character ("1e400x") is a longer value here: the token, then a character no
   // number holds ("-2.5" is not the start of "-2.5e3").
   const auto in_number = [](char c) {
-    return (c >= '0' && c <= '9') || std::strchr(".eE+-", c) != nullptr;
+    return (c >= '0' && c <= '9') || (c != '\0' && std::strchr(".eE+-", c) != nullptr);
   };
   for (std::uint32_t i = 0; i < nodes_.size(); ++i) {
     const ValueSpan& span = nodes_[i].span;
