@@ -1545,8 +1545,9 @@ TEST_CASE("a manifest's sizes and times that are not integers are a bad entry", 
         std::string manifest = moejit::test::read_text(cache.entry_path(key)).substr(64);
         manifest.resize(manifest.size() - entry.cubin.size());
         const std::string name = std::string("\"") + field + "\":";
-        const std::size_t at = manifest.find(name) + name.size();
-        REQUIRE(at != std::string::npos + name.size());
+        const std::size_t named = manifest.find(name);
+        REQUIRE(named != std::string::npos);
+        const std::size_t at = named + name.size();
         manifest.replace(at, manifest.find_first_of(",}", at) - at, value);
         forge_entry(cache.entry_path(key), entry, manifest);
         LogCapture capture;
