@@ -100,7 +100,7 @@ class ShapeFileParser {
       : text_(text), file_(file), lines_(text) {}
 
   std::vector<LocatedShape> parse() {
-    scan_ = scan_json(text_, kMaxJsonDepth);
+    scan_ = scan_json(text_, kMaxJsonDepth, kMaxJsonValues);
     // Why before the parser: it takes a NUL byte for the end of the input, so whatever followed
     // one after the root value would be dropped without a word (JSON text has none, not even in
     // a string).
@@ -108,10 +108,10 @@ class ShapeFileParser {
       fail_at(nul, "", "the file holds a NUL byte, which JSON text never does",
               "valid JSON (RFC 8259) text", "a NUL byte");
     }
-    // Why: a file the scan found nested too deeply is refused for that unless the JSON reader
-    // finds an error first, which accept() learns without building the tree (millions of
-    // nested arrays in a file under the size cap made a tree of hundreds of MB).
-    if (scan_.too_deep && Json::accept(text_)) fail_if_too_deep();
+    // Why: a file whose scan stopped (too deep, too many values) is refused for that unless the
+    // JSON reader finds an error first, which accept() learns without building the tree
+    // (millions of nested arrays in a file under the size cap made a tree of hundreds of MB).
+    if ((scan_.too_deep || scan_.too_many) && Json::accept(text_)) fail_if_scan_stopped();
     Json root;
     try {
       root = Json::parse(text_);
@@ -151,10 +151,10 @@ class ShapeFileParser {
     } catch (const Json::out_of_range& e) {
       // Why the depth first: a number that overflows inside nesting too deep is reported at the
       // nesting, the rule the file breaks first (its scan stopped there).
-      fail_if_too_deep();
+      fail_if_scan_stopped();
       fail_overflow(e);
     }
-    fail_if_too_deep();
+    fail_if_scan_stopped();
     if (scan_.duplicate) {
       const DuplicateKey& d = *scan_.duplicate;
       TextPosition first = lines_.at(d.first);
@@ -223,10 +223,16 @@ class ShapeFileParser {
     return "'" + printable(std::string_view(text_).substr(offset, end - offset), kMax) + "'";
   }
 
-  void fail_if_too_deep() const {
+  // The scan stops at the first value too deep or past kMaxJsonValues: its places past there are
+  // unknown, so no other rule may be checked.
+  void fail_if_scan_stopped() const {
     if (scan_.too_deep) {
       fail_at(*scan_.too_deep, "", "the JSON nests too deeply for a shape file",
               "at most " + std::to_string(kMaxJsonDepth) + " levels", "deeper nesting");
+    }
+    if (scan_.too_many) {
+      fail_at(*scan_.too_many, "", "the file holds more JSON values than a shape file needs",
+              "at most " + std::to_string(kMaxJsonValues) + " values", "more");
     }
   }
 

@@ -2,6 +2,7 @@
 // fields a shape file may hold, and parsing that keeps where each shape came from.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -31,6 +32,10 @@ inline constexpr int kMxfp4BlockK = 32;
 inline constexpr long long kMaxShapeFileBytes = 16LL << 20;
 // A shape file needs 3 levels below the root ({"shapes": [{"activation": {...}}]}).
 inline constexpr int kMaxJsonDepth = 16;
+// The most JSON values a shape file holds: a shape is 10-30 of them, so tens of thousands of
+// shapes fit, while 16 MB of "{}," (5M values) would take the position scan and the JSON tree
+// about a GB before the first rule was checked.
+inline constexpr std::size_t kMaxJsonValues = std::size_t{1} << 20;
 
 // One broken rule of a ModelShape, before it is given a place in a file.
 struct ShapeViolation {

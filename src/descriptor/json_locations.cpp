@@ -249,7 +249,7 @@ std::optional<std::pair<std::string, ValueSpan>> JsonScan::first_scalar(
   return std::nullopt;
 }
 
-JsonScan scan_json(std::string_view text, int max_depth) {
+JsonScan scan_json(std::string_view text, int max_depth, std::size_t max_values) {
   JsonScan scan;
   scan.text_ = text;
   std::vector<Frame> stack;
@@ -293,6 +293,10 @@ JsonScan scan_json(std::string_view text, int max_depth) {
 
     // A value starts here.
     if (scan.nodes_.size() >= JsonScan::kNone) return scan;  // 4 G values: no text is that big
+    if (scan.nodes_.size() >= max_values) {
+      scan.too_many = pos;
+      return scan;
+    }
     const auto index = static_cast<std::uint32_t>(scan.nodes_.size());
     JsonScan::Node node;
     node.span.begin = pos;

@@ -46,9 +46,10 @@ class JsonScan {
 
   std::optional<DuplicateKey> duplicate;  // the first key repeated in its object
   std::optional<std::size_t> too_deep;    // where nesting first exceeded max_depth
+  std::optional<std::size_t> too_many;    // where the value past max_values starts
 
  private:
-  friend JsonScan scan_json(std::string_view text, int max_depth);
+  friend JsonScan scan_json(std::string_view text, int max_depth, std::size_t max_values);
   static constexpr std::uint32_t kNone = static_cast<std::uint32_t>(-1);
   struct Node {
     ValueSpan span;
@@ -67,8 +68,10 @@ class JsonScan {
 
 // Scan `text`. Meant for text nlohmann::json accepted; on any other text it still terminates
 // without fault, but the spans are then meaningless. Scanning stops at the first container
-// nested deeper than `max_depth` (the root is depth 0; its members are depth 1).
-JsonScan scan_json(std::string_view text, int max_depth);
+// nested deeper than `max_depth` (the root is depth 0; its members are depth 1), or at the value
+// past the first `max_values`.
+JsonScan scan_json(std::string_view text, int max_depth,
+                   std::size_t max_values = static_cast<std::size_t>(-1));
 
 // `parent` + "/" + `token` with "~" and "/" escaped as RFC 6901 asks.
 std::string json_pointer_child(const std::string& parent, std::string_view token);

@@ -376,6 +376,24 @@ TEST_CASE("JSON syntax errors give the column of the offending character", "[des
   CHECK(q.message.find("found '\xE2\x80\x9C'") != std::string::npos);
 }
 
+TEST_CASE("a file of more JSON values than a shape file needs is refused at the first too many",
+          "[descriptor]") {
+  const std::size_t values = moejit::detail::kMaxJsonValues;  // the root array and its members
+  std::string text = "[0";
+  for (std::size_t i = 2; i < values; ++i) text += ",0";  // values - 1 zeros: exactly the limit
+  // At the limit the rules are checked (and find no shape here).
+  CHECK_THROWS_WITH(parse_shapes(text + "]", "many.json"),
+                    Catch::Contains("many.json:1:2: /0: a shape is not an object"));
+  Refusal r = refuse(text + ",[]]", "many.json");
+  REQUIRE(r.refused);
+  CHECK(r.line == 1);
+  CHECK(r.column == static_cast<int>(text.size()) + 2);  // the "[" after the last ","
+  CHECK(r.message.find("holds more JSON values than a shape file needs; expected at most " +
+                       std::to_string(values) + " values") != std::string::npos);
+  // Invalid JSON past the limit is refused for its syntax, as a file that is not JSON at all.
+  CHECK(refuse(text + ",]").message.find("not valid JSON") != std::string::npos);
+}
+
 TEST_CASE("a number that overflows is placed at its value and shown shortened", "[descriptor]") {
   // The JSON reader refuses the number before the stray character after it; the place is the
   // number's.
@@ -884,6 +902,10 @@ TEST_CASE("the position scanner", "[descriptor]") {
   CHECK_FALSE(scan_json(R"([{"k": 1}, {"k": 2}])", 8).duplicate);
   CHECK(scan_json(R"({"k": 1, "\u006b": 2})", 8).duplicate);
 
+  CHECK_FALSE(scan_json("[1, [2]]", 8, 4).too_many);  // four values: the root, 1, [2] and 2
+  const auto many = scan_json("[1, [2], 3]", 8, 4);
+  REQUIRE(many.too_many);
+  CHECK(*many.too_many == 9);  // the fifth value, 3
   CHECK_FALSE(scan_json("[[[]]]", 2).too_deep);
   auto deep = scan_json("[[[[]]]]", 2);
   REQUIRE(deep.too_deep);
