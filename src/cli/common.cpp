@@ -91,15 +91,10 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
   for (const ModelShape& s : shapes) {
     if (s.name == name) return s;
   }
-  // The first names, as the registry lists them: a file may hold thousands.
-  constexpr std::size_t kListed = 20;
-  std::string names;
-  for (std::size_t i = 0; i < shapes.size() && i < kListed; ++i) {
-    names += (i == 0 ? "" : ", ") + shapes[i].name;
-  }
-  if (shapes.size() > kListed) names += ", ... (" + std::to_string(shapes.size()) + " in all)";
-  throw Failure{kExitUsage,
-                "no shape named '" + name + "' in " + file + " (it has: " + names + ")"};
+  std::vector<std::string> names;
+  for (const ModelShape& s : shapes) names.push_back(s.name);
+  throw Failure{kExitUsage, "no shape named '" + name + "' in " + file +
+                                " (it has: " + detail::listed_names(names) + ")"};
 }
 
 void require_arch_serves(const std::vector<ModelShape>& shapes, const Arch& arch) {

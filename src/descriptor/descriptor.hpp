@@ -101,6 +101,10 @@ const std::vector<std::string>& shared_experts_fields();
 // start, with "..." after a cut.
 std::string printable(std::string_view text, std::size_t max_bytes);
 
+// Shape names for a message that names the ones there are: the first 20, comma-separated, then
+// ", ... (N in all)" where there are more (a file or a registry may hold thousands).
+std::string listed_names(const std::vector<std::string>& names);
+
 // "<file>:<line>:<column>: <pointer>: <what>; expected <expected>, found <found>[; <hint>]".
 // The pointer (at most 200 bytes of it), what, found and hint are shown through printable().
 // line 0 leaves out line and column, column 0 the column; an empty pointer reads "(root)".

@@ -357,6 +357,16 @@ void check_shape(const ModelShape& shape) {
   throw DescriptorError(message, file, line, 0, v->field);
 }
 
+std::string listed_names(const std::vector<std::string>& names) {
+  constexpr std::size_t kListed = 20;
+  std::string out;
+  for (std::size_t i = 0; i < names.size() && i < kListed; ++i) {
+    out += (i == 0 ? "" : ", ") + names[i];
+  }
+  if (names.size() > kListed) out += ", ... (" + std::to_string(names.size()) + " in all)";
+  return out;
+}
+
 std::string printable(std::string_view text, std::size_t max_bytes) {
   std::size_t cut = text.size();
   if (cut > max_bytes) {

@@ -54,18 +54,11 @@ class ShapeRegistry {
                   "no shape named \"" + name + "\": no shapes are registered; register a shape "
                   "file first (register_shapes_file)");
     }
-    std::string known;
-    constexpr std::size_t kListed = 20;
-    std::size_t listed = 0;
-    for (const auto& entry : shapes_) {
-      if (listed == kListed) {
-        known += ", ... (" + std::to_string(shapes_.size()) + " in all)";
-        break;
-      }
-      known += (listed++ == 0 ? "" : ", ") + entry.first;
-    }
+    std::vector<std::string> known;
+    for (const auto& entry : shapes_) known.push_back(entry.first);
     throw Error(ErrorCode::kInvalidArgument,
-                "no shape named \"" + name + "\" is registered; registered: " + known);
+                "no shape named \"" + name +
+                    "\" is registered; registered: " + detail::listed_names(known));
   }
 
   std::vector<std::string> names() const {

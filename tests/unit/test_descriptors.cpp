@@ -972,3 +972,17 @@ TEST_CASE("shape-file messages escape control characters and shorten long keys",
     }
   }
 }
+
+TEST_CASE("messages list the first 20 shape names and how many there are", "[descriptor]") {
+  using moejit::detail::listed_names;
+  CHECK(listed_names({}).empty());
+  CHECK(listed_names({"a", "b"}) == "a, b");
+  std::vector<std::string> names;
+  for (int i = 0; i < 21; ++i) names.push_back("s" + std::to_string(i));
+  const std::string listed = listed_names(names);
+  CHECK(listed.rfind("s0, s1, ", 0) == 0);
+  CHECK(listed.find("s19, ... (21 in all)") != std::string::npos);
+  CHECK(listed.find("s20") == std::string::npos);
+  names.pop_back();
+  CHECK(listed_names(names).find("in all") == std::string::npos);  // 20: all of them
+}
