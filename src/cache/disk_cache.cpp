@@ -804,6 +804,35 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   return dest;
 }
 
+bool DiskCache::move_directory_aside(const std::string& path) const {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
+  // Why only this user's: a directory another user made is theirs to remove, and a shard this
+  // user owns holds no other user's files unless they were given write access to it.
+  if (st.st_uid != ::geteuid()) {
+    log().warn(
+        "cache entry {} is a directory of another user; it is left in place, so the "
+        "entry cannot be stored",
+        path);
+    return false;
+  }
+  const std::string quarantine_dir = dir_ + "/quarantine";
+  const std::string dest = quarantine_dir + "/" + path.substr(path.rfind('/') + 1) + "." +
+                           std::to_string(now_unix()) + "." + random_hex();
+  int error = ensure_dir(quarantine_dir);
+  if (error == 0 && ::rename(path.c_str(), dest.c_str()) != 0) error = errno;
+  if (error != 0) {
+    log().warn("cache entry {} is a directory and cannot be moved to {}: {}", path, quarantine_dir,
+               errno_text(error));
+    return false;
+  }
+  log().warn(
+      "cache entry {} was a directory; moved to {} so the entry can be stored (gc removes "
+      "files only: remove it by hand)",
+      path, dest);
+  return true;
+}
+
 int DiskCache::stores_paused() const {
   const int off = stores_off_.load();
   return off != 0 && steady_ms() < stores_paused_until_ms_.load() ? off : 0;
@@ -919,10 +948,17 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
   }
   if (::fsync(fd.get()) != 0) return fail("fsync of", errno);
   if (::close(fd.release()) != 0) return fail("closing", errno);
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
+  int published = ::rename(temp.c_str(), path.c_str()) == 0 ? 0 : errno;
+  // Why: a directory at the entry's path (rename's EISDIR; ENOTEMPTY or EEXIST where the
+  // filesystem says so) would turn away every store of this key, and the key would compile in
+  // every process from then on. A FIFO, socket or symlink there is replaced by the rename.
+  if ((published == EISDIR || published == ENOTEMPTY || published == EEXIST) &&
+      move_directory_aside(path)) {
+    published = ::rename(temp.c_str(), path.c_str()) == 0 ? 0 : errno;
+  }
+  if (published != 0) {
     ::unlink(temp.c_str());
-    return refuse("rename from " + temp + " failed", error);
+    return refuse("rename from " + temp + " failed", published);
   }
   // Why: the rename is durable only once the directory itself is synced, and a shard made just
   // now only once its parent is.

@@ -221,6 +221,10 @@ class DiskCache {
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
+  // Moves a directory of this user's found at entry path `path` to quarantine/ (logged at
+  // warn), so store() can publish there; false, with a warning, when it is no directory of this
+  // user's or the move fails.
+  bool move_directory_aside(const std::string& path) const;
   // load(), and on a miss whether it was a file at the path that load() turned down (a link, not
   // a regular file, untrusted, failed verification, or could not be opened or read) rather than
   // no file there at all.

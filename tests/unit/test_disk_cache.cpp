@@ -1593,3 +1593,75 @@ TEST_CASE("a bad entry another process moved away first is reported as moved, no
   CHECK(capture.warned({path, "cubin hash", "it has already been moved away"}));
   CHECK_FALSE(capture.warned({"cannot move it"}));
 }
+
+TEST_CASE("a FIFO, symlink or directory at an entry's path is a miss, and a store replaces it",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("planted at the entry path");
+  const std::string path = cache.entry_path(key);
+  const Entry entry = make_entry(key, 1500, 7);
+  REQUIRE(fs::create_directories(path.substr(0, path.rfind('/'))));
+  // Whatever was planted, the store publishes there and the next load serves the entry.
+  const auto store_and_load = [&](const std::vector<std::string>& warned) {
+    LogCapture capture;
+    std::string why_not;
+    CHECK(cache.store(entry, &why_not));
+    INFO(why_not << "\n" << capture.all());
+    if (!warned.empty()) CHECK(capture.warned(warned));
+    struct stat st {};
+    REQUIRE(::lstat(path.c_str(), &st) == 0);
+    CHECK(S_ISREG(st.st_mode));
+    const std::optional<Entry> loaded = cache.load(key);
+    REQUIRE(loaded.has_value());
+    CHECK(loaded->cubin == entry.cubin);
+  };
+  const auto load_misses = [&](const std::vector<std::string>& warned) {
+    LogCapture capture;
+    CHECK_FALSE(cache.load(key).has_value());
+    INFO(capture.all());
+    CHECK(capture.warned(warned));
+  };
+
+  SECTION("a FIFO (opened without blocking)") {
+    REQUIRE(::mkfifo(path.c_str(), 0600) == 0);
+    load_misses({path, "is not a regular file"});
+    store_and_load({});
+  }
+  SECTION("a symlink, never followed: its target keeps its bytes") {
+    const std::string victim = tmp.path() + "/victim";
+    write_file(victim, "not the cache's");
+    REQUIRE(::symlink(victim.c_str(), path.c_str()) == 0);
+    load_misses({path, "is a symbolic link"});
+    store_and_load({});
+    CHECK(moejit::test::read_text(victim) == "not the cache's");
+  }
+  SECTION("a directory, empty or not, is moved to quarantine/ (gc leaves it there)") {
+    REQUIRE(::mkdir(path.c_str(), 0700) == 0);
+    write_file(path + "/inside", "kept");
+    load_misses({path, "is not a regular file"});
+    store_and_load({path, "was a directory; moved to", "remove it by hand"});
+    std::vector<fs::path> moved;
+    for (const auto& e : fs::directory_iterator(dir + "/quarantine")) moved.push_back(e.path());
+    REQUIRE(moved.size() == 1);
+    CHECK(fs::is_directory(moved[0]));
+    CHECK(moejit::test::read_text(moved[0].string() + "/inside") == "kept");
+    const auto report = cache.gc(0);
+    CHECK(report.removed == 1);  // the entry; the directory stays
+    CHECK(fs::is_directory(moved[0]));
+  }
+  if (::geteuid() == 0) {
+    SECTION("another user's directory stays, and the store says why (as root)") {
+      REQUIRE(::mkdir(path.c_str(), 0700) == 0);
+      REQUIRE(::chown(path.c_str(), 12345, 12345) == 0);
+      LogCapture capture;
+      std::string why_not;
+      CHECK_FALSE(cache.store(entry, &why_not));
+      INFO(why_not << "\n" << capture.all());
+      CHECK(capture.warned({path, "is a directory of another user"}));
+      CHECK(why_not.find("Is a directory") != std::string::npos);
+      CHECK(fs::is_directory(path));
+    }
+  }
+}
