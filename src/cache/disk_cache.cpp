@@ -804,17 +804,17 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   return dest;
 }
 
-bool DiskCache::move_directory_aside(const std::string& path) const {
+void DiskCache::move_directory_aside(const std::string& path) const {
   struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
-  // Why only this user's: a directory another user made is theirs to remove, and a shard this
-  // user owns holds no other user's files unless they were given write access to it.
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return;
+  // Why only this user's: another user's files are theirs to deal with (gc and clear never
+  // touch them either).
   if (st.st_uid != ::geteuid()) {
     log().warn(
         "cache entry {} is a directory of another user; it is left in place, so the "
         "entry cannot be stored",
         path);
-    return false;
+    return;
   }
   const std::string quarantine_dir = dir_ + "/quarantine";
   const std::string dest = quarantine_dir + "/" + path.substr(path.rfind('/') + 1) + "." +
@@ -824,13 +824,12 @@ bool DiskCache::move_directory_aside(const std::string& path) const {
   if (error != 0) {
     log().warn("cache entry {} is a directory and cannot be moved to {}: {}", path, quarantine_dir,
                errno_text(error));
-    return false;
+    return;
   }
   log().warn(
       "cache entry {} was a directory; moved to {} so the entry can be stored (gc removes "
       "files only: remove it by hand)",
       path, dest);
-  return true;
 }
 
 int DiskCache::stores_paused() const {
@@ -951,9 +950,10 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
   int published = ::rename(temp.c_str(), path.c_str()) == 0 ? 0 : errno;
   // Why: a directory at the entry's path (rename's EISDIR; ENOTEMPTY or EEXIST where the
   // filesystem says so) would turn away every store of this key, and the key would compile in
-  // every process from then on. A FIFO, socket or symlink there is replaced by the rename.
-  if ((published == EISDIR || published == ENOTEMPTY || published == EEXIST) &&
-      move_directory_aside(path)) {
+  // every process from then on. A FIFO, socket or symlink there is replaced by the rename. The
+  // second try also covers another process's store having moved the directory first.
+  if (published == EISDIR || published == ENOTEMPTY || published == EEXIST) {
+    move_directory_aside(path);
     published = ::rename(temp.c_str(), path.c_str()) == 0 ? 0 : errno;
   }
   if (published != 0) {

@@ -222,9 +222,9 @@ class DiskCache {
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
   // Moves a directory of this user's found at entry path `path` to quarantine/ (logged at
-  // warn), so store() can publish there; false, with a warning, when it is no directory of this
-  // user's or the move fails.
-  bool move_directory_aside(const std::string& path) const;
+  // warn), so store() can publish there. Another user's directory stays, as does one that can't
+  // be moved, each with a warning; anything else at the path is left to store()'s rename.
+  void move_directory_aside(const std::string& path) const;
   // load(), and on a miss whether it was a file at the path that load() turned down (a link, not
   // a regular file, untrusted, failed verification, or could not be opened or read) rather than
   // no file there at all.
