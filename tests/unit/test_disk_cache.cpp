@@ -1637,7 +1637,7 @@ TEST_CASE("a FIFO, symlink or directory at an entry's path is a miss, and a stor
     store_and_load({});
     CHECK(moejit::test::read_text(victim) == "not the cache's");
   }
-  SECTION("a directory, empty or not, is moved to quarantine/ (gc leaves it there)") {
+  SECTION("a directory, with a file in it, is moved to quarantine/ (gc leaves it there)") {
     REQUIRE(::mkdir(path.c_str(), 0700) == 0);
     write_file(path + "/inside", "kept");
     load_misses({path, "is not a regular file"});
