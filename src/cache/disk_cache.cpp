@@ -738,6 +738,11 @@ std::optional<Entry> DiskCache::load(const std::string& key, bool& refused) cons
   return entry;
 }
 
+std::string DiskCache::quarantine_name(const std::string& path) const {
+  return dir_ + "/quarantine/" + path.substr(path.rfind('/') + 1) + "." +
+         std::to_string(now_unix()) + "." + random_hex();
+}
+
 std::string DiskCache::quarantine(const std::string& path, int fd,
                                   const std::string& reason) const {
   if (mode_ != CacheMode::kReadWrite) {
@@ -761,9 +766,7 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
                reason, quarantine_dir, errno_text(e));
     return "";
   }
-  const std::string name = path.substr(path.rfind('/') + 1);
-  const std::string dest =
-      quarantine_dir + "/" + name + "." + std::to_string(now_unix()) + "." + random_hex();
+  const std::string dest = quarantine_name(path);
   if (test_hooks().before_quarantine_rename) test_hooks().before_quarantine_rename();
   if (::rename(path.c_str(), dest.c_str()) != 0) {
     const int error = errno;
@@ -817,8 +820,7 @@ void DiskCache::move_directory_aside(const std::string& path) const {
     return;
   }
   const std::string quarantine_dir = dir_ + "/quarantine";
-  const std::string dest = quarantine_dir + "/" + path.substr(path.rfind('/') + 1) + "." +
-                           std::to_string(now_unix()) + "." + random_hex();
+  const std::string dest = quarantine_name(path);
   int error = ensure_dir(quarantine_dir);
   if (error == 0 && ::rename(path.c_str(), dest.c_str()) != 0) error = errno;
   if (error != 0) {

@@ -218,6 +218,8 @@ class DiskCache {
   // Uses the cache in mode `to` from now on, for `reason` (mode_reason()); logs a warning, with
   // `hint` after the reason when given.
   void degrade(CacheMode to, const std::string& reason, const char* hint = "");
+  // A new name under quarantine/ for the file at `path`: "<its name>.<unix time>.<random hex>".
+  std::string quarantine_name(const std::string& path) const;
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
