@@ -807,31 +807,48 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   return dest;
 }
 
-void DiskCache::move_directory_aside(const std::string& path) const {
+bool DiskCache::move_directory_aside(const std::string& path, const char* what) const {
   struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return;
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
   // Why only this user's: another user's files are theirs to deal with (gc and clear never
   // touch them either).
   if (st.st_uid != ::geteuid()) {
-    log().warn(
-        "cache entry {} is a directory of another user; it is left in place, so the "
-        "entry cannot be stored",
-        path);
-    return;
+    log().warn("{} {} is a directory of another user; it is left in place", what, path);
+    return false;
   }
   const std::string quarantine_dir = dir_ + "/quarantine";
   const std::string dest = quarantine_name(path);
   int error = ensure_dir(quarantine_dir);
   if (error == 0 && ::rename(path.c_str(), dest.c_str()) != 0) error = errno;
   if (error != 0) {
-    log().warn("cache entry {} is a directory and cannot be moved to {}: {}", path, quarantine_dir,
+    log().warn("{} {} is a directory and cannot be moved to {}: {}", what, path, quarantine_dir,
                errno_text(error));
-    return;
+    return false;
   }
   log().warn(
-      "cache entry {} was a directory; moved to {} so the entry can be stored (gc removes "
-      "files only: remove it by hand)",
-      path, dest);
+      "{} {} was a directory; moved to {} so a file can take its place (gc removes files "
+      "only: remove it by hand)",
+      what, path, dest);
+  return true;
+}
+
+bool DiskCache::clear_lock_path(const std::string& path) const {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return false;
+  if (S_ISDIR(st.st_mode)) return move_directory_aside(path, "lock file");
+  if (!S_ISLNK(st.st_mode)) return false;
+  if (st.st_uid != ::geteuid()) {
+    log().warn("lock file {} is a symbolic link of another user; it is left in place", path);
+    return false;
+  }
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    log().warn("lock file {} is a symbolic link and cannot be removed: {}", path,
+               errno_text(errno));
+    return false;
+  }
+  log().warn("lock file {} was a symbolic link (never followed); removed it, its target untouched",
+             path);
+  return true;
 }
 
 int DiskCache::stores_paused() const {
@@ -955,7 +972,7 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
   // every process from then on. A FIFO, socket or symlink there is replaced by the rename. The
   // second try also covers another process's store having moved the directory first.
   if (published == EISDIR || published == ENOTEMPTY || published == EEXIST) {
-    move_directory_aside(path);
+    move_directory_aside(path, "cache entry");
     published = ::rename(temp.c_str(), path.c_str()) == 0 ? 0 : errno;
   }
   if (published != 0) {
@@ -1065,8 +1082,13 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
   for (int attempt = 0; attempt < 100; ++attempt) {
     Fd fd(open_file(lock_path, O_RDWR | O_CREAT | O_NOFOLLOW, 0600));
     if (!fd.ok()) {
+      const int error = errno;
+      // Why: a symlink (ELOOP under O_NOFOLLOW) or a directory at the lock path would make every
+      // compile of this key run without the lock from then on. Cleared, then tried again; the
+      // attempt bound ends it should another process keep planting one.
+      if ((error == ELOOP || error == EISDIR) && clear_lock_path(lock_path)) continue;
       log().warn("cannot open lock file {}: {}; compiling without the inter-process lock",
-                 lock_path, errno_text(errno));
+                 lock_path, errno_text(error));
       return Lock();
     }
     // Why: a lock file someone else could write (made by another user in a locks directory they

@@ -223,10 +223,14 @@ class DiskCache {
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
-  // Moves a directory of this user's found at entry path `path` to quarantine/ (logged at
-  // warn), so store() can publish there. Another user's directory stays, as does one that can't
-  // be moved, each with a warning; anything else at the path is left to store()'s rename.
-  void move_directory_aside(const std::string& path) const;
+  // Moves a directory of this user's found at `path` (an entry's or a lock file's path; `what`
+  // names which in the log) to quarantine/, logged at warn, so a file can take the path. Another
+  // user's directory stays, as does one that can't be moved, each with a warning; true only when
+  // it moved.
+  bool move_directory_aside(const std::string& path, const char* what) const;
+  // Clears this user's symlink (unlinked; its target is untouched) or directory (moved aside) at
+  // lock path `path`, where lock() cannot open a lock file; logs why at warn. True if cleared.
+  bool clear_lock_path(const std::string& path) const;
   // load(), and on a miss whether it was a file at the path that load() turned down (a link, not
   // a regular file, untrusted, failed verification, or could not be opened or read) rather than
   // no file there at all.

@@ -1466,6 +1466,77 @@ TEST_CASE("a lock file others can write is not waited on", "[cache]") {
   ::close(planted);
 }
 
+TEST_CASE("a symlink or directory of this user's at a lock path is cleared, and the lock taken",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("planted at the lock path");
+  const std::string path = dir + "/locks/" + key + ".lock";
+  // What lock() leaves at the path either way: a regular file it holds, which excludes others.
+  const auto lock_is_taken = [&](const std::vector<std::string>& warned) {
+    LogCapture capture;
+    DiskCache::Lock lock = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+    INFO(capture.all());
+    CHECK(lock.held());
+    CHECK(capture.warned(warned));
+    CHECK_FALSE(capture.warned({"without the inter-process lock"}));
+    struct stat st {};
+    REQUIRE(::lstat(path.c_str(), &st) == 0);
+    CHECK(S_ISREG(st.st_mode));
+    const int other = ::open(path.c_str(), O_RDWR);
+    REQUIRE(other >= 0);
+    CHECK(::flock(other, LOCK_EX | LOCK_NB) != 0);
+    ::close(other);
+  };
+
+  SECTION("a symlink is removed, never followed: its target keeps its bytes") {
+    const std::string victim = tmp.path() + "/victim";
+    write_file(victim, "not the cache's");
+    REQUIRE(::symlink(victim.c_str(), path.c_str()) == 0);
+    lock_is_taken({path, "was a symbolic link", "its target untouched"});
+    CHECK(moejit::test::read_text(victim) == "not the cache's");
+  }
+  SECTION("a dangling symlink is removed too") {
+    REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
+    lock_is_taken({path, "was a symbolic link"});
+    CHECK_FALSE(fs::exists(tmp.path() + "/nowhere"));
+  }
+  SECTION("a directory, with a file in it, is moved to quarantine/") {
+    REQUIRE(::mkdir(path.c_str(), 0700) == 0);
+    write_file(path + "/inside", "kept");
+    lock_is_taken({path, "was a directory; moved to", "remove it by hand"});
+    std::vector<fs::path> moved;
+    for (const auto& e : fs::directory_iterator(dir + "/quarantine")) moved.push_back(e.path());
+    REQUIRE(moved.size() == 1);
+    CHECK(moejit::test::read_text(moved[0].string() + "/inside") == "kept");
+  }
+  if (::geteuid() == 0) {
+    SECTION(
+        "another user's symlink or directory stays, and the compile goes on unlocked (as root)") {
+      for (const bool as_dir : {false, true}) {
+        INFO((as_dir ? "a directory" : "a symlink"));
+        fs::remove_all(path);
+        if (as_dir) {
+          REQUIRE(::mkdir(path.c_str(), 0700) == 0);
+        } else {
+          REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
+        }
+        REQUIRE(::lchown(path.c_str(), 12345, 12345) == 0);
+        LogCapture capture;
+        DiskCache::Lock lock = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+        INFO(capture.all());
+        CHECK_FALSE(lock.held());
+        CHECK(capture.warned({path, "of another user; it is left in place"}));
+        CHECK(capture.warned({"cannot open lock file", path, "without the inter-process lock"}));
+        struct stat st {};
+        REQUIRE(::lstat(path.c_str(), &st) == 0);
+        CHECK((as_dir ? S_ISDIR(st.st_mode) : S_ISLNK(st.st_mode)));
+      }
+    }
+  }
+}
+
 TEST_CASE(
     "the writer refuses a cubin that is not a whole ELF image, and the reader never serves one",
     "[cache]") {
