@@ -819,7 +819,11 @@ bool DiskCache::move_directory_aside(const std::string& path, const char* what) 
   const std::string quarantine_dir = dir_ + "/quarantine";
   const std::string dest = quarantine_name(path);
   int error = ensure_dir(quarantine_dir);
-  if (error == 0 && ::rename(path.c_str(), dest.c_str()) != 0) error = errno;
+  if (error == 0 && ::rename(path.c_str(), dest.c_str()) != 0) {
+    // Why: another process clearing the same path may have moved it first; the path is free.
+    if (errno == ENOENT) return true;
+    error = errno;
+  }
   if (error != 0) {
     log().warn("{} {} is a directory and cannot be moved to {}: {}", what, path, quarantine_dir,
                errno_text(error));
