@@ -845,7 +845,8 @@ bool DiskCache::clear_lock_path(const std::string& path) const {
     log().warn("lock file {} is a symbolic link of another user; it is left in place", path);
     return false;
   }
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+  if (::unlink(path.c_str()) != 0) {
+    if (errno == ENOENT) return true;  // another process cleared it first
     log().warn("lock file {} is a symbolic link and cannot be removed: {}", path,
                errno_text(errno));
     return false;
