@@ -283,12 +283,20 @@ bool remove_stale_temp(const DirEntry& file, uid_t me, int64_t now) {
 }
 
 // This user's lock file that no process holds, older than kStaleTempSeconds: removed while held
-// here (see DiskCache::lock()), and only if the path still names the file locked.
+// here (see DiskCache::lock()), and only if the path still names the file locked. A FIFO locks
+// like a file; a symlink or socket under a lock's name is removed at once, as lock() cannot open
+// one (and would clear it itself).
 void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
-  if (!S_ISREG(file.st.st_mode) || file.st.st_uid != me || !is_lock_name(file.name) ||
+  const mode_t type = file.st.st_mode & S_IFMT;
+  if (file.st.st_uid != me || !is_lock_name(file.name) ||
       age_seconds(file.st, now) <= DiskCache::kStaleTempSeconds) {
     return;
   }
+  if (type == S_IFLNK || type == S_IFSOCK) {
+    ::unlink(file.path.c_str());
+    return;
+  }
+  if (type != S_IFREG && type != S_IFIFO) return;
   Fd fd(open_file(file.path, O_RDWR | O_NOFOLLOW | O_NONBLOCK));
   if (!fd.ok() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
   // Why check the path still names the locked file: another gc may have unlinked it after this
@@ -840,19 +848,19 @@ bool DiskCache::clear_lock_path(const std::string& path) const {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return false;
   if (S_ISDIR(st.st_mode)) return move_directory_aside(path, "lock file");
-  if (!S_ISLNK(st.st_mode)) return false;
+  if (!S_ISLNK(st.st_mode) && !S_ISSOCK(st.st_mode)) return false;
+  const char* const kind = S_ISLNK(st.st_mode) ? "symbolic link" : "socket";
   if (st.st_uid != ::geteuid()) {
-    log().warn("lock file {} is a symbolic link of another user; it is left in place", path);
+    log().warn("lock file {} is a {} of another user; it is left in place", path, kind);
     return false;
   }
   if (::unlink(path.c_str()) != 0) {
     if (errno == ENOENT) return true;  // another process cleared it first
-    log().warn("lock file {} is a symbolic link and cannot be removed: {}", path,
-               errno_text(errno));
+    log().warn("lock file {} is a {} and cannot be removed: {}", path, kind, errno_text(errno));
     return false;
   }
-  log().warn("lock file {} was a symbolic link (never followed); removed it, its target untouched",
-             path);
+  log().warn("lock file {} was a {} (never followed); removed it{}", path, kind,
+             S_ISLNK(st.st_mode) ? ", its target untouched" : "");
   return true;
 }
 
@@ -1088,10 +1096,12 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
     Fd fd(open_file(lock_path, O_RDWR | O_CREAT | O_NOFOLLOW, 0600));
     if (!fd.ok()) {
       const int error = errno;
-      // Why: a symlink (ELOOP under O_NOFOLLOW) or a directory at the lock path would make every
-      // compile of this key run without the lock from then on. Cleared, then tried again; the
-      // attempt bound ends it should another process keep planting one.
-      if ((error == ELOOP || error == EISDIR) && clear_lock_path(lock_path)) continue;
+      // Why: a symlink (ELOOP under O_NOFOLLOW), a directory or a socket (ENXIO) at the lock path
+      // would make every compile of this key run without the lock from then on. Cleared, then
+      // tried again; the attempt bound ends it should another process keep planting one.
+      if ((error == ELOOP || error == EISDIR || error == ENXIO) && clear_lock_path(lock_path)) {
+        continue;
+      }
       log().warn("cannot open lock file {}: {}; compiling without the inter-process lock",
                  lock_path, errno_text(error));
       return Lock();

@@ -228,8 +228,9 @@ class DiskCache {
   // user's directory stays, as does one that can't be moved, each with a warning; true only when
   // it moved.
   bool move_directory_aside(const std::string& path, const char* what) const;
-  // Clears this user's symlink (unlinked; its target is untouched) or directory (moved aside) at
-  // lock path `path`, where lock() cannot open a lock file; logs why at warn. True if cleared.
+  // Clears this user's symlink or socket (unlinked; a symlink's target is untouched) or
+  // directory (moved aside) at lock path `path`, where lock() cannot open a lock file; logs why
+  // at warn. True if cleared.
   bool clear_lock_path(const std::string& path) const;
   // load(), and on a miss whether it was a file at the path that load() turned down (a link, not
   // a regular file, untrusted, failed verification, or could not be opened or read) rather than

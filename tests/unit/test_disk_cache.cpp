@@ -6,7 +6,9 @@
 #include <spdlog/sinks/base_sink.h>
 #include <sys/file.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -103,6 +105,19 @@ void set_mtime(const std::string& path, int64_t unix_seconds) {
   times[0].tv_nsec = 0;
   times[1] = times[0];
   REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW) == 0);
+}
+
+// Binds a Unix socket to `path` and closes it, which leaves the socket file there.
+void make_socket_file(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  REQUIRE(path.size() < sizeof(address.sun_path));
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  const int bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address));
+  ::close(fd);
+  REQUIRE(bound == 0);
 }
 
 int64_t now_unix() {
@@ -1084,6 +1099,46 @@ TEST_CASE("temp files and idle lock files are cleaned only when stale", "[cache]
   CHECK(fs::exists(stamp));
 }
 
+TEST_CASE("gc removes this user's stale symlinks, sockets and idle FIFOs under a lock's name",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string locks = dir + "/locks/";
+  const int64_t stale = now_unix() - DiskCache::kStaleTempSeconds - 60;
+  const auto lock_name = [&](const char* what) { return locks + key_for(what) + ".lock"; };
+  const std::string victim = tmp.path() + "/victim";
+  write_file(victim, "not the cache's");
+  const std::string link = lock_name("link"), fifo = lock_name("fifo"),
+                    held_fifo = lock_name("held fifo"), socket = lock_name("socket"),
+                    fresh_link = lock_name("fresh link"), not_a_lock = locks + "other-program";
+  REQUIRE(::symlink(victim.c_str(), link.c_str()) == 0);
+  REQUIRE(::symlink(victim.c_str(), fresh_link.c_str()) == 0);
+  REQUIRE(::symlink(victim.c_str(), not_a_lock.c_str()) == 0);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  REQUIRE(::mkfifo(held_fifo.c_str(), 0600) == 0);
+  make_socket_file(socket);
+  for (const std::string& p : {link, not_a_lock, fifo, held_fifo, socket}) set_mtime(p, stale);
+  // A FIFO a process holds as its lock (lock() takes one like a file) stays.
+  const int holder = ::open(held_fifo.c_str(), O_RDWR | O_NONBLOCK);
+  REQUIRE(holder >= 0);
+  REQUIRE(::flock(holder, LOCK_EX | LOCK_NB) == 0);
+
+  (void)cache.gc(UINT64_MAX);
+  const auto present = [](const std::string& p) {
+    struct stat st {};
+    return ::lstat(p.c_str(), &st) == 0;
+  };
+  CHECK_FALSE(present(link));
+  CHECK_FALSE(present(fifo));
+  CHECK_FALSE(present(socket));
+  CHECK(present(held_fifo));
+  CHECK(present(fresh_link));
+  CHECK(present(not_a_lock));
+  CHECK(moejit::test::read_text(victim) == "not the cache's");
+  ::close(holder);
+}
+
 // A cache in a directory other programs use too (MOEJIT_CACHE_DIR=~/.cache): their temp files
 // in the root and their files under "locks" and "quarantine", however old, are not the cache's
 // to remove.
@@ -1466,8 +1521,9 @@ TEST_CASE("a lock file others can write is not waited on", "[cache]") {
   ::close(planted);
 }
 
-TEST_CASE("a symlink or directory of this user's at a lock path is cleared, and the lock taken",
-          "[cache]") {
+TEST_CASE(
+    "a symlink, socket or directory of this user's at a lock path is cleared, and the lock taken",
+    "[cache]") {
   moejit::test::TempDir tmp;
   const std::string dir = tmp.path() + "/cache";
   DiskCache cache(dir, CacheMode::kReadWrite);
@@ -1501,6 +1557,10 @@ TEST_CASE("a symlink or directory of this user's at a lock path is cleared, and 
     REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
     lock_is_taken({path, "was a symbolic link"});
     CHECK_FALSE(fs::exists(tmp.path() + "/nowhere"));
+  }
+  SECTION("a socket is removed") {
+    make_socket_file(path);
+    lock_is_taken({path, "was a socket"});
   }
   SECTION("a directory, with a file in it, is moved to quarantine/") {
     REQUIRE(::mkdir(path.c_str(), 0700) == 0);
