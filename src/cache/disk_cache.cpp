@@ -282,10 +282,39 @@ bool remove_stale_temp(const DirEntry& file, uid_t me, int64_t now) {
          ::unlink(file.path.c_str()) == 0;
 }
 
+// remove_if_unchanged's result when the path no longer names the file seen: nothing removed.
+constexpr int kPathChanged = -1;
+
+// Runs `remove` (an unlink or a move away of `path`, in locks/; 0 or an errno) only while `path`
+// still names the file `seen` describes (device, inode, type), holding an flock on the locks
+// directory, which every remover of a non-lock-file there takes: kPathChanged if it does not.
+// Why: a remover that looked earlier would otherwise remove what took the path since, such as
+// the lock file another process made there once the path was clear, and holds.
+int remove_if_unchanged(const std::string& path, const struct stat& seen,
+                        const std::function<int()>& remove) {
+  Fd dir(open_file(path.substr(0, path.rfind('/')), O_RDONLY | O_DIRECTORY | O_NOFOLLOW));
+  if (!dir.ok()) return errno;
+  // Why not a blocking flock: a holder keeps it for an lstat and one unlink or rename, so a
+  // second's wait means a holder stopped mid-way; better to leave the file than hang.
+  for (int tries = 0; ::flock(dir.get(), LOCK_EX | LOCK_NB) != 0; ++tries) {
+    if (errno != EWOULDBLOCK && errno != EINTR) return errno;
+    if (tries == 1000) return EWOULDBLOCK;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  struct stat now {};
+  const bool same = ::lstat(path.c_str(), &now) == 0 && now.st_dev == seen.st_dev &&
+                    now.st_ino == seen.st_ino && (now.st_mode & S_IFMT) == (seen.st_mode & S_IFMT);
+  const int result = same ? remove() : kPathChanged;
+  // Why LOCK_UN before close: a child forked meanwhile shares the open file description (see
+  // DiskCache::Lock::~Lock).
+  ::flock(dir.get(), LOCK_UN);
+  return result;
+}
+
 // This user's lock file that no process holds, older than kStaleTempSeconds: removed while held
 // here (see DiskCache::lock()), and only if the path still names the file locked. A FIFO locks
-// like a file; a symlink or socket under a lock's name is removed at once, as lock() cannot open
-// one (and would clear it itself).
+// like a file (without the failed holder's mark: it holds no bytes). A symlink or socket under a
+// lock's name, which lock() cannot open (it clears one itself), is removed as scanned.
 void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
   const mode_t type = file.st.st_mode & S_IFMT;
   if (file.st.st_uid != me || !is_lock_name(file.name) ||
@@ -293,7 +322,9 @@ void remove_idle_lock(const DirEntry& file, uid_t me, int64_t now) {
     return;
   }
   if (type == S_IFLNK || type == S_IFSOCK) {
-    ::unlink(file.path.c_str());
+    if (test_hooks().before_lock_path_removal) test_hooks().before_lock_path_removal(file.path);
+    (void)remove_if_unchanged(file.path, file.st,
+                              [&] { return ::unlink(file.path.c_str()) == 0 ? 0 : errno; });
     return;
   }
   if (type != S_IFREG && type != S_IFIFO) return;
@@ -815,52 +846,74 @@ std::string DiskCache::quarantine(const std::string& path, int fd,
   return dest;
 }
 
-bool DiskCache::move_directory_aside(const std::string& path, const char* what) const {
+int DiskCache::move_to_quarantine(const std::string& path, std::string* dest) const {
+  *dest = quarantine_name(path);
+  if (int error = ensure_dir(dir_ + "/quarantine"); error != 0) return error;
+  return ::rename(path.c_str(), dest->c_str()) == 0 ? 0 : errno;
+}
+
+bool DiskCache::move_directory_aside(const std::string& path) const {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
   // Why only this user's: another user's files are theirs to deal with (gc and clear never
   // touch them either).
   if (st.st_uid != ::geteuid()) {
-    log().warn("{} {} is a directory of another user; it is left in place", what, path);
+    log().warn("cache entry {} is a directory of another user; it is left in place", path);
     return false;
   }
-  const std::string quarantine_dir = dir_ + "/quarantine";
-  const std::string dest = quarantine_name(path);
-  int error = ensure_dir(quarantine_dir);
-  if (error == 0 && ::rename(path.c_str(), dest.c_str()) != 0) {
-    // Why: another process clearing the same path may have moved it first; the path is free.
-    if (errno == ENOENT) return true;
-    error = errno;
-  }
+  std::string dest;
+  const int error = move_to_quarantine(path, &dest);
+  // Why ENOENT is no failure: another process's store may have moved it first.
+  if (error == ENOENT) return true;
   if (error != 0) {
-    log().warn("{} {} is a directory and cannot be moved to {}: {}", what, path, quarantine_dir,
+    log().warn("cache entry {} is a directory and cannot be moved to {}/quarantine: {}", path, dir_,
                errno_text(error));
     return false;
   }
   log().warn(
-      "{} {} was a directory; moved to {} so a file can take its place (gc removes files "
+      "cache entry {} was a directory; moved to {} so the entry can be stored (gc removes files "
       "only: remove it by hand)",
-      what, path, dest);
+      path, dest);
   return true;
 }
 
-bool DiskCache::clear_lock_path(const std::string& path) const {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) return false;
-  if (S_ISDIR(st.st_mode)) return move_directory_aside(path, "lock file");
-  if (!S_ISLNK(st.st_mode) && !S_ISSOCK(st.st_mode)) return false;
-  const char* const kind = S_ISLNK(st.st_mode) ? "symbolic link" : "socket";
-  if (st.st_uid != ::geteuid()) {
+bool DiskCache::clear_lock_path(const std::string& path, bool warn) const {
+  struct stat seen {};
+  if (::lstat(path.c_str(), &seen) != 0) return errno == ENOENT;  // gone since: try again
+  const mode_t type = seen.st_mode & S_IFMT;
+  // Why: open() failed on something else, so another process cleared the path since.
+  if (type == S_IFREG || type == S_IFIFO) return true;
+  const char* const kind = type == S_IFDIR    ? "directory"
+                           : type == S_IFLNK  ? "symbolic link"
+                           : type == S_IFSOCK ? "socket"
+                                              : nullptr;
+  if (kind == nullptr) return false;
+  if (seen.st_uid != ::geteuid()) {
     log().warn("lock file {} is a {} of another user; it is left in place", path, kind);
     return false;
   }
-  if (::unlink(path.c_str()) != 0) {
-    if (errno == ENOENT) return true;  // another process cleared it first
-    log().warn("lock file {} is a {} and cannot be removed: {}", path, kind, errno_text(errno));
+  if (test_hooks().before_lock_path_removal) test_hooks().before_lock_path_removal(path);
+  std::string dest;
+  const int error = remove_if_unchanged(path, seen, [&] {
+    if (type == S_IFDIR) return move_to_quarantine(path, &dest);
+    return ::unlink(path.c_str()) == 0 ? 0 : errno;
+  });
+  if (error == kPathChanged) return true;  // another process cleared it first
+  if (error != 0) {
+    log().warn("lock file {} is a {} and cannot be {}: {}", path, kind,
+               type == S_IFDIR ? "moved to quarantine/" : "removed", errno_text(error));
     return false;
   }
-  log().warn("lock file {} was a {} (never followed); removed it{}", path, kind,
-             S_ISLNK(st.st_mode) ? ", its target untouched" : "");
+  const auto level = warn ? spdlog::level::warn : spdlog::level::debug;
+  if (type == S_IFDIR) {
+    log().log(level,
+              "lock file {} was a directory; moved to {} so a lock file can take its place (gc "
+              "removes files only: remove it by hand)",
+              path, dest);
+  } else {
+    log().log(level, "lock file {} was a {} (never followed); removed it{}", path, kind,
+              type == S_IFLNK ? ", its target untouched" : "");
+  }
   return true;
 }
 
@@ -985,7 +1038,7 @@ bool DiskCache::store(const Entry& entry, std::string* why_not) const {
   // every process from then on. A FIFO, socket or symlink there is replaced by the rename. The
   // second try also covers another process's store having moved the directory first.
   if (published == EISDIR || published == ENOTEMPTY || published == EEXIST) {
-    move_directory_aside(path, "cache entry");
+    move_directory_aside(path);
     published = ::rename(temp.c_str(), path.c_str()) == 0 ? 0 : errno;
   }
   if (published != 0) {
@@ -1099,7 +1152,8 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
       // Why: a symlink (ELOOP under O_NOFOLLOW), a directory or a socket (ENXIO) at the lock path
       // would make every compile of this key run without the lock from then on. Cleared, then
       // tried again; the attempt bound ends it should another process keep planting one.
-      if ((error == ELOOP || error == EISDIR || error == ENXIO) && clear_lock_path(lock_path)) {
+      if ((error == ELOOP || error == EISDIR || error == ENXIO) &&
+          clear_lock_path(lock_path, /*warn=*/attempt == 0)) {
         continue;
       }
       log().warn("cannot open lock file {}: {}; compiling without the inter-process lock",

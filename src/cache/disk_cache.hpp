@@ -223,15 +223,19 @@ class DiskCache {
   // Moves a bad entry (still open as `fd`) to quarantine/ when writable; logs at warn. Returns
   // where it went, or "" when it was left in place.
   std::string quarantine(const std::string& path, int fd, const std::string& reason) const;
-  // Moves a directory of this user's found at `path` (an entry's or a lock file's path; `what`
-  // names which in the log) to quarantine/, logged at warn, so a file can take the path. Another
-  // user's directory stays, as does one that can't be moved, each with a warning; true only when
-  // it moved.
-  bool move_directory_aside(const std::string& path, const char* what) const;
+  // Moves the file or directory at `path` to a new name under quarantine/ (*dest): 0 or an
+  // errno.
+  int move_to_quarantine(const std::string& path, std::string* dest) const;
+  // Moves a directory of this user's found at entry path `path` to quarantine/ (logged at
+  // warn), so store() can publish there. Another user's directory stays, as does one that can't
+  // be moved, each with a warning. True when the path is free now (moved here or by another
+  // process); anything else at the path is left to store()'s rename.
+  bool move_directory_aside(const std::string& path) const;
   // Clears this user's symlink or socket (unlinked; a symlink's target is untouched) or
-  // directory (moved aside) at lock path `path`, where lock() cannot open a lock file; logs why
-  // at warn. True if cleared.
-  bool clear_lock_path(const std::string& path) const;
+  // directory (moved to quarantine/) at lock path `path`, where lock() cannot open a lock file,
+  // logging it at warn (at debug unless `warn`). True when the path is worth another try: cleared
+  // here, or by another process since.
+  bool clear_lock_path(const std::string& path, bool warn) const;
   // load(), and on a miss whether it was a file at the path that load() turned down (a link, not
   // a regular file, untrusted, failed verification, or could not be opened or read) rather than
   // no file there at all.
@@ -287,6 +291,10 @@ struct CacheTestHooks {
   // the lock (with the entry's path), as gc moving the file away and back meanwhile.
   std::function<void(const std::string& path)> before_published_load;
   std::function<void(const std::string& path)> after_published_load;
+  // Runs in lock() and gc() when they have found a symlink, socket or directory of this user's at
+  // a lock path (with the path), before they remove it, as another process clearing the path and
+  // taking the lock meanwhile.
+  std::function<void(const std::string& path)> before_lock_path_removal;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);
 

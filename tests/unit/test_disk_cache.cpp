@@ -1137,6 +1137,65 @@ TEST_CASE("gc removes this user's stale symlinks, sockets and idle FIFOs under a
   CHECK(present(not_a_lock));
   CHECK(moejit::test::read_text(victim) == "not the cache's");
   ::close(holder);
+  if (running_as_root()) {
+    const std::string theirs = lock_name("another user's link");
+    REQUIRE(::symlink(victim.c_str(), theirs.c_str()) == 0);
+    REQUIRE(::lchown(theirs.c_str(), 12345, 12345) == 0);
+    set_mtime(theirs, stale);
+    (void)cache.gc(UINT64_MAX);
+    CHECK(present(theirs));
+  }
+}
+
+// The lock file at `path` is held by someone: a try of this process's own fails.
+bool held_by_someone(const std::string& path) {
+  struct stat st {};
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  REQUIRE(S_ISREG(st.st_mode));
+  const int fd = ::open(path.c_str(), O_RDWR);
+  REQUIRE(fd >= 0);
+  const bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+  ::close(fd);
+  return held;
+}
+
+TEST_CASE("a lock path cleared by another process meanwhile keeps that process's lock file",
+          "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("cleared meanwhile");
+  const std::string path = dir + "/locks/" + key + ".lock";
+  REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
+  // Once the remover under test has seen the symlink, another process clears it and takes the
+  // lock (its own clearing runs this hook too: it acts only the first time).
+  DiskCache::Lock other;
+  bool fired = false;
+  moejit::detail::CacheTestHooks hooks;
+  hooks.before_lock_path_removal = [&](const std::string& at) {
+    if (fired) return;
+    fired = true;
+    CHECK(at == path);
+    other = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+    REQUIRE(other.held());
+  };
+  HooksSet set(std::move(hooks));
+
+  SECTION("by lock(): it waits for that lock instead of removing its file") {
+    LogCapture capture;
+    DiskCache::Lock mine = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+    INFO(capture.all());
+    CHECK(fired);
+    CHECK_FALSE(mine.held());
+    CHECK(capture.warned({"still held by another process"}));
+  }
+  SECTION("by gc") {
+    set_mtime(path, now_unix() - DiskCache::kStaleTempSeconds - 60);
+    (void)cache.gc(UINT64_MAX);
+    CHECK(fired);
+  }
+  CHECK(other.held());
+  CHECK(held_by_someone(path));
 }
 
 // A cache in a directory other programs use too (MOEJIT_CACHE_DIR=~/.cache): their temp files
