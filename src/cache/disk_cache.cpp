@@ -286,9 +286,9 @@ bool remove_stale_temp(const DirEntry& file, uid_t me, int64_t now) {
 constexpr int kPathChanged = -1;
 
 // Runs `remove` (an unlink or a move away of `path`, in locks/; 0 or an errno) only while `path`
-// still names the file `seen` describes (device, inode, type), holding an flock on the locks
-// directory, which every remover of a non-lock-file there takes: kPathChanged if it does not.
-// Why: a remover that looked earlier would otherwise remove what took the path since, such as
+// still names the file `seen` describes (device, inode, type, owner, ctime), holding an flock on
+// the locks directory, which every remover of a non-lock-file there takes: kPathChanged if it does
+// not. Why: a remover that looked earlier would otherwise remove what took the path since, such as
 // the lock file another process made there once the path was clear, and holds.
 int remove_if_unchanged(const std::string& path, const struct stat& seen,
                         const std::function<int()>& remove) {
@@ -301,14 +301,19 @@ int remove_if_unchanged(const std::string& path, const struct stat& seen,
     if (tries == 1000) return EWOULDBLOCK;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  // Why LOCK_UN before close, on every way out: a child forked meanwhile shares the open file
+  // description (see DiskCache::Lock::~Lock).
+  struct Unlock {
+    int fd;
+    ~Unlock() { ::flock(fd, LOCK_UN); }
+  } unlock{dir.get()};
+  // Why the owner and ctime too: a freed inode is often the next file's, even of the same type.
   struct stat now {};
-  const bool same = ::lstat(path.c_str(), &now) == 0 && now.st_dev == seen.st_dev &&
-                    now.st_ino == seen.st_ino && (now.st_mode & S_IFMT) == (seen.st_mode & S_IFMT);
-  const int result = same ? remove() : kPathChanged;
-  // Why LOCK_UN before close: a child forked meanwhile shares the open file description (see
-  // DiskCache::Lock::~Lock).
-  ::flock(dir.get(), LOCK_UN);
-  return result;
+  const bool same =
+      ::lstat(path.c_str(), &now) == 0 && now.st_dev == seen.st_dev && now.st_ino == seen.st_ino &&
+      (now.st_mode & S_IFMT) == (seen.st_mode & S_IFMT) && now.st_uid == seen.st_uid &&
+      now.st_ctim.tv_sec == seen.st_ctim.tv_sec && now.st_ctim.tv_nsec == seen.st_ctim.tv_nsec;
+  return same ? remove() : kPathChanged;
 }
 
 // This user's lock file that no process holds, older than kStaleTempSeconds: removed while held
@@ -852,29 +857,28 @@ int DiskCache::move_to_quarantine(const std::string& path, std::string* dest) co
   return ::rename(path.c_str(), dest->c_str()) == 0 ? 0 : errno;
 }
 
-bool DiskCache::move_directory_aside(const std::string& path) const {
+void DiskCache::move_directory_aside(const std::string& path) const {
   struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return;
   // Why only this user's: another user's files are theirs to deal with (gc and clear never
   // touch them either).
   if (st.st_uid != ::geteuid()) {
     log().warn("cache entry {} is a directory of another user; it is left in place", path);
-    return false;
+    return;
   }
   std::string dest;
   const int error = move_to_quarantine(path, &dest);
   // Why ENOENT is no failure: another process's store may have moved it first.
-  if (error == ENOENT) return true;
+  if (error == ENOENT) return;
   if (error != 0) {
     log().warn("cache entry {} is a directory and cannot be moved to {}/quarantine: {}", path, dir_,
                errno_text(error));
-    return false;
+    return;
   }
   log().warn(
       "cache entry {} was a directory; moved to {} so the entry can be stored (gc removes files "
       "only: remove it by hand)",
       path, dest);
-  return true;
 }
 
 bool DiskCache::clear_lock_path(const std::string& path, bool warn) const {
@@ -1142,7 +1146,8 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
     return published->has_value();
   };
 
-  bool waited = false;  // another holder had the lock when it was first tried
+  bool waited = false;   // another holder had the lock when it was first tried
+  bool cleared = false;  // a file in the lock's way was cleared (warned once a lock())
   // Why: gc may unlink an idle lock file; a lock taken on the unlinked inode would exclude no
   // one, so after flock the path must still name the locked file, else try again.
   for (int attempt = 0; attempt < 100; ++attempt) {
@@ -1153,7 +1158,8 @@ DiskCache::Lock DiskCache::lock(const std::string& key, std::optional<Entry>* pu
       // would make every compile of this key run without the lock from then on. Cleared, then
       // tried again; the attempt bound ends it should another process keep planting one.
       if ((error == ELOOP || error == EISDIR || error == ENXIO) &&
-          clear_lock_path(lock_path, /*warn=*/attempt == 0)) {
+          clear_lock_path(lock_path, /*warn=*/!cleared)) {
+        cleared = true;
         continue;
       }
       log().warn("cannot open lock file {}: {}; compiling without the inter-process lock",

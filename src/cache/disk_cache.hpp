@@ -228,9 +228,8 @@ class DiskCache {
   int move_to_quarantine(const std::string& path, std::string* dest) const;
   // Moves a directory of this user's found at entry path `path` to quarantine/ (logged at
   // warn), so store() can publish there. Another user's directory stays, as does one that can't
-  // be moved, each with a warning. True when the path is free now (moved here or by another
-  // process); anything else at the path is left to store()'s rename.
-  bool move_directory_aside(const std::string& path) const;
+  // be moved, each with a warning; anything else at the path is left to store()'s rename.
+  void move_directory_aside(const std::string& path) const;
   // Clears this user's symlink or socket (unlinked; a symlink's target is untouched) or
   // directory (moved to quarantine/) at lock path `path`, where lock() cannot open a lock file,
   // logging it at warn (at debug unless `warn`). True when the path is worth another try: cleared
@@ -291,9 +290,9 @@ struct CacheTestHooks {
   // the lock (with the entry's path), as gc moving the file away and back meanwhile.
   std::function<void(const std::string& path)> before_published_load;
   std::function<void(const std::string& path)> after_published_load;
-  // Runs in lock() and gc() when they have found a symlink, socket or directory of this user's at
-  // a lock path (with the path), before they remove it, as another process clearing the path and
-  // taking the lock meanwhile.
+  // Runs before a removal of this user's file in lock()'s way (a symlink, socket or directory at
+  // a lock path) by lock(), or of a stale symlink or socket under a lock's name by gc() and
+  // clear() (with the path), as another process clearing the path and taking the lock meanwhile.
   std::function<void(const std::string& path)> before_lock_path_removal;
 };
 void set_cache_test_hooks(CacheTestHooks hooks);

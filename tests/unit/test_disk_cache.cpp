@@ -107,17 +107,27 @@ void set_mtime(const std::string& path, int64_t unix_seconds) {
   REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW) == 0);
 }
 
-// Binds a Unix socket to `path` and closes it, which leaves the socket file there.
+// Binds a Unix socket to `path` and closes it, which leaves the socket file there. Why through
+// /proc/self/fd: a socket's address holds at most 107 bytes, which a long TMPDIR would pass.
 void make_socket_file(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  const int dir = ::open(path.substr(0, slash).c_str(), O_RDONLY | O_DIRECTORY);
+  REQUIRE(dir >= 0);
+  const std::string address_path =
+      "/proc/self/fd/" + std::to_string(dir) + "/" + path.substr(slash + 1);
   const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
   REQUIRE(fd >= 0);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
-  REQUIRE(path.size() < sizeof(address.sun_path));
-  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  REQUIRE(address_path.size() < sizeof(address.sun_path));
+  std::memcpy(address.sun_path, address_path.c_str(), address_path.size() + 1);
   const int bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address));
   ::close(fd);
+  ::close(dir);
   REQUIRE(bound == 0);
+  struct stat st {};
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  REQUIRE(S_ISSOCK(st.st_mode));
 }
 
 int64_t now_unix() {
@@ -1196,6 +1206,39 @@ TEST_CASE("a lock path cleared by another process meanwhile keeps that process's
   }
   CHECK(other.held());
   CHECK(held_by_someone(path));
+}
+
+TEST_CASE(
+    "a lock path is cleared only under the locks directory's flock, which is not waited on "
+    "for long",
+    "[cache]") {
+  moejit::test::TempDir tmp;
+  const std::string dir = tmp.path() + "/cache";
+  DiskCache cache(dir, CacheMode::kReadWrite);
+  const std::string key = key_for("locks directory held");
+  const std::string path = dir + "/locks/" + key + ".lock";
+  REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
+  // Held as a remover stopped between its look and its removal would hold it.
+  const int locks = ::open((dir + "/locks").c_str(), O_RDONLY | O_DIRECTORY);
+  REQUIRE(locks >= 0);
+  REQUIRE(::flock(locks, LOCK_EX | LOCK_NB) == 0);
+  LogCapture capture;
+  const auto start = std::chrono::steady_clock::now();
+  DiskCache::Lock lock = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(capture.all());
+  CHECK_FALSE(lock.held());
+  CHECK(capture.warned({path, "cannot be removed", "Resource temporarily unavailable"}));
+  CHECK(capture.warned({"cannot open lock file", path, "without the inter-process lock"}));
+  struct stat st {};
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  CHECK(S_ISLNK(st.st_mode));
+  CHECK(waited > 0.5);
+  CHECK(waited < 30.0);
+  ::close(locks);
+  DiskCache::Lock after = cache.lock(key, nullptr, std::chrono::milliseconds(200));
+  CHECK(after.held());
 }
 
 // A cache in a directory other programs use too (MOEJIT_CACHE_DIR=~/.cache): their temp files
