@@ -38,6 +38,10 @@ struct Failure {
 // Library error code -> exit code.
 int exit_code_for(ErrorCode code);
 
+// The arch `name` names ("sm_90a"), if it is well formed and this NVRTC can target it; else
+// Failure{kExitUsage} saying which and why.
+Arch parse_arch_option(const std::string& name);
+
 // Every shape in `paths`, all files parsed before anything else happens. A file that can't be
 // read or breaks a rule, or a name that two files (or one file passed twice) define, throws
 // Failure{kExitShapeFile} with the DescriptorError's message or the two places.

@@ -8,6 +8,7 @@
 
 #include "cli/cli.hpp"
 #include "common/env.hpp"
+#include "compile/nvrtc.hpp"
 #include "descriptor/descriptor.hpp"
 #include "driver/driver.hpp"
 #include "moejit/error.hpp"
@@ -95,6 +96,19 @@ const ModelShape& find_shape(const std::vector<ModelShape>& shapes, const std::s
   for (const ModelShape& s : shapes) names.push_back(s.name);
   throw Failure{kExitUsage, "no shape named '" + name + "' in " + file +
                                 " (it has: " + detail::listed_names(names) + ")"};
+}
+
+Arch parse_arch_option(const std::string& name) {
+  Arch arch;
+  try {
+    arch = Arch::parse(name);
+  } catch (const Error& e) {
+    throw Failure{kExitUsage, std::string("bad --arch: ") + e.what()};
+  }
+  if (std::string why = detail::nvrtc_arch_problem(arch); !why.empty()) {
+    throw Failure{kExitUsage, "bad --arch: " + why};
+  }
+  return arch;
 }
 
 void require_arch_serves(const std::vector<ModelShape>& shapes, const Arch& arch) {

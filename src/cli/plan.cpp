@@ -130,12 +130,7 @@ void print_plan(const ModelShape& shape, const Arch& arch) {
 
 int run_plan(const std::string& file, const std::string& shape_name, const std::string& arch_name) {
   std::vector<ModelShape> shapes = load_shape_files({file});
-  Arch arch;
-  try {
-    arch = Arch::parse(arch_name);
-  } catch (const Error& e) {
-    throw Failure{kExitUsage, e.what()};
-  }
+  const Arch arch = parse_arch_option(arch_name);
   if (!shape_name.empty()) shapes = {find_shape(shapes, shape_name, file)};
   require_arch_serves(shapes, arch);
   for (std::size_t i = 0; i < shapes.size(); ++i) {

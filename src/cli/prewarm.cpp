@@ -27,13 +27,7 @@ std::vector<Arch> resolve_archs(const std::vector<std::string>& names) {
     if (std::find(archs.begin(), archs.end(), arch) == archs.end()) archs.push_back(arch);
   };
   if (!names.empty()) {
-    for (const std::string& name : names) {
-      try {
-        add(Arch::parse(name));
-      } catch (const Error& e) {
-        throw Failure{kExitUsage, std::string("bad --arch: ") + e.what()};
-      }
-    }
+    for (const std::string& name : names) add(parse_arch_option(name));
     return archs;
   }
   DriverInfo info = probe_driver();

@@ -12,13 +12,12 @@ int run_source(const std::string& file, const std::string& shape_name, const std
                const std::string& arch_name) {
   std::vector<ModelShape> shapes = load_shape_files({file});
   Family wanted;
-  Arch arch;
   try {
     wanted = parse_family(family);
-    arch = Arch::parse(arch_name);
   } catch (const Error& e) {
     throw Failure{kExitUsage, e.what()};
   }
+  const Arch arch = parse_arch_option(arch_name);
 
   const ModelShape& shape = find_shape(shapes, shape_name, file);
   std::vector<KernelSpec> specs;

@@ -465,18 +465,23 @@ CompiledKernel run_nvrtc(const GeneratedSource& src, const Arch& arch,
 
 }  // namespace
 
+std::string nvrtc_arch_problem(const Arch& arch) {
+  const std::vector<int>& archs = supported_archs();
+  if (std::find(archs.begin(), archs.end(), arch.sm) != archs.end()) return "";
+  std::ostringstream os;
+  os << arch.name() << " is not a target of this NVRTC; it supports:";
+  for (int sm : archs) os << " sm_" << sm;
+  os << ". Choose one of those, or use a toolkit that targets " << arch.name();
+  return os.str();
+}
+
 CompiledKernel compile(const GeneratedSource& src, const Arch& arch, const std::string& failure_dir,
                        bool line_info) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::string> options = compile_options(arch, line_info);
 
-  const std::vector<int>& archs = supported_archs();
-  if (std::find(archs.begin(), archs.end(), arch.sm) == archs.end()) {
-    std::ostringstream os;
-    os << arch.name() << " is not a target of this NVRTC; it supports:";
-    for (int sm : archs) os << " sm_" << sm;
-    os << ". Choose one of those, or use a toolkit that targets " << arch.name();
-    throw_compile_error(src, os.str(), options, "", failure_dir);
+  if (std::string why = nvrtc_arch_problem(arch); !why.empty()) {
+    throw_compile_error(src, why, options, "", failure_dir);
   }
 
   CompiledKernel out = run_nvrtc(src, arch, options, failure_dir);

@@ -87,6 +87,10 @@ int faulting_copies(const GeneratedSource& src, const std::string& cubin,
                     const std::vector<std::string>& options, const std::string& log,
                     const std::string& failure_dir);
 
+// Why this NVRTC cannot compile for `arch` (not among nvrtcGetSupportedArchs), naming the archs
+// it can; "" when it can.
+std::string nvrtc_arch_problem(const Arch& arch);
+
 // Compile `src`. On failure throws CompileError naming the kernel and options, with the first
 // lines of the log in the message and the source saved under `failure_dir` (if non-empty). A
 // cubin holding the faulting cp.async form (cubin_check.hpp) is compiled again with

@@ -125,12 +125,25 @@ TEST_CASE("usage errors exit 2", "[cli]") {
     CHECK(said.size() < 300);  // not the range's upper bound as a 300-digit number
   }
   // An arch the MoE kernels can't run on (marlin_moe needs sm_80) is refused before anything
-  // is planned or compiled.
+  // is planned or compiled, as is one this NVRTC can't target (which sm_70 is for NVRTC 13).
   for (const char* arch : {"sm_70", "sm_75"}) {
-    CHECK(usage_error("plan " + shapes + " --arch " + arch).find("needs sm_80") !=
+    for (const std::string& said : {usage_error("plan " + shapes + " --arch " + arch),
+                                    usage_error("prewarm " + shapes + " --arch sm_90a," + arch)}) {
+      INFO(said);
+      CHECK((said.find("needs sm_80") != std::string::npos ||
+             said.find(std::string(arch) + " is not a target of this NVRTC") != std::string::npos));
+    }
+  }
+  // A well-formed arch no NVRTC targets is named as such, with the archs there are, by every
+  // command that takes one.
+  for (const std::string& command :
+       {"plan " + shapes, "prewarm " + shapes,
+        "source " + shapes + " --shape qwen2-57b-a14b --kernel route"}) {
+    const std::string said = usage_error(command + " --arch sm_999");
+    INFO(said);
+    CHECK(said.find("bad --arch: sm_999 is not a target of this NVRTC; it supports: sm_") !=
           std::string::npos);
-    CHECK(usage_error("prewarm " + shapes + " --arch sm_90a," + arch).find("needs sm_80") !=
-          std::string::npos);
+    CHECK(said.find("sm_90") != std::string::npos);
   }
   usage_error("gc");                                         // --max-size is required
   CHECK(usage_error("gc --max-size 12Q").find("12Q") != std::string::npos);
