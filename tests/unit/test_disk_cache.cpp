@@ -1157,6 +1157,20 @@ TEST_CASE("gc removes this user's stale symlinks, sockets and idle FIFOs under a
   }
 }
 
+// A cache and one key's lock path, for planting things there.
+struct LockPathCase {
+  explicit LockPathCase(const std::string& name)
+      : dir(tmp.path() + "/cache"),
+        cache(dir, CacheMode::kReadWrite),
+        key(key_for(name)),
+        path(dir + "/locks/" + key + ".lock") {}
+  moejit::test::TempDir tmp;
+  const std::string dir;
+  DiskCache cache;
+  const std::string key;
+  const std::string path;
+};
+
 // The lock file at `path` is held by someone: a try of this process's own fails.
 bool held_by_someone(const std::string& path) {
   struct stat st {};
@@ -1171,11 +1185,8 @@ bool held_by_someone(const std::string& path) {
 
 TEST_CASE("a lock path cleared by another process meanwhile keeps that process's lock file",
           "[cache]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  DiskCache cache(dir, CacheMode::kReadWrite);
-  const std::string key = key_for("cleared meanwhile");
-  const std::string path = dir + "/locks/" + key + ".lock";
+  LockPathCase c("cleared meanwhile");
+  auto& [tmp, dir, cache, key, path] = c;
   REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
   // Once the remover under test has seen the symlink, another process clears it and takes the
   // lock (its own clearing runs this hook too: it acts only the first time).
@@ -1212,11 +1223,8 @@ TEST_CASE(
     "a lock path is cleared only under the locks directory's flock, which is not waited on "
     "for long",
     "[cache]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  DiskCache cache(dir, CacheMode::kReadWrite);
-  const std::string key = key_for("locks directory held");
-  const std::string path = dir + "/locks/" + key + ".lock";
+  LockPathCase c("locks directory held");
+  auto& [tmp, dir, cache, key, path] = c;
   REQUIRE(::symlink((tmp.path() + "/nowhere").c_str(), path.c_str()) == 0);
   // Held as a remover stopped between its look and its removal would hold it.
   const int locks = ::open((dir + "/locks").c_str(), O_RDONLY | O_DIRECTORY);
@@ -1626,11 +1634,8 @@ TEST_CASE("a lock file others can write is not waited on", "[cache]") {
 TEST_CASE(
     "a symlink, socket or directory of this user's at a lock path is cleared, and the lock taken",
     "[cache]") {
-  moejit::test::TempDir tmp;
-  const std::string dir = tmp.path() + "/cache";
-  DiskCache cache(dir, CacheMode::kReadWrite);
-  const std::string key = key_for("planted at the lock path");
-  const std::string path = dir + "/locks/" + key + ".lock";
+  LockPathCase c("planted at the lock path");
+  auto& [tmp, dir, cache, key, path] = c;
   // What lock() leaves at the path either way: a regular file it holds, which excludes others.
   const auto lock_is_taken = [&](const std::vector<std::string>& warned) {
     LogCapture capture;
