@@ -106,7 +106,9 @@ typedef void (*moejit_prewarm_progress)(const char* kernel, const char* outcome,
  * current CUDA context's device. jobs: compiles at once, 0 = one per hardware thread. progress
  * and result may be NULL. Returns MOEJIT_OK when every kernel is ready; when some failed,
  * MOEJIT_ERROR_COMPILE_FAILED with each failure in moejit_last_error() (the others are ready, and
- * *result counts both). */
+ * *result counts both; a kernel the arch can't run fails with the reason, without a compile).
+ * MOEJIT_ERROR_INVALID_ARGUMENT, before any kernel, for an arch this NVRTC can't target or an
+ * environment the runtime can't use (a bad MOEJIT_CACHE_MODE, ...). */
 moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count, const char* arch,
                              int jobs, moejit_prewarm_progress progress, void* user_data,
                              moejit_prewarm_result* result);

@@ -96,7 +96,10 @@ struct BuildResult {
 
 // Compile (or find) every kernel `shapes` need for each arch, `jobs` at a time (0: one per
 // hardware thread). Never throws for one kernel's failure: it is reported in its BuildResult.
-// `progress` is called after each. No arch, or jobs < 0: Error{kInvalidArgument}.
+// `progress` is called after each; a kernel the arch can't run (supports()) fails with that
+// reason, without a compile. Error{kInvalidArgument}, before any kernel: no arch, jobs < 0, an
+// arch this NVRTC can't target, or an environment the runtime can't use (a bad
+// MOEJIT_CACHE_MODE, ...).
 std::vector<BuildResult> prewarm(const std::vector<ModelShape>& shapes,
                                  const std::vector<Arch>& archs, int jobs,
                                  const std::function<void(const BuildResult&, std::size_t done,

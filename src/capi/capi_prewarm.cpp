@@ -69,7 +69,8 @@ extern "C" {
 moejit_status moejit_prewarm(const char* const* shape_names, size_t shape_count, const char* arch,
                              int jobs, moejit_prewarm_progress progress, void* user_data,
                              moejit_prewarm_result* result) {
-  return moejit::detail::capi_call({}, [&] {
+  // Why the names: moejit::prewarm's own errors ("prewarm: arch ...") then read as this call's.
+  return moejit::detail::capi_call({kCall, "prewarm"}, [&] {
     const auto start = std::chrono::steady_clock::now();
     if (result != nullptr) moejit::detail::struct_out(kCall, "result", result, {});
     if (jobs < 0) {

@@ -358,6 +358,11 @@ std::string family_arch_problem(Family family, const FamilyParams& params, const
       }
     }
   }
+  if (family == Family::kCombine && arch.sm < 80) {
+    os << "combine needs sm_80 or newer (its bf16 output is converted with cvt.rn.bf16x2.f32); "
+          "found "
+       << arch.name() << " (marlin_moe, whose output it sums, needs sm_80 too)";
+  }
   if (family == Family::kMarlinMoe) {
     const auto* wg = std::get_if<MarlinMoeParams>(&params);
     if (arch.sm < 80) {

@@ -623,6 +623,20 @@ std::vector<BuildResult> prewarm(
                 "prewarm: jobs: expected 0 (one per hardware thread) or more, found " +
                     std::to_string(jobs));
   }
+  // Why up front: an arch this NVRTC can't target, or an unusable environment (a bad
+  // MOEJIT_CACHE_MODE), would fail every kernel the same way; one error says it once, as the
+  // call's, not as as many compile failures.
+  for (const Arch& arch : archs) {
+    if (std::string why = detail::nvrtc_arch_problem(arch); !why.empty()) {
+      throw Error(ErrorCode::kInvalidArgument, "prewarm: arch " + arch.name() + ": " + why);
+    }
+  }
+  detail::Runtime& runtime = detail::Runtime::instance();
+  try {
+    runtime.store();
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string("prewarm: ") + e.what());
+  }
   // Every distinct kernel, in the order the shapes and archs first need it.
   std::vector<KernelSpec> specs;
   std::unordered_set<KernelSpec, detail::KernelSpecHash> seen;
@@ -637,7 +651,6 @@ std::vector<BuildResult> prewarm(
   std::vector<BuildResult> results(total);
   if (total == 0) return results;
 
-  detail::Runtime& runtime = detail::Runtime::instance();
   // Why load as well: a kernel already in the table needs no load when its op is captured into a
   // CUDA graph, so "prewarm, then capture" works without a warm-up pass. Only for the arch of the
   // device whose context is current on the calling thread; a CPU-only builder just compiles.

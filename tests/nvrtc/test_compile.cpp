@@ -89,8 +89,8 @@ E expect_throw(const std::function<void()>& body) {
 
 }  // namespace
 
-TEST_CASE("every append_shared variant compiles for sm_90a, sm_100a and sm_80", "[nvrtc]") {
-  for (const char* arch : {"sm_90a", "sm_100a", "sm_80"}) {
+TEST_CASE("every append_shared variant compiles for sm_90a, sm_100a, sm_80 and sm_75", "[nvrtc]") {
+  for (const char* arch : {"sm_90a", "sm_100a", "sm_80", "sm_75"}) {
     for (const AppendSharedParams& params : all_variants()) {
       const KernelSpec spec = spec_of(params, arch);
       INFO(spec.display_name());

@@ -358,6 +358,33 @@ TEST_CASE("on sm_89 (99 KB a CTA) the widest GEMM tile runs three stages and com
   report("sm_89", outcomes, wall, threads);
 }
 
+TEST_CASE("on sm_75, the lowest arch NVRTC targets, every MoE kernel supports() accepts compiles",
+          "[nvrtc]") {
+  // Why: supports() is the only gate before NVRTC; a kernel it accepts that ptxas then refuses
+  // fails at prewarm with a compile error (and a saved source) instead of the planner's reason.
+  const Arch arch = Arch::parse("sm_75");
+  std::vector<KernelSpec> accepted;
+  for (const KernelSpec& spec : planned_moe(reference_shapes(), arch)) {
+    const std::string why = moejit::supports(spec);
+    INFO(spec.display_name() << ": " << why);
+    // marlin_moe needs bf16 mma.sync, combine cvt.rn.bf16x2.f32: both sm_80.
+    const bool needs_sm80 = spec.family == Family::kMarlinMoe || spec.family == Family::kCombine;
+    CHECK(why.empty() == !needs_sm80);
+    if (needs_sm80) CHECK(contains(why, "needs sm_80 or newer"));
+    if (why.empty()) accepted.push_back(spec);
+  }
+  for (Family family : {Family::kRoute, Family::kRepack, Family::kNarrowIds}) {
+    INFO(moejit::family_name(family));
+    CHECK(std::any_of(accepted.begin(), accepted.end(),
+                      [&](const KernelSpec& s) { return s.family == family; }));
+  }
+  double wall = 0;
+  unsigned threads = 0;
+  const std::vector<Outcome> outcomes = compile_all(accepted, &wall, &threads);
+  check_outcomes(accepted, outcomes);
+  report("sm_75", outcomes, wall, threads);
+}
+
 TEST_CASE("MoE kernels compile for sm_100a: every GEMM, and route/combine of two shapes",
           "[nvrtc]") {
   const Arch arch = Arch::parse("sm_100a");

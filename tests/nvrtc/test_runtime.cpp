@@ -166,6 +166,21 @@ KernelSpec race_spec() { return spec_of(7, 3, DType::kI64, SharedGate::kSigmoid,
 constexpr int kRaceThreads = 8;
 constexpr int kRaceProcesses = 3;
 
+// The prewarm cases' shape: on sm_75 its append_shared, route and repack kernels run, its
+// marlin_moe and combine kernels need sm_80.
+moejit::ModelShape prewarm_probe_shape() {
+  moejit::ModelShape shape;
+  shape.name = "probe";
+  shape.num_experts = 64;
+  shape.top_k = 8;
+  shape.hidden = 2048;
+  shape.intermediate = 768;
+  shape.shared.count = 1;
+  shape.shared.intermediate = 768;
+  shape.shared.gate = SharedGate::kConstant;
+  return shape;
+}
+
 }  // namespace
 
 TEST_CASE("runtime: compile, then memory hit, then disk hit in a fresh store", "[runtime]") {
@@ -240,7 +255,7 @@ TEST_CASE("runtime: config() beside configure() on another thread reads whole co
 
 // Run by the case below in a process of its own started with an unusable MOEJIT_CACHE_MODE:
 // set_check_pointers changes the checks and keeps the environment's error, which the first build
-// still throws (a configure() would have replaced it).
+// still throws (a configure() would have replaced it), and prewarm throws before any kernel.
 TEST_CASE("runtime child: set_check_pointers under an unusable environment",
           "[.][runtime_env_child]") {
   if (!moejit::test::started_by_parent(
@@ -260,6 +275,28 @@ TEST_CASE("runtime child: set_check_pointers under an unusable environment",
     CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
     CHECK(std::string(e.what()).find("MOEJIT_CACHE_MODE=sometimes") != std::string::npos);
   }
+  // prewarm says it once, as the call's error, not as each kernel's compile failure.
+  std::size_t calls = 0;
+  try {
+    moejit::prewarm({prewarm_probe_shape()}, {Arch::parse("sm_90a")}, 2,
+                    [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
+    FAIL("prewarm ran under MOEJIT_CACHE_MODE=sometimes");
+  } catch (const moejit::Error& e) {
+    CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+    CHECK(std::string(e.what()).rfind("prewarm: ", 0) == 0);
+    CHECK(std::string(e.what()).find("MOEJIT_CACHE_MODE=sometimes") != std::string::npos);
+  }
+  CHECK(calls == 0);
+  const char* tiny = R"({"shapes": [{"name": "env-child-tiny", "num_experts": 16, "top_k": 2,
+    "hidden": 512, "intermediate": 256, "activation": {"kind": "swiglu"}}]})";
+  REQUIRE(moejit_register_shapes(tiny, "env-child") == MOEJIT_OK);
+  const char* names[] = {"env-child-tiny"};
+  moejit_prewarm_result result{};
+  result.struct_size = sizeof(result);
+  CHECK(moejit_prewarm(names, 1, "sm_90a", 2, nullptr, nullptr, &result) ==
+        MOEJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moejit_last_error()).rfind("moejit_prewarm: ", 0) == 0);
+  CHECK(std::string(moejit_last_error()).find("MOEJIT_CACHE_MODE=sometimes") != std::string::npos);
 }
 
 // set_check_pointers (C: moejit_set_check_pointers) changes check_pointers alone, as the ops read
@@ -715,31 +752,59 @@ TEST_CASE("runtime: prewarm of the reference shapes for sm_90a reports no errors
 TEST_CASE("runtime: prewarm reports each kernel's failure without throwing", "[runtime]") {
   moejit::test::TempDir dir;
   use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
-  moejit::ModelShape shape;
-  shape.name = "probe";
-  shape.num_experts = 64;
-  shape.top_k = 8;
-  shape.hidden = 2048;
-  shape.intermediate = 768;
-  shape.shared.count = 1;
-  shape.shared.intermediate = 768;
-  shape.shared.gate = SharedGate::kConstant;
-  // Why sm_71: a valid spelling that no NVRTC targets, so every kernel fails fast in compile().
+  const moejit::ModelShape shape = prewarm_probe_shape();
+  // Why sm_75: NVRTC targets it, and some of the shape's kernels can't run there. Those fail
+  // with the planner's reason, without a compile; the others compile.
+  const Arch sm75 = Arch::parse("sm_75");
+  std::size_t calls = 0;
+  const std::vector<BuildResult> results = moejit::prewarm(
+      {shape}, {sm75}, 2, [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
+  REQUIRE_FALSE(results.empty());
+  CHECK(calls == results.size());
+  std::size_t failed = 0;
+  bool compiled_append_shared = false;
+  for (const BuildResult& result : results) {
+    INFO(result.spec.display_name() << ": " << result.error);
+    CHECK(result.spec.arch == sm75);
+    const std::string why = moejit::supports(result.spec);
+    if (why.empty()) {
+      CHECK(result.error.empty());
+      CHECK(result.outcome == CacheOutcome::kCompiled);
+      compiled_append_shared =
+          compiled_append_shared || result.spec.family == moejit::Family::kAppendShared;
+    } else {
+      ++failed;
+      CHECK(result.error.find(why) != std::string::npos);
+      CHECK(result.error.find("needs sm_80 or newer") != std::string::npos);
+    }
+  }
+  CHECK(failed > 0);
+  CHECK(failed < results.size());
+  CHECK(compiled_append_shared);
+  // Nothing reached NVRTC and failed: no source was saved for a failed compile.
+  CHECK_FALSE(std::filesystem::exists(dir.path() + "/cache/failed"));
+}
+
+TEST_CASE("runtime: prewarm refuses an arch NVRTC can't target before any kernel", "[runtime]") {
+  moejit::test::TempDir dir;
+  use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
+  // Why sm_71: a valid spelling no NVRTC targets; every kernel would fail the same way.
   Arch unknown;
   unknown.sm = 71;
   std::size_t calls = 0;
-  const std::vector<BuildResult> results = moejit::prewarm(
-      {shape}, {unknown}, 2, [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
-  REQUIRE_FALSE(results.empty());
-  CHECK(calls == results.size());
-  bool has_append_shared = false;
-  for (const BuildResult& result : results) {
-    INFO(result.spec.display_name());
-    CHECK(result.spec.arch == unknown);
-    CHECK(result.error.find("sm_71") != std::string::npos);
-    has_append_shared = has_append_shared || result.spec.family == moejit::Family::kAppendShared;
+  try {
+    moejit::prewarm({prewarm_probe_shape()}, {Arch::parse("sm_90a"), unknown}, 2,
+                    [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
+    FAIL("prewarm for sm_71 did not throw");
+  } catch (const moejit::Error& e) {
+    INFO(e.what());
+    CHECK(e.code() == moejit::ErrorCode::kInvalidArgument);
+    CHECK(std::string(e.what()).rfind("prewarm: arch sm_71: sm_71 is not a target of this NVRTC; "
+                                      "it supports: ",
+                                      0) == 0);
   }
-  CHECK(has_append_shared);
+  CHECK(calls == 0);
+  CHECK_FALSE(std::filesystem::exists(dir.path() + "/cache/v2"));
 }
 
 TEST_CASE("runtime: configuration from the environment", "[runtime]") {
@@ -1009,22 +1074,43 @@ TEST_CASE("runtime: the C ABI registers shapes from text and prewarms them", "[r
     CHECK(moejit_prewarm(names, 1, "sm_80", 1, nullptr, nullptr, nullptr) == MOEJIT_OK);
   }
   {
-    // Why sm_71: a valid spelling no NVRTC targets, so every kernel fails in compile().
+    // Why sm_75: NVRTC targets it, and the shape's marlin_moe and combine kernels need sm_80.
+    // They fail with the planner's reason; the others compile and are ready.
+    std::vector<std::string> refused_kernels;
+    for (const KernelSpec& spec : moejit::plan_kernels(shape, Arch::parse("sm_75"))) {
+      if (!moejit::supports(spec).empty()) refused_kernels.push_back(spec.display_name());
+    }
+    const std::size_t unsupported = refused_kernels.size();
     ProgressLog log;
     const moejit_status status =
-        moejit_prewarm(names, 1, "sm_71", 2, record_progress, &log, &result);
-    CHECK(status == MOEJIT_ERROR_COMPILE_FAILED);
-    CHECK(result.kernels > 0);
-    CHECK(result.failed == result.kernels);
-    CHECK(result.compiled + result.cached + result.not_stored == 0);
+        moejit_prewarm(names, 1, "sm_75", 2, record_progress, &log, &result);
     const std::string message = moejit_last_error();
     INFO(message);
-    CHECK(contains(message.c_str(), "moejit_prewarm: " + std::to_string(result.kernels) + " of " +
-                                        std::to_string(result.kernels) + " kernel(s) failed"));
+    CHECK(status == MOEJIT_ERROR_COMPILE_FAILED);
+    REQUIRE(unsupported > 0);
+    CHECK(result.kernels > unsupported);
+    CHECK(result.failed == unsupported);
+    CHECK(result.compiled == result.kernels - unsupported);
+    CHECK(result.cached + result.not_stored == 0);
+    CHECK(contains(message.c_str(), "moejit_prewarm: " + std::to_string(unsupported) + " of " +
+                                        std::to_string(result.kernels) +
+                                        " kernel(s) failed (the others are ready)"));
     CHECK(log.kernels.size() == result.kernels);
-    for (const std::string& kernel : log.kernels)
+    for (const std::string& kernel : refused_kernels) {
       CHECK(contains(message.c_str(), "\n  " + kernel + ":\n    "));
-    for (const std::string& outcome : log.outcomes) CHECK(outcome == "failed");
-    CHECK(contains(message.c_str(), "sm_71"));
+    }
+    CHECK(contains(message.c_str(), "needs sm_80 or newer"));
+    CHECK_FALSE(contains(message.c_str(), "NVRTC"));
+    CHECK(std::count(log.outcomes.begin(), log.outcomes.end(), "failed") ==
+          static_cast<std::ptrdiff_t>(unsupported));
+  }
+  {
+    // An arch no NVRTC targets is the call's error, before any kernel.
+    ProgressLog log;
+    CHECK(moejit_prewarm(names, 1, "sm_71", 2, record_progress, &log, &result) ==
+          MOEJIT_ERROR_INVALID_ARGUMENT);
+    CHECK(contains(moejit_last_error(),
+                   "moejit_prewarm: arch sm_71: sm_71 is not a target of this NVRTC"));
+    CHECK(log.kernels.empty());
   }
 }
