@@ -26,6 +26,7 @@ initialized, else the legacy default stream. Tensors must be ready on that strea
 no synchronization.
 """
 
+import collections.abc
 import ctypes
 import glob
 import json
@@ -310,7 +311,15 @@ class _Borrowed:
                 raise InvalidArgument("{}: a {} that DLPack can't export: {}".format(
                     name, type(obj).__name__, e)) from e
         # A DLManagedTensor starts with its DLTensor.
-        self.address = _capsule_pointer(self.capsule, _DLTENSOR)
+        try:
+            self.address = _capsule_pointer(self.capsule, _DLTENSOR)
+        except ValueError as e:
+            # A versioned export ("dltensor_versioned"), or one a consumer already took
+            # ("used_dltensor"): the C ABI takes a DLTensor, which only an unused
+            # unversioned capsule holds.
+            raise InvalidArgument("{}: a {} whose __dlpack__() did not give an unused, unversioned "
+                                  "DLPack capsule (\"dltensor\"): {}".format(
+                                      name, type(obj).__name__, e)) from e
 
     @property
     def tensor(self):
@@ -465,9 +474,12 @@ def _device_buffer(obj, name, expected_bytes=0):
 def _check_device(name, device, expected, reference):
     """A buffer on another GPU than the call's tensors would be read by kernels that can't reach
     it (an illegal-address fault that breaks the context) or reach it over the interconnect."""
+    # Why both devices and no blame: either may be the odd one out (the call's device is the
+    # current context's, which the library checks on the tensors alone).
     if device != expected:
-        raise InvalidArgument("{}: expected a buffer on CUDA device {}, where {} is; found device "
-                              "{}".format(name, expected, reference, device))
+        raise InvalidArgument("{}: on CUDA device {}, but {} is on device {}: a call's tensors "
+                              "and buffers must all be on one device, the current CUDA "
+                              "context's".format(name, device, reference, expected))
 
 
 def _tensor_device(obj, address):
@@ -508,6 +520,17 @@ def _c_int(name, value, bits=32):
     if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
         raise InvalidArgument("{}: expected a {}-bit integer, found {}".format(name, bits, value))
     return value
+
+
+def _c_float(name, value):
+    """value as a C float: a Python, numpy or one-element torch number. Why not float() alone:
+    it would read the string "2.5" as a number, and its own error names no argument."""
+    if not isinstance(value, (str, bytes, bytearray)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError("{}: expected a real number, found {}".format(name, type(value).__name__))
 
 
 def _torch_current_stream():
@@ -562,7 +585,12 @@ def _stream_handle(stream):
 
 def register_shapes_file(path):
     """Register every shape of a shape file (all or none); they are then usable by name."""
-    _check(_lib.moejit_register_shapes_file(_c_string("path", os.fsencode(path))))
+    try:
+        encoded = os.fsencode(path)
+    except TypeError:
+        raise TypeError("register_shapes_file: path: expected a str, bytes or os.PathLike, found "
+                        "{}".format(type(path).__name__)) from None
+    _check(_lib.moejit_register_shapes_file(_c_string("path", encoded)))
 
 
 def _non_finite(value, pointer):
@@ -584,9 +612,12 @@ def _non_finite(value, pointer):
 
 
 def register_shapes(shapes, source_name=None):
-    """Register shapes from JSON text or from the same structure as Python objects (a dict with
-    "shapes", one shape dict, or a list of them). source_name names them in error messages."""
-    if not isinstance(shapes, str):
+    """Register shapes from JSON text (str, or UTF-8 bytes) or from the same structure as Python
+    objects (a dict with "shapes", one shape dict, or a list of them). source_name names them in
+    error messages."""
+    if isinstance(shapes, (bytes, bytearray)):
+        shapes = bytes(shapes)  # the library reads the text as UTF-8
+    elif not isinstance(shapes, str):
         where = _non_finite(shapes, "")
         if where is not None:
             # Why here: json.dumps would write the bare word NaN or Infinity, which the library's
@@ -594,7 +625,7 @@ def register_shapes(shapes, source_name=None):
             raise InvalidDescriptor("{}: {}: expected a finite number, found {!r}".format(
                 source_name if source_name is not None else "<text>", where[0] or "(root)",
                 where[1]), InvalidDescriptor.status)
-    text = shapes if isinstance(shapes, str) else json.dumps(shapes)
+    text = shapes if isinstance(shapes, (str, bytes)) else json.dumps(shapes)
     _check(_lib.moejit_register_shapes(
         _c_string("shapes", text),
         _c_string("source_name", source_name) if source_name is not None else None))
@@ -607,6 +638,9 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
     per kernel. Returns a PrewarmResult; raises CompileFailed naming every failed kernel."""
     if isinstance(shape_names, (str, bytes)):
         shape_names = [shape_names]
+    elif not isinstance(shape_names, collections.abc.Iterable):
+        raise TypeError("prewarm: shape_names: expected a shape name or a list of them, found "
+                        "{}".format(type(shape_names).__name__))
     names = [_c_string("shape_names[{}]".format(i), n) for i, n in enumerate(shape_names)]
     array = (ctypes.c_char_p * max(len(names), 1))(*names)
     raised = []
@@ -651,7 +685,8 @@ def append_shared(topk_ids, topk_weights, shared_logits, out_ids, out_weights, s
                                          _dltensor(slots[2], shared_logits, "shared_logits", kept),
                                          _dltensor(slots[3], out_ids, "out_ids", kept),
                                          _dltensor(slots[4], out_weights, "out_weights", kept),
-                                         _c_int("shared_base", shared_base, 64), float(scale),
+                                         _c_int("shared_base", shared_base, 64),
+                                         _c_float("scale", scale),
                                          _GATES[gate], _stream_handle(stream)))
     finally:
         free.append(slots)
@@ -756,6 +791,7 @@ class MoeLayer:
 
     def bind_weights(self, weights):
         """The repacked buffers (a dict, as forward takes them) checked once, for many forwards."""
+        self._live()  # a closed layer says so here, not at the first forward
         struct, kept, device = self._weights(weights, "weights", with_biases=True)
         return BoundWeights(self.shape_name, struct, kept, device)
 
@@ -847,7 +883,9 @@ class MoeLayer:
         borrowed = _Borrowed(bad_scale_count, "bad_scale_count")
         t = borrowed.tensor
         if t.dtype.code != 0 or t.dtype.bits != 32 or t.dtype.lanes != 1:
-            raise InvalidArgument("bad_scale_count: expected an int32 tensor [1]")
+            raise InvalidArgument("bad_scale_count: expected an int32 tensor [1], found DLPack "
+                                  "dtype (code {}, bits {}, lanes {})".format(
+                                      t.dtype.code, t.dtype.bits, t.dtype.lanes))
         counter = borrowed.device_address(4)
         if device is not None:
             _check_device("bad_scale_count", t.device.device_id, device, reference)
@@ -862,7 +900,7 @@ class MoeLayer:
         graph once prewarmed. Checking a dict of weights costs 7-14 us of Python a call on an
         H100 machine's host (tools/PERF_LOG.md, sixtieth session): bind them once (bind_weights)
         where that matters."""
-        if path not in _PATHS:
+        if not isinstance(path, str) or path not in _PATHS:
             raise InvalidArgument("path: expected one of {}, found {!r}".format(sorted(_PATHS),
                                                                                  path))
         if isinstance(weights, BoundWeights):

@@ -50,6 +50,8 @@ _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 _DLTENSOR = b"dltensor"  # lives as long as the module, as a capsule name must
+_VERSIONED = b"dltensor_versioned"  # what a DLPack 1.x export is named
+_USED = b"used_dltensor"  # what a consumer renames the capsule it took
 
 CPU, CUDA = 1, 2
 UINT8, INT32, BF16 = (1, 8), (0, 32), (4, 16)
@@ -80,8 +82,10 @@ class FakeTensor:
     def __dlpack_device__(self):
         return self.device
 
+    capsule_name = _DLTENSOR
+
     def __dlpack__(self, stream=None):
-        return _capsule_new(ctypes.addressof(self.managed), _DLTENSOR, None)
+        return _capsule_new(ctypes.addressof(self.managed), self.capsule_name, None)
 
 
 def fake_weights(layer, **changes):
@@ -315,30 +319,37 @@ class CpuTests(unittest.TestCase):
         for weights in (elsewhere, layer.bind_weights(elsewhere)):
             with self.assertRaises(moejit.InvalidArgument) as e:
                 layer.forward(hidden, ids, topk, weights, space, out)
-            self.assertIn("weights: expected a buffer on CUDA device 0, where hidden is; found "
-                          "device 3", str(e.exception))
+            self.assertIn("weights: on CUDA device 3, but hidden is on device 0: a call's "
+                          "tensors and buffers must all be on one device", str(e.exception))
         far = on(5, FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000))
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.forward(hidden, ids, topk, fake_weights(layer), far, out)
-        self.assertIn("workspace: expected a buffer on CUDA device 0, where hidden is; found "
-                      "device 5", str(e.exception))
+        self.assertIn("workspace: on CUDA device 5, but hidden is on device 0",
+                      str(e.exception))
+        # hidden the odd one out: the message names both devices, blaming neither.
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.forward(on(1, FakeTensor([1, 512], BF16, device=CUDA, address=0x30000)), ids,
+                          topk, fake_weights(layer), space, out)
+        self.assertIn("workspace: on CUDA device 0, but hidden is on device 1",
+                      str(e.exception))
         mixed = fake_weights(layer, w2=on(1, FakeTensor([layer.weight_bytes["w2"]], device=CUDA,
                                                          address=0x10000)))
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.bind_weights(mixed)
-        self.assertIn("weights['w2']: expected a buffer on CUDA device 0, where weights['w13'] "
-                      "is; found device 1", str(e.exception))
+        self.assertIn("weights['w2']: on CUDA device 1, but weights['w13'] is on device 0",
+                      str(e.exception))
         # A repack target or counter away from the checkpoint.
         blocks = FakeTensor([1], device=CUDA, address=0x70000)
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks, elsewhere)
-        self.assertIn("target: expected a buffer on CUDA device 0, where w1_blocks is",
+        self.assertIn("target: on CUDA device 3, but w1_blocks is on device 0",
                       str(e.exception))
         counter = on(2, FakeTensor([1], INT32, device=CUDA, address=0x80000))
         with self.assertRaises(moejit.InvalidArgument) as e:
             layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
                                   fake_weights(layer), bad_scale_count=counter)
-        self.assertIn("bad_scale_count: expected a buffer on CUDA device 0", str(e.exception))
+        self.assertIn("bad_scale_count: on CUDA device 2, but w1_blocks is on device 0",
+                      str(e.exception))
         # ctypes keeps an int's low bits: 2**32 + 1 tokens must not read as 1.
         for bad in (2**32 + 1, -2**31 - 1):
             with self.assertRaises(moejit.InvalidArgument) as e:
@@ -431,6 +442,51 @@ class CpuTests(unittest.TestCase):
             with self.assertRaises(moejit.InvalidArgument) as e:
                 layer.workspace_bytes(1)
             self.assertIn("is closed", str(e.exception))
+        # Binding weights to a closed layer says so then, not at the first forward.
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.bind_weights(fake_weights(layer))
+        self.assertIn("MoeLayer('py-tiny') is closed", str(e.exception))
+
+    def test_what_the_binding_refuses_names_the_argument(self):
+        # Checks made in Python, before any library call: each names its argument.
+        with self.assertRaises(TypeError) as e:
+            moejit.register_shapes_file(None)
+        self.assertIn("register_shapes_file: path: expected a str, bytes or os.PathLike, found "
+                      "NoneType", str(e.exception))
+        with self.assertRaises(TypeError) as e:
+            moejit.prewarm(None, arch="sm_80")
+        self.assertIn("prewarm: shape_names: expected a shape name or a list of them, found "
+                      "NoneType", str(e.exception))
+        for scale, found in ((None, "NoneType"), ("2.5", "str"), (b"2", "bytes")):
+            with self.assertRaises(TypeError) as e:
+                moejit.append_shared(None, None, None, None, None, 0, scale)
+            self.assertIn("scale: expected a real number, found " + found, str(e.exception))
+        layer = moejit.MoeLayer("py-tiny")
+        space = FakeTensor([layer.workspace_bytes(1)], device=CUDA, address=0x20000)
+        for path in (["auto"], None, 1):
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(None, None, None, fake_weights(layer), space, None, path=path)
+            self.assertIn("path: expected one of ['auto', 'decode', 'marlin'], found",
+                          str(e.exception))
+        blocks = FakeTensor([1], device=CUDA, address=0x70000)
+        counter = FakeTensor([1], (2, 32), device=CUDA, address=0x80000)
+        with self.assertRaises(moejit.InvalidArgument) as e:
+            layer.repack_separate(blocks, blocks, blocks, blocks, blocks, blocks,
+                                  fake_weights(layer), bad_scale_count=counter)
+        self.assertIn("bad_scale_count: expected an int32 tensor [1], found DLPack dtype (code 2, "
+                      "bits 32, lanes 1)", str(e.exception))
+        # A DLPack export the C ABI can't take: a versioned capsule, or one already consumed.
+        for capsule_name in (_VERSIONED, _USED):
+            tensor = FakeTensor([1, 512], BF16, device=CUDA, address=0x30000)
+            tensor.capsule_name = capsule_name
+            with self.assertRaises(moejit.InvalidArgument) as e:
+                layer.forward(tensor, None, None, fake_weights(layer), space, None)
+            self.assertIn("hidden: a FakeTensor whose __dlpack__() did not give an unused, "
+                          "unversioned DLPack capsule (\"dltensor\")", str(e.exception))
+        # JSON text as UTF-8 bytes registers as a str would.
+        moejit.register_shapes(json.dumps({"shapes": [dict(TINY, name="py-bytes")]}).encode(),
+                               "bytes-text")
+        self.assertEqual(moejit.MoeLayer("py-bytes").weight_bytes, layer.weight_bytes)
 
     def test_a_call_in_flight_keeps_a_closed_layers_handle(self):
         # A call holds its arguments until it returns, so the handle it was passed is destroyed
