@@ -36,7 +36,9 @@ struct RuntimeConfig {
   // (cuMemMap without cuMemSetAccess), or an output, workspace or repack target with an end
   // mapped read-only is refused as Error{kInvalidArgument} naming the argument, instead of
   // faulting in a kernel. Managed memory, pinned host memory and memory mapped through cuMemMap
-  // in chunks (expandable segments) pass. Off by default: two driver calls per buffer on every
+  // in chunks (expandable segments) pass (a tensor of such memory must still say kDLCUDA and the
+  // device's ordinal, as torch's do: a DLTensor labelled kDLCUDAManaged or kDLCUDAHost is refused
+  // by its label, checks on or off). Off by default: two driver calls per buffer on every
   // call (a forward took 3.9-5.0 us more on an H100). What it can't see: the inside of an
   // allocation (a tensor a caching allocator cut too small, or took back, still passes), and a
   // hole or a chunk without access between a buffer's two ends; pageable host memory that HMM

@@ -45,6 +45,10 @@ std::string strides_text(const DLTensor& tensor) {
   if (tensor.device.device_type == kDLCUDA) {
     found << "; make that device's context current (cudaSetDevice(" << tensor.device.device_id
           << ")) before the call";
+  } else if (tensor.device.device_type == kDLCUDAManaged ||
+             tensor.device.device_type == kDLCUDAHost) {
+    found << "; the kernels can reach this memory: export it as a kDLCUDA tensor of device "
+          << device;
   }
   throw_argument(op, arg, expected.str(), found.str());
 }

@@ -379,10 +379,11 @@ TEST_CASE(
             [&] { return forward(&hidden, a.topk_ids, a.topk_weights, a.workspace_bytes, a.out); });
         DLTensor out = *a.out;
         out.device = DLDevice{kDLCUDAHost, 0};
-        refused("out in pinned host memory",
-                {"out: expected a CUDA tensor (kDLCUDA)", "found cuda_host"}, [&] {
-                  return forward(a.hidden, a.topk_ids, a.topk_weights, a.workspace_bytes, &out);
-                });
+        refused(
+            "out in pinned host memory",
+            {"out: expected a CUDA tensor (kDLCUDA)", "found cuda_host",
+             "the kernels can reach this memory: export it as a kDLCUDA tensor"},
+            [&] { return forward(a.hidden, a.topk_ids, a.topk_weights, a.workspace_bytes, &out); });
       }
       expect_runs();
 

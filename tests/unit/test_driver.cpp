@@ -12,6 +12,7 @@
 #include "moejit/kernel_spec.hpp"
 #include "ops/append_shared_spec.hpp"
 #include "ops/moe_launch.hpp"
+#include "ops/tensor_checks.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace {
@@ -531,4 +532,38 @@ TEST_CASE("driver: check_pointers refuses memory mapped without access, or read-
   CHECK(
       contains(span_error(api, Span{"hidden", at(0x20000000), 16}, true), "mapped without access"));
   g_ranges.clear();
+}
+
+TEST_CASE("driver: a tensor labelled managed or pinned host is refused by its label, with a hint",
+          "[driver]") {
+  // Why a hint: the kernels can reach such memory, so the producer's label is all that is wrong
+  // (torch labels managed and pinned tensors kDLCUDA; the pointer checks pass their memory).
+  int64_t shape[2] = {4, 8};
+  DLTensor tensor{};
+  tensor.data = reinterpret_cast<void*>(uintptr_t{0x10000});
+  tensor.ndim = 2;
+  tensor.shape = shape;
+  tensor.dtype = DLDataType{kDLBfloat, 16, 1};
+  const auto message = [&](DLDeviceType type) {
+    tensor.device = DLDevice{type, 0};
+    try {
+      moejit::detail::check_matrix("moe_forward", "hidden", &tensor, 0);
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  CHECK(message(kDLCUDA) == "(accepted)");
+  for (DLDeviceType type : {kDLCUDAManaged, kDLCUDAHost}) {
+    const std::string text = message(type);
+    INFO(text);
+    CHECK(text.rfind("moe_forward: hidden: expected a CUDA tensor (kDLCUDA) on device 0", 0) == 0);
+    CHECK(text.find("the kernels can reach this memory: export it as a kDLCUDA tensor of device "
+                    "0") != std::string::npos);
+  }
+  const std::string host = message(kDLCPU);
+  INFO(host);
+  CHECK(host.find("found cpu") != std::string::npos);
+  CHECK(host.find("can reach") == std::string::npos);
 }
