@@ -382,11 +382,7 @@ ByteTensor check_byte_tensor(const char* op, const char* arg, const DLTensor* te
       (leading_optional ? " (or without the leading n: one expert)" : "");
   if (tensor == nullptr) throw_argument(op, arg, "a uint8 tensor " + expected_shape, "null");
   if (tensor->device.device_type != kDLCUDA || tensor->device.device_id != device) {
-    throw_argument(op, arg,
-                   "a CUDA tensor (kDLCUDA) on device " + std::to_string(device) +
-                       ", the device of the current CUDA context",
-                   "device type " + std::to_string(static_cast<int>(tensor->device.device_type)) +
-                       " device " + std::to_string(tensor->device.device_id));
+    throw_device(op, arg, *tensor, device);
   }
   if (tensor->dtype.code != kDLUInt || tensor->dtype.bits != 8 || tensor->dtype.lanes != 1) {
     throw_dtype(op, arg, "uint8 (MXFP4 nibble pairs or E8M0 scales, as the checkpoint stores them)",

@@ -34,8 +34,10 @@ std::string strides_text(const DLTensor& tensor) {
   return os.str();
 }
 
-[[noreturn]] __attribute__((cold, noinline)) void throw_device(const char* op, const char* arg,
-                                                              const DLTensor& tensor, int device) {
+}  // namespace
+
+__attribute__((cold, noinline)) void throw_device(const char* op, const char* arg,
+                                                  const DLTensor& tensor, int device) {
   std::ostringstream expected;
   expected << "a CUDA tensor (kDLCUDA) on device " << device
            << ", the device of the current CUDA context";
@@ -52,8 +54,6 @@ std::string strides_text(const DLTensor& tensor) {
   }
   throw_argument(op, arg, expected.str(), found.str());
 }
-
-}  // namespace
 
 std::string dlpack_dtype_name(DLDataType type) {
   std::ostringstream os;

@@ -65,6 +65,10 @@ inline constexpr int kMaxTextDims = 8;
 // address space (a byte_offset no real buffer has). Throws Error{kInvalidArgument}.
 const void* offset_data(const char* op, const char* arg, const DLTensor& tensor);
 
+// "<op>: <arg>: expected a CUDA tensor (kDLCUDA) on device `device` ..., found <its device>"
+// with what to do about it, as Error{kInvalidArgument}.
+[[noreturn]] void throw_device(const char* op, const char* arg, const DLTensor& tensor, int device);
+
 // `tensor` must be non-null, on CUDA device `device`, 2-D, of one of our dtypes, row-major
 // contiguous (strides null, or matching; a stride of a dimension of extent <= 1 is ignored, as
 // DLPack producers set it freely), with a non-null element-aligned data pointer when it has

@@ -566,4 +566,24 @@ TEST_CASE("driver: a tensor labelled managed or pinned host is refused by its la
   INFO(host);
   CHECK(host.find("found cpu") != std::string::npos);
   CHECK(host.find("can reach") == std::string::npos);
+
+  // A repack's checkpoint tensors say the same, by name of device type.
+  int64_t blocks_shape[4] = {2, 16, 4, 16};
+  DLTensor blocks{};
+  blocks.data = reinterpret_cast<void*>(uintptr_t{0x10000});
+  blocks.ndim = 4;
+  blocks.shape = blocks_shape;
+  blocks.dtype = DLDataType{kDLUInt, 8, 1};
+  blocks.device = DLDevice{kDLCUDAHost, 0};
+  try {
+    moejit::detail::check_byte_tensor("moe_repack", "w2_blocks", &blocks, 0, {16, 4, 16}, false,
+                                      "[n, 16, 4, 16]");
+    FAIL("a pinned-host checkpoint tensor was accepted");
+  } catch (const Error& e) {
+    const std::string text = e.what();
+    INFO(text);
+    CHECK(text.find("moe_repack: w2_blocks: expected a CUDA tensor (kDLCUDA) on device 0") == 0);
+    CHECK(text.find("found cuda_host (pinned host memory) (3) device 0; the kernels can reach") !=
+          std::string::npos);
+  }
 }
