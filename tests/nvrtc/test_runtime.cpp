@@ -166,9 +166,9 @@ KernelSpec race_spec() { return spec_of(7, 3, DType::kI64, SharedGate::kSigmoid,
 constexpr int kRaceThreads = 8;
 constexpr int kRaceProcesses = 3;
 
-// The prewarm cases' shape: on sm_75 its append_shared, route and repack kernels run, its
-// marlin_moe and combine kernels need sm_80.
-moejit::ModelShape prewarm_probe_shape() {
+// The runtime cases' shape, 64 experts and one shared expert: on sm_75 its append_shared, route
+// and repack kernels run, its marlin_moe and combine kernels need sm_80.
+moejit::ModelShape probe_shape() {
   moejit::ModelShape shape;
   shape.name = "probe";
   shape.num_experts = 64;
@@ -278,7 +278,7 @@ TEST_CASE("runtime child: set_check_pointers under an unusable environment",
   // prewarm says it once, as the call's error, not as each kernel's compile failure.
   std::size_t calls = 0;
   try {
-    moejit::prewarm({prewarm_probe_shape()}, {Arch::parse("sm_90a")}, 2,
+    moejit::prewarm({probe_shape()}, {Arch::parse("sm_90a")}, 2,
                     [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
     FAIL("prewarm ran under MOEJIT_CACHE_MODE=sometimes");
   } catch (const moejit::Error& e) {
@@ -677,15 +677,9 @@ TEST_CASE("runtime: the op's spec is the planner's spec", "[runtime]") {
   for (SharedGate gate : {SharedGate::kSigmoid, SharedGate::kConstant, SharedGate::kGiven}) {
     for (DType id : {DType::kI32, DType::kI64}) {
       for (DType logit : {DType::kBF16, DType::kF16, DType::kF32}) {
-        moejit::ModelShape shape;
-        shape.name = "probe";
-        shape.num_experts = 64;
-        shape.top_k = 8;
-        shape.hidden = 2048;
-        shape.intermediate = 768;
+        moejit::ModelShape shape = probe_shape();
         shape.id_dtype = id;
         shape.shared.count = 2;
-        shape.shared.intermediate = 768;
         shape.shared.gate = gate;
         shape.shared.logit_dtype = logit;
         // The logits the op would see: the shape's dtype for sigmoid, fp32 weights for given.
@@ -752,7 +746,7 @@ TEST_CASE("runtime: prewarm of the reference shapes for sm_90a reports no errors
 TEST_CASE("runtime: prewarm reports each kernel's failure without throwing", "[runtime]") {
   moejit::test::TempDir dir;
   use_cache(dir.path() + "/cache", CacheMode::kReadWrite);
-  const moejit::ModelShape shape = prewarm_probe_shape();
+  const moejit::ModelShape shape = probe_shape();
   // Why sm_75: NVRTC targets it, and some of the shape's kernels can't run there. Those fail
   // with the planner's reason, without a compile; the others compile.
   const Arch sm75 = Arch::parse("sm_75");
@@ -793,7 +787,7 @@ TEST_CASE("runtime: prewarm refuses an arch NVRTC can't target before any kernel
   unknown.sm = 71;
   std::size_t calls = 0;
   try {
-    moejit::prewarm({prewarm_probe_shape()}, {Arch::parse("sm_90a"), unknown}, 2,
+    moejit::prewarm({probe_shape()}, {Arch::parse("sm_90a"), unknown}, 2,
                     [&](const BuildResult&, std::size_t, std::size_t) { ++calls; });
     FAIL("prewarm for sm_71 did not throw");
   } catch (const moejit::Error& e) {
