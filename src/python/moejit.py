@@ -75,7 +75,9 @@ class Unsupported(MoejitError):
 
 
 class CompileFailed(MoejitError):
+    """Some kernels failed to compile or load; from prewarm, `result` holds its PrewarmResult."""
     status = 4
+    result = None
 
 
 class CacheCorrupt(MoejitError):
@@ -635,7 +637,8 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
     """Compile, or find in the cache, every kernel the registered shapes need for `arch` ("sm_90a";
     None: the current CUDA context's device, whose kernels are then also loaded), `jobs` at a time
     (0: one per hardware thread). progress(kernel, outcome, milliseconds, done, total) is called
-    per kernel. Returns a PrewarmResult; raises CompileFailed naming every failed kernel."""
+    per kernel. Returns a PrewarmResult; raises CompileFailed naming every failed kernel, with the
+    PrewarmResult as its `result`."""
     if isinstance(shape_names, (str, bytes)):
         shape_names = [shape_names]
     elif not isinstance(shape_names, collections.abc.Iterable):
@@ -661,7 +664,11 @@ def prewarm(shape_names, arch=None, jobs=0, progress=None):
                                  callback, None, ctypes.byref(result))
     if raised:
         raise raised[0]
-    _check(status)
+    try:
+        _check(status)
+    except CompileFailed as e:
+        e.result = result  # the counts: the kernels that did not fail are ready
+        raise
     return result
 
 

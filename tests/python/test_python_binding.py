@@ -222,6 +222,9 @@ class CpuTests(unittest.TestCase):
         self.assertTrue(failed and len(failed) < len(seen), seen)
         self.assertIn("{} of {} kernel(s) failed (the others are ready)".format(
             len(failed), len(seen)), message)
+        counts = e.exception.result
+        self.assertEqual((counts.kernels, counts.failed, counts.compiled),
+                         (len(seen), len(failed), len(seen) - len(failed)))
         for kernel in failed:
             self.assertTrue(kernel.endswith("@sm_75"), kernel)
             self.assertTrue(kernel.startswith(("marlin_moe<", "combine<")), kernel)
