@@ -624,8 +624,8 @@ std::vector<BuildResult> prewarm(
                     std::to_string(jobs));
   }
   // Why up front: an arch this NVRTC can't target, or an unusable environment (a bad
-  // MOEJIT_CACHE_MODE), would fail every kernel the same way; one error says it once, as the
-  // call's, not as as many compile failures.
+  // MOEJIT_CACHE_MODE), would fail every kernel the same way; the call's one error says so
+  // instead of a compile failure per kernel.
   for (const Arch& arch : archs) {
     if (std::string why = detail::nvrtc_arch_problem(arch); !why.empty()) {
       throw Error(ErrorCode::kInvalidArgument, "prewarm: arch " + arch.name() + ": " + why);
