@@ -353,8 +353,8 @@ std::string family_arch_problem(Family family, const FamilyParams& params, const
       const long long need = detail::decode_moe_smem_bytes(*p);
       const long long limit = detail::max_dynamic_smem_bytes(arch);
       if (need > limit) {
-        os << "needs " << need << " bytes of shared memory per CTA; " << arch.name()
-           << " allows at most " << limit << ": lower stages or block_n";
+        os << "needs " << need << " bytes of shared memory per CTA; "
+           << detail::smem_limit_text(arch) << ": lower stages or block_n";
       }
     }
   }
@@ -376,8 +376,8 @@ std::string family_arch_problem(Family family, const FamilyParams& params, const
       const long long need = detail::marlin_moe_smem_bytes(*p);
       const long long limit = detail::max_dynamic_smem_bytes(arch);
       if (need > limit) {
-        os << "needs " << need << " bytes of shared memory per CTA; " << arch.name()
-           << " allows at most " << limit << ": lower stages, block_k or block_n";
+        os << "needs " << need << " bytes of shared memory per CTA; "
+           << detail::smem_limit_text(arch) << ": lower stages, block_k or block_n";
       }
     }
   }

@@ -516,6 +516,9 @@ static_assert(route_rank_shared_bytes(kMaxRoutedLocalExperts, 32) <= kRouteStati
                   route_rank_shared_bytes(kMaxRoutedLocalExperts + 1, 32) > kRouteStaticSharedLimit,
               "kMaxRoutedLocalExperts is the most local experts the route's rank tables serve");
 
+// What every CUDA GPU allows a CTA: the limit assumed for an arch the table below does not know.
+constexpr long long kAssumedSmemBytes = 48 * 1024;
+
 long long max_dynamic_smem_bytes(const Arch& arch) {
   switch (arch.sm) {
     case 70:
@@ -539,8 +542,18 @@ long long max_dynamic_smem_bytes(const Arch& arch) {
       return 227 * 1024;
     default:
       // Why: an arch this table does not know gets the limit every CUDA GPU allows.
-      return 48 * 1024;
+      return kAssumedSmemBytes;
   }
+}
+
+std::string smem_limit_text(const Arch& arch) {
+  const long long limit = max_dynamic_smem_bytes(arch);
+  std::string text = arch.name() + " allows at most " + std::to_string(limit);
+  if (limit == kAssumedSmemBytes) {
+    text += " (assumed: the planner has no figure for " + arch.name() +
+            ", and every CUDA GPU allows that much)";
+  }
+  return text;
 }
 
 bool wgmma_runs_on(const Arch& arch) { return arch.sm == 90 && arch.arch_specific; }

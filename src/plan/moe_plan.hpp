@@ -37,6 +37,9 @@ inline constexpr long long kRouteStaticSharedLimit = 48 * 1024;
 // The most dynamic shared memory one CTA may opt into on `arch` (the CUDA programming guide's
 // per-arch table; the op still learns the device's own limit when it sets the attribute).
 long long max_dynamic_smem_bytes(const Arch& arch);
+// "<arch> allows at most <max_dynamic_smem_bytes>", saying when the figure is assumed (an arch
+// the table does not know gets the 48 KB every CUDA GPU allows).
+std::string smem_limit_text(const Arch& arch);
 
 // Experts of the rank that uniform top-k routing of `tokens` tokens touches, expected.
 double expected_experts_touched(int experts, int top_k, int tokens);

@@ -1115,6 +1115,15 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
        },
        {"sm_86 allows at most 101376"},
        "sm_86"},
+      // The same tile on an arch the planner has no figure for: 48 KB, said to be assumed.
+      {[](MarlinMoeParams& p) {
+         p.block_m = 128;
+         p.block_n = 64;
+         p.block_k = 128;
+         p.warps_m = 8;
+       },
+       {"sm_88 allows at most 49152 (assumed: the planner has no figure for sm_88"},
+       "sm_88"},
       {[](MarlinMoeParams&) {}, {"sm_80 or newer", "sm_75"}, "sm_75"},
       {[](MarlinMoeParams& p) { p.early_weights = true; }, {"early_weights", "fc2 only"}, "sm_90a"},
       {[](MarlinMoeParams& p) { p.out_dtype = DType::kF32; },
