@@ -1071,6 +1071,12 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
     std::vector<std::string> expected;
     const char* arch;
   };
+  const auto wide_tile = [](MarlinMoeParams& p) {
+    p.block_m = 128;
+    p.block_n = 64;
+    p.block_k = 128;
+    p.warps_m = 8;
+  };
   const std::vector<GemmCase> gemm_cases = {
       {[](MarlinMoeParams& p) { p.block_m = 48; }, {"block_m = 48", "16 * warps_m = 64"}, "sm_90a"},
       {[](MarlinMoeParams& p) { p.warps_m = 0; }, {"warps = 0x1x1"}, "sm_90a"},
@@ -1107,21 +1113,9 @@ TEST_CASE("moe supports(): every rule of the kernels' static_asserts, with the r
        {"bytes of shared memory", "232448", "lower stages"},
        "sm_90a"},
       // 4 stages of 128 x 64 x 128 tiles: 104960 bytes, more than sm_86 gives a CTA.
-      {[](MarlinMoeParams& p) {
-         p.block_m = 128;
-         p.block_n = 64;
-         p.block_k = 128;
-         p.warps_m = 8;
-       },
-       {"sm_86 allows at most 101376"},
-       "sm_86"},
+      {wide_tile, {"sm_86 allows at most 101376"}, "sm_86"},
       // The same tile on an arch the planner has no figure for: 48 KB, said to be assumed.
-      {[](MarlinMoeParams& p) {
-         p.block_m = 128;
-         p.block_n = 64;
-         p.block_k = 128;
-         p.warps_m = 8;
-       },
+      {wide_tile,
        {"sm_88 allows at most 49152 (assumed: the planner has no figure for sm_88"},
        "sm_88"},
       {[](MarlinMoeParams&) {}, {"sm_80 or newer", "sm_75"}, "sm_75"},
